@@ -1,0 +1,142 @@
+"""`fully_shard`: the functional form of FSDP2's `fully_shard(module)`.
+
+With `reshard_after_forward=True` the unit is a `custom_vjp` whose forward runs
+`jax.vjp` of the unit on the gathered parameters and keeps every residual EXCEPT the
+gathered parameters themselves; the backward re-gathers them from the local shards
+and resumes the saved vjp. Activations are saved as usual, so nothing of the unit's
+forward is recomputed. Each gather is tied by a data dependency to the value it must
+wait for (the unit's input forward, the incoming cotangent backward): that keeps XLA
+from hoisting every gather to the program start and from merging the backward
+re-gather with the forward gather, either of which would keep all parameters alive.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import tree_flatten, tree_unflatten
+
+from funshard import _context, _errors, _gather
+from funshard._policy import MixedPrecisionPolicy
+from funshard._shard import common_mesh, sharded_leaves, unshard
+from funshard._sharded import Sharded
+
+
+def _unit_policy(paths, items) -> MixedPrecisionPolicy | None:
+    found = {}
+    for path, x in zip(paths, items):
+        if isinstance(x, Sharded):
+            found.setdefault(x.mp_policy, path)
+    if len(found) > 1:
+        raise ValueError(_errors.mixed_policies("fully_shard", [(p, k) for k, p in found.items()]))
+    return next(iter(found), None)
+
+
+def _cast_floating(tree: Any, dtype) -> Any:
+    if dtype is None:
+        return tree
+
+    def cast(x):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+def _first_inexact(tree: Any):
+    for leaf in jax.tree.leaves(tree):
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size:
+            return leaf
+    return None
+
+
+def _resharded_call(fn: Callable, params: Any, args: tuple):
+    """Runs `fn(unshard(params), *args)` without keeping the gathered params for backward."""
+    paths, items, treedef = sharded_leaves("fully_shard", params)
+    idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
+    layout = _gather.layout_of([items[i] for i in idx])
+    others = [None if isinstance(x, Sharded) else x for x in items]
+
+    def run(fulls, operands):
+        merged = list(operands[0])
+        for i, full in zip(idx, fulls):
+            merged[i] = full
+        return fn(tree_unflatten(treedef, merged), *operands[1])
+
+    # Trace-time static facts the backward needs (they cannot travel as residuals).
+    saved: dict[str, Any] = {}
+
+    @jax.custom_vjp
+    def unit(datas, operands):
+        return run(_gather.gather_values(datas, layout), operands)
+
+    def unit_fwd(datas, operands):
+        fulls = _gather.gather_values(datas, layout, _first_inexact(operands))
+        out, vjp_fn = jax.vjp(run, fulls, operands)
+        residuals, saved["treedef"] = tree_flatten(vjp_fn)
+        slot_of = {id(f): k for k, f in enumerate(fulls)}
+        saved["slots"] = [slot_of.get(id(r)) for r in residuals]
+        kept = [None if s is not None else r for r, s in zip(residuals, saved["slots"])]
+        return out, (datas, kept)
+
+    def unit_bwd(res, ct):
+        datas, kept = res
+        fulls = _gather.gather_values(datas, layout, _first_inexact(ct))
+        residuals = [k if s is None else fulls[s] for k, s in zip(kept, saved["slots"])]
+        vjp_fn = tree_unflatten(saved["treedef"], residuals)
+        ct_fulls, ct_operands = vjp_fn(ct)
+        return tuple(_gather.reduce_values(ct_fulls, layout)), ct_operands
+
+    unit.defvjp(unit_fwd, unit_bwd)
+    return unit(tuple(items[i].data for i in idx), (others, args))
+
+
+def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable:
+    """Makes `fn(params, *args)` a sharded unit: `fn(sharded_params, *args)`.
+
+    The functional form of FSDP2's `fully_shard(module)`. On entry the unit's
+    parameters are all-gathered (one collective for the unit, in the policy's
+    `param_dtype`); floating inputs are cast to `param_dtype` when the policy says
+    `cast_forward_inputs`, and floating outputs to `output_dtype`.
+
+    Args:
+      fn: the unit, taking the full parameters first.
+      reshard_after_forward: True frees the gathered parameters after the forward pass
+        and all-gathers them again for backward (less memory, one more all-gather);
+        activations are still saved, the unit's forward is not recomputed. False keeps
+        the gathered parameters from forward to backward (no backward all-gather).
+
+    Returns:
+      The unit taking sharded parameters. Outside `funshard.value_and_grad` it gathers
+      to replicated parameters and runs `fn` (e.g. for evaluation).
+
+    Raises:
+      TypeError: `reshard_after_forward` is not a bool.
+      ValueError: the parameters have no `Sharded` leaves, or mix meshes or policies.
+    """
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(_errors.bad_reshard_after_forward(reshard_after_forward))
+
+    @functools.wraps(fn)
+    def wrapped(params, *args):
+        paths, items, _ = sharded_leaves("fully_shard", params)
+        if common_mesh("fully_shard", paths, items) is None:
+            raise ValueError(_errors.no_sharded("fully_shard"))
+        policy = _unit_policy(paths, items)
+        if policy is not None and policy.cast_forward_inputs:
+            args = _cast_floating(args, policy.param_dtype)
+        if _context.current() is not None and reshard_after_forward:
+            out = _resharded_call(fn, params, args)
+        else:
+            out = fn(_cast_floating(unshard(params), _param_dtype(policy)), *args)
+        return _cast_floating(out, None if policy is None else policy.output_dtype)
+
+    return wrapped
+
+
+def _param_dtype(policy: MixedPrecisionPolicy | None):
+    return None if policy is None else policy.param_dtype

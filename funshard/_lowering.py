@@ -1,0 +1,238 @@
+"""The collectives, written once: flat-buffer all-gather and reduce-scatter over mesh axes.
+
+Everything here runs per device inside `jax.shard_map`. The functional training step
+calls these directly; eager callers (`unshard` outside a step, the torch frontend's
+hooks on process-local buffers) go through `eager_all_gather` / `eager_reduce_scatter`,
+which wrap the very same functions in a jitted `shard_map`.
+
+One unit = one collective of each kind: the unit's local blocks are flattened into a
+single buffer, gathered once and split (like FSDP2's copy-in / copy-out buffers).
+Leaves of mixed dtypes share the buffer as raw bits in a common unsigned width; 16-bit
+floats always travel as `uint16`, which keeps them 16-bit on XLA CPU (whose float
+normalisation would otherwise widen a bf16 all-gather to f32) and is exact everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from funshard import _mesh
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _word_width(dtypes: Sequence[np.dtype]) -> int:
+    return min(np.dtype(d).itemsize for d in dtypes)
+
+
+def _to_words(block: jax.Array, width: int) -> jax.Array:
+    """This device's block as a 1-D buffer of `width`-byte unsigned words (exact bits)."""
+    if block.dtype == jnp.bool_:
+        block = block.astype(jnp.uint8)
+    words = jax.lax.bitcast_convert_type(block, _UINT[width])
+    return words.reshape(-1)
+
+
+def _from_words(words: jax.Array, shape: tuple[int, ...], dtype: np.dtype, width: int):
+    """Inverse of `_to_words` for a gathered `(N, n)` slab -> array of `shape`."""
+    carrier = jnp.uint8 if dtype == jnp.bool_ else dtype
+    ratio = np.dtype(carrier).itemsize // width
+    words = words.reshape(shape + ((ratio,) if ratio > 1 else ()))
+    out = jax.lax.bitcast_convert_type(words, carrier)
+    return out != 0 if dtype == jnp.bool_ else out
+
+
+def vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """Marks `x` as varying over `axes` (a no-op for axes it already varies over)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def tie_to(buffer: jax.Array, dependency: jax.Array | None) -> jax.Array:
+    """Makes `buffer` data-dependent on `dependency` without changing its value.
+
+    The select on `d == d` cannot be folded (it is false for NaN), so XLA can neither
+    hoist a collective on `buffer` above the op producing `dependency` nor merge it with
+    an identical collective elsewhere (the re-gather of the backward pass).
+    """
+    if dependency is None or buffer.size == 0:
+        return buffer
+    d = dependency.reshape(-1)[0]
+    return jnp.where(d == d, buffer, jnp.zeros_like(buffer))
+
+
+def all_gather_rows(
+    blocks: Sequence[jax.Array],
+    axes: tuple[str, ...],
+    *,
+    to: str = "varying",
+    dependency: jax.Array | None = None,
+) -> list[jax.Array]:
+    """All-gathers every device's row block of each leaf in ONE collective.
+
+    Args:
+      blocks: this device's `(r_i, ...)` block of each leaf (any dtypes).
+      axes: mesh axes to gather over (N devices), in mesh order.
+      to: `"varying"` inside the training step (the result is typed as varying over
+        `axes`); `"invarying"` for a standalone gather returning a replicated value.
+      dependency: optional array the gather must wait for (see `tie_to`).
+
+    Returns:
+      The `(N * r_i, ...)` padded global array of each leaf, rows in device order.
+    """
+    if not blocks:
+        return []
+    n = _mesh_axes_size(axes)
+    width = _word_width([b.dtype for b in blocks])
+    words = [_to_words(b, width) for b in blocks]
+    flat = jnp.concatenate(words) if len(words) > 1 else words[0]
+    if flat.size == 0:
+        return [jnp.zeros((n * b.shape[0], *b.shape[1:]), b.dtype) for b in blocks]
+    flat = tie_to(flat, dependency)
+    gathered = jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to)
+    out, start = [], 0
+    for block, w in zip(blocks, words):
+        slab = gathered[:, start:start + w.size]
+        start += w.size
+        out.append(_from_words(slab, (n * block.shape[0], *block.shape[1:]), block.dtype, width))
+    return out
+
+
+def reduce_scatter_rows(
+    fulls: Sequence[jax.Array],
+    shard_axes: tuple[str, ...],
+    replicate_axes: tuple[str, ...] = (),
+) -> list[jax.Array]:
+    """Sums each padded `(N * r_i, ...)` array over devices and keeps this device's rows.
+
+    Leaves sharing a dtype go through ONE reduce-scatter over `shard_axes` (and, for
+    HSDP, one all-reduce of the scattered result over `replicate_axes`).
+
+    Args:
+      fulls: this device's padded full-size contribution to each leaf, already in the
+        dtype the reduction should run in.
+      shard_axes: mesh axes the result is scattered over (N devices).
+      replicate_axes: mesh axes the scattered result is summed over.
+
+    Returns:
+      This device's `(r_i, ...)` block of each summed leaf.
+    """
+    n = _mesh_axes_size(shard_axes)
+    out: list[jax.Array | None] = [None] * len(fulls)
+    groups: dict[np.dtype, list[int]] = {}
+    for i, full in enumerate(fulls):
+        groups.setdefault(np.dtype(full.dtype), []).append(i)
+    for idx in groups.values():
+        cols = [fulls[i].reshape(n, -1) for i in idx]
+        slab = jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
+        if slab.size == 0:
+            flat = jnp.zeros((slab.shape[1],), slab.dtype)
+        else:
+            flat = jax.lax.psum_scatter(slab, shard_axes, scatter_dimension=0, tiled=False)
+            if replicate_axes:
+                flat = jax.lax.psum(flat, replicate_axes)
+        start = 0
+        for i, col in zip(idx, cols):
+            rows = fulls[i].shape[0] // n
+            out[i] = flat[start:start + col.shape[1]].reshape(rows, *fulls[i].shape[1:])
+            start += col.shape[1]
+    return out  # type: ignore[return-value]
+
+
+def _mesh_axes_size(axes: tuple[str, ...]) -> int:
+    return int(np.prod([jax.lax.axis_size(a) for a in axes]))
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_gather_fn(mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...]):
+    def body(*blocks):
+        fulls = all_gather_rows(blocks, shard_axes, to="invarying")
+        return tuple(f[:r] for f, r in zip(fulls, rows))
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(_mesh.spec(shard_axes),) * len(rows),
+        out_specs=(PartitionSpec(),) * len(rows),
+    )
+    return jax.jit(mapped)
+
+
+def eager_all_gather(
+    datas: Sequence[jax.Array],
+    mesh: Mesh,
+    shard_axes: tuple[str, ...],
+    rows: Sequence[int] | None = None,
+) -> list[jax.Array]:
+    """All-gathers padded global arrays sharded `P(shard_axes)` into replicated ones.
+
+    One compiled program (cached per mesh and layout) and one collective for all of
+    `datas`; the same `all_gather_rows` as the training step runs inside it.
+
+    Args:
+      datas: padded global arrays, dim 0 sharded over `shard_axes`.
+      mesh: their mesh.
+      shard_axes: the axes dim 0 is split over.
+      rows: logical dim-0 size of each leaf (the padding is cut off); defaults to the
+        padded size.
+
+    Returns:
+      Replicated arrays, one per leaf.
+    """
+    if not datas:
+        return []
+    rows = tuple(d.shape[0] for d in datas) if rows is None else tuple(rows)
+    return list(_eager_gather_fn(mesh, tuple(shard_axes), rows)(*datas))
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_reduce_scatter_fn(mesh, shard_axes, replicate_axes, count: int):
+    dp_axes = (*replicate_axes, *shard_axes)
+
+    def body(*stacked):
+        fulls = [s.reshape(s.shape[1:]) for s in stacked]
+        return tuple(reduce_scatter_rows(fulls, shard_axes, replicate_axes))
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(_mesh.spec(dp_axes),) * count,
+        out_specs=(_mesh.spec(shard_axes),) * count,
+    )
+    return jax.jit(mapped)
+
+
+def eager_reduce_scatter(
+    stacked: Sequence[jax.Array],
+    mesh: Mesh,
+    shard_axes: tuple[str, ...],
+    replicate_axes: tuple[str, ...] = (),
+) -> list[jax.Array]:
+    """Reduce-scatters per-device full-size contributions outside a step.
+
+    Args:
+      stacked: for each leaf, an array of shape `(W, N * r, ...)` sharded over all
+        data-parallel axes, whose block on device d is that device's padded full-size
+        contribution (e.g. a gradient computed by torch on that rank).
+      mesh: the mesh.
+      shard_axes: axes to scatter over (N devices).
+      replicate_axes: axes to all-reduce over (HSDP).
+
+    Returns:
+      For each leaf, the summed padded array `(N * r, ...)` sharded `P(shard_axes)`.
+    """
+    if not stacked:
+        return []
+    fn = _eager_reduce_scatter_fn(mesh, tuple(shard_axes), tuple(replicate_axes), len(stacked))
+    return list(fn(*stacked))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The fully replicated sharding on `mesh`."""
+    return NamedSharding(mesh, PartitionSpec())

@@ -1,0 +1,93 @@
+"""Device meshes and the data-parallel axes funshard shards and reduces over."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, PartitionSpec
+
+from funshard import _errors
+
+SHARD_AXIS = "fsdp"
+REPLICATE_AXIS = "replicate"
+
+
+def make_mesh(replicate: int | None = None, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds the mesh funshard trains on.
+
+    Args:
+      replicate: `None` for plain FSDP: a 1-D mesh with axis "fsdp" over all devices.
+        An integer k builds the HSDP mesh ("replicate", "fsdp") of shape (k, n // k):
+        parameters are sharded within each group of n // k devices and replicated
+        across the k groups.
+      devices: the devices to use, in mesh order; defaults to `jax.devices()`.
+
+    Returns:
+      A `jax.sharding.Mesh` whose axes are of type `Auto`, so that plain `jax.jit`
+      code (evaluation, data loading) runs on it without explicit-sharding type errors.
+
+    Raises:
+      ValueError: `replicate` is not a positive divisor of the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if replicate is None:
+        shape, names = (n,), (SHARD_AXIS,)
+    else:
+        if not isinstance(replicate, int) or replicate < 1 or n % replicate:
+            raise ValueError(
+                f"make_mesh: replicate={replicate!r} must be a positive integer dividing "
+                f"the number of devices ({n}); e.g. make_mesh(replicate=2) on 8 devices "
+                "gives 2 replicas of a 4-way sharded model."
+            )
+        shape, names = (replicate, n // replicate), (REPLICATE_AXIS, SHARD_AXIS)
+    grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _as_axes(axis: str | Sequence[str]) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def resolve_axes(
+    fn: str, mesh: Mesh, shard_axis, replicate_axis
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Validates and normalises the shard / replicate axis names against `mesh`.
+
+    `replicate_axis=None` means the mesh's "replicate" axis if it has one.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
+            "with fs.make_mesh()."
+        )
+    shard_axes = _as_axes(shard_axis)
+    if replicate_axis is None:
+        replicate_axes = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
+    else:
+        replicate_axes = _as_axes(replicate_axis)
+    for role, axes in (("shard_axis", shard_axes), ("replicate_axis", replicate_axes)):
+        for axis in axes:
+            if axis not in mesh.axis_names:
+                raise ValueError(_errors.unknown_axis(fn, axis, mesh.axis_names, role))
+    if not shard_axes or set(shard_axes) & set(replicate_axes):
+        raise ValueError(
+            f"{fn}: shard_axis {shard_axes} and replicate_axis {replicate_axes} must be "
+            "non-empty and disjoint."
+        )
+    return shard_axes, replicate_axes
+
+
+def axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    """Number of devices along `axes` of `mesh`."""
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def spec(axes: tuple[str, ...]) -> PartitionSpec:
+    """A spec that splits dim 0 over `axes` (or replicates for no axes)."""
+    if not axes:
+        return PartitionSpec()
+    return PartitionSpec(axes[0] if len(axes) == 1 else axes)

@@ -1,0 +1,77 @@
+"""Mixed-precision policy: which dtypes the collectives and the unit's compute use."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from funshard import _errors
+
+
+def _as_float_dtype(field: str, value: Any) -> np.dtype | None:
+    if value is None:
+        return None
+    try:
+        dtype = np.dtype(value)
+    except TypeError as exc:
+        raise TypeError(_errors.policy_dtype(field, value, "is not a dtype")) from exc
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(_errors.policy_dtype(field, value, "is not a floating dtype"))
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's mixed-precision policy, with the same field names and meanings.
+
+    Attached to the state by `funshard.shard`; every collective and `fully_shard` unit
+    reads it from the `Sharded` leaves it works on. The sharded parameters (and so the
+    optimizer) always keep their original dtype: these are fp32 master weights.
+
+    Attributes:
+      param_dtype: dtype the parameters are all-gathered in and the unit computes with.
+        `None` keeps each parameter's own dtype.
+      reduce_dtype: dtype gradients are reduce-scattered (and all-reduced for HSDP) in.
+        `None` means `param_dtype`.
+      output_dtype: dtype the floating outputs of a `fully_shard` unit are cast to.
+        `None` leaves outputs alone.
+      cast_forward_inputs: whether a `fully_shard` unit casts its floating inputs to
+        `param_dtype` before running.
+
+    Raises:
+      TypeError: a field is not a dtype.
+      ValueError: a field is a dtype that is not floating (e.g. int32).
+    """
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    output_dtype: Any = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            object.__setattr__(self, field, _as_float_dtype(field, getattr(self, field)))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                "MixedPrecisionPolicy: cast_forward_inputs must be a bool, got "
+                f"{self.cast_forward_inputs!r}."
+            )
+
+
+def param_dtype_for(policy: MixedPrecisionPolicy | None, dtype: np.dtype) -> np.dtype:
+    """The dtype a leaf of `dtype` is gathered in (non-floating leaves are never cast)."""
+    if policy is None or policy.param_dtype is None:
+        return dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return dtype
+    return policy.param_dtype
+
+
+def reduce_dtype_for(policy: MixedPrecisionPolicy | None, dtype: np.dtype) -> np.dtype:
+    """The dtype a floating leaf's gradient is reduced in."""
+    if policy is not None and policy.reduce_dtype is not None:
+        return policy.reduce_dtype
+    return param_dtype_for(policy, dtype)

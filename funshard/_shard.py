@@ -1,0 +1,221 @@
+"""`shard`, `unshard`, `reshard`: moving a pytree between full and sharded form."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import tree_flatten_with_path, tree_unflatten
+
+from funshard import _context, _errors, _gather, _lowering, _mesh
+from funshard._policy import MixedPrecisionPolicy
+from funshard._sharded import Sharded, is_array, is_sharded
+
+
+def _check_numeric(fn: str, path, x) -> np.dtype:
+    dtype = np.dtype(x.dtype)
+    if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number):
+        return dtype
+    raise TypeError(_errors.bad_dtype(fn, path, dtype))
+
+
+def _pad_rows(x, rows: int):
+    pad = rows - x.shape[0]
+    if not pad:
+        return x
+    widths = [(0, pad)] + [(0, 0)] * (x.ndim - 1)
+    return np.pad(x, widths) if isinstance(x, (np.ndarray, np.generic)) else jnp.pad(x, widths)
+
+
+def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy):
+    if isinstance(x, Sharded):
+        raise ValueError(
+            f"{_errors.where('shard', path)} is already an fs.Sharded leaf; call "
+            "fs.unshard(state) first to reshard onto another mesh."
+        )
+    if not is_array(x):
+        return x
+    dtype = _check_numeric("shard", path, x)
+    if x.ndim == 0:
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    layout = Sharded(None, tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy)
+    data = jax.device_put(_pad_rows(x, layout.padded_shape[0]), layout.sharding)
+    return Sharded(data, *_static_fields(layout))
+
+
+def _static_fields(s: Sharded) -> tuple:
+    return (s.shape, s.dtype, s.mesh, s.shard_axis, s.replicate_axis, s.mp_policy)
+
+
+def shard(
+    params: Any,
+    mesh: Mesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    shard_axis: str | tuple[str, ...] = _mesh.SHARD_AXIS,
+    replicate_axis: str | tuple[str, ...] | None = None,
+) -> Any:
+    """Shards every array leaf of `params` on dim 0 across the data-parallel devices.
+
+    Args:
+      params: a pytree of parameters (jax or numpy arrays, and any other leaves).
+      mesh: the mesh to place the state on (see `make_mesh`).
+      mp_policy: mixed-precision policy for this state's gathers and reductions.
+      shard_axis: mesh axis (or axes) dim 0 is split over.
+      replicate_axis: mesh axis (or axes) the shards are replicated over (HSDP).
+        `None` means the mesh's "replicate" axis if it has one, else none.
+
+    Returns:
+      The same tree where each array with ndim >= 1 is a `Sharded` leaf holding
+      `ceil(shape[0] / N)` rows per device (zero-padded), each 0-d array is replicated
+      over the mesh, and other leaves (None, Python numbers, strings) are unchanged.
+
+    Raises:
+      ValueError: an axis is not in the mesh, or a leaf is already `Sharded`.
+      TypeError: a leaf has a non-numeric dtype, or `mp_policy` is not a policy.
+    """
+    shard_axes, replicate_axes = _mesh.resolve_axes("shard", mesh, shard_axis, replicate_axis)
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"shard: mp_policy must be an fs.MixedPrecisionPolicy or None, got "
+            f"{type(mp_policy).__name__}."
+        )
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _shard_leaf(p, x, mesh, shard_axes, replicate_axes, mp_policy),
+        params,
+        is_leaf=is_sharded,
+    )
+
+
+def sharded_leaves(fn: str, tree: Any) -> tuple[list, list, Any]:
+    """Flattens `tree` keeping `Sharded` nodes whole: (paths, items, treedef)."""
+    with_path, treedef = tree_flatten_with_path(tree, is_leaf=is_sharded)
+    paths = [p for p, _ in with_path]
+    items = [x for _, x in with_path]
+    return paths, items, treedef
+
+
+def common_mesh(fn: str, paths, items) -> Mesh | None:
+    """The one mesh all `Sharded` items live on (ValueError if they disagree)."""
+    first = None
+    for path, x in zip(paths, items):
+        if not isinstance(x, Sharded):
+            continue
+        if first is None:
+            first = (path, x.mesh)
+        elif x.mesh != first[1]:
+            raise ValueError(_errors.mixed_meshes(fn, first, (path, x.mesh)))
+    return None if first is None else first[1]
+
+
+def _groups(items) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(items):
+        if isinstance(x, Sharded):
+            groups.setdefault((x.shard_axis, x.replicate_axis), []).append(i)
+    return groups
+
+
+def unshard(tree: Any) -> Any:
+    """Replaces every `Sharded` leaf of `tree` with its full logical array.
+
+    Outside a step this all-gathers into replicated arrays equal to the original
+    parameters (same shapes, dtypes and values). Inside `funshard.value_and_grad` it is
+    the step's all-gather, in the policy's `param_dtype`, and its gradient is the
+    reduce-scatter (in `reduce_dtype`). All leaves of one layout travel in ONE
+    collective.
+
+    Args:
+      tree: a pytree with at least one `Sharded` leaf; other leaves pass through.
+
+    Returns:
+      The tree with full arrays in place of the `Sharded` leaves.
+
+    Raises:
+      ValueError: the tree has no `Sharded` leaves, or leaves from different meshes.
+    """
+    paths, items, treedef = sharded_leaves("unshard", tree)
+    mesh = common_mesh("unshard", paths, items)
+    if mesh is None:
+        raise ValueError(_errors.no_sharded("unshard"))
+    ctx = _context.current()
+    out = list(items)
+    if ctx is not None and mesh != ctx.mesh:
+        path = next(p for p, x in zip(paths, items) if isinstance(x, Sharded))
+        raise ValueError(_errors.other_mesh_in_step("unshard", path, mesh, ctx.mesh))
+    for (shard_axes, _), idx in _groups(items).items():
+        leaves = [items[i] for i in idx]
+        if ctx is not None:
+            fulls = _gather.gather(_gather.layout_of(leaves), tuple(x.data for x in leaves))
+        else:
+            fulls = _lowering.eager_all_gather(
+                [x.data for x in leaves], mesh, shard_axes, [x.shape[0] for x in leaves]
+            )
+        for i, full in zip(idx, fulls):
+            out[i] = full
+    return tree_unflatten(treedef, out)
+
+
+def _check_full(path, full, like: Sharded):
+    if not is_array(full):
+        raise TypeError(
+            f"{_errors.where('reshard', path)} is {type(full).__name__}; expected the full "
+            f"array of shape {like.shape}."
+        )
+    if tuple(full.shape) != like.shape:
+        raise ValueError(_errors.shape_mismatch("reshard", path, full.shape, like.shape))
+    if np.dtype(full.dtype) != like.dtype:
+        raise ValueError(_errors.dtype_mismatch("reshard", path, full.dtype, like.dtype))
+
+
+def _local_rows(full, like: Sharded):
+    padded = _pad_rows(full, like.padded_shape[0])
+    start = jax.lax.axis_index(like.shard_axis) * like.rows_per_shard
+    return jax.lax.dynamic_slice_in_dim(padded, start, like.rows_per_shard, axis=0)
+
+
+def _reshard_leaf(full, like: Sharded, in_step: bool):
+    if in_step:
+        data = _local_rows(full, like)
+    else:
+        data = jax.jit(_pad_rows, static_argnums=1, out_shardings=like.sharding)(
+            full, like.padded_shape[0]
+        )
+    return Sharded(data, *_static_fields(like))
+
+
+def reshard(full_tree: Any, like: Any) -> Any:
+    """Shards `full_tree` exactly like `like`: the inverse of `unshard` (no communication).
+
+    Each device keeps its own rows of the full arrays (a local slice). Inside a step
+    this gives the local blocks of the running step.
+
+    Args:
+      full_tree: full arrays with the structure of `like` (e.g. `unshard(like)`).
+      like: a sharded state, whose layout (mesh, axes, padding, policy) is copied.
+
+    Returns:
+      A tree of the same structure and sharding as `like`.
+
+    Raises:
+      ValueError: the structures differ, or a leaf's shape or dtype does not match.
+      TypeError: a leaf that should be an array is not.
+    """
+    paths, items, treedef = sharded_leaves("reshard", like)
+    try:
+        fulls = treedef.flatten_up_to(full_tree)
+    except (ValueError, TypeError) as exc:
+        got = jax.tree_util.tree_structure(full_tree, is_leaf=is_sharded)
+        raise ValueError(_errors.structure_mismatch("reshard", "full", got, treedef)) from exc
+    in_step = _context.current() is not None
+    out = []
+    for path, full, item in zip(paths, fulls, items):
+        if isinstance(item, Sharded):
+            _check_full(path, full, item)
+            out.append(_reshard_leaf(full, item, in_step))
+        else:
+            out.append(full)
+    return tree_unflatten(treedef, out)

@@ -1,0 +1,96 @@
+"""The `Sharded` leaf: a dim-0 sharded, zero-padded array with static logical metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from funshard import _mesh
+from funshard._policy import MixedPrecisionPolicy
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """One parameter, sharded on dim 0 across the data-parallel devices.
+
+    A registered pytree node: its only child is `data`, the padded global array, so
+    `jax.jit`, `jax.grad`, `jax.tree.map` and optax see one array leaf. Everything
+    else is static metadata (so `jit` caches per layout).
+
+    Device i of the shard axes holds rows `[i * r, (i + 1) * r)` of `data`, where
+    `r = ceil(shape[0] / N)`: the rows `torch.chunk(x, N)[i]` would give, followed by
+    zero rows up to `r`. Padding rows are zeros and stay zero through training (their
+    gradient is exactly zero).
+
+    Attributes:
+      data: the padded global array of shape `(N * r, *shape[1:])`, sharded
+        `P(shard_axis)` (replicated over `replicate_axis`). Inside a
+        `funshard.value_and_grad` step it is this device's local `(r, *shape[1:])` block.
+      shape: the logical (unpadded) shape.
+      dtype: the logical dtype (that of `data`).
+      mesh: the mesh the data lives on.
+      shard_axis: mesh axes dim 0 is split over.
+      replicate_axis: mesh axes the shards are replicated over (HSDP); may be empty.
+      mp_policy: the mixed-precision policy for gathers and gradient reductions.
+    """
+
+    data: Any
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+    mesh: Mesh = dataclasses.field(metadata=dict(static=True))
+    shard_axis: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+    replicate_axis: tuple[str, ...] = dataclasses.field(metadata=dict(static=True), default=())
+    mp_policy: MixedPrecisionPolicy | None = dataclasses.field(
+        metadata=dict(static=True), default=None
+    )
+
+    @property
+    def num_shards(self) -> int:
+        """Number of devices dim 0 is split over."""
+        return _mesh.axes_size(self.mesh, self.shard_axis)
+
+    @property
+    def rows_per_shard(self) -> int:
+        """Rows of `data` each device holds: `ceil(shape[0] / num_shards)`."""
+        return -(-self.shape[0] // self.num_shards)
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """Global shape of `data`."""
+        return (self.rows_per_shard * self.num_shards, *self.shape[1:])
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of one device's block of `data`."""
+        return (self.rows_per_shard, *self.shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        """Logical number of dimensions."""
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Logical number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """The sharding of `data` outside a step."""
+        return NamedSharding(self.mesh, _mesh.spec(self.shard_axis))
+
+
+def is_sharded(x: Any) -> bool:
+    """Whether `x` is a `Sharded` leaf (used as `is_leaf` in tree walks)."""
+    return isinstance(x, Sharded)
+
+
+def is_array(x: Any) -> bool:
+    """Whether `x` is an array leaf funshard moves to devices (jax, numpy or tracer)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))

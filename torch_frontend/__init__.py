@@ -1,0 +1,1 @@
+"""PyTorch frontend for funshard (FSDP2 API on the funshard core); not implemented yet."""
