@@ -31,6 +31,20 @@ def _word_width(dtypes: Sequence[np.dtype]) -> int:
     return min(np.dtype(d).itemsize for d in dtypes)
 
 
+def _carrier(dtypes: Sequence[np.dtype]) -> np.dtype | None:
+    """The dtype the flat buffer travels in, or None for raw unsigned words.
+
+    A group of one dtype travels as itself (no conversion ops at all) unless it is a
+    16-bit float (kept 16-bit as uint16, see the module docstring) or bool.
+    """
+    first = np.dtype(dtypes[0])
+    if any(np.dtype(d) != first for d in dtypes) or first == np.bool_:
+        return None
+    if jnp.issubdtype(first, jnp.floating) and first.itemsize == 2:
+        return None
+    return first
+
+
 def _to_words(block: jax.Array, width: int) -> jax.Array:
     """This device's block as a 1-D buffer of `width`-byte unsigned words (exact bits)."""
     if block.dtype == jnp.bool_:
@@ -89,8 +103,12 @@ def all_gather_rows(
     if not blocks:
         return []
     n = _mesh_axes_size(axes)
+    carrier = _carrier([b.dtype for b in blocks])
     width = _word_width([b.dtype for b in blocks])
-    words = [_to_words(b, width) for b in blocks]
+    if carrier is None:
+        words = [_to_words(b, width) for b in blocks]
+    else:
+        words = [b.reshape(-1) for b in blocks]
     flat = jnp.concatenate(words) if len(words) > 1 else words[0]
     if flat.size == 0:
         return [jnp.zeros((n * b.shape[0], *b.shape[1:]), b.dtype) for b in blocks]
@@ -100,7 +118,11 @@ def all_gather_rows(
     for block, w in zip(blocks, words):
         slab = gathered[:, start:start + w.size]
         start += w.size
-        out.append(_from_words(slab, (n * block.shape[0], *block.shape[1:]), block.dtype, width))
+        shape = (n * block.shape[0], *block.shape[1:])
+        if carrier is None:
+            out.append(_from_words(slab, shape, block.dtype, width))
+        else:
+            out.append(slab.reshape(shape))
     return out
 
 
