@@ -1,0 +1,140 @@
+"""Structural facts of the compiled training step, read from the HLO and XLA's analyses."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import funshard as fs
+from _hlo import collectives, compiled, count_by_kind
+from conftest import mesh_for
+
+LAYERS, WIDTH, ROWS = 5, 256, 256
+
+
+def _deep_mlp(policy=None, mesh_name="8"):
+    keys = jax.random.split(jax.random.key(0), LAYERS)
+    params = [
+        {"w": jax.random.normal(k, (WIDTH, WIDTH)) / 16, "b": jnp.zeros(WIDTH)} for k in keys
+    ]
+    batch = (jnp.ones((ROWS, WIDTH)), jnp.ones((ROWS, WIDTH)))
+    return fs.shard(params, mesh_for(mesh_name), mp_policy=policy), batch
+
+
+def _step(reshard_after_forward=True, units=True):
+    layer = fs.fully_shard(
+        lambda p, h: jnp.tanh(h @ p["w"] + p["b"]), reshard_after_forward=reshard_after_forward
+    )
+
+    def loss(state, batch):
+        h, y = batch
+        if units:
+            for p in state:
+                h = layer(p, h)
+        else:
+            for p in fs.unshard(state):
+                h = jnp.tanh(h @ p["w"] + p["b"])
+        return jnp.mean((h.astype(jnp.float32) - y) ** 2)
+
+    return fs.value_and_grad(loss)
+
+
+@pytest.fixture(scope="module")
+def programs():
+    state, batch = _deep_mlp()
+    return {rf: compiled(_step(rf), state, batch) for rf in (True, False)}
+
+
+def test_reduce_scatter_and_no_parameter_sized_all_reduce(programs):
+    _, text = programs[True]
+    found = collectives(text)
+    assert any(c["kind"] == "reduce-scatter" for c in found)
+    all_reduces = [c for c in found if c["kind"] == "all-reduce"]
+    assert all(c["elements"] <= 1 for c in all_reduces), all_reduces  # only the loss mean
+    assert not any(c["kind"] in ("all-to-all", "collective-permute") for c in found)
+
+
+def test_one_collective_per_unit_not_per_leaf(programs):
+    counts = count_by_kind(programs[False][1])
+    # 5 units of 2 leaves each: 5 gathers forward, 5 reduce-scatters backward.
+    assert counts["all-gather"] == LAYERS and counts["reduce-scatter"] == LAYERS
+
+
+def test_whole_model_unshard_is_one_collective():
+    state, batch = _deep_mlp()
+    counts = count_by_kind(compiled(_step(units=False), state, batch)[1])
+    assert counts["all-gather"] == 1 and counts["reduce-scatter"] == 1
+
+
+def test_reshard_after_forward_regathers_saves_memory_and_not_flops(programs):
+    exe_true, text_true = programs[True]
+    exe_false, text_false = programs[False]
+    gathers_true = count_by_kind(text_true)["all-gather"]
+    gathers_false = count_by_kind(text_false)["all-gather"]
+    assert gathers_false == LAYERS
+    # Every unit but possibly the last (whose backward starts right after its forward)
+    # gathers again for backward.
+    assert gathers_true >= 2 * LAYERS - 1
+    temp_true = exe_true.memory_analysis().temp_size_in_bytes
+    temp_false = exe_false.memory_analysis().temp_size_in_bytes
+    assert temp_true < 0.6 * temp_false, (temp_true, temp_false)
+    flops_true = exe_true.cost_analysis()["flops"]
+    flops_false = exe_false.cost_analysis()["flops"]
+    assert abs(flops_true - flops_false) <= 0.02 * flops_false, (flops_true, flops_false)
+
+
+def test_activation_checkpointing_is_a_separate_choice(programs):
+    """jax.checkpoint around a unit recomputes it: more FLOPs than plain resharding."""
+    state, batch = _deep_mlp()
+    layer = fs.fully_shard(jax.checkpoint(lambda p, h: jnp.tanh(h @ p["w"] + p["b"])))
+
+    def loss(state, batch):
+        h, y = batch
+        for p in state:
+            h = layer(p, h)
+        return jnp.mean((h - y) ** 2)
+
+    exe, _ = compiled(fs.value_and_grad(loss), state, batch)
+    assert exe.cost_analysis()["flops"] > 1.1 * programs[True][0].cost_analysis()["flops"]
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_bf16_param_dtype_gathers_16_bit(reshard_after_forward):
+    state, batch = _deep_mlp(fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16))
+    _, text = compiled(_step(reshard_after_forward), state, batch)
+    gathers = [c for c in collectives(text) if c["kind"] == "all-gather"]
+    assert gathers and all(c["dtype"] in ("bf16", "u16") for c in gathers), gathers
+
+
+@pytest.mark.parametrize(
+    "policy,reduce_type",
+    [
+        (fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16), "bf16"),
+        (fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32), "f32"),
+        (None, "f32"),
+    ],
+)
+def test_reduce_scatter_runs_in_reduce_dtype(policy, reduce_type):
+    # XLA CPU widens bf16 reductions after lowering, so read the program as funshard
+    # emitted it (StableHLO) for the reduction dtype.
+    state, batch = _deep_mlp(policy)
+    lowered = jax.jit(_step(True)).lower(state, batch).as_text()
+    operand_types = re.findall(
+        r'"stablehlo\.reduce_scatter".*?\}\) : \(tensor<[0-9x]*x(\w+)>\)', lowered, re.DOTALL
+    )
+    assert operand_types == [reduce_type] * LAYERS
+
+
+def test_hsdp_reduce_scatter_then_all_reduce_of_the_shard():
+    state, batch = _deep_mlp(mesh_name="2x4")
+    _, text = compiled(_step(True), state, batch)
+    found = collectives(text)
+    scatters = [c for c in found if c["kind"] == "reduce-scatter"]
+    reduces = [c for c in found if c["kind"] == "all-reduce" and c["elements"] > 1]
+    assert len(scatters) == LAYERS
+    shard_elements = (WIDTH * WIDTH + WIDTH) // 4
+    # XLA CPU combines the per-unit all-reduces into tuples; in total they move exactly
+    # the scattered shards, never a full-size gradient.
+    assert all(c["groups"] == "{{0,4},{1,5},{2,6},{3,7}}" for c in reduces), reduces
+    assert sum(c["elements"] for c in reduces) == LAYERS * shard_elements
