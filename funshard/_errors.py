@@ -36,6 +36,14 @@ def bad_dtype(fn: str, path, dtype: Any) -> str:
     )
 
 
+def x64_dtype(fn: str, path, dtype: Any) -> str:
+    return (
+        f"{where(fn, path)} has dtype {dtype}, which JAX would silently narrow to 32 bits "
+        "because jax_enable_x64 is off. Cast it first (e.g. .astype(np.float32)) or enable "
+        "64-bit mode with jax.config.update('jax_enable_x64', True)."
+    )
+
+
 def no_sharded(fn: str) -> str:
     return (
         f"{fn}: the tree has no fs.Sharded leaves, so there is nothing to gather. Pass the "
@@ -64,6 +72,20 @@ def batch_not_divisible(path, dim0: int, world: int, axes) -> str:
         f"data-parallel world size {world} (mesh axes {tuple(axes)}) does not divide. "
         f"Use a global batch that is a multiple of {world}, e.g. drop the last "
         "incomplete batch or pad it."
+    )
+
+
+def batch_empty(path) -> str:
+    return (
+        f"{where('value_and_grad', path)} has 0 rows: the mean loss of an empty batch is "
+        "undefined. Skip empty batches."
+    )
+
+
+def batch_not_array(path, leaf) -> str:
+    return (
+        f"{where('value_and_grad', path)} is a {type(leaf).__name__}, not an array; the "
+        "batch may only hold arrays (pass other values as extra *args or close over them)."
     )
 
 

@@ -37,7 +37,8 @@ def make_mesh(replicate: int | None = None, *, devices: Sequence[jax.Device] | N
     if replicate is None:
         shape, names = (n,), (SHARD_AXIS,)
     else:
-        if not isinstance(replicate, int) or replicate < 1 or n % replicate:
+        valid = isinstance(replicate, int) and not isinstance(replicate, bool)
+        if not valid or replicate < 1 or n % replicate:
             raise ValueError(
                 f"make_mesh: replicate={replicate!r} must be a positive integer dividing "
                 f"the number of devices ({n}); e.g. make_mesh(replicate=2) on 8 devices "

@@ -17,9 +17,11 @@ from funshard._sharded import Sharded, is_array, is_sharded
 
 def _check_numeric(fn: str, path, x) -> np.dtype:
     dtype = np.dtype(x.dtype)
-    if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number):
-        return dtype
-    raise TypeError(_errors.bad_dtype(fn, path, dtype))
+    if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)):
+        raise TypeError(_errors.bad_dtype(fn, path, dtype))
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise TypeError(_errors.x64_dtype(fn, path, dtype))
+    return dtype
 
 
 def _pad_rows(x, rows: int):
@@ -180,6 +182,10 @@ def _local_rows(full, like: Sharded):
 def _reshard_leaf(full, like: Sharded, in_step: bool):
     if in_step:
         data = _local_rows(full, like)
+    elif not like.size:
+        # jit's out_shardings gives every device the whole (empty) global block of a
+        # size-0 array; device_put lays it out right.
+        data = jax.device_put(np.zeros(like.padded_shape, like.dtype), like.sharding)
     else:
         data = jax.jit(_pad_rows, static_argnums=1, out_shardings=like.sharding)(
             full, like.padded_shape[0]

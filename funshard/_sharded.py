@@ -93,4 +93,6 @@ def is_sharded(x: Any) -> bool:
 
 def is_array(x: Any) -> bool:
     """Whether `x` is an array leaf funshard moves to devices (jax, numpy or tracer)."""
+    if isinstance(x, (str, bytes)):  # np.str_ / np.bytes_ are np.generic too
+        return False
     return isinstance(x, (jax.Array, np.ndarray, np.generic))

@@ -37,10 +37,14 @@ def _dp_axes(paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def _check_batch(batch: Any, world: int, dp_axes) -> None:
     for path, leaf in tree_flatten_with_path(batch)[0]:
-        if not is_array(leaf) and not isinstance(leaf, jax.core.Tracer):
+        if not is_array(leaf):
+            if not isinstance(leaf, (int, float, complex, bool)):
+                raise TypeError(_errors.batch_not_array(path, leaf))
             leaf = np.asarray(leaf)
         if leaf.ndim == 0:
             raise ValueError(_errors.batch_scalar(path))
+        if leaf.shape[0] == 0:
+            raise ValueError(_errors.batch_empty(path))
         if leaf.shape[0] % world:
             raise ValueError(_errors.batch_not_divisible(path, leaf.shape[0], world, dp_axes))
 
@@ -52,7 +56,7 @@ def _is_differentiable(x) -> bool:
 def _split_static(tree: Any):
     """Array leaves (traced through the step) and a function rebuilding the tree."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    dynamic = [i for i, x in enumerate(leaves) if is_array(x) or isinstance(x, jax.core.Tracer)]
+    dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
 
     def rebuild(values):
         out = list(leaves)
@@ -101,7 +105,7 @@ def _plan(items, treedef) -> _StatePlan:
         if isinstance(x, Sharded):
             dynamic.append(i)
             specs.append(_mesh.spec(x.shard_axis))
-        elif is_array(x) or isinstance(x, jax.core.Tracer):
+        elif is_array(x):
             dynamic.append(i)
             specs.append(PartitionSpec())
     return _StatePlan(items, treedef, dynamic, specs)

@@ -284,12 +284,6 @@ def test_shard_over_both_axes_of_2x4(tree):
         _assert_same_tree(fs.unshard(state), tree)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jax.jit(..., out_shardings=P('fsdp')) gives every device the whole global "
-    "block of a size-0 array (shape (2, 0) per device instead of (1, 0)); fs.reshard "
-    "jits its padding, so np.asarray of the result raises",
-)
 @pytest.mark.parametrize("mesh_name", ["2", "2x4"])
 def test_reshard_zero_size_leaf_blocks(mesh_name):
     mesh = _mesh(mesh_name)
