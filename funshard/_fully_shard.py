@@ -56,9 +56,13 @@ def _first_inexact(tree: Any):
 
 def _resharded_call(fn: Callable, params: Any, args: tuple):
     """Runs `fn(unshard(params), *args)` without keeping the gathered params for backward."""
+    ctx = _context.current()
     paths, items, treedef = sharded_leaves("fully_shard", params)
     idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
-    layout = _gather.layout_of([items[i] for i in idx])
+    layout = _gather.layout_of([items[i] for i in idx], ctx)
+    datas = tuple(items[i].data for i in idx)
+    accumulators = _gather.accumulators_for(datas, ctx)
+    deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
     others = [None if isinstance(x, Sharded) else x for x in items]
 
     def run(fulls, operands):
@@ -71,10 +75,10 @@ def _resharded_call(fn: Callable, params: Any, args: tuple):
     saved: dict[str, Any] = {}
 
     @jax.custom_vjp
-    def unit(datas, operands):
+    def unit(datas, accumulators, operands):
         return run(_gather.gather_values(datas, layout), operands)
 
-    def unit_fwd(datas, operands):
+    def unit_fwd(datas, accumulators, operands):
         fulls = _gather.gather_values(datas, layout, _first_inexact(operands))
         out, vjp_fn = jax.vjp(run, fulls, operands)
         residuals, saved["treedef"] = tree_flatten(vjp_fn)
@@ -89,10 +93,11 @@ def _resharded_call(fn: Callable, params: Any, args: tuple):
         residuals = [k if s is None else fulls[s] for k, s in zip(kept, saved["slots"])]
         vjp_fn = tree_unflatten(saved["treedef"], residuals)
         ct_fulls, ct_operands = vjp_fn(ct)
-        return tuple(_gather.reduce_values(ct_fulls, layout)), ct_operands
+        ct_datas, ct_accumulators = _gather.backward_values(ct_fulls, layout, deferred)
+        return ct_datas, ct_accumulators, ct_operands
 
     unit.defvjp(unit_fwd, unit_bwd)
-    return unit(tuple(items[i].data for i in idx), (others, args))
+    return unit(datas, accumulators, (others, args))
 
 
 def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable:

@@ -30,10 +30,16 @@ class LeafLayout:
     gather_dtype: np.dtype
     reduce_dtype: np.dtype
     rows: int
+    frozen: bool = False
 
     @property
     def differentiable(self) -> bool:
         return bool(jnp.issubdtype(self.dtype, jnp.inexact))
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the backward pass reduces this leaf's gradient."""
+        return self.differentiable and not self.frozen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +50,20 @@ class GroupLayout:
     shard_axes: tuple[str, ...]
     replicate_axes: tuple[str, ...]
     num_shards: int
+    skip_replicate_reduce: bool = False
 
     @property
     def dp_axes(self) -> tuple[str, ...]:
         return (*self.replicate_axes, *self.shard_axes)
 
 
-def layout_of(leaves: Sequence[Sharded]) -> GroupLayout:
-    """The gather layout of `leaves`, which share one mesh and one set of axes."""
+def layout_of(leaves: Sequence[Sharded], ctx=None) -> GroupLayout:
+    """The gather layout of `leaves`, which share one mesh and one set of axes.
+
+    `ctx` (the running step) marks frozen leaves and whether the HSDP all-reduce waits.
+    """
     first = leaves[0]
+    frozen = ctx.frozen if ctx is not None else frozenset()
     return GroupLayout(
         leaves=tuple(
             LeafLayout(
@@ -61,12 +72,14 @@ def layout_of(leaves: Sequence[Sharded]) -> GroupLayout:
                 gather_dtype=_policy.param_dtype_for(s.mp_policy, np.dtype(s.dtype)),
                 reduce_dtype=_policy.reduce_dtype_for(s.mp_policy, np.dtype(s.dtype)),
                 rows=s.rows_per_shard,
+                frozen=id(s.data) in frozen,
             )
             for s in leaves
         ),
         shard_axes=first.shard_axis,
         replicate_axes=first.replicate_axis,
         num_shards=first.num_shards,
+        skip_replicate_reduce=ctx is not None and ctx.skip_replicate_reduce,
     )
 
 
@@ -87,26 +100,40 @@ def gather_values(
     return [f[: leaf.shape[0]] for f, leaf in zip(fulls, layout.leaves)]
 
 
+def _zero_cotangent(leaf: LeafLayout):
+    shape = (leaf.rows, *leaf.shape[1:])
+    if leaf.differentiable:
+        return jnp.zeros(shape, leaf.dtype)
+    return np.zeros(shape, jax.dtypes.float0)
+
+
 def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
     """Reduce-scatters full-size cotangents into local-block gradients (summed, not averaged).
 
-    Floating leaves are reduced in their `reduce_dtype` and returned in their own dtype;
-    the others get float0 cotangents (no communication).
+    Trainable floating leaves are reduced in their `reduce_dtype` and returned in their
+    own dtype; frozen and non-floating leaves get zero cotangents (no communication).
     """
-    idx = [i for i, leaf in enumerate(layout.leaves) if leaf.differentiable]
+    idx = [i for i, leaf in enumerate(layout.leaves) if leaf.reduced]
     padded = []
     for i in idx:
         leaf = layout.leaves[i]
         ct = _lowering.vary(cts[i].astype(leaf.reduce_dtype), layout.dp_axes)
         pad = leaf.rows * layout.num_shards - leaf.shape[0]
         padded.append(jnp.pad(ct, [(0, pad)] + [(0, 0)] * (ct.ndim - 1)) if pad else ct)
-    reduced = _lowering.reduce_scatter_rows(padded, layout.shard_axes, layout.replicate_axes)
-    out = [
-        np.zeros((leaf.rows, *leaf.shape[1:]), jax.dtypes.float0) for leaf in layout.leaves
-    ]
+    replicate_axes = () if layout.skip_replicate_reduce else layout.replicate_axes
+    reduced = _lowering.reduce_scatter_rows(padded, layout.shard_axes, replicate_axes)
+    out = [_zero_cotangent(leaf) for leaf in layout.leaves]
     for i, r in zip(idx, reduced):
         out[i] = r.astype(layout.leaves[i].dtype)
     return out
+
+
+def accumulators_for(datas: Sequence[jax.Array], ctx) -> tuple | None:
+    """The deferred-gradient accumulators of `datas` in the running step, if any."""
+    if ctx is None or not ctx.deferred:
+        return None
+    found = tuple(ctx.deferred.get(id(d)) for d in datas)
+    return found if any(a is not None for a in found) else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -124,3 +151,53 @@ def _gather_bwd(layout, _, cts):
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def gather_deferred(
+    layout: GroupLayout, deferred: tuple[bool, ...], datas: tuple, accumulators: tuple
+) -> list[jax.Array]:
+    """In-step unshard whose gradient is NOT reduced: it goes, full size, to `accumulators`.
+
+    Used for gradient accumulation without per-microbatch sync (FSDP2's
+    `set_requires_gradient_sync(False)`): the root differentiates with respect to the
+    accumulators (full-size, in `reduce_dtype`, one per leaf marked in `deferred`) and
+    reduce-scatters their sum once, after the last microbatch.
+    """
+    return gather_values(datas, layout)
+
+
+def _deferred_fwd(layout, deferred, datas, accumulators):
+    return gather_values(datas, layout), None
+
+
+def backward_values(cts, layout: GroupLayout, deferred: tuple[bool, ...] | None) -> tuple:
+    """(local-block cotangents, accumulator cotangents) for full-size cotangents `cts`.
+
+    Without deferral this is the reduce-scatter. With it, no communication: the
+    cotangents go unreduced to the accumulators and the local blocks get zeros.
+    """
+    if deferred is None:
+        return tuple(reduce_values(cts, layout)), None
+    zeros = tuple(_zero_cotangent(leaf) for leaf in layout.leaves)
+    routed = tuple(
+        _lowering.vary(ct.astype(leaf.reduce_dtype), layout.dp_axes) if d else None
+        for ct, leaf, d in zip(cts, layout.leaves, deferred)
+    )
+    return zeros, routed
+
+
+def _deferred_bwd(layout, deferred, _, cts):
+    return backward_values(cts, layout, deferred)
+
+
+gather_deferred.defvjp(_deferred_fwd, _deferred_bwd)
+
+
+def unshard_in_step(datas: tuple, layout: GroupLayout, ctx) -> list[jax.Array]:
+    """The step's differentiable gather of `datas`, honouring deferred gradients."""
+    accumulators = accumulators_for(datas, ctx)
+    if accumulators is None:
+        return gather(layout, datas)
+    deferred = tuple(a is not None for a in accumulators)
+    return gather_deferred(layout, deferred, datas, accumulators)

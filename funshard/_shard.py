@@ -151,7 +151,8 @@ def unshard(tree: Any) -> Any:
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
-            fulls = _gather.gather(_gather.layout_of(leaves), tuple(x.data for x in leaves))
+            datas = tuple(x.data for x in leaves)
+            fulls = _gather.unshard_in_step(datas, _gather.layout_of(leaves, ctx), ctx)
         else:
             fulls = _lowering.eager_all_gather(
                 [x.data for x in leaves], mesh, shard_axes, [x.shape[0] for x in leaves]

@@ -12,9 +12,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
-from funshard import _context, _errors, _mesh
+from funshard import _context, _errors, _gather, _lowering, _mesh
 from funshard._shard import common_mesh, sharded_leaves
-from funshard._sharded import Sharded, is_array
+from funshard._sharded import Sharded, is_array, is_sharded
 
 
 def _dp_axes(paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -35,7 +35,7 @@ def _dp_axes(paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return axes  # type: ignore[return-value]
 
 
-def _check_batch(batch: Any, world: int, dp_axes) -> None:
+def _check_batch(batch: Any, world: int, dp_axes, microbatches: int = 1) -> None:
     for path, leaf in tree_flatten_with_path(batch)[0]:
         if not is_array(leaf):
             if not isinstance(leaf, (int, float, complex, bool)):
@@ -47,6 +47,12 @@ def _check_batch(batch: Any, world: int, dp_axes) -> None:
             raise ValueError(_errors.batch_empty(path))
         if leaf.shape[0] % world:
             raise ValueError(_errors.batch_not_divisible(path, leaf.shape[0], world, dp_axes))
+        if leaf.shape[0] % (world * microbatches):
+            raise ValueError(
+                f"{_errors.where('value_and_grad', path)} has {leaf.shape[0]} rows, which "
+                f"do not split into {microbatches} microbatches on each of {world} "
+                f"devices; use a global batch that is a multiple of {world * microbatches}."
+            )
 
 
 def _is_differentiable(x) -> bool:
@@ -111,26 +117,123 @@ def _plan(items, treedef) -> _StatePlan:
     return _StatePlan(items, treedef, dynamic, specs)
 
 
-def _local_value_and_grad(loss_fn, has_aux, plan: _StatePlan, values, batch, args):
-    diff = [i for i, v in enumerate(values) if _is_differentiable(v)]
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The root's static choices (see `value_and_grad`)."""
 
-    def local_loss(diff_values):
+    has_aux: bool
+    divide_factor: float | None
+    microbatches: int
+    sync_every_microbatch: bool
+    all_reduce_every_microbatch: bool
+
+
+def _trainable_flags(trainable: Any, state: Any, count: int) -> list[bool]:
+    if trainable is None:
+        return [True] * count
+    try:
+        expanded = jax.tree.map(
+            lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub, is_leaf=is_sharded),
+            trainable,
+            state,
+            is_leaf=lambda x: x is None,
+        )
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            "value_and_grad: `trainable` must be a pytree prefix of the state with a bool "
+            f"at each leaf or subtree ({exc}). E.g. {{'encoder': False, 'head': True}}."
+        ) from exc
+    flags = jax.tree.leaves(expanded, is_leaf=is_sharded)
+    assert len(flags) == count, (len(flags), count)
+    return flags
+
+
+def _microbatch(batch: Any, k: int, m: int) -> Any:
+    if k == 1:
+        return batch
+    return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:])[m], batch)
+
+
+def _accumulator(item: Sharded, dp_axes):
+    dtype = _gather.layout_of([item]).leaves[0].reduce_dtype
+    return _lowering.vary(jnp.zeros(item.shape, dtype), dp_axes)
+
+
+def _local_value_and_grad(loss_fn, opts: _Options, plan, ctx, values, batch, args, trainable):
+    """One microbatch on this device: (loss, aux, grads by position, deferred sums)."""
+    sharded = [isinstance(plan.items[i], Sharded) for i in plan.dynamic]
+    wanted = [_is_differentiable(v) and t for v, t in zip(values, trainable)]
+    defer = not opts.sync_every_microbatch
+    deferred = [i for i, w in enumerate(wanted) if w and sharded[i] and defer]
+    diff = [i for i, w in enumerate(wanted) if w and i not in deferred]
+
+    def local_loss(diff_values, accumulators):
         merged = list(values)
         for i, v in zip(diff, diff_values):
             merged[i] = v
-        out = loss_fn(plan.rebuild(merged), batch, *args)
-        return out if has_aux else (out, None)
+        frozen = frozenset(id(merged[i]) for i, s in enumerate(sharded) if s and not wanted[i])
+        routes = {id(merged[i]): a for i, a in zip(deferred, accumulators)}
+        with _context.inside(dataclasses.replace(ctx, frozen=frozen, deferred=routes)):
+            out = loss_fn(plan.rebuild(merged), batch, *args)
+        return out if opts.has_aux else (out, None)
 
-    (loss, aux), diff_grads = jax.value_and_grad(local_loss, has_aux=True)(
-        [values[i] for i in diff]
-    )
-    grads = [jnp.zeros_like(v) for v in values]
-    for i, g in zip(diff, diff_grads):
-        grads[i] = g
-    return loss, aux, grads
+    accumulators = [_accumulator(plan.items[plan.dynamic[i]], ctx.dp_axes) for i in deferred]
+    (loss, aux), (diff_grads, deferred_grads) = jax.value_and_grad(
+        local_loss, argnums=(0, 1), has_aux=True
+    )([values[i] for i in diff], accumulators)
+    return loss, aux, dict(zip(diff, diff_grads)), dict(zip(deferred, deferred_grads))
 
 
-def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
+def _add(total: dict, new: dict) -> dict:
+    out = dict(total)
+    for i, g in new.items():
+        out[i] = out[i] + g if i in out else g
+    return out
+
+
+def _mean_over_microbatches(values: list) -> Any:
+    def combine(*xs):
+        stacked = jnp.stack(xs)
+        return stacked.mean(0) if jnp.issubdtype(stacked.dtype, jnp.inexact) else stacked.sum(0)
+
+    return jax.tree.map(combine, *values)
+
+
+def _reduce_deferred(plan, sums: dict, ctx) -> dict:
+    """Reduce-scatters the accumulated unreduced gradients: one collective per dtype."""
+    if not sums:
+        return {}
+    order = sorted(sums)
+    items = [plan.items[plan.dynamic[i]] for i in order]
+    reduced = _gather.reduce_values([sums[i] for i in order], _gather.layout_of(items))
+    return dict(zip(order, reduced))
+
+
+def _finish_grads(plan, values, grads: dict, opts: _Options, world: int, replicate_axes):
+    """Every position's gradient: averaged, HSDP-reduced if postponed, zeros elsewhere."""
+    scale = 1.0 / ((opts.divide_factor or world) * opts.microbatches)
+    out = []
+    for i, v in enumerate(values):
+        if i not in grads:
+            out.append(jnp.zeros(v.shape, v.dtype))
+            continue
+        g = grads[i]
+        if isinstance(plan.items[plan.dynamic[i]], Sharded) and not opts.all_reduce_every_microbatch:
+            g = jax.lax.psum(g, replicate_axes) if replicate_axes else g
+        out.append((g * scale).astype(v.dtype))
+    return out
+
+
+def value_and_grad(
+    loss_fn: Callable,
+    *,
+    has_aux: bool = False,
+    trainable: Any = None,
+    microbatches: int = 1,
+    sync_every_microbatch: bool = True,
+    all_reduce_every_microbatch: bool = True,
+    gradient_divide_factor: float | None = None,
+) -> Callable:
     """Turns a per-device loss into the FSDP training root.
 
     `loss_fn(state, batch, *args)` runs on every device under `jax.shard_map`: `state`
@@ -142,21 +245,48 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
     Args:
       loss_fn: the per-device loss function.
       has_aux: whether `loss_fn` returns `(loss, aux)`.
+      trainable: optional pytree prefix of the state with a bool per leaf or subtree.
+        Frozen leaves are still gathered for the forward pass but get zero gradients
+        and no gradient communication at all (non-floating leaves are always frozen).
+      microbatches: split each device's batch slice into this many microbatches and
+        accumulate their gradients (FSDP2 gradient accumulation); the result equals the
+        full-batch gradient.
+      sync_every_microbatch: True reduce-scatters every microbatch's gradients (less
+        memory: only shards are accumulated). False accumulates unreduced full-size
+        gradients in `reduce_dtype` and reduce-scatters once after the last microbatch
+        (less communication), like FSDP2's `set_requires_gradient_sync(False)`.
+      all_reduce_every_microbatch: HSDP only. False postpones the all-reduce over the
+        replicate axis to after the last microbatch, like FSDP2's
+        `set_requires_all_reduce(False)`.
+      gradient_divide_factor: the gradients' sum over the data-parallel devices is
+        divided by this (default: the data-parallel world size, giving the gradient of
+        the global mean loss; 1.0 gives the plain sum, FSDP2's sum reduction).
 
     Returns:
       A function `(state, batch, *args) -> (loss, grads)` (or `((loss, aux), grads)`)
       where `loss` is the mean over the global batch, `aux` floating leaves are averaged
       and other leaves summed over the data-parallel world, and `grads` has the
-      structure and sharding of `state` (dtype of the sharded parameters), equal to the
-      gradient of the global mean loss: reduce-scattered over the shard axis,
-      all-reduced over the replicate axis (HSDP) and divided by the data-parallel world
-      size (FSDP2's default). Non-floating leaves get zero gradients, non-array leaves
-      are carried over unchanged.
+      structure and sharding of `state` (dtype of the sharded parameters):
+      reduce-scattered over the shard axis, all-reduced over the replicate axis (HSDP)
+      and divided by `gradient_divide_factor`. Frozen and non-floating leaves get zero
+      gradients, non-array leaves are carried over unchanged.
 
     Raises:
-      ValueError: the state has no `Sharded` leaves or mixes meshes or axes, or the
-        global batch size is not a multiple of the data-parallel world size.
+      ValueError: the state has no `Sharded` leaves or mixes meshes or axes, the
+        global batch size is not a multiple of the data-parallel world size times
+        `microbatches`, or `trainable` does not fit the state.
     """
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"value_and_grad: microbatches must be an int >= 1, got {microbatches!r}.")
+    if gradient_divide_factor is not None and not gradient_divide_factor > 0:
+        raise ValueError(
+            "value_and_grad: gradient_divide_factor must be a positive number, got "
+            f"{gradient_divide_factor!r}."
+        )
+    opts = _Options(
+        has_aux, gradient_divide_factor, microbatches, sync_every_microbatch,
+        all_reduce_every_microbatch,
+    )
 
     @functools.wraps(loss_fn)
     def step(state, batch, *args):
@@ -167,18 +297,38 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
         replicate_axes, shard_axes = _dp_axes(paths, items)
         dp_axes = (*replicate_axes, *shard_axes)
         world = _mesh.axes_size(mesh, dp_axes)
-        _check_batch(batch, world, dp_axes)
+        _check_batch(batch, world, dp_axes, opts.microbatches)
         plan = _plan(items, treedef)
+        flags = _trainable_flags(trainable, state, len(items))
+        trainable_values = [flags[i] for i in plan.dynamic]
         arg_values, rebuild_args = _split_static(args)
-        ctx = _context.StepContext(mesh, dp_axes)
+        ctx = _context.StepContext(
+            mesh, dp_axes, skip_replicate_reduce=not opts.all_reduce_every_microbatch
+        )
 
         def body(values, local_batch, arg_values):
-            with _context.inside(ctx):
-                loss, aux, grads = _local_value_and_grad(
-                    loss_fn, has_aux, plan, values, local_batch, rebuild_args(arg_values)
+            args = rebuild_args(arg_values)
+            if not opts.all_reduce_every_microbatch:
+                # Typed as varying over the replicate axes, the shards' gradients are not
+                # all-reduced by autodiff; the root all-reduces them once at the end.
+                values = [
+                    _lowering.vary(v, replicate_axes)
+                    if isinstance(plan.items[plan.dynamic[i]], Sharded) else v
+                    for i, v in enumerate(values)
+                ]
+            losses, auxes, grads, sums = [], [], {}, {}
+            for m in range(opts.microbatches):
+                loss, aux, g, deferred = _local_value_and_grad(
+                    loss_fn, opts, plan, ctx, values,
+                    _microbatch(local_batch, opts.microbatches, m), args, trainable_values,
                 )
-            grads = [g / world if _is_differentiable(g) else g for g in grads]
-            return jax.lax.pmean(loss, dp_axes), _reduce_aux(aux, dp_axes), grads
+                losses.append(loss)
+                auxes.append(aux)
+                grads, sums = _add(grads, g), _add(sums, deferred)
+            grads = _add(grads, _reduce_deferred(plan, sums, ctx))
+            grads = _finish_grads(plan, values, grads, opts, world, replicate_axes)
+            loss = jax.lax.pmean(sum(losses) / len(losses), dp_axes)
+            return loss, _reduce_aux(_mean_over_microbatches(auxes), dp_axes), grads
 
         mapped = jax.shard_map(
             body,
@@ -193,17 +343,18 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
     return step
 
 
-def grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
+def grad(loss_fn: Callable, *, has_aux: bool = False, **options) -> Callable:
     """Like `value_and_grad`, returning only the gradients (and aux with `has_aux`).
 
     Args:
       loss_fn: the per-device loss function (see `value_and_grad`).
       has_aux: whether `loss_fn` returns `(loss, aux)`.
+      **options: the other keyword options of `value_and_grad`.
 
     Returns:
       A function `(state, batch, *args) -> grads` (or `(grads, aux)`).
     """
-    vg = value_and_grad(loss_fn, has_aux=has_aux)
+    vg = value_and_grad(loss_fn, has_aux=has_aux, **options)
 
     @functools.wraps(loss_fn)
     def step(state, batch, *args):
