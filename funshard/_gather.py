@@ -100,11 +100,15 @@ def gather_values(
     return [f[: leaf.shape[0]] for f, leaf in zip(fulls, layout.leaves)]
 
 
-def _zero_cotangent(leaf: LeafLayout):
+def _zero_cotangent(leaf: LeafLayout, layout: GroupLayout):
+    """A zero cotangent typed like the local block (varying as the root typed it)."""
     shape = (leaf.rows, *leaf.shape[1:])
-    if leaf.differentiable:
-        return jnp.zeros(shape, leaf.dtype)
-    return np.zeros(shape, jax.dtypes.float0)
+    if not leaf.differentiable:
+        return np.zeros(shape, jax.dtypes.float0)
+    varying = layout.shard_axes
+    if layout.skip_replicate_reduce:
+        varying = varying + layout.replicate_axes
+    return _lowering.vary(jnp.zeros(shape, leaf.dtype), varying)
 
 
 def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
@@ -122,7 +126,7 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
         padded.append(jnp.pad(ct, [(0, pad)] + [(0, 0)] * (ct.ndim - 1)) if pad else ct)
     replicate_axes = () if layout.skip_replicate_reduce else layout.replicate_axes
     reduced = _lowering.reduce_scatter_rows(padded, layout.shard_axes, replicate_axes)
-    out = [_zero_cotangent(leaf) for leaf in layout.leaves]
+    out = [_zero_cotangent(leaf, layout) for leaf in layout.leaves]
     for i, r in zip(idx, reduced):
         out[i] = r.astype(layout.leaves[i].dtype)
     return out
@@ -179,7 +183,7 @@ def backward_values(cts, layout: GroupLayout, deferred: tuple[bool, ...] | None)
     """
     if deferred is None:
         return tuple(reduce_values(cts, layout)), None
-    zeros = tuple(_zero_cotangent(leaf) for leaf in layout.leaves)
+    zeros = tuple(_zero_cotangent(leaf, layout) for leaf in layout.leaves)
     routed = tuple(
         _lowering.vary(ct.astype(leaf.reduce_dtype), layout.dp_axes) if d else None
         for ct, leaf, d in zip(cts, layout.leaves, deferred)

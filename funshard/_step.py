@@ -205,7 +205,7 @@ def _reduce_deferred(plan, sums: dict, ctx) -> dict:
         return {}
     order = sorted(sums)
     items = [plan.items[plan.dynamic[i]] for i in order]
-    reduced = _gather.reduce_values([sums[i] for i in order], _gather.layout_of(items))
+    reduced = _gather.reduce_values([sums[i] for i in order], _gather.layout_of(items, ctx))
     return dict(zip(order, reduced))
 
 

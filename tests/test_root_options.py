@@ -1,0 +1,141 @@
+"""Root options: gradient accumulation, postponed HSDP all-reduce, frozen leaves, divide factor."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import funshard as fs
+from _hlo import collectives, compiled, count_by_kind
+from _models import mlp_loss, mlp_params, mlp_sharded_loss
+from conftest import mesh_for
+
+UNITS = 3  # mlp_params has three layers, one fully_shard unit each
+
+
+def _batch(rows=32):
+    kx, ky = jax.random.split(jax.random.key(7))
+    return jax.random.normal(kx, (rows, 13)), jax.random.normal(ky, (rows, 5))
+
+
+def _close(got, want, atol=2e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=atol, rtol=1e-5)
+
+
+ACCUMULATION = [
+    dict(microbatches=2),
+    dict(microbatches=4, sync_every_microbatch=False),
+    dict(microbatches=2, all_reduce_every_microbatch=False),
+    dict(microbatches=2, sync_every_microbatch=False, all_reduce_every_microbatch=False),
+]
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+@pytest.mark.parametrize("options", ACCUMULATION)
+@pytest.mark.parametrize("reshard", [True, False])
+def test_accumulated_gradients_equal_full_batch(mesh_name, options, reshard):
+    params = mlp_params(jax.random.key(0))
+    state = fs.shard(params, mesh_for(mesh_name))
+    step = fs.value_and_grad(mlp_sharded_loss(True, reshard), **options)
+    loss, grads = jax.jit(step)(state, _batch())
+    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, _batch())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    _close(fs.unshard(grads), ref_grads)
+
+
+def _scatter_count(mesh_name="8", **options):
+    state = fs.shard(mlp_params(jax.random.key(0)), mesh_for(mesh_name))
+    step = fs.value_and_grad(mlp_sharded_loss(True), **options)
+    return compiled(step, state, _batch())[1]
+
+
+def test_reduce_scatter_every_microbatch_or_once():
+    assert count_by_kind(_scatter_count(microbatches=4))["reduce-scatter"] == UNITS * 4
+    deferred = _scatter_count(microbatches=4, sync_every_microbatch=False)
+    # The deferred sums are reduced together at the end: one collective per dtype.
+    assert count_by_kind(deferred)["reduce-scatter"] == 1
+
+
+def test_hsdp_all_reduce_once_after_the_last_microbatch():
+    def replicate_reduce_elements(text):
+        return sum(
+            c["elements"] for c in collectives(text)
+            if c["kind"] == "all-reduce" and c["groups"] == "{{0,4},{1,5},{2,6},{3,7}}"
+        )
+
+    every = replicate_reduce_elements(_scatter_count("2x4", microbatches=4))
+    once = replicate_reduce_elements(
+        _scatter_count("2x4", microbatches=4, all_reduce_every_microbatch=False)
+    )
+    assert once > 0 and every == 4 * once
+
+
+@pytest.mark.parametrize("units", [False, True])
+def test_frozen_leaves_get_zero_gradients_and_no_communication(units):
+    params = mlp_params(jax.random.key(0))
+    state = fs.shard(params, mesh_for("8"))
+    trainable = {"layers": [False, True, {"w": True, "b": False}], "scale": True}
+    step = fs.value_and_grad(mlp_sharded_loss(units), trainable=trainable)
+    _, grads = jax.jit(step)(state, _batch())
+    _, ref = jax.value_and_grad(mlp_loss)(params, _batch())
+    got = fs.unshard(grads)
+    for name in ("w", "b"):
+        np.testing.assert_array_equal(got["layers"][0][name], 0)
+    np.testing.assert_array_equal(got["layers"][2]["b"], 0)
+    _close(got["layers"][1], ref["layers"][1])
+    _close(got["layers"][2]["w"], ref["layers"][2]["w"])
+    _close(got["scale"], ref["scale"])
+    text = compiled(step, state, _batch())[1]
+    scattered = sum(c["elements"] for c in collectives(text) if c["kind"] == "reduce-scatter")
+    # Only the trainable leaves' local blocks are reduce-scattered: layer 1's w (4 rows
+    # of 24 per device) and b (3 rows), layer 2's w (3 rows of 5).
+    assert scattered == 4 * 24 + 3 + 3 * 5
+
+
+def test_frozen_everything_in_a_unit_means_no_reduce_scatter():
+    params = mlp_params(jax.random.key(0))
+    state = fs.shard(params, mesh_for("8"))
+    trainable = {"layers": [False, False, False], "scale": True}
+    text = compiled(fs.value_and_grad(mlp_sharded_loss(True), trainable=trainable),
+                    state, _batch())[1]
+    assert count_by_kind(text)["reduce-scatter"] == 0
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_gradient_divide_factor_scales_the_sum(factor):
+    params = mlp_params(jax.random.key(0))
+    state = fs.shard(params, mesh_for("2x4"))
+    step = fs.value_and_grad(mlp_sharded_loss(True), gradient_divide_factor=factor)
+    loss, grads = jax.jit(step)(state, _batch())
+    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, _batch())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the loss is still the mean
+    _close(fs.unshard(grads), jax.tree.map(lambda g: g * 8 / factor, ref_grads), atol=1e-4)
+
+
+def test_one_all_gather_for_a_unit_of_mixed_dtypes():
+    params = {"w": jnp.ones((16, 8)), "h": jnp.ones((8, 8), jnp.bfloat16), "i": jnp.arange(8)}
+    state = fs.shard(params, mesh_for("8"))
+
+    def unit_fn(p, x):
+        return (x @ p["w"]) @ p["h"].astype(jnp.float32) + p["i"]
+
+    unit = fs.fully_shard(unit_fn, reshard_after_forward=False)
+
+    def loss(state, x):
+        return jnp.mean(unit(state, x) ** 2)
+
+    value, grads = jax.jit(fs.value_and_grad(loss))(state, jnp.ones((8, 16)))
+    ref_value, ref = jax.value_and_grad(
+        lambda p, x: jnp.mean(unit_fn({**p, "i": params["i"]}, x) ** 2)
+    )({"w": params["w"], "h": params["h"]}, jnp.ones((8, 16)))
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    got = fs.unshard(grads)
+    np.testing.assert_allclose(got["w"], ref["w"], rtol=1e-5)
+    assert got["h"].dtype == jnp.bfloat16
+    np.testing.assert_allclose(got["h"].astype(np.float32), ref["h"].astype(np.float32), rtol=2e-2)
+    gathers = [c for c in collectives(compiled(fs.value_and_grad(loss), state,
+                                               jnp.ones((8, 16)))[1]) if c["kind"] == "all-gather"]
+    # Three leaves of three dtypes: ONE collective of raw 16-bit words.
+    assert len(gathers) == 1 and gathers[0]["dtype"] == "u16"
+    assert gathers[0]["elements"] == 8 * (2 * 8 * 2 + 1 * 8 + 1 * 2)  # u16 words per device
