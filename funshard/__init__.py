@@ -2,6 +2,8 @@
 
 from funshard._fully_shard import fully_shard as fully_shard
 from funshard._mesh import make_mesh as make_mesh
+from funshard._placement import Replicate as Replicate
+from funshard._placement import Shard as Shard
 from funshard._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
 from funshard._shard import reshard as reshard
 from funshard._shard import shard as shard
@@ -14,6 +16,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MixedPrecisionPolicy",
+    "Replicate",
+    "Shard",
     "Sharded",
     "fully_shard",
     "grad",

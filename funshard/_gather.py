@@ -31,6 +31,11 @@ class LeafLayout:
     reduce_dtype: np.dtype
     rows: int
     frozen: bool = False
+    dim: int = 0
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (*self.shape[: self.dim], self.rows, *self.shape[self.dim + 1:])
 
     @property
     def differentiable(self) -> bool:
@@ -73,6 +78,7 @@ def layout_of(leaves: Sequence[Sharded], ctx=None) -> GroupLayout:
                 reduce_dtype=_policy.reduce_dtype_for(s.mp_policy, np.dtype(s.dtype)),
                 rows=s.rows_per_shard,
                 frozen=id(s.data) in frozen,
+                dim=s.dim,
             )
             for s in leaves
         ),
@@ -96,13 +102,14 @@ def gather_values(
         _lowering.vary(d.astype(leaf.gather_dtype), layout.replicate_axes)
         for d, leaf in zip(datas, layout.leaves)
     ]
-    fulls = _lowering.all_gather_rows(blocks, layout.shard_axes, dependency=dependency)
+    dims = [leaf.dim for leaf in layout.leaves]
+    fulls = _lowering.all_gather_rows(blocks, layout.shard_axes, dims=dims, dependency=dependency)
     return [f[: leaf.shape[0]] for f, leaf in zip(fulls, layout.leaves)]
 
 
 def _zero_cotangent(leaf: LeafLayout, layout: GroupLayout):
     """A zero cotangent typed like the local block (varying as the root typed it)."""
-    shape = (leaf.rows, *leaf.shape[1:])
+    shape = leaf.local_shape
     if not leaf.differentiable:
         return np.zeros(shape, jax.dtypes.float0)
     varying = layout.shard_axes
@@ -122,10 +129,11 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     for i in idx:
         leaf = layout.leaves[i]
         ct = _lowering.vary(cts[i].astype(leaf.reduce_dtype), layout.dp_axes)
-        pad = leaf.rows * layout.num_shards - leaf.shape[0]
+        pad = leaf.rows * layout.num_shards - leaf.shape[0] if leaf.dim == 0 else 0
         padded.append(jnp.pad(ct, [(0, pad)] + [(0, 0)] * (ct.ndim - 1)) if pad else ct)
     replicate_axes = () if layout.skip_replicate_reduce else layout.replicate_axes
-    reduced = _lowering.reduce_scatter_rows(padded, layout.shard_axes, replicate_axes)
+    dims = [layout.leaves[i].dim for i in idx]
+    reduced = _lowering.reduce_scatter_rows(padded, layout.shard_axes, replicate_axes, dims)
     out = [_zero_cotangent(leaf, layout) for leaf in layout.leaves]
     for i, r in zip(idx, reduced):
         out[i] = r.astype(layout.leaves[i].dtype)

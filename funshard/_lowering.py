@@ -14,6 +14,7 @@ normalisation would otherwise widen a bf16 all-gather to f32) and is exact every
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -81,55 +82,100 @@ def tie_to(buffer: jax.Array, dependency: jax.Array | None) -> jax.Array:
     return jnp.where(d == d, buffer, jnp.zeros_like(buffer))
 
 
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How a group of local blocks is laid out in one flat buffer (static)."""
+
+    shapes: tuple[tuple[int, ...], ...]  # each block with its sharded dim moved first
+    dtypes: tuple[np.dtype, ...]
+    dims: tuple[int, ...]
+    carrier: np.dtype | None  # None: raw unsigned words of `width` bytes
+    width: int
+    sizes: tuple[int, ...]  # buffer elements per block
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+def packing_of(blocks: Sequence[jax.Array], dims: Sequence[int] | None = None) -> Packing:
+    """The flat-buffer layout of `blocks` (each sharded on its entry of `dims`)."""
+    dims = tuple(dims) if dims is not None else (0,) * len(blocks)
+    dtypes = tuple(np.dtype(b.dtype) for b in blocks)
+    carrier, width = _carrier(dtypes), _word_width(dtypes)
+    shapes = tuple(
+        (b.shape[d], *b.shape[:d], *b.shape[d + 1:]) for b, d in zip(blocks, dims)
+    )
+    sizes = tuple(
+        int(np.prod(shape)) * (1 if carrier is not None else dtype.itemsize // width)
+        for shape, dtype in zip(shapes, dtypes)
+    )
+    return Packing(shapes, dtypes, dims, carrier, width, sizes)
+
+
+def pack(blocks: Sequence[jax.Array], packing: Packing) -> jax.Array:
+    """This device's blocks as ONE flat buffer."""
+    words = []
+    for block, d in zip(blocks, packing.dims):
+        block = jnp.moveaxis(block, d, 0) if d else block
+        words.append(block.reshape(-1) if packing.carrier else _to_words(block, packing.width))
+    return jnp.concatenate(words) if len(words) > 1 else words[0]
+
+
+def unpack(gathered: jax.Array, packing: Packing) -> list[jax.Array]:
+    """Splits a gathered `(N, L)` buffer into each leaf's `(N * r_i, ...)` global array."""
+    n = gathered.shape[0]
+    out, start = [], 0
+    for shape, dtype, d, size in zip(packing.shapes, packing.dtypes, packing.dims, packing.sizes):
+        slab = gathered[:, start:start + size]
+        start += size
+        full_shape = (n * shape[0], *shape[1:])
+        if packing.carrier is None:
+            full = _from_words(slab, full_shape, dtype, packing.width)
+        else:
+            full = slab.reshape(full_shape)
+        out.append(jnp.moveaxis(full, 0, d) if d else full)
+    return out
+
+
 def all_gather_rows(
     blocks: Sequence[jax.Array],
     axes: tuple[str, ...],
     *,
+    dims: Sequence[int] | None = None,
     to: str = "varying",
     dependency: jax.Array | None = None,
 ) -> list[jax.Array]:
-    """All-gathers every device's row block of each leaf in ONE collective.
+    """All-gathers every device's block of each leaf in ONE collective.
 
     Args:
-      blocks: this device's `(r_i, ...)` block of each leaf (any dtypes).
+      blocks: this device's block of each leaf (any dtypes), sharded on dim 0 or on
+        its entry of `dims`.
       axes: mesh axes to gather over (N devices), in mesh order.
+      dims: the sharded dimension of each leaf (default: all 0).
       to: `"varying"` inside the training step (the result is typed as varying over
         `axes`); `"invarying"` for a standalone gather returning a replicated value.
       dependency: optional array the gather must wait for (see `tie_to`).
 
     Returns:
-      The `(N * r_i, ...)` padded global array of each leaf, rows in device order.
+      Each leaf's global array: its sharded dimension `N` times longer, blocks in
+      device order (so padding, if any, comes last).
     """
     if not blocks:
         return []
+    packing = packing_of(blocks, dims)
     n = _mesh_axes_size(axes)
-    carrier = _carrier([b.dtype for b in blocks])
-    width = _word_width([b.dtype for b in blocks])
-    if carrier is None:
-        words = [_to_words(b, width) for b in blocks]
-    else:
-        words = [b.reshape(-1) for b in blocks]
-    flat = jnp.concatenate(words) if len(words) > 1 else words[0]
-    if flat.size == 0:
-        return [jnp.zeros((n * b.shape[0], *b.shape[1:]), b.dtype) for b in blocks]
-    flat = tie_to(flat, dependency)
-    gathered = jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to)
-    out, start = [], 0
-    for block, w in zip(blocks, words):
-        slab = gathered[:, start:start + w.size]
-        start += w.size
-        shape = (n * block.shape[0], *block.shape[1:])
-        if carrier is None:
-            out.append(_from_words(slab, shape, block.dtype, width))
-        else:
-            out.append(slab.reshape(shape))
-    return out
+    if packing.total == 0:
+        return unpack(jnp.zeros((n, 0), packing.carrier or _UINT[packing.width]), packing)
+    flat = tie_to(pack(blocks, packing), dependency)
+    return unpack(jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to), packing)
 
 
 def reduce_scatter_rows(
     fulls: Sequence[jax.Array],
     shard_axes: tuple[str, ...],
     replicate_axes: tuple[str, ...] = (),
+    dims: Sequence[int] | None = None,
 ) -> list[jax.Array]:
     """Sums each padded `(N * r_i, ...)` array over devices and keeps this device's rows.
 
@@ -141,11 +187,14 @@ def reduce_scatter_rows(
         dtype the reduction should run in.
       shard_axes: mesh axes the result is scattered over (N devices).
       replicate_axes: mesh axes the scattered result is summed over.
+      dims: the dimension each leaf is scattered on (default: all 0).
 
     Returns:
-      This device's `(r_i, ...)` block of each summed leaf.
+      This device's block of each summed leaf.
     """
     n = _mesh_axes_size(shard_axes)
+    dims = tuple(dims) if dims is not None else (0,) * len(fulls)
+    fulls = [jnp.moveaxis(f, d, 0) if d else f for f, d in zip(fulls, dims)]
     out: list[jax.Array | None] = [None] * len(fulls)
     groups: dict[np.dtype, list[int]] = {}
     for i, full in enumerate(fulls):
@@ -162,7 +211,8 @@ def reduce_scatter_rows(
         start = 0
         for i, col in zip(idx, cols):
             rows = fulls[i].shape[0] // n
-            out[i] = flat[start:start + col.shape[1]].reshape(rows, *fulls[i].shape[1:])
+            block = flat[start:start + col.shape[1]].reshape(rows, *fulls[i].shape[1:])
+            out[i] = jnp.moveaxis(block, 0, dims[i]) if dims[i] else block
             start += col.shape[1]
     return out  # type: ignore[return-value]
 
@@ -172,15 +222,15 @@ def _mesh_axes_size(axes: tuple[str, ...]) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _eager_gather_fn(mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...]):
+def _eager_gather_fn(mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...], dims):
     def body(*blocks):
-        fulls = all_gather_rows(blocks, shard_axes, to="invarying")
-        return tuple(f[:r] for f, r in zip(fulls, rows))
+        fulls = all_gather_rows(blocks, shard_axes, dims=dims, to="invarying")
+        return tuple(jax.lax.slice_in_dim(f, 0, r, axis=d) for f, r, d in zip(fulls, rows, dims))
 
     mapped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(_mesh.spec(shard_axes),) * len(rows),
+        in_specs=tuple(_mesh.spec(shard_axes, d) for d in dims),
         out_specs=(PartitionSpec(),) * len(rows),
     )
     return jax.jit(mapped)
@@ -191,6 +241,7 @@ def eager_all_gather(
     mesh: Mesh,
     shard_axes: tuple[str, ...],
     rows: Sequence[int] | None = None,
+    dims: Sequence[int] | None = None,
 ) -> list[jax.Array]:
     """All-gathers padded global arrays sharded `P(shard_axes)` into replicated ones.
 
@@ -201,16 +252,18 @@ def eager_all_gather(
       datas: padded global arrays, dim 0 sharded over `shard_axes`.
       mesh: their mesh.
       shard_axes: the axes dim 0 is split over.
-      rows: logical dim-0 size of each leaf (the padding is cut off); defaults to the
-        padded size.
+      rows: logical size of each leaf's sharded dimension (the padding is cut off);
+        defaults to the padded size.
+      dims: the sharded dimension of each leaf (default: all 0).
 
     Returns:
       Replicated arrays, one per leaf.
     """
     if not datas:
         return []
-    rows = tuple(d.shape[0] for d in datas) if rows is None else tuple(rows)
-    return list(_eager_gather_fn(mesh, tuple(shard_axes), rows)(*datas))
+    dims = (0,) * len(datas) if dims is None else tuple(dims)
+    rows = tuple(x.shape[d] for x, d in zip(datas, dims)) if rows is None else tuple(rows)
+    return list(_eager_gather_fn(mesh, tuple(shard_axes), rows, dims)(*datas))
 
 
 @functools.lru_cache(maxsize=None)

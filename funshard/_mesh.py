@@ -87,8 +87,8 @@ def axes_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def spec(axes: tuple[str, ...]) -> PartitionSpec:
-    """A spec that splits dim 0 over `axes` (or replicates for no axes)."""
+def spec(axes: tuple[str, ...], dim: int = 0) -> PartitionSpec:
+    """A spec that splits `dim` over `axes` (or replicates for no axes)."""
     if not axes:
         return PartitionSpec()
-    return PartitionSpec(axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*([None] * dim), axes[0] if len(axes) == 1 else axes)

@@ -10,7 +10,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
-from funshard import _context, _errors, _gather, _lowering, _mesh
+from funshard import _context, _errors, _gather, _lowering, _mesh, _placement
+from funshard._placement import Replicate
 from funshard._policy import MixedPrecisionPolicy
 from funshard._sharded import Sharded, is_array, is_sharded
 
@@ -32,7 +33,7 @@ def _pad_rows(x, rows: int):
     return np.pad(x, widths) if isinstance(x, (np.ndarray, np.generic)) else jnp.pad(x, widths)
 
 
-def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy):
+def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_size):
     if isinstance(x, Sharded):
         raise ValueError(
             f"{_errors.where('shard', path)} is already an fs.Sharded leaf; call "
@@ -41,15 +42,24 @@ def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy):
     if not is_array(x):
         return x
     dtype = _check_numeric("shard", path, x)
-    if x.ndim == 0:
+    where = _placement.resolve(path, x, placement, min_size) if x.ndim else Replicate()
+    if isinstance(where, Replicate):
         return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-    layout = Sharded(None, tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy)
+    layout = Sharded(
+        None, tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim
+    )
+    if where.dim and x.shape[where.dim] % layout.num_shards:
+        raise ValueError(
+            f"{_errors.where('shard', path)} has size {x.shape[where.dim]} on dim "
+            f"{where.dim}, which the {layout.num_shards} shards do not divide; only dim 0 "
+            "is padded. Shard it on dim 0 or keep it replicated (fs.Replicate())."
+        )
     data = jax.device_put(_pad_rows(x, layout.padded_shape[0]), layout.sharding)
     return Sharded(data, *_static_fields(layout))
 
 
 def _static_fields(s: Sharded) -> tuple:
-    return (s.shape, s.dtype, s.mesh, s.shard_axis, s.replicate_axis, s.mp_policy)
+    return (s.shape, s.dtype, s.mesh, s.shard_axis, s.replicate_axis, s.mp_policy, s.dim)
 
 
 def shard(
@@ -59,6 +69,8 @@ def shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_axis: str | tuple[str, ...] = _mesh.SHARD_AXIS,
     replicate_axis: str | tuple[str, ...] | None = None,
+    placement: _placement.PlacementFn | None = None,
+    min_shard_size: int = 0,
 ) -> Any:
     """Shards every array leaf of `params` on dim 0 across the data-parallel devices.
 
@@ -69,6 +81,11 @@ def shard(
       shard_axis: mesh axis (or axes) dim 0 is split over.
       replicate_axis: mesh axis (or axes) the shards are replicated over (HSDP).
         `None` means the mesh's "replicate" axis if it has one, else none.
+      placement: optional `placement(path, array)` returning `fs.Shard(dim)`,
+        `fs.Replicate()` or None (= `Shard(0)`) per leaf: FSDP2's
+        `shard_placement_fn`, plus `ignored_params` as `Replicate()`.
+      min_shard_size: leaves with fewer elements are replicated instead of sharded
+        (their gradients are all-reduced).
 
     Returns:
       The same tree where each array with ndim >= 1 is a `Sharded` leaf holding
@@ -86,7 +103,9 @@ def shard(
             f"{type(mp_policy).__name__}."
         )
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: _shard_leaf(p, x, mesh, shard_axes, replicate_axes, mp_policy),
+        lambda p, x: _shard_leaf(
+            p, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_shard_size
+        ),
         params,
         is_leaf=is_sharded,
     )
@@ -155,7 +174,11 @@ def unshard(tree: Any) -> Any:
             fulls = _gather.unshard_in_step(datas, _gather.layout_of(leaves, ctx), ctx)
         else:
             fulls = _lowering.eager_all_gather(
-                [x.data for x in leaves], mesh, shard_axes, [x.shape[0] for x in leaves]
+                [x.data for x in leaves],
+                mesh,
+                shard_axes,
+                [x.shape[x.dim] for x in leaves],
+                [x.dim for x in leaves],
             )
         for i, full in zip(idx, fulls):
             out[i] = full
@@ -177,7 +200,7 @@ def _check_full(path, full, like: Sharded):
 def _local_rows(full, like: Sharded):
     padded = _pad_rows(full, like.padded_shape[0])
     start = jax.lax.axis_index(like.shard_axis) * like.rows_per_shard
-    return jax.lax.dynamic_slice_in_dim(padded, start, like.rows_per_shard, axis=0)
+    return jax.lax.dynamic_slice_in_dim(padded, start, like.rows_per_shard, axis=like.dim)
 
 
 def _reshard_leaf(full, like: Sharded, in_step: bool):

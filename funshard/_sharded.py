@@ -38,6 +38,8 @@ class Sharded:
       shard_axis: mesh axes dim 0 is split over.
       replicate_axis: mesh axes the shards are replicated over (HSDP); may be empty.
       mp_policy: the mixed-precision policy for gathers and gradient reductions.
+      dim: the sharded dimension (0 unless a placement chose another; only dim 0 is
+        padded, any other must divide evenly).
     """
 
     data: Any
@@ -49,26 +51,30 @@ class Sharded:
     mp_policy: MixedPrecisionPolicy | None = dataclasses.field(
         metadata=dict(static=True), default=None
     )
+    dim: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     @property
     def num_shards(self) -> int:
-        """Number of devices dim 0 is split over."""
+        """Number of devices the sharded dimension is split over."""
         return _mesh.axes_size(self.mesh, self.shard_axis)
 
     @property
     def rows_per_shard(self) -> int:
-        """Rows of `data` each device holds: `ceil(shape[0] / num_shards)`."""
-        return -(-self.shape[0] // self.num_shards)
+        """Size of each device's block along `dim`: `ceil(shape[dim] / num_shards)`."""
+        return -(-self.shape[self.dim] // self.num_shards)
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
-        """Global shape of `data`."""
-        return (self.rows_per_shard * self.num_shards, *self.shape[1:])
+        """Global shape of `data` (only dim 0 is ever padded)."""
+        return self._with_dim(self.rows_per_shard * self.num_shards)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
         """Shape of one device's block of `data`."""
-        return (self.rows_per_shard, *self.shape[1:])
+        return self._with_dim(self.rows_per_shard)
+
+    def _with_dim(self, size: int) -> tuple[int, ...]:
+        return (*self.shape[: self.dim], size, *self.shape[self.dim + 1:])
 
     @property
     def ndim(self) -> int:
@@ -83,7 +89,7 @@ class Sharded:
     @property
     def sharding(self) -> NamedSharding:
         """The sharding of `data` outside a step."""
-        return NamedSharding(self.mesh, _mesh.spec(self.shard_axis))
+        return NamedSharding(self.mesh, _mesh.spec(self.shard_axis, self.dim))
 
 
 def is_sharded(x: Any) -> bool:

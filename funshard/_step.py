@@ -110,7 +110,7 @@ def _plan(items, treedef) -> _StatePlan:
     for i, x in enumerate(items):
         if isinstance(x, Sharded):
             dynamic.append(i)
-            specs.append(_mesh.spec(x.shard_axis))
+            specs.append(_mesh.spec(x.shard_axis, x.dim))
         elif is_array(x):
             dynamic.append(i)
             specs.append(PartitionSpec())
