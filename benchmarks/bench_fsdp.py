@@ -644,23 +644,27 @@ def activation_probe(ctx: Context) -> int:
     return grad.lower(params, local).compile().memory_analysis().temp_size_in_bytes
 
 
-def scaling(ctx: Context, counts: list[int]) -> list[dict]:
-    """funshard (reshard_after_forward=True) on the first N devices: state and traffic."""
+def scaling(ctx: Context, counts: list[int], measured: dict | None) -> list[dict]:
+    """funshard (reshard_after_forward=True) on the first N devices: state and traffic.
+
+    `measured` is variant 1's result on all devices (reused rather than compiled again).
+    """
     rows = []
     for n in counts:
-        sub = dataclasses.replace(ctx, devices=ctx.devices[:n])
-        v = _funshard(sub, True)
-        compiled = v.step.lower(v.state, *v.const).compile()
-        ops, _ = collectives(compiled.as_text(), n)
-        by_kind = summarize(ops)
+        if measured is not None and n == measured["devices"]:
+            by_kind, state_bytes, temp = measured["by_kind"], measured["state_bytes"], measured["temp"]
+        else:
+            v = _funshard(dataclasses.replace(ctx, devices=ctx.devices[:n]), True)
+            compiled = v.step.lower(v.state, *v.const).compile()
+            by_kind = summarize(collectives(compiled.as_text(), n)[0])
+            state_bytes = bytes_on(v.state, ctx.devices[0])
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            log(f"scaling N={n}: compiled")
+            del v, compiled
         rows.append({
-            "n": n, "state_bytes": bytes_on(v.state, ctx.devices[0]),
-            "ag": by_kind["all-gather"], "rs": by_kind["reduce-scatter"],
-            "temp": compiled.memory_analysis().temp_size_in_bytes,
-            "ideal_comm": ideal_comm(ctx, n, True),
+            "n": n, "state_bytes": state_bytes, "ag": by_kind["all-gather"],
+            "rs": by_kind["reduce-scatter"], "temp": temp, "ideal_comm": ideal_comm(ctx, n, True),
         })
-        log(f"scaling N={n}: compiled")
-        del v, compiled
     return rows
 
 
@@ -905,7 +909,9 @@ def main(argv=None) -> None:
         log(f"{v.name}: compile {r['compile_s']:.1f} s, median {r['median'] * 1e3:.1f} ms")
         del v
     act = activation_probe(ctx)
-    scale = [] if args.no_scaling else scaling(ctx, [c for c in (1, 2, 4, 8) if c <= n])
+    baseline = next((r for r in results if r["name"] == BASELINE), None)
+    counts = [c for c in (1, 2, 4, 8) if c <= n]
+    scale = [] if args.no_scaling else scaling(ctx, counts, baseline)
     text = report(args, cfg, ctx, results, scale, act, time.perf_counter() - start)
     print(text)
     if args.out:
