@@ -129,5 +129,6 @@ def mixed_policies(fn: str, paths_and_policies) -> str:
 
 def bad_reshard_after_forward(value) -> str:
     return (
-        f"fully_shard: reshard_after_forward must be True or False, got {value!r}."
+        f"fully_shard: reshard_after_forward must be True, False or a positive int (hpZ "
+        f"group size), got {value!r}."
     )

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.tree_util import tree_flatten, tree_unflatten
 
 from funshard import _context, _errors, _gather
@@ -54,8 +55,26 @@ def _first_inexact(tree: Any):
     return None
 
 
-def _resharded_call(fn: Callable, params: Any, args: tuple):
-    """Runs `fn(unshard(params), *args)` without keeping the gathered params for backward."""
+def _keep_group(layout, k: int) -> tuple[str, ...]:
+    """The trailing shard axes spanning k devices (the hpZ group), or a clear error."""
+    axes = layout.shard_axes
+    sizes = [jax.lax.axis_size(a) for a in axes]
+    for start in range(len(axes) - 1, 0, -1):
+        if int(np.prod(sizes[start:])) == k:
+            return axes[start:]
+    raise ValueError(
+        f"fully_shard: reshard_after_forward={k} needs the parameters' shard axes {axes} "
+        f"(sizes {tuple(sizes)}) to end in axes spanning exactly {k} devices, e.g. shard "
+        f"over ('fsdp_outer', 'fsdp_inner') with an inner axis of size {k}."
+    )
+
+
+def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | None):
+    """Runs `fn(unshard(params), *args)` without keeping the gathered params for backward.
+
+    With `group_size` k (hpZ), each device keeps 1/k of the gathered parameters and the
+    backward gathers within its group of k devices only.
+    """
     ctx = _context.current()
     paths, items, treedef = sharded_leaves("fully_shard", params)
     idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
@@ -64,6 +83,7 @@ def _resharded_call(fn: Callable, params: Any, args: tuple):
     accumulators = _gather.accumulators_for(datas, ctx)
     deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
     others = [None if isinstance(x, Sharded) else x for x in items]
+    group = _keep_group(layout, group_size) if group_size else None
 
     def run(fulls, operands):
         merged = list(operands[0])
@@ -79,17 +99,26 @@ def _resharded_call(fn: Callable, params: Any, args: tuple):
         return run(_gather.gather_values(datas, layout), operands)
 
     def unit_fwd(datas, accumulators, operands):
-        fulls = _gather.gather_values(datas, layout, _first_inexact(operands))
+        dependency = _first_inexact(operands)
+        if group is None:
+            fulls, source = _gather.gather_values(datas, layout, dependency), datas
+        else:
+            fulls, part = _gather.gather_values(datas, layout, dependency, group)
+            source = datas if part is None else part  # None: nothing to gather at all
+        saved["regroup"] = source is not datas
         out, vjp_fn = jax.vjp(run, fulls, operands)
         residuals, saved["treedef"] = tree_flatten(vjp_fn)
         slot_of = {id(f): k for k, f in enumerate(fulls)}
         saved["slots"] = [slot_of.get(id(r)) for r in residuals]
         kept = [None if s is not None else r for r, s in zip(residuals, saved["slots"])]
-        return out, (datas, kept)
+        return out, (source, kept)
 
     def unit_bwd(res, ct):
-        datas, kept = res
-        fulls = _gather.gather_values(datas, layout, _first_inexact(ct))
+        source, kept = res
+        if saved["regroup"]:
+            fulls = _gather.regather_values(source, layout, group, _first_inexact(ct))
+        else:
+            fulls = _gather.gather_values(source, layout, _first_inexact(ct))
         residuals = [k if s is None else fulls[s] for k, s in zip(kept, saved["slots"])]
         vjp_fn = tree_unflatten(saved["treedef"], residuals)
         ct_fulls, ct_operands = vjp_fn(ct)
@@ -113,7 +142,11 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
       reshard_after_forward: True frees the gathered parameters after the forward pass
         and all-gathers them again for backward (less memory, one more all-gather);
         activations are still saved, the unit's forward is not recomputed. False keeps
-        the gathered parameters from forward to backward (no backward all-gather).
+        the gathered parameters from forward to backward (no backward all-gather). An
+        int k (FSDP2's hpZ) keeps 1/k of them on each device, so the backward
+        all-gather runs within groups of k devices only; the parameters must be sharded
+        over axes ending in axes of k devices (e.g. `shard_axis=("fsdp_outer",
+        "fsdp_inner")`). k = 1 is False, k = the shard count is True.
 
     Returns:
       The unit taking sharded parameters. Outside `funshard.value_and_grad` it gathers
@@ -123,7 +156,9 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
       TypeError: `reshard_after_forward` is not a bool.
       ValueError: the parameters have no `Sharded` leaves, or mix meshes or policies.
     """
-    if not isinstance(reshard_after_forward, bool):
+    if not isinstance(reshard_after_forward, int) or (
+        not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1
+    ):
         raise TypeError(_errors.bad_reshard_after_forward(reshard_after_forward))
 
     @functools.wraps(fn)
@@ -134,13 +169,27 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
         policy = _unit_policy(paths, items)
         if policy is not None and policy.cast_forward_inputs:
             args = _cast_floating(args, policy.param_dtype)
-        if _context.current() is not None and reshard_after_forward:
-            out = _resharded_call(fn, params, args)
+        group_size = _group_size(reshard_after_forward, items)
+        if _context.current() is not None and group_size != 1:
+            out = _resharded_call(fn, params, args, group_size)
         else:
             out = fn(_cast_floating(unshard(params), _param_dtype(policy)), *args)
         return _cast_floating(out, None if policy is None else policy.output_dtype)
 
     return wrapped
+
+
+def _group_size(reshard_after_forward: bool | int, items) -> int | None:
+    """1: keep the gathered params; None: reshard fully; k: hpZ over groups of k."""
+    if isinstance(reshard_after_forward, bool):
+        return None if reshard_after_forward else 1
+    n = next(x.num_shards for x in items if isinstance(x, Sharded))
+    if n % reshard_after_forward:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward} must divide the "
+            f"number of shards ({n}); use True, False or a divisor of {n}."
+        )
+    return None if reshard_after_forward == n else reshard_after_forward
 
 
 def _param_dtype(policy: MixedPrecisionPolicy | None):

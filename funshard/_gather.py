@@ -89,22 +89,48 @@ def layout_of(leaves: Sequence[Sharded], ctx=None) -> GroupLayout:
     )
 
 
-def gather_values(
-    datas: Sequence[jax.Array], layout: GroupLayout, dependency: jax.Array | None = None
-) -> list[jax.Array]:
-    """All-gathers local blocks (cast to the gather dtype) into logical full arrays.
-
-    The result is typed as varying over every data-parallel axis: each device's use of
-    it is its own, so its cotangent reaches `reduce_values` unreduced instead of being
-    all-reduced at full size by autodiff.
-    """
-    blocks = [
+def _blocks(datas: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
+    # Typed as varying over every data-parallel axis: each device's use of the gathered
+    # value is its own, so its cotangent reaches `reduce_values` unreduced instead of
+    # being all-reduced at full size by autodiff.
+    return [
         _lowering.vary(d.astype(leaf.gather_dtype), layout.replicate_axes)
         for d, leaf in zip(datas, layout.leaves)
     ]
-    dims = [leaf.dim for leaf in layout.leaves]
-    fulls = _lowering.all_gather_rows(blocks, layout.shard_axes, dims=dims, dependency=dependency)
+
+
+def _logical(fulls: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
     return [f[: leaf.shape[0]] for f, leaf in zip(fulls, layout.leaves)]
+
+
+def gather_values(
+    datas: Sequence[jax.Array],
+    layout: GroupLayout,
+    dependency: jax.Array | None = None,
+    keep_group: tuple[str, ...] | None = None,
+):
+    """All-gathers local blocks (cast to the gather dtype) into logical full arrays.
+
+    With `keep_group` (hpZ), returns `(arrays, part)` where `part` is this device's
+    share of the gathered buffer within `keep_group`, for `regather_values`.
+    """
+    dims = [leaf.dim for leaf in layout.leaves]
+    out = _lowering.all_gather_rows(
+        _blocks(datas, layout), layout.shard_axes, dims=dims, dependency=dependency,
+        keep_group=keep_group,
+    )
+    if keep_group is None:
+        return _logical(out, layout)
+    return _logical(out[0], layout), out[1]
+
+
+def regather_values(part, layout: GroupLayout, group, dependency=None) -> list[jax.Array]:
+    """The logical full arrays again, gathered from hpZ `part`s within `group` only."""
+    structs = [
+        jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in layout.leaves
+    ]
+    packing = _lowering.packing_of(structs, [leaf.dim for leaf in layout.leaves])
+    return _logical(_lowering.regather_group(part, packing, group, dependency), layout)
 
 
 def _zero_cotangent(leaf: LeafLayout, layout: GroupLayout):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,8 +98,9 @@ class Packing:
         return sum(self.sizes)
 
 
-def packing_of(blocks: Sequence[jax.Array], dims: Sequence[int] | None = None) -> Packing:
-    """The flat-buffer layout of `blocks` (each sharded on its entry of `dims`)."""
+def packing_of(blocks: Sequence[Any], dims: Sequence[int] | None = None) -> Packing:
+    """The flat-buffer layout of `blocks` (arrays or shape/dtype structs, each sharded
+    on its entry of `dims`)."""
     dims = tuple(dims) if dims is not None else (0,) * len(blocks)
     dtypes = tuple(np.dtype(b.dtype) for b in blocks)
     carrier, width = _carrier(dtypes), _word_width(dtypes)
@@ -145,7 +146,8 @@ def all_gather_rows(
     dims: Sequence[int] | None = None,
     to: str = "varying",
     dependency: jax.Array | None = None,
-) -> list[jax.Array]:
+    keep_group: tuple[str, ...] | None = None,
+):
     """All-gathers every device's block of each leaf in ONE collective.
 
     Args:
@@ -156,19 +158,47 @@ def all_gather_rows(
       to: `"varying"` inside the training step (the result is typed as varying over
         `axes`); `"invarying"` for a standalone gather returning a replicated value.
       dependency: optional array the gather must wait for (see `tie_to`).
+      keep_group: trailing axes of `axes` (k devices). When given, also return this
+        device's 1/k of the gathered buffer, from which `regather_group` rebuilds the
+        whole by gathering within the group only (FSDP2's hpZ).
 
     Returns:
       Each leaf's global array: its sharded dimension `N` times longer, blocks in
-      device order (so padding, if any, comes last).
+      device order (so padding, if any, comes last); with `keep_group`, the pair
+      `(arrays, part)`.
     """
     if not blocks:
-        return []
+        return ([], None) if keep_group else []
     packing = packing_of(blocks, dims)
     n = _mesh_axes_size(axes)
     if packing.total == 0:
-        return unpack(jnp.zeros((n, 0), packing.carrier or _UINT[packing.width]), packing)
+        empty = unpack(jnp.zeros((n, 0), packing.carrier or _UINT[packing.width]), packing)
+        return (empty, None) if keep_group else empty
     flat = tie_to(pack(blocks, packing), dependency)
-    return unpack(jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to), packing)
+    gathered = jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to)
+    if keep_group is None:
+        return unpack(gathered, packing)
+    k = _mesh_axes_size(keep_group)
+    grouped = gathered.reshape(n // k, k, packing.total)
+    part = jax.lax.dynamic_index_in_dim(
+        grouped, jax.lax.axis_index(keep_group), axis=1, keepdims=False
+    )
+    return unpack(gathered, packing), part
+
+
+def regather_group(
+    part: jax.Array,
+    packing: Packing,
+    group: tuple[str, ...],
+    dependency: jax.Array | None = None,
+) -> list[jax.Array]:
+    """Rebuilds the global arrays from the `part`s kept by `all_gather_rows(keep_group=)`.
+
+    Gathers only within `group` (k devices), not over all N.
+    """
+    part = tie_to(part, dependency)
+    gathered = jax.lax.all_gather(part, group, axis=0, tiled=False)  # (k, N / k, L)
+    return unpack(gathered.transpose(1, 0, 2).reshape(-1, packing.total), packing)
 
 
 def reduce_scatter_rows(
