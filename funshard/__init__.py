@@ -5,6 +5,7 @@ from funshard._mesh import make_mesh as make_mesh
 from funshard._placement import Replicate as Replicate
 from funshard._placement import Shard as Shard
 from funshard._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
+from funshard._scan import scan as scan
 from funshard._shard import reshard as reshard
 from funshard._shard import shard as shard
 from funshard._shard import unshard as unshard
@@ -23,6 +24,7 @@ __all__ = [
     "grad",
     "make_mesh",
     "reshard",
+    "scan",
     "shard",
     "unshard",
     "value_and_grad",

@@ -100,7 +100,10 @@ def _blocks(datas: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
 
 
 def _logical(fulls: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
-    return [f[: leaf.shape[0]] for f, leaf in zip(fulls, layout.leaves)]
+    return [
+        jax.lax.slice_in_dim(f, 0, leaf.shape[leaf.dim], axis=leaf.dim)
+        for f, leaf in zip(fulls, layout.leaves)
+    ]
 
 
 def gather_values(
@@ -155,8 +158,9 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     for i in idx:
         leaf = layout.leaves[i]
         ct = _lowering.vary(cts[i].astype(leaf.reduce_dtype), layout.dp_axes)
-        pad = leaf.rows * layout.num_shards - leaf.shape[0] if leaf.dim == 0 else 0
-        padded.append(jnp.pad(ct, [(0, pad)] + [(0, 0)] * (ct.ndim - 1)) if pad else ct)
+        widths = [(0, 0)] * ct.ndim
+        widths[leaf.dim] = (0, leaf.rows * layout.num_shards - leaf.shape[leaf.dim])
+        padded.append(jnp.pad(ct, widths) if widths[leaf.dim][1] else ct)
     replicate_axes = () if layout.skip_replicate_reduce else layout.replicate_axes
     dims = [layout.leaves[i].dim for i in idx]
     reduced = _lowering.reduce_scatter_rows(padded, layout.shard_axes, replicate_axes, dims)

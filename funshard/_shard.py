@@ -25,12 +25,19 @@ def _check_numeric(fn: str, path, x) -> np.dtype:
     return dtype
 
 
-def _pad_rows(x, rows: int):
-    pad = rows - x.shape[0]
+def _pad(x, dim: int, size: int):
+    """`x` zero-padded at the end of `dim` to `size`."""
+    pad = size - x.shape[dim]
     if not pad:
         return x
-    widths = [(0, pad)] + [(0, 0)] * (x.ndim - 1)
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, pad)
     return np.pad(x, widths) if isinstance(x, (np.ndarray, np.generic)) else jnp.pad(x, widths)
+
+
+def _stacked_placement(path, x):
+    # Each layer's dim 0 is the array's dim 1; a leaf with one value per layer stays whole.
+    return _placement.Shard(1) if x.ndim >= 2 else _placement.Replicate()
 
 
 def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_size):
@@ -48,13 +55,14 @@ def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement,
     layout = Sharded(
         None, tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim
     )
-    if where.dim and x.shape[where.dim] % layout.num_shards:
+    stacked = placement is _stacked_placement
+    if where.dim and not stacked and x.shape[where.dim] % layout.num_shards:
         raise ValueError(
             f"{_errors.where('shard', path)} has size {x.shape[where.dim]} on dim "
             f"{where.dim}, which the {layout.num_shards} shards do not divide; only dim 0 "
             "is padded. Shard it on dim 0 or keep it replicated (fs.Replicate())."
         )
-    data = jax.device_put(_pad_rows(x, layout.padded_shape[0]), layout.sharding)
+    data = jax.device_put(_pad(x, layout.dim, layout.padded_shape[layout.dim]), layout.sharding)
     return Sharded(data, *_static_fields(layout))
 
 
@@ -71,6 +79,7 @@ def shard(
     replicate_axis: str | tuple[str, ...] | None = None,
     placement: _placement.PlacementFn | None = None,
     min_shard_size: int = 0,
+    stacked: bool = False,
 ) -> Any:
     """Shards every array leaf of `params` on dim 0 across the data-parallel devices.
 
@@ -86,6 +95,9 @@ def shard(
         `shard_placement_fn`, plus `ignored_params` as `Replicate()`.
       min_shard_size: leaves with fewer elements are replicated instead of sharded
         (their gradients are all-reduced).
+      stacked: the leaves hold a stack of identical layers on a leading layer axis
+        (for `funshard.scan`): each layer is sharded on its own dim 0 (the array's dim
+        1, zero-padded per layer); leaves with one value per layer are replicated.
 
     Returns:
       The same tree where each array with ndim >= 1 is a `Sharded` leaf holding
@@ -97,6 +109,10 @@ def shard(
       TypeError: a leaf has a non-numeric dtype, or `mp_policy` is not a policy.
     """
     shard_axes, replicate_axes = _mesh.resolve_axes("shard", mesh, shard_axis, replicate_axis)
+    if stacked:
+        if placement is not None:
+            raise ValueError("shard: pass either stacked=True or a placement, not both.")
+        placement = _stacked_placement
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"shard: mp_policy must be an fs.MixedPrecisionPolicy or None, got "
@@ -198,7 +214,7 @@ def _check_full(path, full, like: Sharded):
 
 
 def _local_rows(full, like: Sharded):
-    padded = _pad_rows(full, like.padded_shape[0])
+    padded = _pad(full, like.dim, like.padded_shape[like.dim])
     start = jax.lax.axis_index(like.shard_axis) * like.rows_per_shard
     return jax.lax.dynamic_slice_in_dim(padded, start, like.rows_per_shard, axis=like.dim)
 
@@ -211,8 +227,8 @@ def _reshard_leaf(full, like: Sharded, in_step: bool):
         # size-0 array; device_put lays it out right.
         data = jax.device_put(np.zeros(like.padded_shape, like.dtype), like.sharding)
     else:
-        data = jax.jit(_pad_rows, static_argnums=1, out_shardings=like.sharding)(
-            full, like.padded_shape[0]
+        data = jax.jit(_pad, static_argnums=(1, 2), out_shardings=like.sharding)(
+            full, like.dim, like.padded_shape[like.dim]
         )
     return Sharded(data, *_static_fields(like))
 

@@ -38,8 +38,9 @@ class Sharded:
       shard_axis: mesh axes dim 0 is split over.
       replicate_axis: mesh axes the shards are replicated over (HSDP); may be empty.
       mp_policy: the mixed-precision policy for gathers and gradient reductions.
-      dim: the sharded dimension (0 unless a placement chose another; only dim 0 is
-        padded, any other must divide evenly).
+      dim: the sharded dimension: 0, another dim a placement chose (which must then
+        divide evenly), or 1 for stacked layers (`shard(..., stacked=True)`, padded
+        per layer like dim 0).
     """
 
     data: Any
@@ -65,7 +66,7 @@ class Sharded:
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
-        """Global shape of `data` (only dim 0 is ever padded)."""
+        """Global shape of `data` (`dim` zero-padded to a multiple of the shard count)."""
         return self._with_dim(self.rows_per_shard * self.num_shards)
 
     @property

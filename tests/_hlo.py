@@ -43,3 +43,18 @@ def compiled(fn, *args):
 
     exe = jax.jit(fn).lower(*args).compile()
     return exe, exe.as_text()
+
+
+def computations(hlo_text: str) -> dict[str, str]:
+    """HLO computations by name ("ENTRY" for the entry computation)."""
+    out, name, lines = {}, None, []
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header and not line.startswith(" "):
+            name, lines = ("ENTRY" if header.group(1) else header.group(2)), []
+        elif line.startswith("}") and name is not None:
+            out[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    return out

@@ -1,0 +1,187 @@
+"""`scan`: stacked layers under `jax.lax.scan`, gathering layer i+1 while layer i runs.
+
+MaxText-style models keep their blocks stacked on a leading layer axis so that the
+program (and its compile time) does not grow with depth. `scan` is the FSDP unit for
+such a stack: a `custom_vjp` whose forward is a `lax.scan` carrying a double buffer
+(this layer's gathered parameters, and the next layer's, issued before this layer
+computes), and whose backward is a reverse `lax.scan` that re-gathers each layer
+(prefetching the previous one) and reduce-scatters its gradient as soon as the layer is
+done. Only the gathered parameters are dropped from the saved residuals, exactly as in
+`fully_shard`: activations are saved, nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import tree_flatten, tree_unflatten
+
+from funshard import _context, _errors, _gather
+from funshard._fully_shard import _cast_floating, _first_inexact, _unit_policy
+from funshard._shard import common_mesh, sharded_leaves, unshard
+from funshard._sharded import Sharded
+
+
+def _match_types(ct, primal):
+    """Sums `ct` over the axes it varies along but `primal` does not (autodiff's rule)."""
+
+    def fix(c, p):
+        if not hasattr(c, "dtype") or c.dtype == jax.dtypes.float0:
+            return c
+        extra = tuple(
+            a for a in jax.typeof(c).manual_axis_type.varying
+            if a not in jax.typeof(p).manual_axis_type.varying
+        )
+        return jax.lax.psum(c, extra) if extra else c
+
+    return jax.tree.map(fix, ct, primal)
+
+
+def _layer_layout(items, idx, ctx):
+    layer = [
+        dataclasses.replace(items[i], data=None, shape=items[i].shape[1:], dim=items[i].dim - 1)
+        for i in idx
+    ]
+    layout = _gather.layout_of(layer, ctx)
+    frozen = ctx.frozen if ctx is not None else frozenset()
+    leaves = tuple(
+        dataclasses.replace(leaf, frozen=id(items[i].data) in frozen)
+        for leaf, i in zip(layout.leaves, idx)
+    )
+    return dataclasses.replace(layout, leaves=leaves)
+
+
+def _check_stacked(paths, items):
+    for path, x in zip(paths, items):
+        if isinstance(x, Sharded) and x.dim != 1:
+            raise ValueError(
+                f"{_errors.where('scan', path)} is sharded on dim {x.dim}, not as a stack "
+                "of layers; shard the stacked parameters with fs.shard(..., stacked=True)."
+            )
+
+
+def scan(
+    fn: Callable, stacked: Any, carry: Any, *, reshard_after_forward: bool = True
+) -> Any:
+    """Runs `carry = fn(layer_params, carry)` over a stack of sharded layers.
+
+    Args:
+      fn: one layer, taking its full parameters and the carry (e.g. the hidden state)
+        and returning the new carry (same structure, shapes and dtypes).
+      stacked: the layers' parameters stacked on a leading layer axis, sharded with
+        `funshard.shard(..., stacked=True)`.
+      carry: the initial carry.
+      reshard_after_forward: as for `funshard.fully_shard`: True frees each layer's
+        gathered parameters after its forward and gathers them again (prefetched) in
+        the backward pass; False keeps them.
+
+    Returns:
+      The final carry. Inside `funshard.value_and_grad` each layer's all-gather is
+      issued before the previous layer computes, and each layer's gradient is
+      reduce-scattered as soon as its backward is done; outside a step the stack is
+      gathered and scanned (e.g. for evaluation).
+
+    Raises:
+      ValueError: `stacked` has no `Sharded` leaves or was not sharded as a stack.
+      NotImplementedError: deferred gradient accumulation
+        (`sync_every_microbatch=False`) over a scanned stack.
+    """
+    paths, items, treedef = sharded_leaves("scan", stacked)
+    if common_mesh("scan", paths, items) is None:
+        raise ValueError(_errors.no_sharded("scan"))
+    _check_stacked(paths, items)
+    policy = _unit_policy(paths, items)
+    if policy is not None and policy.cast_forward_inputs:
+        carry = _cast_floating(carry, policy.param_dtype)
+    ctx = _context.current()
+    if ctx is None:
+        full = _cast_floating(unshard(stacked), None if policy is None else policy.param_dtype)
+        out = jax.lax.scan(lambda c, p: (fn(p, c), None), carry, full)[0]
+    else:
+        out = _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward)
+    return _cast_floating(out, None if policy is None else policy.output_dtype)
+
+
+def _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward: bool):
+    idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
+    datas = tuple(items[i].data for i in idx)
+    if _gather.accumulators_for(datas, ctx) is not None:
+        raise NotImplementedError(
+            "scan: gradient accumulation without per-microbatch sync is not supported for "
+            "scanned stacks yet; use sync_every_microbatch=True."
+        )
+    layout = _layer_layout(items, idx, ctx)
+    others = [None if isinstance(x, Sharded) else x for x in items]
+    layers = datas[0].shape[0]
+    saved: dict[str, Any] = {}
+
+    def layer_params(gathered, others_i):
+        merged = list(others_i)
+        for i, g in zip(idx, gathered):
+            merged[i] = g
+        return tree_unflatten(treedef, merged)
+
+    def gather_layer(datas, i, dependency):
+        blocks = [jax.lax.dynamic_index_in_dim(d, i, keepdims=False) for d in datas]
+        return tuple(_gather.gather_values(blocks, layout, dependency))
+
+    def prefetch(datas, pred, i, dependency, current):
+        # The other branch hands back the current buffer: same type, no communication.
+        return jax.lax.cond(pred, lambda: gather_layer(datas, i, dependency), lambda: current)
+
+    def run_layer(gathered, others_i, h):
+        return fn(layer_params(gathered, others_i), h)
+
+    @jax.custom_vjp
+    def run(datas, others, carry):
+        body = lambda h, xs: (run_layer(gather_layer(datas, xs[0], None), xs[1], h), None)  # noqa
+        return jax.lax.scan(body, carry, (jnp.arange(layers), others))[0]
+
+    def run_fwd(datas, others, carry):
+        def body(c, xs):
+            h, current = c
+            i, others_i = xs
+            upcoming = prefetch(datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1),
+                                _first_inexact(h), current)
+            h, vjp_fn = jax.vjp(run_layer, current, others_i, h)
+            residuals, saved["treedef"] = tree_flatten(vjp_fn)
+            slot_of = {id(g): k for k, g in enumerate(current)} if reshard_after_forward else {}
+            saved["slots"] = [slot_of.get(id(r)) for r in residuals]
+            kept = [None if s is not None else r for r, s in zip(residuals, saved["slots"])]
+            return (h, upcoming), kept
+
+        first = gather_layer(datas, 0, _first_inexact(carry))
+        (h, _), kept = jax.lax.scan(body, (carry, first), (jnp.arange(layers), others))
+        return h, (datas, others, carry, kept)
+
+    def run_bwd(res, ct):
+        datas, others, carry, kept = res
+
+        def body(c, xs):
+            ct_h, current = c
+            i, kept_i = xs
+            if reshard_after_forward:
+                dependency = _first_inexact(ct_h)
+                previous = prefetch(datas, i > 0, jnp.maximum(i - 1, 0), dependency, current)
+            else:
+                previous = current  # every layer's parameters were kept: nothing to gather
+            residuals = [k if s is None else current[s] for k, s in zip(kept_i, saved["slots"])]
+            vjp_fn = tree_unflatten(saved["treedef"], residuals)
+            ct_g, ct_others, ct_h = vjp_fn(ct_h)
+            ct_blocks = _gather.backward_values(ct_g, layout, None)[0]
+            return (ct_h, previous), (ct_blocks, ct_others)
+
+        if reshard_after_forward:
+            last = gather_layer(datas, layers - 1, _first_inexact(ct))
+        else:
+            last = tuple(jnp.zeros(leaf.shape, leaf.gather_dtype) for leaf in layout.leaves)
+        (ct_carry, _), (ct_datas, ct_others) = jax.lax.scan(
+            body, (ct, last), (jnp.arange(layers), kept), reverse=True
+        )
+        return ct_datas, _match_types(ct_others, others), _match_types(ct_carry, carry)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(datas, others, carry)
