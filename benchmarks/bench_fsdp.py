@@ -872,7 +872,7 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None, help="also write the Markdown report here")
     parser.add_argument("--quick", action="store_true",
@@ -887,7 +887,7 @@ def main(argv=None) -> None:
         for field in dataclasses.fields(Config)
     })
     if args.steps is None:
-        args.steps = 3 if args.quick else 20
+        args.steps = 3 if args.quick else 10
     devices = jax.devices()[:NUM_DEVICES]
     n = len(devices)
     if cfg.batch % n or cfg.width % cfg.heads:

@@ -1,5 +1,7 @@
 """funshard: fully sharded data parallelism (FSDP2 semantics) as pure-functional JAX."""
 
+from funshard._checkpoint import restore as restore
+from funshard._checkpoint import save as save
 from funshard._fully_shard import fully_shard as fully_shard
 from funshard._mesh import make_mesh as make_mesh
 from funshard._placement import Replicate as Replicate
@@ -10,6 +12,8 @@ from funshard._shard import reshard as reshard
 from funshard._shard import shard as shard
 from funshard._shard import unshard as unshard
 from funshard._sharded import Sharded as Sharded
+from funshard._state_dict import load_state_dict as load_state_dict
+from funshard._state_dict import state_dict as state_dict
 from funshard._step import grad as grad
 from funshard._step import value_and_grad as value_and_grad
 
@@ -22,10 +26,14 @@ __all__ = [
     "Sharded",
     "fully_shard",
     "grad",
+    "load_state_dict",
     "make_mesh",
     "reshard",
+    "restore",
+    "save",
     "scan",
     "shard",
+    "state_dict",
     "unshard",
     "value_and_grad",
 ]

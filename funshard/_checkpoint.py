@@ -1,0 +1,232 @@
+"""Sharded checkpoints on orbax-checkpoint, restorable onto a mesh of any size.
+
+Every array is written by the processes that own its shards (orbax/tensorstore), never
+gathered to one host. A `Sharded` leaf is stored as its padded global array: the
+logical rows come first and the padding rows are zeros, so restoring onto another
+shard count reads the logical rows and pads (or drops) zero rows at the end
+(`ArrayRestoreArgs(strict=False)`). A small JSON item records each leaf's path,
+logical shape and dtype, so a restore into a tree of another structure or dtype is a
+clear error naming each offending path, never a silent partial load.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+from jax.tree_util import keystr, tree_unflatten
+
+from funshard import _shard
+from funshard._sharded import Sharded, is_array
+
+_FORMAT = "funshard-checkpoint-1"
+
+
+def _ocp():
+    # orbax is heavy to import; only checkpointing pays for it.
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+def _entry(path, x) -> dict | None:
+    if isinstance(x, Sharded):
+        return {"path": keystr(tuple(path)), "kind": "sharded", "shape": list(x.shape),
+                "dtype": np.dtype(x.dtype).name}
+    if is_array(x):
+        return {"path": keystr(tuple(path)), "kind": "array", "shape": list(np.shape(x)),
+                "dtype": np.dtype(x.dtype).name}
+    if isinstance(x, (bool, int, float)):
+        return {"path": keystr(tuple(path)), "kind": "scalar", "shape": [],
+                "dtype": type(x).__name__}
+    return None
+
+
+def _arrays_and_meta(tree: Any):
+    paths, items, _ = _shard.sharded_leaves("save", tree)
+    arrays, leaves = {}, []
+    for path, x in zip(paths, items):
+        entry = _entry(path, x)
+        if entry is None:
+            continue
+        key = str(len(leaves))
+        leaves.append(entry)
+        arrays[key] = x.data if isinstance(x, Sharded) else (np.asarray(x) if not is_array(x) else x)
+    return arrays, {"format": _FORMAT, "leaves": leaves}
+
+
+class PendingSave:
+    """An asynchronous save in flight: `wait()` blocks until it is durable on disk."""
+
+    def __init__(self, checkpointer, path: str):
+        self._checkpointer = checkpointer
+        self.path = path
+
+    def wait(self) -> str:
+        """Blocks until the checkpoint is complete; returns its path."""
+        self._checkpointer.wait_until_finished()
+        self._checkpointer.close()
+        return self.path
+
+
+def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False,
+         asynchronous: bool = False) -> PendingSave | str:
+    """Writes `tree` (params, optimizer state, step counters, ...) as a sharded checkpoint.
+
+    Each process writes only the shards it owns. The checkpoint appears at `path` only
+    once complete (orbax writes to a temporary directory and renames it), so a save
+    killed half-way leaves every earlier checkpoint restorable.
+
+    Args:
+      path: the checkpoint directory to create.
+      tree: a pytree of `Sharded` leaves, arrays and Python scalars (other leaves, such
+        as strings or None, are not stored and come from `like` on restore).
+      overwrite: replace an existing checkpoint at `path`. The new one is written
+        beside it first and swapped in only when complete.
+      asynchronous: return as soon as the arrays are copied off the devices, while the
+        files are written in the background; call `.wait()` on the result before
+        relying on the checkpoint (or before the process exits).
+
+    Returns:
+      The path, or a `PendingSave` when `asynchronous`.
+
+    Raises:
+      FileExistsError: `path` exists and `overwrite` is False.
+      ValueError: `overwrite` together with `asynchronous`.
+    """
+    ocp = _ocp()
+    path = os.path.abspath(os.fspath(path))
+    exists = os.path.exists(path)
+    if exists and not overwrite:
+        raise FileExistsError(
+            f"save: {path} already exists; pass overwrite=True, or save each step to its "
+            "own directory (e.g. f'{root}/step_{step}')."
+        )
+    if overwrite and asynchronous:
+        raise ValueError("save: overwrite=True cannot be asynchronous; save to a new path.")
+    arrays, meta = _arrays_and_meta(tree)
+    args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(arrays), funshard=ocp.args.JsonSave(meta))
+    target = path + ".funshard-new" if exists else path
+    if asynchronous:
+        checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+        checkpointer.save(target, args=args)
+        return PendingSave(checkpointer, path)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(target, args=args, force=True)
+    if exists:
+        _swap_in(target, path)
+    return path
+
+
+def _swap_in(new: str, path: str) -> None:
+    """Replaces `path` by the complete checkpoint `new` (primary process only)."""
+    if jax.process_index() == 0:
+        old = path + ".funshard-old"
+        os.replace(path, old)
+        os.replace(new, path)
+        shutil.rmtree(old)
+    _ocp().multihost.sync_global_processes("funshard_save_swap")
+
+
+def _mismatches(meta: dict, paths, items) -> list[str]:
+    stored = {leaf["path"]: leaf for leaf in meta["leaves"]}
+    wanted = {}
+    for path, x in zip(paths, items):
+        entry = _entry(path, x)
+        if entry is not None:
+            wanted[entry["path"]] = entry
+    problems = [f"  missing from the checkpoint: {p}" for p in wanted if p not in stored]
+    problems += [f"  not in `like`: {p}" for p in stored if p not in wanted]
+    for p, want in wanted.items():
+        have = stored.get(p)
+        if have is None:
+            continue
+        if have["shape"] != want["shape"]:
+            problems.append(f"  shape mismatch: {p} is {tuple(have['shape'])} in the "
+                            f"checkpoint, {tuple(want['shape'])} in `like`")
+        elif have["dtype"] != want["dtype"]:
+            problems.append(f"  dtype mismatch: {p} is {have['dtype']} in the checkpoint, "
+                            f"{want['dtype']} in `like`")
+    return problems
+
+
+def _restore_target(x):
+    ocp = _ocp()
+    if isinstance(x, Sharded):
+        struct = jax.ShapeDtypeStruct(x.padded_shape, x.dtype, sharding=x.sharding)
+        # Padding rows are zeros at the end: pad or drop them for this shard count.
+        args = ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.padded_shape,
+                                    dtype=x.dtype, strict=False)
+        return struct, args
+    if isinstance(x, jax.Array):
+        struct = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return struct, ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                            dtype=x.dtype)
+    return np.asarray(x), ocp.RestoreArgs(restore_type=np.ndarray)
+
+
+def _read(path: str, what: str, args):
+    ocp = _ocp()
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            return checkpointer.restore(path, args=args)
+    except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
+        raise ValueError(
+            f"restore: the checkpoint at {path} is incomplete or corrupt (reading its "
+            f"{what} failed: {type(exc).__name__}: {exc}). Restore an earlier checkpoint."
+        ) from exc
+
+
+def restore(path: str | os.PathLike, like: Any) -> Any:
+    """Reads a checkpoint onto the layout of `like`, which may use another mesh.
+
+    Args:
+      path: a directory written by `save`.
+      like: a tree with the structure, logical shapes and dtypes of the saved one,
+        whose `Sharded` leaves and arrays say where the restored values go (for
+        example `fs.shard(init_params, new_mesh)` and `opt.init` of it).
+
+    Returns:
+      A tree like `like` holding the checkpoint's values, logically bit-identical to
+      what was saved whatever the mesh.
+
+    Raises:
+      FileNotFoundError: there is no checkpoint at `path`.
+      ValueError: the checkpoint is incomplete or corrupt, or its structure, shapes or
+        dtypes differ from `like` (the message lists every offending path).
+    """
+    ocp = _ocp()
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"restore: no checkpoint at {path}.")
+    meta = _read(path, "metadata", ocp.args.Composite(funshard=ocp.args.JsonRestore()))
+    meta = meta["funshard"]
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise ValueError(f"restore: {path} is not a funshard checkpoint (no funshard metadata).")
+    paths, items, treedef = _shard.sharded_leaves("restore", like)
+    problems = _mismatches(meta, paths, items)
+    if problems:
+        raise ValueError(
+            f"restore: the checkpoint at {path} does not match `like`:\n" + "\n".join(problems)
+            + "\nBuild `like` exactly as the saved tree was built (same model, optimizer "
+            "and dtypes)."
+        )
+    stored = [i for i, (p, x) in enumerate(zip(paths, items)) if _entry(p, x) is not None]
+    targets = [_restore_target(items[i]) for i in stored]
+    item = {str(k): t[0] for k, t in enumerate(targets)}
+    restore_args = {str(k): t[1] for k, t in enumerate(targets)}
+    arrays = _read(path, "arrays", ocp.args.Composite(
+        arrays=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)))["arrays"]
+    out = list(items)
+    for k, i in enumerate(stored):
+        value, x = arrays[str(k)], items[i]
+        if isinstance(x, Sharded):
+            out[i] = Sharded(value, *_shard._static_fields(x))
+        elif is_array(x):
+            out[i] = value
+        else:
+            out[i] = type(x)(np.asarray(value).item())
+    return tree_unflatten(treedef, out)
