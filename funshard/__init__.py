@@ -1,5 +1,6 @@
 """funshard: fully sharded data parallelism (FSDP2 semantics) as pure-functional JAX."""
 
+from funshard._checkpoint import PendingSave as PendingSave
 from funshard._checkpoint import restore as restore
 from funshard._checkpoint import save as save
 from funshard._fully_shard import fully_shard as fully_shard
@@ -20,6 +21,7 @@ from funshard._step import value_and_grad as value_and_grad
 __version__ = "0.1.0"
 
 __all__ = [
+    "PendingSave",
     "MixedPrecisionPolicy",
     "Replicate",
     "Shard",

@@ -1,0 +1,337 @@
+"""Multi-process start-up and per-process data: the launcher's environment -> global mesh.
+
+`initialize` reads what torchrun or SLURM put in the environment, starts JAX's
+multi-process runtime (`jax.distributed`: gloo collectives on CPU, NCCL on GPU) and
+returns the global mesh. `shard_batch` assembles each process's own rows into one
+global batch without any host-to-host copy. See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
+
+from funshard import _mesh
+
+# JAX's own defaults (jax.distributed.initialize in jax 0.10.2), in seconds.
+INITIALIZATION_TIMEOUT = 300
+HEARTBEAT_TIMEOUT = 100
+SHUTDOWN_TIMEOUT = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Where this process sits in the job, as read from arguments and environment.
+
+    Attributes:
+      launcher: "arguments", "torchrun", "slurm" or "none" (a single process).
+      coordinator_address: "host:port" of process 0's coordination service.
+      num_processes: processes in the job.
+      process_id: this process's rank, in [0, num_processes).
+      local_device_ids: the accelerators this process uses (None: all it sees).
+    """
+
+    launcher: str
+    coordinator_address: str | None
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes > 1
+
+
+def _int_env(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"initialize: environment variable {name}={value!r} is not an integer; it is "
+            "set by the launcher (torchrun / srun), or pass the value as an argument."
+        ) from None
+
+
+def _torchrun_port(environ: Mapping[str, str]) -> int:
+    # torchrun's agent on node 0 already listens on MASTER_PORT (its TCPStore) when
+    # TORCHELASTIC_USE_AGENT_STORE is True; JAX's coordinator takes the next port.
+    port = _int_env(environ, "MASTER_PORT")
+    return port + 1 if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else port
+
+
+def _slurm_port(environ: Mapping[str, str]) -> int:
+    if "MASTER_PORT" in environ:
+        return _int_env(environ, "MASTER_PORT")
+    # The port JAX's own SLURM detection derives from the job id (same on every task).
+    return _int_env(environ, "SLURM_JOB_ID") % 2**12 + (65535 - 2**12 + 1)
+
+
+def _from_environment(environ: Mapping[str, str]) -> tuple[str, str | None, int, int, int | None]:
+    """(launcher, coordinator, num_processes, process_id, local_rank) from the launcher."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        coordinator = None
+        if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+            coordinator = f"{environ['MASTER_ADDR']}:{_torchrun_port(environ)}"
+        local = _int_env(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else None
+        return ("torchrun", coordinator, _int_env(environ, "WORLD_SIZE"),
+                _int_env(environ, "RANK"), local)
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        host = environ.get("MASTER_ADDR") or environ.get("SLURM_LAUNCH_NODE_IPADDR")
+        coordinator = None
+        if host and ("MASTER_PORT" in environ or "SLURM_JOB_ID" in environ):
+            coordinator = f"{host}:{_slurm_port(environ)}"
+        local = _int_env(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else None
+        return ("slurm", coordinator, _int_env(environ, "SLURM_NTASKS"),
+                _int_env(environ, "SLURM_PROCID"), local)
+    return ("none", None, 1, 0, None)
+
+
+def _several_per_node(launcher: str, environ: Mapping[str, str]) -> bool:
+    if launcher == "torchrun":
+        return environ.get("LOCAL_WORLD_SIZE", "1") != "1"
+    # SLURM_STEP_TASKS_PER_NODE looks like "4(x2),3": tasks per node, grouped.
+    counts = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_STEP_TASKS_PER_NODE", "1")
+    return max(int(c) for c in re.findall(r"(\d+)(?:\(x\d+\))?", counts) or ["1"]) > 1
+
+
+def _local_devices_default(launcher, local_rank, environ) -> tuple[int, ...] | None:
+    # One accelerator per process when a launcher starts several per node (torchrun's
+    # and srun's convention); a lone process per node keeps all of its devices.
+    if local_rank is None or not _several_per_node(launcher, environ):
+        return None
+    return (local_rank,)
+
+
+def resolve_launch(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Launch:
+    """Combines explicit arguments (which win) with the launcher's environment.
+
+    Args:
+      coordinator_address: "host:port" of process 0, or None to read it from the
+        environment (JAX_COORDINATOR_ADDRESS, then MASTER_ADDR/MASTER_PORT, then
+        SLURM_LAUNCH_NODE_IPADDR).
+      num_processes: job size, or None for WORLD_SIZE / SLURM_NTASKS.
+      process_id: this process's rank, or None for RANK / SLURM_PROCID.
+      local_device_ids: accelerators of this process, or None for LOCAL_RANK /
+        SLURM_LOCALID when several processes share a node.
+      environ: the environment to read (default `os.environ`).
+
+    Returns:
+      The resolved `Launch`.
+
+    Raises:
+      ValueError: the values are inconsistent or a multi-process job has no
+        coordinator address.
+    """
+    environ = os.environ if environ is None else environ
+    launcher, env_coordinator, env_n, env_id, local_rank = _from_environment(environ)
+    explicit = (coordinator_address, num_processes, process_id)
+    if any(v is not None for v in explicit):
+        launcher = "arguments" if launcher == "none" else launcher
+    coordinator = (
+        coordinator_address or environ.get("JAX_COORDINATOR_ADDRESS") or env_coordinator
+    )
+    n = env_n if num_processes is None else num_processes
+    rank = env_id if process_id is None else process_id
+    if local_device_ids is None:
+        local = _local_devices_default(launcher, local_rank, environ)
+    elif isinstance(local_device_ids, int):
+        local = (local_device_ids,)
+    else:
+        local = tuple(local_device_ids)
+    _check_launch(launcher, coordinator, n, rank)
+    return Launch(launcher, coordinator, n, rank, local)
+
+
+def _check_launch(launcher: str, coordinator, n, rank) -> None:
+    for name, value in (("num_processes", n), ("process_id", rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"initialize: {name} must be an int, got {value!r}.")
+    if n < 1 or not 0 <= rank < n:
+        raise ValueError(
+            f"initialize: process_id={rank} and num_processes={n} must satisfy "
+            "0 <= process_id < num_processes (check RANK / WORLD_SIZE or the arguments)."
+        )
+    if n > 1 and not coordinator:
+        raise ValueError(
+            f"initialize: {n} processes ({launcher}) but no coordinator address: pass "
+            "coordinator_address='host:port' (process 0's host), or set MASTER_ADDR and "
+            "MASTER_PORT (or JAX_COORDINATOR_ADDRESS) in every process's environment."
+        )
+
+
+def global_devices() -> list[jax.Device]:
+    """All devices of the job, ordered by (process index, local device order).
+
+    The position in this list, never `device.id` (0, 2048, ... across processes), is
+    what the mesh uses: process p's devices form one contiguous block.
+    """
+    return [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)]
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: int | Sequence[int] | None = None,
+    replicate: int | None = None,
+    initialization_timeout: int = INITIALIZATION_TIMEOUT,
+    heartbeat_timeout: int = HEARTBEAT_TIMEOUT,
+    shutdown_timeout: int = SHUTDOWN_TIMEOUT,
+) -> Mesh:
+    """Starts JAX's multi-process runtime from the launcher's environment; returns the mesh.
+
+    Call it first, before any other JAX call (JAX fixes its devices on first use).
+    Explicit arguments win over the environment. torchrun's RANK / WORLD_SIZE /
+    LOCAL_RANK / MASTER_ADDR / MASTER_PORT are read first, then SLURM's SLURM_PROCID /
+    SLURM_NTASKS / SLURM_LOCALID (coordinator: MASTER_ADDR or SLURM_LAUNCH_NODE_IPADDR).
+    A single process without such an environment starts nothing and just returns the
+    mesh over its local devices. Calling it again returns the mesh again.
+
+    Args:
+      coordinator_address: "host:port" where process 0 runs JAX's coordination service.
+      num_processes: number of processes in the job.
+      process_id: this process's rank.
+      local_device_ids: the accelerators this process drives (default: its LOCAL_RANK
+        when the launcher runs several processes per node, else all it sees). CPU
+        devices are set with `jax.config.update("jax_num_cpu_devices", k)` instead.
+      replicate: as in `funshard.make_mesh`: None for a 1-D "fsdp" mesh over all
+        devices of all processes, k for HSDP ("replicate", "fsdp") of shape (k, n/k).
+      initialization_timeout: seconds every process waits for all others to connect.
+      heartbeat_timeout: seconds without a heartbeat after which the coordination
+        service declares a process dead and stops every process of the job.
+      shutdown_timeout: seconds a finishing process waits for the others at exit.
+
+    Returns:
+      The global mesh, devices ordered by (process index, local device order).
+
+    Raises:
+      ValueError: inconsistent rank / world size, or no coordinator for several
+        processes, or `replicate` does not divide the global device count.
+      RuntimeError: JAX's backend already started in this process before the call.
+    """
+    launch = resolve_launch(coordinator_address, num_processes, process_id, local_device_ids)
+    if launch.multi_process and not jax.distributed.is_initialized():
+        _start(launch, initialization_timeout, heartbeat_timeout, shutdown_timeout)
+    return _mesh.make_mesh(replicate, devices=global_devices())
+
+
+def _start(launch: Launch, initialization_timeout, heartbeat_timeout, shutdown_timeout):
+    try:
+        jax.distributed.initialize(
+            launch.coordinator_address,
+            launch.num_processes,
+            launch.process_id,
+            local_device_ids=None if launch.local_device_ids is None else list(launch.local_device_ids),
+            initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout,
+            shutdown_timeout_seconds=shutdown_timeout,
+            # Everything is resolved already; JAX's own probing would only add surprises.
+            cluster_detection_method="deactivate",
+        )
+    except RuntimeError as exc:
+        if "before any JAX calls" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"initialize: process {launch.process_id} of {launch.num_processes} already "
+            "used JAX (jax.devices(), an array, a computation, ...) before this call, so "
+            "its devices are fixed to this process alone. Call "
+            "funshard.distributed.initialize() first, right after the imports."
+        ) from exc
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh's data-parallel axes: ("replicate", "fsdp") or ("fsdp",)."""
+    return tuple(a for a in (_mesh.REPLICATE_AXIS, _mesh.SHARD_AXIS) if a in mesh.axis_names)
+
+
+def _local_positions(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    """How many distinct batch blocks (positions along `axes`) this process's devices hold."""
+    me, where = jax.process_index(), [mesh.axis_names.index(a) for a in axes]
+    return len({
+        tuple(idx[i] for i in where)
+        for idx in np.ndindex(mesh.devices.shape)
+        if mesh.devices[idx].process_index == me
+    })
+
+
+def _as_rows(path, leaf):
+    if not isinstance(leaf, jax.Array):
+        if not hasattr(leaf, "shape") and not isinstance(leaf, (list, tuple, int, float, bool)):
+            raise TypeError(
+                f"shard_batch: leaf local_batch{keystr(path)} is {type(leaf).__name__}; "
+                "expected a numpy or jax array of this process's rows."
+            )
+        leaf = np.asarray(leaf)
+    if leaf.ndim == 0:
+        raise ValueError(
+            f"shard_batch: leaf local_batch{keystr(path)} is a scalar; every batch leaf "
+            "needs a leading row dimension (pass replicated values as extra arguments)."
+        )
+    return leaf
+
+
+def shard_batch(local_batch: Any, mesh: Mesh, *, axes: str | Sequence[str] | None = None) -> Any:
+    """Assembles every process's own rows into one global batch, sharded on dim 0.
+
+    No process sees another's rows: each leaf becomes a global `jax.Array` built with
+    `jax.make_array_from_process_local_data`, its leading dimension split over the
+    mesh's data-parallel axes. Rows are ordered by process (process 0's rows first),
+    which is the mesh's device order when it comes from `initialize`.
+
+    Args:
+      local_batch: a pytree of numpy / jax arrays; each leading dimension is this
+        process's share of the global batch (the same size on every process).
+      mesh: the global mesh (from `initialize` or `funshard.make_mesh`).
+      axes: mesh axes dim 0 is split over (default: ("replicate", "fsdp") on an HSDP
+        mesh, else ("fsdp",)).
+
+    Returns:
+      The same pytree of global arrays, each with `num_processes` times the rows.
+
+    Raises:
+      ValueError: a leaf is a scalar, or its rows do not split evenly over this
+        process's devices, or the mesh has no data-parallel axis.
+      TypeError: a leaf is not an array.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"shard_batch: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
+            "use the mesh funshard.distributed.initialize() returned."
+        )
+    axes = data_axes(mesh) if axes is None else _mesh._as_axes(axes)
+    if not axes or any(a not in mesh.axis_names for a in axes):
+        raise ValueError(
+            f"shard_batch: mesh axes {mesh.axis_names} lack the data-parallel axes "
+            f"{axes or ('fsdp',)}; pass axes=... naming the axes the batch is split over."
+        )
+    local = _local_positions(mesh, axes)
+    world = _mesh.axes_size(mesh, axes)
+    sharding = NamedSharding(mesh, _mesh.spec(axes))
+    with_path, treedef = tree_flatten_with_path(local_batch)
+    out = []
+    for path, leaf in with_path:
+        leaf = _as_rows(path, leaf)
+        if leaf.shape[0] % local:
+            raise ValueError(
+                f"shard_batch: leaf local_batch{keystr(path)} has {leaf.shape[0]} rows, which "
+                f"do not split over this process's {local} data-parallel devices; give each "
+                f"process a multiple of {local} rows."
+            )
+        global_shape = (leaf.shape[0] // local * world, *leaf.shape[1:])
+        out.append(jax.make_array_from_process_local_data(sharding, leaf, global_shape))
+    return tree_unflatten(treedef, out)
