@@ -69,7 +69,7 @@ def _keep_group(layout, k: int) -> tuple[str, ...]:
     )
 
 
-def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | None):
+def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | None, param_dtype):
     """Runs `fn(unshard(params), *args)` without keeping the gathered params for backward.
 
     With `group_size` k (hpZ), each device keeps 1/k of the gathered parameters and the
@@ -86,7 +86,8 @@ def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | No
     group = _keep_group(layout, group_size) if group_size else None
 
     def run(fulls, operands):
-        merged = list(operands[0])
+        # Replicated (unsharded) parameters of the unit compute in param_dtype too.
+        merged = list(_cast_floating(operands[0], param_dtype))
         for i, full in zip(idx, fulls):
             merged[i] = full
         return fn(tree_unflatten(treedef, merged), *operands[1])
@@ -171,7 +172,7 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
             args = _cast_floating(args, policy.param_dtype)
         group_size = _group_size(reshard_after_forward, items)
         if _context.current() is not None and group_size != 1:
-            out = _resharded_call(fn, params, args, group_size)
+            out = _resharded_call(fn, params, args, group_size, _param_dtype(policy))
         else:
             out = fn(_cast_floating(unshard(params), _param_dtype(policy)), *args)
         return _cast_floating(out, None if policy is None else policy.output_dtype)
