@@ -54,7 +54,10 @@ def _arrays_and_meta(tree: Any):
             continue
         key = str(len(leaves))
         leaves.append(entry)
-        arrays[key] = x.data if isinstance(x, Sharded) else (np.asarray(x) if not is_array(x) else x)
+        if isinstance(x, Sharded):
+            arrays[key] = x.data
+        else:
+            arrays[key] = x if is_array(x) else np.asarray(x)
     return arrays, {"format": _FORMAT, "leaves": leaves}
 
 

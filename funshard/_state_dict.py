@@ -33,7 +33,9 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
     """
     paths, items, _ = _shard.sharded_leaves("state_dict", tree)
     has_sharded = any(isinstance(x, Sharded) for x in items)
-    full_items = _shard.sharded_leaves("state_dict", _shard.unshard(tree))[1] if has_sharded else items
+    full_items = items
+    if has_sharded:
+        full_items = _shard.sharded_leaves("state_dict", _shard.unshard(tree))[1]
     return {
         keystr(tuple(p)): np.asarray(full)
         for p, x, full in zip(paths, items, full_items)
@@ -42,7 +44,11 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
 
 
 def _problems(sd: Mapping[str, Any], paths, items) -> list[str]:
-    expected = {keystr(tuple(p)): x for p, x in zip(paths, items) if isinstance(x, Sharded) or is_array(x)}
+    expected = {
+        keystr(tuple(p)): x
+        for p, x in zip(paths, items)
+        if isinstance(x, Sharded) or is_array(x)
+    }
     problems = [f"  missing: {k}" for k in expected if k not in sd]
     problems += [f"  unexpected: {k}" for k in sd if k not in expected]
     for key, like in expected.items():

@@ -218,8 +218,9 @@ def _finish_grads(plan, values, grads: dict, opts: _Options, world: int, replica
             out.append(jnp.zeros(v.shape, v.dtype))
             continue
         g = grads[i]
-        if isinstance(plan.items[plan.dynamic[i]], Sharded) and not opts.all_reduce_every_microbatch:
-            g = jax.lax.psum(g, replicate_axes) if replicate_axes else g
+        postponed = not opts.all_reduce_every_microbatch and replicate_axes
+        if postponed and isinstance(plan.items[plan.dynamic[i]], Sharded):
+            g = jax.lax.psum(g, replicate_axes)
         out.append((g * scale).astype(v.dtype))
     return out
 

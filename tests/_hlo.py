@@ -4,8 +4,9 @@ import re
 from collections import Counter
 
 _COLLECTIVE = re.compile(
-    r"= (?P<type>\([^)]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*) (?P<kind>all-gather|reduce-scatter|all-reduce|"
-    r"all-to-all|collective-permute)(?:-start)?\((?P<rest>[^\n]*)"
+    r"= (?P<type>\([^)]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*) "
+    r"(?P<kind>all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
+    r"(?:-start)?\((?P<rest>[^\n]*)"
 )
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 

@@ -1,5 +1,7 @@
 """MixedPrecisionPolicy: gather dtype, reduce dtype, fp32 master weights, input/output casts."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ def test_policy_normalises_dtypes_and_is_hashable():
     policy = fs.MixedPrecisionPolicy(param_dtype="bfloat16", reduce_dtype=np.float32)
     assert policy.param_dtype == jnp.bfloat16 and policy.reduce_dtype == np.float32
     assert hash(policy) == hash(fs.MixedPrecisionPolicy(jnp.bfloat16, jnp.float32))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         policy.param_dtype = jnp.float16  # frozen
 
 

@@ -1,7 +1,6 @@
 """Placements: shard on another dim, replicate (ignored params), min_shard_size."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
