@@ -11,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Mapping, Sequence
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
 
 from funshard import _mesh
@@ -74,7 +77,7 @@ def _slurm_port(environ: Mapping[str, str]) -> int:
     return _int_env(environ, "SLURM_JOB_ID") % 2**12 + (65535 - 2**12 + 1)
 
 
-def _from_environment(environ: Mapping[str, str]) -> tuple[str, str | None, int, int, int | None]:
+def _from_environment(environ: Mapping[str, str]) -> tuple:
     """(launcher, coordinator, num_processes, process_id, local_rank) from the launcher."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         coordinator = None
@@ -98,8 +101,8 @@ def _several_per_node(launcher: str, environ: Mapping[str, str]) -> bool:
     if launcher == "torchrun":
         return environ.get("LOCAL_WORLD_SIZE", "1") != "1"
     # SLURM_STEP_TASKS_PER_NODE looks like "4(x2),3": tasks per node, grouped.
-    counts = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_STEP_TASKS_PER_NODE", "1")
-    return max(int(c) for c in re.findall(r"(\d+)(?:\(x\d+\))?", counts) or ["1"]) > 1
+    counts = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_STEP_TASKS_PER_NODE")
+    return max(int(c) for c in re.findall(r"(\d+)(?:\(x\d+\))?", counts or "1") or [1]) > 1
 
 
 def _local_devices_default(launcher, local_rank, environ) -> tuple[int, ...] | None:
@@ -192,6 +195,7 @@ def initialize(
     initialization_timeout: int = INITIALIZATION_TIMEOUT,
     heartbeat_timeout: int = HEARTBEAT_TIMEOUT,
     shutdown_timeout: int = SHUTDOWN_TIMEOUT,
+    fail_fast: bool = True,
 ) -> Mesh:
     """Starts JAX's multi-process runtime from the launcher's environment; returns the mesh.
 
@@ -215,6 +219,11 @@ def initialize(
       heartbeat_timeout: seconds without a heartbeat after which the coordination
         service declares a process dead and stops every process of the job.
       shutdown_timeout: seconds a finishing process waits for the others at exit.
+      fail_fast: on an uncaught exception (its own, or a collective failing because
+        another process died), print the traceback and a summary naming the dead
+        process where it can, then exit at once with status 1, skipping JAX's
+        shutdown barrier (which would wait for the dead process up to
+        `heartbeat_timeout`, and keep the other processes blocked meanwhile).
 
     Returns:
       The global mesh, devices ordered by (process index, local device order).
@@ -227,16 +236,20 @@ def initialize(
     launch = resolve_launch(coordinator_address, num_processes, process_id, local_device_ids)
     if launch.multi_process and not jax.distributed.is_initialized():
         _start(launch, initialization_timeout, heartbeat_timeout, shutdown_timeout)
+        if fail_fast:
+            hosts = _exchange_hosts(launch, initialization_timeout)
+            sys.excepthook = _fail_fast_hook(sys.excepthook, launch, hosts)
     return _mesh.make_mesh(replicate, devices=global_devices())
 
 
 def _start(launch: Launch, initialization_timeout, heartbeat_timeout, shutdown_timeout):
+    local = launch.local_device_ids
     try:
         jax.distributed.initialize(
             launch.coordinator_address,
             launch.num_processes,
             launch.process_id,
-            local_device_ids=None if launch.local_device_ids is None else list(launch.local_device_ids),
+            local_device_ids=None if local is None else list(local),
             initialization_timeout=initialization_timeout,
             heartbeat_timeout_seconds=heartbeat_timeout,
             shutdown_timeout_seconds=shutdown_timeout,
@@ -252,6 +265,90 @@ def _start(launch: Launch, initialization_timeout, heartbeat_timeout, shutdown_t
             "its devices are fixed to this process alone. Call "
             "funshard.distributed.initialize() first, right after the imports."
         ) from exc
+
+
+def _my_address(coordinator_address: str) -> str:
+    """The IP this host uses to reach the coordinator (what peers see as its address)."""
+    host = coordinator_address.rsplit(":", 1)[0].strip("[]")
+    try:
+        family, _, _, _, target = socket.getaddrinfo(host, 1, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)  # UDP: picks the route, sends nothing
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _exchange_hosts(launch: Launch, timeout_s: int) -> dict[int, str]:
+    """Every process's IP, by rank, through JAX's coordination service ({} if unavailable).
+
+    Only used to name the process behind a failed connection in error messages. Every
+    process has connected by now, so the barrier is short.
+    """
+    try:
+        from jax._src import distributed  # the key-value store has no public API
+
+        client = distributed.global_state.client
+        me = _my_address(launch.coordinator_address)
+        client.key_value_set(f"funshard/host/{launch.process_id}", me)
+        client.wait_at_barrier("funshard/hosts", min(timeout_s, 60) * 1000)
+        pairs = client.key_value_dir_get("funshard/host/")
+        return {int(key.rsplit("/", 1)[1]): ip for key, ip in pairs}
+    except Exception:  # noqa: BLE001 -- naming peers is a nicety, never a failure
+        return {}
+
+
+# A peer's address in gloo's errors: "... Connection closed by peer [10.0.0.2]:7042".
+_PEER = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
+_LOST = re.compile(r"(?i)connection (closed|reset|refused)|broken pipe|by peer")
+
+
+def _dead_peer(message: str, launch: Launch, hosts: dict[int, str]) -> str | None:
+    """Who the failed connection in `message` led to, e.g. "process 1 (127.0.0.1:7042)"."""
+    match = _PEER.search(message)
+    if match is None:
+        return None
+    ip, port = match.groups()
+    ranks = [r for r, h in sorted(hosts.items()) if h == ip and r != launch.process_id]
+    where = f"{ip}:{port}"
+    if len(ranks) == 1:
+        return f"process {ranks[0]} ({where})"
+    if ranks:
+        return f"one of processes {', '.join(map(str, ranks))} ({where})"
+    return f"the process at {where}"
+
+
+def failure_summary(exc: BaseException, launch: Launch, hosts: dict[int, str]) -> str:
+    """The one-paragraph explanation `fail_fast` prints after the traceback."""
+    me = f"funshard.distributed: process {launch.process_id} of {launch.num_processes}"
+    text = str(exc)
+    if _LOST.search(text):
+        who = _dead_peer(text, launch, hosts) or "another process"
+        return (
+            f"{me} stops: a collective failed because {who} is gone (it exited or "
+            "crashed; its own log says why). Exiting now with status 1 instead of "
+            "waiting for it in JAX's shutdown barrier."
+        )
+    return (
+        f"{me} stops on an uncaught {type(exc).__name__}. Exiting now with status 1, "
+        "without JAX's shutdown barrier, so that the other processes fail at their next "
+        "collective instead of waiting for this one."
+    )
+
+
+def _fail_fast_hook(previous, launch: Launch, hosts: dict[int, str]):
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        try:
+            print(failure_summary(exc, launch, hosts), file=sys.stderr)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # The client's destructor would block in the shutdown barrier until the
+            # dead process's heartbeat times out; nothing else is left to do here.
+            os._exit(1)
+
+    return hook
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -271,7 +368,7 @@ def _local_positions(mesh: Mesh, axes: tuple[str, ...]) -> int:
 
 def _as_rows(path, leaf):
     if not isinstance(leaf, jax.Array):
-        if not hasattr(leaf, "shape") and not isinstance(leaf, (list, tuple, int, float, bool)):
+        if not hasattr(leaf, "shape") and not isinstance(leaf, (int, float, bool, complex)):
             raise TypeError(
                 f"shard_batch: leaf local_batch{keystr(path)} is {type(leaf).__name__}; "
                 "expected a numpy or jax array of this process's rows."
@@ -320,6 +417,11 @@ def shard_batch(local_batch: Any, mesh: Mesh, *, axes: str | Sequence[str] | Non
             f"{axes or ('fsdp',)}; pass axes=... naming the axes the batch is split over."
         )
     local = _local_positions(mesh, axes)
+    if not local:
+        raise ValueError(
+            f"shard_batch: process {jax.process_index()} has no device in the mesh; build "
+            "the mesh over every process's devices (funshard.distributed.initialize())."
+        )
     world = _mesh.axes_size(mesh, axes)
     sharding = NamedSharding(mesh, _mesh.spec(axes))
     with_path, treedef = tree_flatten_with_path(local_batch)

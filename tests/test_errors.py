@@ -269,7 +269,7 @@ def test_make_mesh_replicate_not_a_divisor(replicate):
 
 
 def test_fully_shard_reshard_after_forward_not_bool():
-    with user_error(TypeError, "reshard_after_forward must be True or False", "'yes'"):
+    with user_error(TypeError, "reshard_after_forward must be True, False or a positive int", "'yes'"):
         fs.fully_shard(lambda p, x: x, reshard_after_forward="yes")
 
 

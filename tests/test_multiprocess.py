@@ -1,0 +1,272 @@
+"""Multi-process training over gloo on 127.0.0.1 against the single-process run.
+
+Each case starts real processes (`tests/_mp_worker.py`) with torchrun's environment
+variables set by hand (torchrun itself is not needed), trains the transformer block of
+tests/_models.py for 5 AdamW steps, and compares losses and final parameters with the
+same training run in this process on as many of its 8 CPU devices.
+"""
+
+import contextlib
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _mp_worker as worker
+import jax
+import numpy as np
+import pytest
+from _models import block_params
+from jax.sharding import PartitionSpec
+
+import funshard as fs
+import funshard.distributed
+from funshard._distributed import failure_summary
+
+WORKER = Path(__file__).with_name("_mp_worker.py")
+HARD_CAP_S = 120  # per test: a hung job fails the test instead of the CI run
+FAULT_LIMIT_S = 60
+STEPS = 5
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS",
+               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
+               "SLURM_LAUNCH_NODE_IPADDR", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env(rank: int, world: int, port: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    # The worker asks for its own CPU device count; a forced count would conflict.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env.update(
+        XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    return env
+
+
+@contextlib.contextmanager
+def _job(tmp_path: Path, processes: int, *args: str):
+    """Starts `processes` workers; always kills what is left of them on the way out."""
+    port, procs = _free_port(), []
+    try:
+        for rank in range(processes):
+            out_path, err_path = tmp_path / f"rank{rank}.out", tmp_path / f"rank{rank}.err"
+            with open(out_path, "w") as out, open(err_path, "w") as err:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(WORKER), "--out", str(tmp_path), *args],
+                    env=_worker_env(rank, processes, port), stdout=out, stderr=err,
+                    start_new_session=True,  # its own process group, killed as a whole
+                ))
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _wait(procs, deadline: float) -> list[int]:
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"multi-process job still running after {HARD_CAP_S} s (killed)")
+    return codes
+
+
+def _logs(tmp_path: Path, rank: int) -> str:
+    return (tmp_path / f"rank{rank}.out").read_text() + (tmp_path / f"rank{rank}.err").read_text()
+
+
+@pytest.fixture(scope="module")
+def params_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("params") / "params.npz"
+    # One quickly compiled program instead of a compile per jax.random call (seconds).
+    key = jax.random.key(1)
+    init = jax.jit(block_params).lower(key).compile(worker.COMPILER_OPTIONS)
+    worker.save_tree(str(path), init(key))
+    return path
+
+
+@functools.cache
+def _reference(devices: int, replicate, params_path: str):
+    """The same training in this process on its first `devices` devices."""
+    mesh = fs.make_mesh(replicate, devices=jax.devices()[:devices])
+    rows = worker.ROWS_PER_DEVICE * devices
+    params = worker.load_params(params_path)
+    return worker.train(mesh, params, STEPS, lambda i: worker.global_batch(i, rows))
+
+
+def _run_and_compare(tmp_path, params_file, processes, devices, replicate, ref_devices):
+    args = ["--params", str(params_file), "--devices", str(devices), "--steps", str(STEPS)]
+    if replicate:
+        args += ["--replicate", str(replicate)]
+    with _job(tmp_path, processes, *args) as procs:
+        codes = _wait(procs, time.monotonic() + HARD_CAP_S)
+    assert codes == [0] * processes, "\n\n".join(_logs(tmp_path, r) for r in range(processes))
+    got = np.load(tmp_path / "result.npz")
+    want_losses, want_params = _reference(ref_devices, replicate, str(params_file))
+    np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-5, atol=1e-5)
+    for path, want in jax.tree_util.tree_leaves_with_path(want_params):
+        np.testing.assert_allclose(got[jax.tree_util.keystr(path)], want, rtol=1e-5, atol=1e-5)
+
+
+def test_two_processes_one_device_each_match_two_devices(tmp_path, params_file):
+    # 2 global devices in all, so the reference is the single-process 2-device run.
+    _run_and_compare(tmp_path, params_file, processes=2, devices=1, replicate=None,
+                     ref_devices=2)
+
+
+def test_two_processes_two_devices_each_match_four_devices(tmp_path, params_file):
+    _run_and_compare(tmp_path, params_file, processes=2, devices=2, replicate=None,
+                     ref_devices=4)
+
+
+def test_four_process_hsdp_matches_single_process_hsdp(tmp_path, params_file):
+    # make_mesh(replicate=2) over 4 processes x 1 device: each replica spans 2 processes.
+    _run_and_compare(tmp_path, params_file, processes=4, devices=1, replicate=2,
+                     ref_devices=4)
+
+
+# Measured with jax 0.10.2: when process 1 dies, process 0's next collective fails at
+# once ("Gloo AllGather failed: ... Connection reset by peer"), but without fail_fast the
+# process then waits in JAX's shutdown barrier until the dead one's heartbeat times out
+# (~100 s) and aborts. When process 0 (the coordination service) dies, JAX terminates
+# process 1 by itself within a second ("Terminating process because the JAX distributed
+# service detected fatal errors"), unless its failed collective reaches fail_fast first.
+SURVIVOR_MESSAGES = {
+    1: ("funshard.distributed: process 0 of 2 stops: a collective failed because process 1 ",),
+    0: ("funshard.distributed: process 1 of 2 stops",
+        "Terminating process because the JAX distributed service detected fatal errors"),
+}
+
+
+@pytest.mark.parametrize("dead", [1, 0])
+def test_survivor_exits_promptly_when_a_peer_dies(tmp_path, params_file, dead):
+    survivor = 1 - dead
+    start = time.monotonic()
+    args = ["--params", str(params_file), "--devices", "1", "--steps", str(STEPS),
+            "--die-rank", str(dead), "--die-after-step", "2"]
+    with _job(tmp_path, 2, *args) as procs:
+        codes = _wait(procs, start + HARD_CAP_S)
+    elapsed = time.monotonic() - start
+    stderr = (tmp_path / f"rank{survivor}.err").read_text()
+    assert codes[dead] == -signal.SIGKILL, _logs(tmp_path, dead)
+    assert codes[survivor] != 0 and elapsed < FAULT_LIMIT_S, (codes, elapsed, stderr)
+    assert "step 2 " in (tmp_path / f"rank{survivor}.out").read_text()
+    assert any(m in stderr for m in SURVIVOR_MESSAGES[dead]), stderr
+
+
+# ---- In-process checks: environment resolution, single-process start, shard_batch ----
+
+
+def test_resolve_launch_torchrun_environment():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    launch = fs.distributed.resolve_launch(environ=env)
+    assert launch == fs.distributed.Launch("torchrun", "10.0.0.1:29500", 8, 3, (1,))
+    # torchrun's own agent listens on MASTER_PORT: JAX's coordinator takes the next one.
+    agent = fs.distributed.resolve_launch(environ={**env, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert agent.coordinator_address == "10.0.0.1:29501"
+    # One process per node keeps all of its devices.
+    single = fs.distributed.resolve_launch(environ={**env, "LOCAL_WORLD_SIZE": "1"})
+    assert single.local_device_ids is None
+
+
+def test_resolve_launch_slurm_environment():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3",
+           "SLURM_JOB_ID": "4097"}
+    launch = fs.distributed.resolve_launch(environ=env)
+    assert launch == fs.distributed.Launch("slurm", "10.1.2.3:61441", 8, 5, (1,))
+    with_master = fs.distributed.resolve_launch(
+        environ={**env, "MASTER_ADDR": "node0", "MASTER_PORT": "1234"})
+    assert with_master.coordinator_address == "node0:1234"
+
+
+def test_resolve_launch_explicit_arguments_win():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}
+    launch = fs.distributed.resolve_launch("b:2", 4, 3, local_device_ids=[0, 1], environ=env)
+    assert launch == fs.distributed.Launch("torchrun", "b:2", 4, 3, (0, 1))
+    bare = fs.distributed.resolve_launch("h:9", 2, 0, environ={})
+    assert bare.launcher == "arguments" and bare.multi_process
+    assert fs.distributed.resolve_launch(environ={"JAX_COORDINATOR_ADDRESS": "c:3", **env}
+                                         ).coordinator_address == "c:3"
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "no coordinator address"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "process_id=2"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+])
+def test_resolve_launch_errors(env, match):
+    with pytest.raises(ValueError, match=match):
+        fs.distributed.resolve_launch(environ=env)
+
+
+def test_initialize_single_process_is_a_no_op(monkeypatch):
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    mesh = fs.distributed.initialize()
+    assert not jax.distributed.is_initialized()
+    assert mesh.axis_names == ("fsdp",) and list(mesh.devices.flat) == jax.devices()
+    assert fs.distributed.initialize() == mesh  # a second call is fine
+    hsdp = fs.distributed.initialize(replicate=2)
+    assert dict(hsdp.shape) == {"replicate": 2, "fsdp": jax.device_count() // 2}
+
+
+def test_initialize_after_jax_started_says_what_to_do(monkeypatch):
+    # This test process has used JAX already: a multi-process start must refuse clearly.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    jax.devices()
+    with pytest.raises(RuntimeError, match="process 0 of 2 already used JAX"):
+        fs.distributed.initialize()
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("replicate", [None, 2])
+def test_shard_batch_single_process(replicate):
+    mesh = fs.make_mesh(replicate, devices=jax.devices()[:4])
+    rows = {"x": np.arange(24.0).reshape(8, 3), "y": [np.arange(8, dtype=np.int32)]}
+    batch = fs.distributed.shard_batch(rows, mesh)
+    axes = ("fsdp",) if replicate is None else ("replicate", "fsdp")
+    for got, want in zip(jax.tree.leaves(batch), jax.tree.leaves(rows)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert got.sharding.spec == PartitionSpec(axes[0] if len(axes) == 1 else axes)
+        assert got.addressable_shards[0].data.shape[0] == 2
+
+
+def test_shard_batch_errors():
+    mesh = fs.make_mesh(devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"local_batch\['y'\]\[0\] has 6 rows.*multiple of 4"):
+        fs.distributed.shard_batch({"x": np.zeros((8, 2)), "y": [np.zeros(6)]}, mesh)
+    with pytest.raises(ValueError, match=r"local_batch\['s'\] is a scalar"):
+        fs.distributed.shard_batch({"s": np.float32(1.0)}, mesh)
+    with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+        fs.distributed.shard_batch(np.zeros(4), "mesh")
+
+
+def test_failure_summary_names_the_dead_peer():
+    launch = fs.distributed.Launch("torchrun", "127.0.0.1:1", 3, 0, None)
+    hosts = {0: "127.0.0.1", 1: "10.0.0.2", 2: "10.0.0.3"}
+    error = RuntimeError("Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+                         "Read error [10.0.0.3]:43441: Connection reset by peer")
+    text = failure_summary(error, launch, hosts)
+    assert "process 0 of 3 stops" in text and "process 2 (10.0.0.3:43441) is gone" in text
+    own = failure_summary(KeyError("k"), launch, hosts)
+    assert "uncaught KeyError" in own
