@@ -18,6 +18,8 @@ from funshard._state_dict import state_dict as state_dict
 from funshard._step import grad as grad
 from funshard._step import value_and_grad as value_and_grad
 
+from funshard import distributed as distributed
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "Sharded",
+    "distributed",
     "fully_shard",
     "grad",
     "load_state_dict",

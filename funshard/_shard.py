@@ -62,8 +62,19 @@ def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement,
             f"{where.dim}, which the {layout.num_shards} shards do not divide; only dim 0 "
             "is padded. Shard it on dim 0 or keep it replicated (fs.Replicate())."
         )
-    data = jax.device_put(_pad(x, layout.dim, layout.padded_shape[layout.dim]), layout.sharding)
-    return Sharded(data, *_static_fields(layout))
+    return Sharded(_place(x, layout), *_static_fields(layout))
+
+
+def _place(x, layout: Sharded) -> jax.Array:
+    """`x` padded and laid out as `layout.data`, each process slicing its own shards."""
+    size = layout.padded_shape[layout.dim]
+    if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
+        return jax.device_put(_pad(x, layout.dim, size), layout.sharding)
+    # Host arrays (and any array in a multi-process job, where device_put would compare
+    # the value across processes): every process holds the full value and copies out
+    # only the blocks of its own devices.
+    padded = _pad(np.asarray(x), layout.dim, size)
+    return jax.make_array_from_callback(padded.shape, layout.sharding, lambda idx: padded[idx])
 
 
 def _static_fields(s: Sharded) -> tuple:
