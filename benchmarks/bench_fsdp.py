@@ -230,50 +230,60 @@ def _computations(text: str) -> dict[str, list[str]]:
     return comps
 
 
-def _multiplicities(comps: dict[str, list[str]]) -> tuple[dict[str, int], bool]:
+def _multiplicities(comps: dict[str, list[str]]) -> tuple[dict[str, int], set[str], dict]:
     """How many times each computation runs per step (while bodies x known trip count).
 
-    Returns (multiplicity by computation, whether some while loop had no known trip count,
-    in which case its body is counted once).
+    Returns (multiplicity by computation, the computations reached through a
+    `conditional` branch, facts): a branch is counted as running every time its caller
+    runs, an upper bound (fs.scan's prefetch gathers sit in such branches). facts:
+    `while` (the program has a while loop), `unknown_trip` (some while loop had no known
+    trip count; its body is counted once).
     """
     entry = comps.get("__entry__", [None])[0]
-    calls: dict[str, list[tuple[str, int]]] = {}
-    unknown = False
+    calls: dict[str, list[tuple[str, int, bool]]] = {}
+    facts = {"while": False, "unknown_trip": False}
     for name, lines in comps.items():
         if name == "__entry__":
             continue
         for line in lines:
             trip = 1
             if " while(" in line:
+                facts["while"] = True
                 m = _TRIP.search(line)
                 if m:
                     trip = int(m.group(1))
                 else:
-                    unknown = True
+                    facts["unknown_trip"] = True
             for role, callee in _CALLEE.findall(line):
-                calls.setdefault(name, []).append((callee, trip if role == "body" else 1))
+                branch = role in ("true_computation", "false_computation")
+                calls.setdefault(name, []).append(
+                    (callee, trip if role == "body" else 1, branch))
             for group in _BRANCHES.findall(line):
                 for callee in group.split(","):
-                    calls.setdefault(name, []).append((callee.strip().lstrip("%"), 1))
+                    calls.setdefault(name, []).append((callee.strip().lstrip("%"), 1, True))
     mult: dict[str, int] = {}
+    conditional: set[str] = set()
 
-    def visit(name: str, times: int, depth: int = 0) -> None:
+    def visit(name: str, times: int, in_branch: bool, depth: int = 0) -> None:
         if depth > 64:
             return
         mult[name] = mult.get(name, 0) + times
-        for callee, trip in calls.get(name, []):
-            visit(callee, times * trip, depth + 1)
+        if in_branch:
+            conditional.add(name)
+        for callee, trip, branch in calls.get(name, []):
+            visit(callee, times * trip, in_branch or branch, depth + 1)
 
     if entry is not None:
-        visit(entry, 1)
-    return mult, unknown
+        visit(entry, 1, False)
+    return mult, conditional, facts
 
 
-def collectives(text: str, num_devices: int) -> tuple[list[dict], bool]:
+def collectives(text: str, num_devices: int) -> tuple[list[dict], dict]:
     """Every collective executed by one step, per device, from compiled HLO text.
 
     Each op: kind, dtypes, `times` it runs per step (ops inside a while body count
-    trip-count times), group size G, `bytes` and `moved` (both per execution):
+    trip-count times), `conditional` (inside a conditional branch: `times` is then an
+    upper bound), group size G, `bytes` and `moved` (both per execution):
 
     * all-gather: `bytes` = the OUTPUT (gathered, full) buffer.
     * reduce-scatter: `bytes` = the INPUT (full, pre-scatter) buffer = output x G.
@@ -283,10 +293,11 @@ def collectives(text: str, num_devices: int) -> tuple[list[dict], bool]:
       all-gather, reduce-scatter and all-to-all, 2(G-1)/G x buffer for all-reduce, the
       buffer for collective-permute.
 
-    Async `-start` forms are counted once (their `-done` halves are skipped).
+    Async `-start` forms are counted once (their `-done` halves are skipped). Returns
+    (ops, facts about loops; see `_multiplicities`).
     """
     comps = _computations(text)
-    mult, unknown = _multiplicities(comps)
+    mult, conditional, facts = _multiplicities(comps)
     ops = []
     for name, lines in comps.items():
         if name == "__entry__":
@@ -313,9 +324,10 @@ def collectives(text: str, num_devices: int) -> tuple[list[dict], bool]:
             )
             ops.append({
                 "kind": kind, "dtypes": sorted({a[0] for a in arrays}), "times": times,
-                "group": g, "bytes": full, "moved": factor * full,
+                "conditional": name in conditional, "group": g, "bytes": full,
+                "moved": factor * full,
             })
-    return ops, unknown
+    return ops, facts
 
 
 def _group_size(rhs: str, default: int) -> int:
@@ -329,9 +341,13 @@ def _group_size(rhs: str, default: int) -> int:
 
 
 def summarize(ops: list[dict]) -> dict:
-    by_kind = {k: {"count": 0, "bytes": 0.0, "moved": 0.0, "dtypes": set()} for k in KINDS}
+    by_kind = {
+        k: {"count": 0, "bytes": 0.0, "moved": 0.0, "dtypes": set(), "upper": False}
+        for k in KINDS
+    }
     for op in ops:
         s = by_kind[op["kind"]]
+        s["upper"] |= op["conditional"]  # the totals are upper bounds
         s["count"] += op["times"]
         s["bytes"] += op["times"] * op["bytes"]
         s["moved"] += op["times"] * op["moved"]
@@ -675,11 +691,12 @@ def compile_all(lowered: dict[str, Any]) -> dict[str, tuple[Any, float]]:
 
 def static_facts(v: Variant, compiled) -> dict:
     """Everything read from the compiled program and the placed state (no execution)."""
-    ops, unknown_trip = collectives(compiled.as_text(), v.devices)
+    ops, loops = collectives(compiled.as_text(), v.devices)
     mem = compiled.memory_analysis()
     return {
         "name": v.name, "note": v.note, "devices": v.devices, "has_loss": v.has_loss,
-        "ops": ops, "by_kind": summarize(ops), "unknown_trip": unknown_trip,
+        "ops": ops, "by_kind": summarize(ops), "unknown_trip": loops["unknown_trip"],
+        "while": loops["while"],
         "arg": mem.argument_size_in_bytes, "out": mem.output_size_in_bytes,
         "temp": mem.temp_size_in_bytes, "flops": flops_of(compiled),
         "state_bytes": bytes_on(v.state, jax.devices()[0]),
@@ -781,6 +798,11 @@ def ideal_comm(ctx: Context, n: int, reshard: bool) -> float:
 # --------------------------------------------------------------------------------------
 
 
+def bound(summary: dict) -> str:
+    """'≤ ' when a collective total is an upper bound (see `collectives`)."""
+    return "≤ " if summary["upper"] else ""
+
+
 def mib(x: float) -> str:
     return f"{x / MIB:,.2f}"
 
@@ -837,15 +859,22 @@ def report(args, cfg: Config, ctx: Context, results: list[dict], scale: list[dic
         k = r["by_kind"]
         dtypes = sorted(set().union(*(s["dtypes"] for s in k.values())))
         cells = [r["name"], str(r["devices"])]
-        cells += [f"{k[x]['count']} / {mib(k[x]['bytes'])}" if k[x]["count"] else "-"
-                  for x in KINDS]
+        cells += [f"{bound(k[x])}{k[x]['count']} / {mib(k[x]['bytes'])}" if k[x]["count"]
+                  else "-" for x in KINDS]
         ag_rs = k["all-gather"]["moved"] + k["reduce-scatter"]["moved"]
         total = sum(s["moved"] for s in k.values())
-        cells += [", ".join(dtypes) or "-", mib(ag_rs), mib(total)]
+        ag_rs_bound = bound(k["all-gather"]) or bound(k["reduce-scatter"])
+        total_bound = "≤ " if any(s["upper"] for s in k.values()) else ""
+        cells += [", ".join(dtypes) or "-", ag_rs_bound + mib(ag_rs), total_bound + mib(total)]
         rows.append(cells)
     lines += table(
         ["variant", "dev", "all-gather", "reduce-scatter", "all-reduce", "all-to-all",
          "coll-permute", "dtypes", "AG+RS moved MiB", "all moved MiB"], rows)
+    if any(s["upper"] for r in results for s in r["by_kind"].values()):
+        lines += ["≤: an upper bound. Collectives inside a `conditional` branch (e.g. "
+                  "fs.scan's prefetch gathers, whose branch need not run on every "
+                  "iteration) are counted as if it ran on every loop iteration; collectives "
+                  "in while-loop bodies are counted trip-count times.", ""]
     if any(r["unknown_trip"] for r in results):
         lines += ["Note: some while loop had no known trip count; its body counted once.", ""]
 
@@ -859,7 +888,8 @@ def report(args, cfg: Config, ctx: Context, results: list[dict], scale: list[dic
         ratio = r["median"] / base["median"] if base else float("nan")
         rows.append([
             r["name"], mib(r["arg"]), mib(r["out"]), mib(r["temp"]), mib(r["state_bytes"]),
-            f"{r['flops'] / 1e9:,.2f}", f"{r['compile_s']:.1f}", f"{r['median'] * 1e3:,.1f}",
+            f"{r['flops'] / 1e9:,.2f}" + ("*" if r["while"] else ""),
+            f"{r['compile_s']:.1f}", f"{r['median'] * 1e3:,.1f}",
             f"{min(r['times']) * 1e3:,.1f}" if r["times"] else "-",
             f"{ratio:.2f}",
             f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}" if r["has_loss"] else "-",
@@ -867,6 +897,9 @@ def report(args, cfg: Config, ctx: Context, results: list[dict], scale: list[dic
     lines += table(
         ["variant", "arg MiB", "out MiB", "temp MiB", "state MiB", "GFLOP", "compile s",
          "median ms", "min ms", "time / funshard", "loss first -> last"], rows)
+    if any(r["while"] for r in results):
+        lines += ["*: the program has a while loop, and XLA's cost analysis counts a loop "
+                  "body once, not once per iteration: these FLOPs are too low.", ""]
     lines += ["Variant notes:", ""]
     lines += [f"- **{r['name']}**: {r['note']}" for r in results]
     lines += [
