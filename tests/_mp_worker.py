@@ -111,6 +111,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-after-step", type=int, default=-1)
+    parser.add_argument("--save", default="", help="also write the final params here")
     args = parser.parse_args()
 
     jax.config.update("jax_num_cpu_devices", args.devices)  # before initialize
@@ -131,6 +132,8 @@ def main() -> int:
 
     params = load_params(args.params)
     losses, params = train(mesh, params, args.steps, lambda i: global_batch(i, rows)[mine], on_step)
+    if args.save:  # every process writes the shards of its own devices
+        fs.save(args.save, fs.shard(params, mesh))
     if rank == 0:
         save_tree(os.path.join(args.out, "result.npz"), params, losses=losses)
     print(f"rank {rank}: done", flush=True)

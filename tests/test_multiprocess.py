@@ -109,10 +109,13 @@ def _reference(devices: int, replicate, params_path: str):
     return worker.train(mesh, params, STEPS, lambda i: worker.global_batch(i, rows))
 
 
-def _run_and_compare(tmp_path, params_file, processes, devices, replicate, ref_devices):
+def _run_and_compare(tmp_path, params_file, processes, devices, replicate, ref_devices,
+                     save=None):
     args = ["--params", str(params_file), "--devices", str(devices), "--steps", str(STEPS)]
     if replicate:
         args += ["--replicate", str(replicate)]
+    if save:
+        args += ["--save", str(save)]
     with _job(tmp_path, processes, *args) as procs:
         codes = _wait(procs, time.monotonic() + HARD_CAP_S)
     assert codes == [0] * processes, "\n\n".join(_logs(tmp_path, r) for r in range(processes))
@@ -130,8 +133,18 @@ def test_two_processes_one_device_each_match_two_devices(tmp_path, params_file):
 
 
 def test_two_processes_two_devices_each_match_four_devices(tmp_path, params_file):
+    # The processes also checkpoint their shards; restore it here on 8 and 3 devices.
+    ckpt = tmp_path / "ckpt"
     _run_and_compare(tmp_path, params_file, processes=2, devices=2, replicate=None,
-                     ref_devices=4)
+                     ref_devices=4, save=ckpt)
+    _, want = _reference(4, None, str(params_file))
+    for n in (8, 3):
+        mesh = fs.make_mesh(devices=jax.devices()[:n])
+        like = fs.shard(worker.load_params(str(params_file)), mesh)
+        restored = fs.unshard(fs.restore(ckpt, like))
+        for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(restored),
+                                  jax.tree.leaves(want)):
+            np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5, err_msg=str(path))
 
 
 def test_four_process_hsdp_matches_single_process_hsdp(tmp_path, params_file):
