@@ -404,6 +404,18 @@ class Variant:
     has_loss: bool = True  # False: the step's scalar output is not a training loss
 
 
+def funshard_train_step(loss_fn: Callable, opt) -> Callable:
+    """`step((state, opt_state), tokens)` for a per-device funshard loss."""
+
+    def step(train_state, tokens):
+        state, opt_state = train_state
+        loss, grads = fs.value_and_grad(loss_fn)(state, tokens)
+        updates, opt_state = opt.update(grads, opt_state, state)
+        return (optax.apply_updates(state, updates), opt_state), loss
+
+    return step
+
+
 def fs_mesh(devices) -> Any:
     return fs.make_mesh(devices=devices)
 
@@ -420,13 +432,7 @@ def _funshard(ctx: Context, reshard_after_forward: bool) -> Variant:
         return lm_loss(root, state["blocks"], tokens, unit)
 
     opt = ctx.opt
-
-    def step(train_state, tokens):
-        state, opt_state = train_state
-        loss, grads = fs.value_and_grad(loss_fn)(state, tokens)
-        updates, opt_state = opt.update(grads, opt_state, state)
-        return (optax.apply_updates(state, updates), opt_state), loss
-
+    step = funshard_train_step(loss_fn, opt)
     state = fs.shard(ctx.params, mesh)
     opt_state = opt.init(state)
     tokens = jax.device_put(ctx.tokens, NamedSharding(mesh, P(AXIS)))
@@ -630,13 +636,7 @@ def variant_funshard_scan(ctx: Context) -> Variant:
                        lambda stack, h: fs.scan(block, stack, h))
 
     opt = ctx.opt
-
-    def step(train_state, tokens):
-        state, opt_state = train_state
-        loss, grads = fs.value_and_grad(loss_fn)(state, tokens)
-        updates, opt_state = opt.update(grads, opt_state, state)
-        return (optax.apply_updates(state, updates), opt_state), loss
-
+    step = funshard_train_step(loss_fn, opt)
     stacked = {k: np.stack([b[k] for b in ctx.params["blocks"]]) for k in ctx.params["blocks"][0]}
     state = {
         "root": fs.shard(root_of(ctx.params), mesh),
