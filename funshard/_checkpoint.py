@@ -11,6 +11,7 @@ clear error naming each offending path, never a silent partial load.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from typing import Any
@@ -227,7 +228,7 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     for k, i in enumerate(stored):
         value, x = arrays[str(k)], items[i]
         if isinstance(x, Sharded):
-            out[i] = Sharded(value, *_shard._static_fields(x))
+            out[i] = dataclasses.replace(x, data=value)
         elif is_array(x):
             out[i] = value
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -62,7 +63,7 @@ def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement,
             f"{where.dim}, which the {layout.num_shards} shards do not divide; only dim 0 "
             "is padded. Shard it on dim 0 or keep it replicated (fs.Replicate())."
         )
-    return Sharded(_place(x, layout), *_static_fields(layout))
+    return dataclasses.replace(layout, data=_place(x, layout))
 
 
 def _place(x, layout: Sharded) -> jax.Array:
@@ -75,10 +76,6 @@ def _place(x, layout: Sharded) -> jax.Array:
     # only the blocks of its own devices.
     padded = _pad(np.asarray(x), layout.dim, size)
     return jax.make_array_from_callback(padded.shape, layout.sharding, lambda idx: padded[idx])
-
-
-def _static_fields(s: Sharded) -> tuple:
-    return (s.shape, s.dtype, s.mesh, s.shard_axis, s.replicate_axis, s.mp_policy, s.dim)
 
 
 def shard(
@@ -230,7 +227,8 @@ def _local_rows(full, like: Sharded):
     return jax.lax.dynamic_slice_in_dim(padded, start, like.rows_per_shard, axis=like.dim)
 
 
-def _reshard_leaf(full, like: Sharded, in_step: bool):
+def reshard_leaf(full, like: Sharded, in_step: bool) -> Sharded:
+    """`full` laid out exactly like `like` (a local slice: no communication)."""
     if in_step:
         data = _local_rows(full, like)
     elif not like.size:
@@ -241,7 +239,7 @@ def _reshard_leaf(full, like: Sharded, in_step: bool):
         data = jax.jit(_pad, static_argnums=(1, 2), out_shardings=like.sharding)(
             full, like.dim, like.padded_shape[like.dim]
         )
-    return Sharded(data, *_static_fields(like))
+    return dataclasses.replace(like, data=data)
 
 
 def reshard(full_tree: Any, like: Any) -> Any:
@@ -272,7 +270,7 @@ def reshard(full_tree: Any, like: Any) -> Any:
     for path, full, item in zip(paths, fulls, items):
         if isinstance(item, Sharded):
             _check_full(path, full, item)
-            out.append(_reshard_leaf(full, item, in_step))
+            out.append(reshard_leaf(full, item, in_step))
         else:
             out.append(full)
     return tree_unflatten(treedef, out)

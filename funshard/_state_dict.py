@@ -65,7 +65,7 @@ def _problems(sd: Mapping[str, Any], paths, items) -> list[str]:
 
 def _place(value: np.ndarray, like):
     if isinstance(like, Sharded):
-        return _shard._reshard_leaf(value, like, in_step=False)
+        return _shard.reshard_leaf(value, like, in_step=False)
     if isinstance(like, jax.Array):
         return jax.device_put(value, like.sharding)
     return value
