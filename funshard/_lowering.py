@@ -177,13 +177,35 @@ def all_gather_rows(
     flat = tie_to(pack(blocks, packing), dependency)
     gathered = jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to)
     if keep_group is None:
-        return unpack(gathered, packing)
+        return copy_out(gathered, packing, axes) if to == "varying" else unpack(gathered, packing)
     k = _mesh_axes_size(keep_group)
     grouped = gathered.reshape(n // k, k, packing.total)
     part = jax.lax.dynamic_index_in_dim(
         grouped, jax.lax.axis_index(keep_group), axis=1, keepdims=False
     )
-    return unpack(gathered, packing), part
+    return copy_out(gathered, packing, axes), part
+
+
+def copy_out(gathered: jax.Array, packing: Packing, axes: tuple[str, ...]) -> list[jax.Array]:
+    """`unpack` into separate, materialised leaf buffers (FSDP2's copy-out).
+
+    A plain `unpack` leaves XLA free to fuse each slice of the gathered buffer into its
+    consumers, including the backward pass's recomputation of cheap forward values (a
+    bias add, a broadcast LayerNorm gain): that keeps the whole flat buffer of every
+    unit alive from its forward to the end of the backward pass, i.e. all parameters
+    gathered at once. The outputs of a conditional are always materialised, so the
+    buffer dies right after this copy. The predicate (device index < device count) is
+    true on every device but unknown to the compiler; the other branch never runs.
+    """
+    present = jax.lax.axis_index(axes) < _mesh_axes_size(axes)
+
+    def split(g):
+        return unpack(g, packing)
+
+    def never(g):
+        return [jnp.zeros_like(x) for x in unpack(g, packing)]
+
+    return jax.lax.cond(present, split, never, gathered)
 
 
 def regather_group(
@@ -198,7 +220,7 @@ def regather_group(
     """
     part = tie_to(part, dependency)
     gathered = jax.lax.all_gather(part, group, axis=0, tiled=False)  # (k, N / k, L)
-    return unpack(gathered.transpose(1, 0, 2).reshape(-1, packing.total), packing)
+    return copy_out(gathered.transpose(1, 0, 2).reshape(-1, packing.total), packing, group)
 
 
 def reduce_scatter_rows(
