@@ -174,7 +174,9 @@ def all_gather_rows(
     if packing.total == 0:
         empty = unpack(jnp.zeros((n, 0), packing.carrier or _UINT[packing.width]), packing)
         return (empty, None) if keep_group else empty
-    flat = tie_to(pack(blocks, packing), dependency)
+    # Tied before packing, not after: the backward pass's re-gather would otherwise share
+    # (by CSE) the forward's packed buffer, keeping it alive from forward to backward.
+    flat = pack([tie_to(b, dependency) for b in blocks], packing)
     gathered = jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to)
     if keep_group is None:
         return copy_out(gathered, packing, axes) if to == "varying" else unpack(gathered, packing)

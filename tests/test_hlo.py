@@ -94,7 +94,7 @@ def test_only_a_few_units_are_ever_gathered_at_once():
     Transformer blocks use their small leaves (LayerNorm gains, biases) in elementwise
     ops whose results the backward pass needs: if XLA may read those leaves straight out
     of the gathered flat buffer, every block's buffer stays alive until the backward
-    pass (10 units here instead of 4)."""
+    pass (10 units here instead of 3.4)."""
     blocks, width, ff, seq = 6, 64, 256, 16
     keys = jax.random.split(jax.random.key(0), blocks)
 
@@ -126,7 +126,7 @@ def test_only_a_few_units_are_ever_gathered_at_once():
     exe, _ = compiled(fs.grad(loss), fs.shard(params, mesh_for("8")), x)
     unit_bytes = 4 * sum(v.size for v in params[0].values())
     extra = exe.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
-    assert extra <= 5 * unit_bytes, extra / unit_bytes
+    assert extra <= 4 * unit_bytes, extra / unit_bytes
 
 
 def test_activation_checkpointing_is_a_separate_choice(programs):
