@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import tree_flatten, tree_unflatten
 
-from funshard import _context, _errors, _gather
+from funshard import _context, _errors, _gather, _lowering
 from funshard._policy import MixedPrecisionPolicy
 from funshard._shard import common_mesh, sharded_leaves, unshard
 from funshard._sharded import Sharded
@@ -171,10 +171,15 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
         if policy is not None and policy.cast_forward_inputs:
             args = _cast_floating(args, policy.param_dtype)
         group_size = _group_size(reshard_after_forward, items)
-        if _context.current() is not None and group_size != 1:
+        ctx = _context.current()
+        if ctx is not None and group_size != 1:
             out = _resharded_call(fn, params, args, group_size, _param_dtype(policy))
         else:
             out = fn(_cast_floating(unshard(params), _param_dtype(policy)), *args)
+        if ctx is not None:
+            # Unit outputs (and, by transposition, their cotangents) become fusion
+            # boundaries, as module outputs are in eager frameworks.
+            out = _lowering.materialize(out, ctx.dp_axes)
         return _cast_floating(out, None if policy is None else policy.output_dtype)
 
     return wrapped

@@ -188,6 +188,41 @@ def all_gather_rows(
     return copy_out(gathered, packing, axes), part
 
 
+def _present(axes: tuple[str, ...]) -> jax.Array:
+    """A predicate that is true on every device but that the compiler cannot fold."""
+    return jax.lax.axis_index(axes) < _mesh_axes_size(axes)
+
+
+def materialize(tree: Any, axes: tuple[str, ...]) -> Any:
+    """`tree` unchanged, as buffers XLA must materialise (a fusion boundary).
+
+    XLA's fusion duplicates cheap elementwise producers into every consumer instead of
+    storing their results: a residual stream `h + a + b + ...` written across many
+    units is then recomputed from all its terms in every later unit's backward pass
+    (work quadratic in the depth), and each recomputation keeps its inputs alive. The
+    outputs of a conditional are always materialised, which stops such chains at unit
+    boundaries. The other branch never runs; its transpose is again a conditional.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    idx = [
+        i for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+    ]
+    if not idx:
+        return tree
+
+    def keep(xs):
+        return xs
+
+    def never(xs):
+        return [jnp.zeros_like(x) for x in xs]
+
+    kept = jax.lax.cond(_present(axes), keep, never, [leaves[i] for i in idx])
+    for i, x in zip(idx, kept):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def copy_out(gathered: jax.Array, packing: Packing, axes: tuple[str, ...]) -> list[jax.Array]:
     """`unpack` into separate, materialised leaf buffers (FSDP2's copy-out).
 
@@ -195,19 +230,16 @@ def copy_out(gathered: jax.Array, packing: Packing, axes: tuple[str, ...]) -> li
     consumers, including the backward pass's recomputation of cheap forward values (a
     bias add, a broadcast LayerNorm gain): that keeps the whole flat buffer of every
     unit alive from its forward to the end of the backward pass, i.e. all parameters
-    gathered at once. The outputs of a conditional are always materialised, so the
-    buffer dies right after this copy. The predicate (device index < device count) is
-    true on every device but unknown to the compiler; the other branch never runs.
+    gathered at once. Unpacked inside a conditional (see `materialize`), the leaves
+    are buffers of their own and the flat buffer dies right after this copy.
     """
-    present = jax.lax.axis_index(axes) < _mesh_axes_size(axes)
-
     def split(g):
         return unpack(g, packing)
 
     def never(g):
         return [jnp.zeros_like(x) for x in unpack(g, packing)]
 
-    return jax.lax.cond(present, split, never, gathered)
+    return jax.lax.cond(_present(axes), split, never, gathered)
 
 
 def regather_group(
