@@ -969,10 +969,10 @@ def targets(ctx, by_name, param_bytes, units, act, n) -> list[str]:
               f"the temp bytes of plain jax.grad on one device's {rows} rows on one device "
               "(parameters as arguments, gradients as outputs): what XLA holds besides "
               "parameters and gradients when nothing is sharded. The rest, "
-              f"{rest:,} B = {rest / largest:.2f} x largest unit, is what FSDP adds: the "
-              "root unit (embed, pos, final LN, head; counted as a unit, as FSDP2 does) "
-              "gathered for the whole step, one block's gathered buffer and its copy-out, "
-              "gradients waiting for their reduce-scatter, optimizer temporaries."
+              f"{rest:,} B = {rest / largest:.2f} x largest unit, is what FSDP holds on "
+              "top: gathered parameters (the root unit, i.e. embed, pos, final LN and "
+              "head, counted as a unit as FSDP2 does, for the whole step; blocks one at a "
+              "time), their copy-outs, and full-size gradients until their reduce-scatter."
               + (f" For comparison: temp(reshard=False) = {f['temp']:,} B" if f else "")
               + (f", temp(automatic sharding) = {auto['temp']:,} B" if auto else "")
               + (f"; temp(True, {2 * rows} rows per device) - temp(True) = "
