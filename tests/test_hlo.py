@@ -86,59 +86,9 @@ def test_reshard_after_forward_regathers_saves_memory_and_not_flops(programs):
     assert abs(flops_true - flops_false) <= 0.02 * flops_false, (flops_true, flops_false)
 
 
-def test_only_a_few_units_are_ever_gathered_at_once():
-    """FSDP2's memory promise, from the compiled program: with reshard_after_forward=True
-    the step's temp bytes exceed plain JAX's (one device, same local batch, parameters
-    and gradients outside temp) by a few units' worth (the flat buffer and its copy-out,
-    the gradients and the reduce-scatter's copy-in), not by the whole model.
-
-    Transformer blocks use their small leaves (LayerNorm gains, biases) in elementwise
-    ops whose results the backward pass needs: if XLA may read those leaves straight out
-    of the gathered flat buffer, every block's buffer stays alive until the backward
-    pass (10 units here instead of 3.4)."""
-    blocks, width, ff, seq = 6, 64, 256, 16
-    keys = jax.random.split(jax.random.key(0), blocks)
-
-    def block(k):
-        k = jax.random.split(k, 4)
-        dense = lambda kk, s: jax.random.normal(kk, s) / jnp.sqrt(s[0])  # noqa: E731
-        return {
-            "ln": jnp.ones(width), "qkv": dense(k[0], (width, 3 * width)),
-            "proj": dense(k[1], (width, width)), "ff1": dense(k[2], (width, ff)),
-            "ff2": dense(k[3], (ff, width)), "ff_b": jnp.zeros(ff),
-        }
-
-    params = [block(k) for k in keys]
-    x = jax.random.normal(jax.random.key(1), (8, seq, width))
-    apply = lambda p, h: block_apply(p, h, HEADS)  # noqa: E731
-    unit = fs.fully_shard(apply)
-
-    def plain_loss(params, h):
-        for p in params:
-            h = apply(p, h)
-        return jnp.mean(h**2)
-
-    def loss(state, h):
-        for p in state:
-            h = unit(p, h)
-        return jnp.mean(h**2)
-
-    plain, _ = compiled(jax.grad(plain_loss), params, x[:1])  # one device's rows
-    exe, _ = compiled(fs.grad(loss), fs.shard(params, mesh_for("8")), x)
-    unit_bytes = 4 * sum(v.size for v in params[0].values())
-    extra = exe.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
-    assert extra <= 4 * unit_bytes, extra / unit_bytes
-
-
-def test_unit_boundaries_stop_recomputation_chains():
-    """Per-device FLOPs of a deep residual stack stay within 2% of plain JAX's on the
-    same local batch.
-
-    Without a fusion boundary at unit outputs XLA recomputes the residual stream
-    `h + a_1 + a_2 + ...` from all its terms inside every later block's backward fusions:
-    4% more FLOPs than plain JAX here, growing with the square of the depth (and about
-    twice the memory traffic on the benchmark model)."""
-    blocks, width, ff, seq = 10, 16, 40, 32
+def _block_stack(blocks, width, ff, seq):
+    """Compiled gradient programs of a stack of transformer blocks: (plain jax.grad on
+    one device's rows on one device, the funshard step over 8 devices, unit bytes)."""
     keys = jax.random.split(jax.random.key(0), blocks)
     params = [_models.block_params(k, d=width, ff=ff)["block"] for k in keys]
     x = jax.random.normal(jax.random.key(1), (8, seq, width))
@@ -155,8 +105,35 @@ def test_unit_boundaries_stop_recomputation_chains():
             h = unit(p, h)
         return jnp.mean(h**2)
 
-    plain, _ = compiled(jax.grad(plain_loss), params, x[:1])  # one device's rows
+    plain, _ = compiled(jax.grad(plain_loss), params, x[:1])
     exe, _ = compiled(fs.grad(loss), fs.shard(params, mesh_for("8")), x)
+    return plain, exe, 4 * sum(v.size for v in params[0].values())
+
+
+def test_only_a_few_units_are_ever_gathered_at_once():
+    """FSDP2's memory promise, from the compiled program: with reshard_after_forward=True
+    the step's temp bytes exceed plain JAX's (one device, same local batch, parameters
+    and gradients outside temp) by a few units' worth (the flat buffer and its copy-out,
+    the gradients and the reduce-scatter's copy-in), not by the whole model.
+
+    Transformer blocks use their small leaves (LayerNorm gains, biases) in elementwise
+    ops whose results the backward pass needs: if XLA may read those leaves straight out
+    of the gathered flat buffer, every block's buffer stays alive until the backward
+    pass (10 units here instead of 3.4)."""
+    plain, exe, unit_bytes = _block_stack(blocks=6, width=64, ff=256, seq=16)
+    extra = exe.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
+    assert extra <= 4 * unit_bytes, extra / unit_bytes
+
+
+def test_unit_boundaries_stop_recomputation_chains():
+    """Per-device FLOPs of a deep residual stack stay within 2% of plain JAX's on the
+    same local batch.
+
+    Without a fusion boundary at unit outputs XLA recomputes the residual stream
+    `h + a_1 + a_2 + ...` from all its terms inside every later block's backward fusions:
+    4% more FLOPs than plain JAX here, growing with the square of the depth (and about
+    twice the memory traffic on the benchmark model)."""
+    plain, exe, _ = _block_stack(blocks=10, width=16, ff=40, seq=32)
     ours, reference = exe.cost_analysis()["flops"], plain.cost_analysis()["flops"]
     assert ours <= 1.02 * reference, ours / reference
 
