@@ -36,6 +36,15 @@ def _pad(x, dim: int, size: int):
     return np.pad(x, widths) if isinstance(x, (np.ndarray, np.generic)) else jnp.pad(x, widths)
 
 
+def _strong(x):
+    """`x` without JAX's weak type (e.g. `jnp.full(n, 0.1)` is weakly typed).
+
+    `jnp.zeros_like` ignores the sharding of a weakly typed array, so `opt.init(state)`
+    would put that leaf's optimizer state on one device, at full size.
+    """
+    return x.astype(x.dtype) if getattr(x, "weak_type", False) else x
+
+
 def _stacked_placement(path, x):
     # Each layer's dim 0 is the array's dim 1; a leaf with one value per layer stays whole.
     return _placement.Shard(1) if x.ndim >= 2 else _placement.Replicate()
@@ -52,7 +61,7 @@ def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement,
     dtype = _check_numeric("shard", path, x)
     where = _placement.resolve(path, x, placement, min_size) if x.ndim else Replicate()
     if isinstance(where, Replicate):
-        return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+        return jax.device_put(_strong(x), NamedSharding(mesh, PartitionSpec()))
     layout = Sharded(
         None, tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim
     )
@@ -70,7 +79,7 @@ def _place(x, layout: Sharded) -> jax.Array:
     """`x` padded and laid out as `layout.data`, each process slicing its own shards."""
     size = layout.padded_shape[layout.dim]
     if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
-        return jax.device_put(_pad(x, layout.dim, size), layout.sharding)
+        return jax.device_put(_pad(_strong(x), layout.dim, size), layout.sharding)
     # Host arrays (and any array in a multi-process job, where device_put would compare
     # the value across processes): every process holds the full value and copies out
     # only the blocks of its own devices.

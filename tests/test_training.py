@@ -145,3 +145,48 @@ def test_optimizer_state_sharded_and_padding_stays_zero():
         if leaf.ndim >= 1:
             shard = leaf.addressable_shards[0].data
             assert shard.nbytes * 8 == leaf.nbytes  # 1/N of the bytes on each device
+
+
+def test_optimizer_scalars_placed_on_the_mesh_compile_the_step_once():
+    """optax creates scalar state (the step count) on the default device, while the
+    step returns it replicated on the mesh, so the second step compiles another program.
+    The workaround in docs/training.md places those scalars on the mesh up front."""
+    mesh = mesh_for("8")
+    state = fs.shard(mlp_params(jax.random.key(0)), mesh)
+    opt = optax.adamw(1e-2)
+
+    def programs_for_two_steps(opt_state):
+        @jax.jit
+        def step(state, opt_state, batch):
+            grads = fs.grad(mlp_sharded_loss(True))(state, batch)
+            updates, opt_state = opt.update(grads, opt_state, state)
+            return optax.apply_updates(state, updates), opt_state
+
+        s, o = step(state, opt_state, _mlp_batch())
+        step(s, o, _mlp_batch())
+        return step._cache_size()
+
+    assert programs_for_two_steps(opt.init(state)) == 2
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_state = jax.tree.map(
+        lambda x: x if isinstance(x, fs.Sharded) else jax.device_put(x, replicated),
+        opt.init(state),
+        is_leaf=lambda x: isinstance(x, fs.Sharded),
+    )
+    assert programs_for_two_steps(opt_state) == 1
+    mu = opt_state[0].mu["layers"][0]["w"]
+    assert mu.data.sharding == state["layers"][0]["w"].data.sharding
+
+
+def test_optimizer_state_of_weakly_typed_leaves_is_sharded():
+    """`jnp.full(n, 0.1)` is weakly typed, and `jnp.zeros_like` drops the sharding of
+    weakly typed arrays: opt.init would put such a leaf's state on one device, whole."""
+    params = {"g": jnp.full((32,), 0.1), "w": jnp.ones((16, 4))}
+    assert params["g"].weak_type
+    state = fs.shard(params, mesh_for("8"))
+    opt_state = optax.adam(1e-3).init(state)
+    for name in params:
+        mu = opt_state[0].mu[name]
+        assert mu.data.sharding == state[name].data.sharding, name
+        assert mu.data.addressable_shards[0].data.nbytes * 8 == mu.data.nbytes
+    np.testing.assert_array_equal(fs.unshard(state)["g"], params["g"])
