@@ -193,15 +193,36 @@ def _present(axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.axis_index(axes) < _mesh_axes_size(axes)
 
 
+def _materialized(fn, operand, axes: tuple[str, ...]):
+    """`fn(operand)` as buffers XLA must materialise: a fusion boundary.
+
+    An `optimization_barrier` is the tool for this, and XLA GPU keeps it until after
+    fusion. XLA CPU deletes every barrier before fusing, so on CPU `fn` runs inside a
+    conditional instead, whose outputs are always materialised. Its predicate is true
+    on every device but unknown to the compiler; the other branch never runs. (On GPU
+    a conditional would cost a device-to-host sync, hence not everywhere.)
+    """
+    def barrier(x):
+        return jax.lax.optimization_barrier(fn(x))
+
+    def conditional(x):
+        def never(y):
+            return jax.tree.map(jnp.zeros_like, fn(y))
+
+        return jax.lax.cond(_present(axes), fn, never, x)
+
+    return jax.lax.platform_dependent(operand, cpu=conditional, default=barrier)
+
+
 def materialize(tree: Any, axes: tuple[str, ...]) -> Any:
-    """`tree` unchanged, as buffers XLA must materialise (a fusion boundary).
+    """`tree` unchanged, as materialised buffers (see `_materialized`).
 
     XLA's fusion duplicates cheap elementwise producers into every consumer instead of
     storing their results: a residual stream `h + a + b + ...` written across many
     units is then recomputed from all its terms in every later unit's backward pass
-    (work quadratic in the depth), and each recomputation keeps its inputs alive. The
-    outputs of a conditional are always materialised, which stops such chains at unit
-    boundaries. The other branch never runs; its transpose is again a conditional.
+    (work quadratic in the depth), and each recomputation keeps its inputs alive.
+    Materialised unit outputs stop such chains at unit boundaries; the transpose of the
+    boundary is again a boundary, so cotangents are materialised too.
     """
     leaves, treedef = jax.tree.flatten(tree)
     idx = [
@@ -210,14 +231,7 @@ def materialize(tree: Any, axes: tuple[str, ...]) -> Any:
     ]
     if not idx:
         return tree
-
-    def keep(xs):
-        return xs
-
-    def never(xs):
-        return [jnp.zeros_like(x) for x in xs]
-
-    kept = jax.lax.cond(_present(axes), keep, never, [leaves[i] for i in idx])
+    kept = _materialized(lambda xs: xs, [leaves[i] for i in idx], axes)
     for i, x in zip(idx, kept):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
@@ -230,16 +244,10 @@ def copy_out(gathered: jax.Array, packing: Packing, axes: tuple[str, ...]) -> li
     consumers, including the backward pass's recomputation of cheap forward values (a
     bias add, a broadcast LayerNorm gain): that keeps the whole flat buffer of every
     unit alive from its forward to the end of the backward pass, i.e. all parameters
-    gathered at once. Unpacked inside a conditional (see `materialize`), the leaves
-    are buffers of their own and the flat buffer dies right after this copy.
+    gathered at once. Materialised (see `_materialized`), the leaves are buffers of
+    their own and the flat buffer dies right after this copy.
     """
-    def split(g):
-        return unpack(g, packing)
-
-    def never(g):
-        return [jnp.zeros_like(x) for x in unpack(g, packing)]
-
-    return jax.lax.cond(_present(axes), split, never, gathered)
+    return _materialized(lambda g: unpack(g, packing), gathered, axes)
 
 
 def regather_group(

@@ -138,6 +138,36 @@ def test_unit_boundaries_stop_recomputation_chains():
     assert ours <= 1.02 * reference, ours / reference
 
 
+def test_fusion_boundaries_per_platform():
+    """Each unit has 4 fusion boundaries (forward and backward copy-out, its output and
+    that output's cotangent). XLA GPU keeps `optimization_barrier` through fusion, so
+    that is what a GPU program gets; XLA CPU deletes barriers first, so on CPU they are
+    conditionals on the device index (never used on GPU: a GPU conditional syncs with
+    the host). Lowered, not compiled, so no GPU is needed."""
+    units = 3
+    params = [_models.block_params(k, d=16, ff=40)["block"]
+              for k in jax.random.split(jax.random.key(0), units)]
+    unit = fs.fully_shard(lambda p, h: block_apply(p, h, HEADS))
+
+    def loss(state, h):
+        for p in state:
+            h = unit(p, h)
+        return jnp.mean(h**2)
+
+    traced = jax.jit(fs.grad(loss)).trace(fs.shard(params, mesh_for("8")), jnp.ones((8, 4, 16)))
+    count = {}
+    for platform in ("cpu", "cuda"):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        count[platform] = {
+            op: text.count(f"stablehlo.{op}")
+            for op in ("optimization_barrier", "case", "partition_id")
+        }
+    cpu, gpu = count["cpu"], count["cuda"]
+    assert cpu["optimization_barrier"] == 0, count
+    assert cpu["case"] - gpu["case"] == 4 * units, count  # the others fold: constant index
+    assert gpu["optimization_barrier"] == 4 * units and gpu["partition_id"] == 0, count
+
+
 def test_activation_checkpointing_is_a_separate_choice(programs):
     """jax.checkpoint around a unit recomputes it: more FLOPs than plain resharding."""
     state, batch = _deep_mlp()
