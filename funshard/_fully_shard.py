@@ -69,6 +69,24 @@ def _keep_group(layout, k: int) -> tuple[str, ...]:
     )
 
 
+def drop_gathered(vjp_fn, fulls, saved: dict) -> list:
+    """The residuals of `vjp_fn` with the gathered `fulls` among them left out (None).
+
+    Records in `saved` (a trace-time dict, not a residual) the residuals' structure and
+    which slot each left-out one came from, for `resume`.
+    """
+    residuals, saved["treedef"] = tree_flatten(vjp_fn)
+    slot_of = {id(f): k for k, f in enumerate(fulls)}
+    saved["slots"] = [slot_of.get(id(r)) for r in residuals]
+    return [None if s is not None else r for r, s in zip(residuals, saved["slots"])]
+
+
+def resume(saved: dict, kept: list, fulls) -> Callable:
+    """The vjp function again, with re-gathered `fulls` put back into their slots."""
+    residuals = [k if s is None else fulls[s] for k, s in zip(kept, saved["slots"])]
+    return tree_unflatten(saved["treedef"], residuals)
+
+
 def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | None, param_dtype):
     """Runs `fn(unshard(params), *args)` without keeping the gathered params for backward.
 
@@ -108,10 +126,7 @@ def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | No
             source = datas if part is None else part  # None: nothing to gather at all
         saved["regroup"] = source is not datas
         out, vjp_fn = jax.vjp(run, fulls, operands)
-        residuals, saved["treedef"] = tree_flatten(vjp_fn)
-        slot_of = {id(f): k for k, f in enumerate(fulls)}
-        saved["slots"] = [slot_of.get(id(r)) for r in residuals]
-        kept = [None if s is not None else r for r, s in zip(residuals, saved["slots"])]
+        kept = drop_gathered(vjp_fn, fulls, saved)
         return out, (source, kept)
 
     def unit_bwd(res, ct):
@@ -120,9 +135,7 @@ def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | No
             fulls = _gather.regather_values(source, layout, group, _first_inexact(ct))
         else:
             fulls = _gather.gather_values(source, layout, _first_inexact(ct))
-        residuals = [k if s is None else fulls[s] for k, s in zip(kept, saved["slots"])]
-        vjp_fn = tree_unflatten(saved["treedef"], residuals)
-        ct_fulls, ct_operands = vjp_fn(ct)
+        ct_fulls, ct_operands = resume(saved, kept, fulls)(ct)
         ct_datas, ct_accumulators = _gather.backward_values(ct_fulls, layout, deferred)
         return ct_datas, ct_accumulators, ct_operands
 

@@ -17,10 +17,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.tree_util import tree_flatten, tree_unflatten
+from jax.tree_util import tree_unflatten
 
 from funshard import _context, _errors, _gather
-from funshard._fully_shard import _cast_floating, _first_inexact, _unit_policy
+from funshard._fully_shard import (
+    _cast_floating,
+    _first_inexact,
+    _unit_policy,
+    drop_gathered,
+    resume,
+)
 from funshard._shard import common_mesh, sharded_leaves, unshard
 from funshard._sharded import Sharded
 
@@ -147,10 +153,7 @@ def _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward: bool):
             upcoming = prefetch(datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1),
                                 _first_inexact(h), current)
             h, vjp_fn = jax.vjp(run_layer, current, others_i, h)
-            residuals, saved["treedef"] = tree_flatten(vjp_fn)
-            slot_of = {id(g): k for k, g in enumerate(current)} if reshard_after_forward else {}
-            saved["slots"] = [slot_of.get(id(r)) for r in residuals]
-            kept = [None if s is not None else r for r, s in zip(residuals, saved["slots"])]
+            kept = drop_gathered(vjp_fn, current if reshard_after_forward else (), saved)
             return (h, upcoming), kept
 
         first = gather_layer(datas, 0, _first_inexact(carry))
@@ -168,9 +171,7 @@ def _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward: bool):
                 previous = prefetch(datas, i > 0, jnp.maximum(i - 1, 0), dependency, current)
             else:
                 previous = current  # every layer's parameters were kept: nothing to gather
-            residuals = [k if s is None else current[s] for k, s in zip(kept_i, saved["slots"])]
-            vjp_fn = tree_unflatten(saved["treedef"], residuals)
-            ct_g, ct_others, ct_h = vjp_fn(ct_h)
+            ct_g, ct_others, ct_h = resume(saved, kept_i, current)(ct_h)
             ct_blocks = _gather.backward_values(ct_g, layout, None)[0]
             return (ct_h, previous), (ct_blocks, ct_others)
 

@@ -2,15 +2,15 @@
 
 import re
 
+import _models
 import jax
 import jax.numpy as jnp
 import pytest
-
-import funshard as fs
 from _hlo import collectives, compiled, count_by_kind
-import _models
 from _models import HEADS, block_apply
 from conftest import mesh_for
+
+import funshard as fs
 
 LAYERS, WIDTH, ROWS = 5, 256, 256
 
