@@ -23,7 +23,8 @@ from jax.tree_util import tree_flatten, tree_unflatten
 from funshard import _context, _errors, _gather, _lowering
 from funshard._policy import MixedPrecisionPolicy
 from funshard._shard import common_mesh, sharded_leaves, unshard
-from funshard._sharded import Sharded
+from funshard._sharded import Sharded, is_sharded
+from funshard._tree import split_arrays
 
 
 def _unit_policy(paths, items) -> MixedPrecisionPolicy | None:
@@ -41,18 +42,23 @@ def _cast_floating(tree: Any, dtype) -> Any:
         return tree
 
     def cast(x):
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
-            return x.astype(dtype)
-        return x
+        # Sharded arguments (another unit's parameters, passed through) keep their dtype.
+        if isinstance(x, Sharded) or not hasattr(x, "dtype"):
+            return x
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-    return jax.tree.map(cast, tree)
+    return jax.tree.map(cast, tree, is_leaf=is_sharded)
 
 
-def _first_inexact(tree: Any):
-    for leaf in jax.tree.leaves(tree):
-        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size:
-            return leaf
-    return None
+def dependency_of(tree: Any):
+    """A non-empty array of `tree` a gather can be tied to (floating first), or None.
+
+    Any dtype will do (`_lowering.tie_to` reads it as a predicate that is always true),
+    so a unit whose only inputs are integer token ids is still tied to them.
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and x.size]
+    floating = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return (floating or leaves or [None])[0]
 
 
 def _keep_group(layout, k: int) -> tuple[str, ...]:
@@ -98,49 +104,57 @@ def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | No
     idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
     layout = _gather.layout_of([items[i] for i in idx], ctx)
     datas = tuple(items[i].data for i in idx)
-    accumulators = _gather.accumulators_for(datas, ctx)
+    accumulators = _gather.accumulators_for([items[i] for i in idx], ctx)
     deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
     others = [None if isinstance(x, Sharded) else x for x in items]
     group = _keep_group(layout, group_size) if group_size else None
 
-    def run(fulls, operands):
+    # Trace-time static facts the backward needs (they cannot travel as residuals).
+    saved: dict[str, Any] = {}
+    # custom_vjp takes and returns arrays only: other leaves of the operands and of
+    # the output stay static.
+    operand_arrays, rebuild_operands = split_arrays((others, args))
+
+    def run(fulls, operand_arrays):
+        operands = rebuild_operands(operand_arrays)
         # Replicated (unsharded) parameters of the unit compute in param_dtype too.
         merged = list(_cast_floating(operands[0], param_dtype))
         for i, full in zip(idx, fulls):
             merged[i] = full
-        return fn(tree_unflatten(treedef, merged), *operands[1])
-
-    # Trace-time static facts the backward needs (they cannot travel as residuals).
-    saved: dict[str, Any] = {}
+        with _context.unit_body():
+            out = fn(tree_unflatten(treedef, merged), *operands[1])
+        out_arrays, saved["rebuild_out"] = split_arrays(out)
+        return out_arrays
 
     @jax.custom_vjp
-    def unit(datas, accumulators, operands):
-        return run(_gather.gather_values(datas, layout), operands)
+    def unit(datas, accumulators, operand_arrays):
+        return run(_gather.gather_values(datas, layout), operand_arrays)
 
-    def unit_fwd(datas, accumulators, operands):
-        dependency = _first_inexact(operands)
+    def unit_fwd(datas, accumulators, operand_arrays):
+        dependency = dependency_of(operand_arrays)
         if group is None:
             fulls, source = _gather.gather_values(datas, layout, dependency), datas
         else:
             fulls, part = _gather.gather_values(datas, layout, dependency, group)
             source = datas if part is None else part  # None: nothing to gather at all
         saved["regroup"] = source is not datas
-        out, vjp_fn = jax.vjp(run, fulls, operands)
+        out, vjp_fn = jax.vjp(run, fulls, operand_arrays)
         kept = drop_gathered(vjp_fn, fulls, saved)
         return out, (source, kept)
 
     def unit_bwd(res, ct):
         source, kept = res
         if saved["regroup"]:
-            fulls = _gather.regather_values(source, layout, group, _first_inexact(ct))
+            fulls = _gather.regather_values(source, layout, group, dependency_of(ct))
         else:
-            fulls = _gather.gather_values(source, layout, _first_inexact(ct))
+            fulls = _gather.gather_values(source, layout, dependency_of(ct))
         ct_fulls, ct_operands = resume(saved, kept, fulls)(ct)
         ct_datas, ct_accumulators = _gather.backward_values(ct_fulls, layout, deferred)
         return ct_datas, ct_accumulators, ct_operands
 
     unit.defvjp(unit_fwd, unit_bwd)
-    return unit(datas, accumulators, (others, args))
+    out = unit(datas, accumulators, operand_arrays)  # traces `run`, which records its output
+    return saved["rebuild_out"](out)
 
 
 def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable:
@@ -167,18 +181,23 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
       to replicated parameters and runs `fn` (e.g. for evaluation).
 
     Raises:
-      TypeError: `reshard_after_forward` is not a bool.
-      ValueError: the parameters have no `Sharded` leaves, or mix meshes or policies.
+      TypeError: `reshard_after_forward` is not a bool or int.
+      ValueError: `reshard_after_forward` is an int below 1; the parameters have no
+        `Sharded` leaves, or mix meshes or policies; or units are nested (`fn` is
+        already a unit, or a unit is called with parameters another unit gathered).
+        Pass an inner unit's sharded parameters as an argument instead: the outer
+        unit then gathers only its own, as in FSDP2.
     """
-    if not isinstance(reshard_after_forward, int) or (
-        not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1
-    ):
-        raise TypeError(_errors.bad_reshard_after_forward(reshard_after_forward))
+    check_reshard_after_forward("fully_shard", reshard_after_forward)
+    if getattr(fn, "_funshard_unit", False):
+        raise ValueError(_errors.nested_units("fully_shard(fully_shard(fn))"))
 
     @functools.wraps(fn)
     def wrapped(params, *args):
         paths, items, _ = sharded_leaves("fully_shard", params)
         if common_mesh("fully_shard", paths, items) is None:
+            if _context.in_unit():
+                raise ValueError(_errors.nested_units("a unit called inside another unit"))
             raise ValueError(_errors.no_sharded("fully_shard"))
         policy = _unit_policy(paths, items)
         if policy is not None and policy.cast_forward_inputs:
@@ -188,14 +207,25 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
         if ctx is not None and group_size != 1:
             out = _resharded_call(fn, params, args, group_size, _param_dtype(policy))
         else:
-            out = fn(_cast_floating(unshard(params), _param_dtype(policy)), *args)
+            full = _cast_floating(unshard(params), _param_dtype(policy))
+            with _context.unit_body():
+                out = fn(full, *args)
         if ctx is not None:
             # Unit outputs (and, by transposition, their cotangents) become fusion
             # boundaries, as module outputs are in eager frameworks.
             out = _lowering.materialize(out, ctx.dp_axes)
         return _cast_floating(out, None if policy is None else policy.output_dtype)
 
+    wrapped._funshard_unit = True
     return wrapped
+
+
+def check_reshard_after_forward(fn: str, value) -> None:
+    """FSDP2's `reshard_after_forward: bool | int` (an int k >= 1), or a clear error."""
+    if not isinstance(value, int):
+        raise TypeError(_errors.bad_reshard_after_forward(fn, value))
+    if not isinstance(value, bool) and value < 1:
+        raise ValueError(_errors.bad_reshard_after_forward(fn, value))
 
 
 def _group_size(reshard_after_forward: bool | int, items) -> int | None:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funshard import _lowering, _policy
+from funshard import _context, _lowering, _policy
 from funshard._sharded import Sharded
 
 
@@ -65,10 +65,10 @@ class GroupLayout:
 def layout_of(leaves: Sequence[Sharded], ctx=None) -> GroupLayout:
     """The gather layout of `leaves`, which share one mesh and one set of axes.
 
-    `ctx` (the running step) marks frozen leaves and whether the HSDP all-reduce waits.
+    `ctx` (the running step) says whether the HSDP all-reduce waits; frozen leaves are
+    marked by the step's own metadata on each leaf.
     """
     first = leaves[0]
-    frozen = ctx.frozen if ctx is not None else frozenset()
     return GroupLayout(
         leaves=tuple(
             LeafLayout(
@@ -77,7 +77,7 @@ def layout_of(leaves: Sequence[Sharded], ctx=None) -> GroupLayout:
                 gather_dtype=_policy.param_dtype_for(s.mp_policy, np.dtype(s.dtype)),
                 reduce_dtype=_policy.reduce_dtype_for(s.mp_policy, np.dtype(s.dtype)),
                 rows=s.rows_per_shard,
-                frozen=id(s.data) in frozen,
+                frozen=_context.is_frozen(s),
                 dim=s.dim,
             )
             for s in leaves
@@ -170,11 +170,9 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     return out
 
 
-def accumulators_for(datas: Sequence[jax.Array], ctx) -> tuple | None:
-    """The deferred-gradient accumulators of `datas` in the running step, if any."""
-    if ctx is None or not ctx.deferred:
-        return None
-    found = tuple(ctx.deferred.get(id(d)) for d in datas)
+def accumulators_for(leaves: Sequence[Sharded], ctx) -> tuple | None:
+    """The deferred-gradient accumulators of `leaves` in the running step, if any."""
+    found = tuple(_context.accumulator_of(leaf) for leaf in leaves)
     return found if any(a is not None for a in found) else None
 
 
@@ -236,9 +234,11 @@ def _deferred_bwd(layout, deferred, _, cts):
 gather_deferred.defvjp(_deferred_fwd, _deferred_bwd)
 
 
-def unshard_in_step(datas: tuple, layout: GroupLayout, ctx) -> list[jax.Array]:
-    """The step's differentiable gather of `datas`, honouring deferred gradients."""
-    accumulators = accumulators_for(datas, ctx)
+def unshard_in_step(leaves: Sequence[Sharded], ctx) -> list[jax.Array]:
+    """The step's differentiable gather of `leaves`, honouring frozen and deferred leaves."""
+    layout = layout_of(leaves, ctx)
+    datas = tuple(leaf.data for leaf in leaves)
+    accumulators = accumulators_for(leaves, ctx)
     if accumulators is None:
         return gather(layout, datas)
     deferred = tuple(a is not None for a in accumulators)

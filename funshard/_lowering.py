@@ -72,14 +72,20 @@ def vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
 def tie_to(buffer: jax.Array, dependency: jax.Array | None) -> jax.Array:
     """Makes `buffer` data-dependent on `dependency` without changing its value.
 
-    The select on `d == d` cannot be folded (it is false for NaN), so XLA can neither
-    hoist a collective on `buffer` above the op producing `dependency` nor merge it with
-    an identical collective elsewhere (the re-gather of the backward pass).
+    The predicate `d == d or d != d` (on one element of `dependency`, read as a float)
+    is true for every value, NaN and infinities included, but XLA's algebraic
+    simplifier does not fold float comparisons of a value with itself (they depend on
+    NaN). So XLA can neither hoist a collective on `buffer` above the op producing
+    `dependency` nor merge it with an identical collective elsewhere (the re-gather of
+    the backward pass), and the values never change.
     """
-    if dependency is None or buffer.size == 0:
+    if dependency is None or buffer.size == 0 or dependency.size == 0:
         return buffer
     d = dependency.reshape(-1)[0]
-    return jnp.where(d == d, buffer, jnp.zeros_like(buffer))
+    if jnp.issubdtype(d.dtype, jnp.complexfloating):
+        d = jnp.real(d)
+    d = d.astype(jnp.float32)
+    return jnp.where((d == d) | (d != d), buffer, jnp.zeros_like(buffer))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,9 @@ from jax.tree_util import tree_unflatten
 from funshard import _context, _errors, _gather
 from funshard._fully_shard import (
     _cast_floating,
-    _first_inexact,
     _unit_policy,
+    check_reshard_after_forward,
+    dependency_of,
     drop_gathered,
     resume,
 )
@@ -51,13 +52,7 @@ def _layer_layout(items, idx, ctx):
         dataclasses.replace(items[i], data=None, shape=items[i].shape[1:], dim=items[i].dim - 1)
         for i in idx
     ]
-    layout = _gather.layout_of(layer, ctx)
-    frozen = ctx.frozen if ctx is not None else frozenset()
-    leaves = tuple(
-        dataclasses.replace(leaf, frozen=id(items[i].data) in frozen)
-        for leaf, i in zip(layout.leaves, idx)
-    )
-    return dataclasses.replace(layout, leaves=leaves)
+    return _gather.layout_of(layer, ctx)
 
 
 def _check_stacked(paths, items):
@@ -92,9 +87,17 @@ def scan(
 
     Raises:
       ValueError: `stacked` has no `Sharded` leaves or was not sharded as a stack.
+      TypeError: `reshard_after_forward` is not a bool or int.
       NotImplementedError: deferred gradient accumulation
-        (`sync_every_microbatch=False`) over a scanned stack.
+        (`sync_every_microbatch=False`) over a scanned stack, or an int
+        `reshard_after_forward` (hpZ).
     """
+    check_reshard_after_forward("scan", reshard_after_forward)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"scan: reshard_after_forward={reshard_after_forward} (hpZ) is not supported for "
+            "scanned stacks yet; use True or False."
+        )
     paths, items, treedef = sharded_leaves("scan", stacked)
     if common_mesh("scan", paths, items) is None:
         raise ValueError(_errors.no_sharded("scan"))
@@ -114,7 +117,7 @@ def scan(
 def _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward: bool):
     idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
     datas = tuple(items[i].data for i in idx)
-    if _gather.accumulators_for(datas, ctx) is not None:
+    if _gather.accumulators_for([items[i] for i in idx], ctx) is not None:
         raise NotImplementedError(
             "scan: gradient accumulation without per-microbatch sync is not supported for "
             "scanned stacks yet; use sync_every_microbatch=True."
@@ -139,7 +142,8 @@ def _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward: bool):
         return jax.lax.cond(pred, lambda: gather_layer(datas, i, dependency), lambda: current)
 
     def run_layer(gathered, others_i, h):
-        return fn(layer_params(gathered, others_i), h)
+        with _context.unit_body():
+            return fn(layer_params(gathered, others_i), h)
 
     @jax.custom_vjp
     def run(datas, others, carry):
@@ -151,12 +155,12 @@ def _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward: bool):
             h, current = c
             i, others_i = xs
             upcoming = prefetch(datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1),
-                                _first_inexact(h), current)
+                                dependency_of(h), current)
             h, vjp_fn = jax.vjp(run_layer, current, others_i, h)
             kept = drop_gathered(vjp_fn, current if reshard_after_forward else (), saved)
             return (h, upcoming), kept
 
-        first = gather_layer(datas, 0, _first_inexact(carry))
+        first = gather_layer(datas, 0, dependency_of(carry))
         (h, _), kept = jax.lax.scan(body, (carry, first), (jnp.arange(layers), others))
         return h, (datas, others, carry, kept)
 
@@ -167,7 +171,7 @@ def _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward: bool):
             ct_h, current = c
             i, kept_i = xs
             if reshard_after_forward:
-                dependency = _first_inexact(ct_h)
+                dependency = dependency_of(ct_h)
                 previous = prefetch(datas, i > 0, jnp.maximum(i - 1, 0), dependency, current)
             else:
                 previous = current  # every layer's parameters were kept: nothing to gather
@@ -176,7 +180,7 @@ def _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward: bool):
             return (ct_h, previous), (ct_blocks, ct_others)
 
         if reshard_after_forward:
-            last = gather_layer(datas, layers - 1, _first_inexact(ct))
+            last = gather_layer(datas, layers - 1, dependency_of(ct))
         else:
             last = tuple(jnp.zeros(leaf.shape, leaf.gather_dtype) for leaf in layout.leaves)
         (ct_carry, _), (ct_datas, ct_others) = jax.lax.scan(

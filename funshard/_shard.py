@@ -14,10 +14,11 @@ from jax.tree_util import tree_flatten_with_path, tree_unflatten
 from funshard import _context, _errors, _gather, _lowering, _mesh, _placement
 from funshard._placement import Replicate
 from funshard._policy import MixedPrecisionPolicy
-from funshard._sharded import Sharded, is_array, is_sharded
+from funshard._sharded import Sharded, is_array, is_key, is_sharded
 
 
 def _check_numeric(fn: str, path, x) -> np.dtype:
+    """The numpy dtype of `x` (concrete, traced or abstract); TypeError if not numeric."""
     dtype = np.dtype(x.dtype)
     if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)):
         raise TypeError(_errors.bad_dtype(fn, path, dtype))
@@ -42,7 +43,27 @@ def _strong(x):
     `jnp.zeros_like` ignores the sharding of a weakly typed array, so `opt.init(state)`
     would put that leaf's optimizer state on one device, at full size.
     """
-    return x.astype(x.dtype) if getattr(x, "weak_type", False) else x
+    if not getattr(x, "weak_type", False):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x.astype(x.dtype)
+
+
+def _is_traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _replicate(x, mesh: Mesh, traced: bool):
+    """`x` (concrete, traced or abstract) replicated over every device of `mesh`."""
+    sharding = NamedSharding(mesh, PartitionSpec())
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    if traced:
+        # Under jit / eval_shape device_put would place a value the caller has not
+        # computed yet; a constraint tells the partitioner where the output lives.
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)
 
 
 def _stacked_placement(path, x):
@@ -50,18 +71,24 @@ def _stacked_placement(path, x):
     return _placement.Shard(1) if x.ndim >= 2 else _placement.Replicate()
 
 
-def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_size):
+def _shard_leaf(
+    path, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_size, traced
+):
     if isinstance(x, Sharded):
         raise ValueError(
             f"{_errors.where('shard', path)} is already an fs.Sharded leaf; call "
             "fs.unshard(state) first to reshard onto another mesh."
         )
-    if not is_array(x):
+    if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
         return x
+    if is_key(x):
+        # Typed PRNG keys (e.g. held by flax nnx Rngs) are not parameters: every
+        # device draws from the same key, so they stay whole.
+        return _replicate(x, mesh, traced)
     dtype = _check_numeric("shard", path, x)
     where = _placement.resolve(path, x, placement, min_size) if x.ndim else Replicate()
     if isinstance(where, Replicate):
-        return jax.device_put(_strong(x), NamedSharding(mesh, PartitionSpec()))
+        return _replicate(_strong(x), mesh, traced)
     layout = Sharded(
         None, tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim
     )
@@ -72,12 +99,24 @@ def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement,
             f"{where.dim}, which the {layout.num_shards} shards do not divide; only dim 0 "
             "is padded. Shard it on dim 0 or keep it replicated (fs.Replicate())."
         )
-    return dataclasses.replace(layout, data=_place(x, layout))
+    return dataclasses.replace(layout, data=_place(x, layout, traced))
 
 
-def _place(x, layout: Sharded) -> jax.Array:
-    """`x` padded and laid out as `layout.data`, each process slicing its own shards."""
+def _place(x, layout: Sharded, traced: bool) -> jax.Array:
+    """`x` padded and laid out as `layout.data`, each process slicing its own shards.
+
+    Under a trace (`shard` under `jax.jit` / `jax.eval_shape`) the padded value gets a
+    sharding constraint, so the compiled init computes only each device's block; an
+    abstract `x` (`jax.ShapeDtypeStruct`) becomes the abstract `layout.data`.
+    """
     size = layout.padded_shape[layout.dim]
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(layout.padded_shape, layout.dtype, sharding=layout.sharding)
+    if traced:
+        # Host arrays too: placed eagerly they would be constants of the program,
+        # which the compiler returns replicated.
+        padded = _pad(_strong(jnp.asarray(x)), layout.dim, size)
+        return jax.lax.with_sharding_constraint(padded, layout.sharding)
     if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
         return jax.device_put(_pad(_strong(x), layout.dim, size), layout.sharding)
     # Host arrays (and any array in a multi-process job, where device_put would compare
@@ -135,9 +174,11 @@ def shard(
             f"shard: mp_policy must be an fs.MixedPrecisionPolicy or None, got "
             f"{type(mp_policy).__name__}."
         )
+    traced = any(_is_traced(x) for x in jax.tree.leaves(params))
     return jax.tree_util.tree_map_with_path(
         lambda p, x: _shard_leaf(
-            p, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_shard_size
+            p, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_shard_size,
+            traced,
         ),
         params,
         is_leaf=is_sharded,
@@ -203,8 +244,7 @@ def unshard(tree: Any) -> Any:
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
-            datas = tuple(x.data for x in leaves)
-            fulls = _gather.unshard_in_step(datas, _gather.layout_of(leaves, ctx), ctx)
+            fulls = _gather.unshard_in_step(leaves, ctx)
         else:
             fulls = _lowering.eager_all_gather(
                 [x.data for x in leaves],

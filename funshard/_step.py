@@ -14,6 +14,7 @@ from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
 from funshard import _context, _errors, _gather, _lowering, _mesh
 from funshard._shard import common_mesh, sharded_leaves
+from funshard._tree import split_arrays
 from funshard._sharded import Sharded, is_array, is_sharded
 
 
@@ -36,6 +37,7 @@ def _dp_axes(paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _check_batch(batch: Any, world: int, dp_axes, microbatches: int = 1) -> None:
+    rows = []
     for path, leaf in tree_flatten_with_path(batch)[0]:
         if not is_array(leaf):
             if not isinstance(leaf, (int, float, complex, bool)):
@@ -43,41 +45,46 @@ def _check_batch(batch: Any, world: int, dp_axes, microbatches: int = 1) -> None
             leaf = np.asarray(leaf)
         if leaf.ndim == 0:
             raise ValueError(_errors.batch_scalar(path))
-        if leaf.shape[0] == 0:
+        rows.append((path, leaf.shape[0]))
+    if len({r for _, r in rows}) > 1:
+        raise ValueError(_errors.batch_ragged(rows))
+    for path, size in rows[:1]:
+        if size == 0:
             raise ValueError(_errors.batch_empty(path))
-        if leaf.shape[0] % world:
-            raise ValueError(_errors.batch_not_divisible(path, leaf.shape[0], world, dp_axes))
-        if leaf.shape[0] % (world * microbatches):
-            raise ValueError(
-                f"{_errors.where('value_and_grad', path)} has {leaf.shape[0]} rows, which "
-                f"do not split into {microbatches} microbatches on each of {world} "
-                f"devices; use a global batch that is a multiple of {world * microbatches}."
-            )
+        if size % world:
+            raise ValueError(_errors.batch_not_divisible(path, size, world, dp_axes))
+        if size % (world * microbatches):
+            raise ValueError(_errors.batch_not_microbatchable(path, size, world, microbatches))
 
 
 def _is_differentiable(x) -> bool:
     return bool(jnp.issubdtype(x.dtype, jnp.inexact))
 
 
-def _split_static(tree: Any):
-    """Array leaves (traced through the step) and a function rebuilding the tree."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
-
-    def rebuild(values):
-        out = list(leaves)
-        for i, v in zip(dynamic, values):
-            out[i] = v
-        return tree_unflatten(treedef, out)
-
-    return [leaves[i] for i in dynamic], rebuild
+def varying_axes(x, dp_axes) -> tuple[str, ...]:
+    """The data-parallel axes `x` still varies over (its shard_map type)."""
+    varying = jax.typeof(x).manual_axis_type.varying
+    return tuple(a for a in dp_axes if a in varying)
 
 
 def _reduce_aux(aux: Any, dp_axes) -> Any:
+    """Combines per-device aux values into one value for the whole step.
+
+    Scalars that still vary over the devices are averaged (floating) or summed (other
+    dtypes); arrays are per-example values, gathered along dim 0 in global batch order.
+    Values the loss function already reduced (invariant over the data axes) are kept.
+    """
+
     def reduce(x):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jax.lax.pmean(x, dp_axes)
-        return jax.lax.psum(x, dp_axes)
+        axes = varying_axes(x, dp_axes)
+        if not axes:
+            return x
+        if x.ndim == 0:
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                return jax.lax.pmean(x, axes)
+            return jax.lax.psum(x, axes)
+        x = _lowering.vary(x, dp_axes)
+        return jax.lax.all_gather(x, dp_axes, axis=0, tiled=True, to="invarying")
 
     return jax.tree.map(reduce, aux)
 
@@ -97,11 +104,25 @@ class _StatePlan:
             for i in self.dynamic
         ]
 
-    def rebuild(self, values) -> Any:
+    def rebuild(self, values, step_meta: dict | None = None) -> Any:
+        """The tree with `values` in its dynamic positions.
+
+        With `step_meta` (position -> (frozen, accumulator)) the `Sharded` leaves
+        become the running step's `StepLeaf`s.
+        """
         out = list(self.items)
-        for i, v in zip(self.dynamic, values):
+        for pos, (i, v) in enumerate(zip(self.dynamic, values)):
             item = self.items[i]
-            out[i] = dataclasses.replace(item, data=v) if isinstance(item, Sharded) else v
+            if not isinstance(item, Sharded):
+                out[i] = v
+            elif step_meta is None:
+                out[i] = dataclasses.replace(item, data=v)
+            else:
+                frozen, accumulator = step_meta[pos]
+                fields = {f.name: getattr(item, f.name) for f in dataclasses.fields(Sharded)}
+                out[i] = _context.StepLeaf(
+                    **{**fields, "data": v}, frozen=frozen, accumulator=accumulator
+                )
         return tree_unflatten(self.treedef, out)
 
 
@@ -128,9 +149,9 @@ class _Options:
     all_reduce_every_microbatch: bool
 
 
-def _trainable_flags(trainable: Any, state: Any, count: int) -> list[bool]:
+def _trainable_flags(trainable: Any, state: Any) -> list[bool]:
     if trainable is None:
-        return [True] * count
+        return [True] * len(jax.tree.leaves(state, is_leaf=is_sharded))
     try:
         expanded = jax.tree.map(
             lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub, is_leaf=is_sharded),
@@ -143,9 +164,7 @@ def _trainable_flags(trainable: Any, state: Any, count: int) -> list[bool]:
             "value_and_grad: `trainable` must be a pytree prefix of the state with a bool "
             f"at each leaf or subtree ({exc}). E.g. {{'encoder': False, 'head': True}}."
         ) from exc
-    flags = jax.tree.leaves(expanded, is_leaf=is_sharded)
-    assert len(flags) == count, (len(flags), count)
-    return flags
+    return jax.tree.leaves(expanded, is_leaf=is_sharded)
 
 
 def _microbatch(batch: Any, k: int, m: int) -> Any:
@@ -157,6 +176,26 @@ def _microbatch(batch: Any, k: int, m: int) -> Any:
 def _accumulator(item: Sharded, dp_axes):
     dtype = _gather.layout_of([item]).leaves[0].reduce_dtype
     return _lowering.vary(jnp.zeros(item.shape, dtype), dp_axes)
+
+
+def _split_output(out, has_aux: bool):
+    """(loss, aux) from what the loss function returned, or a clear error."""
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(_errors.aux_expected(out))
+        loss, aux = out
+    else:
+        if isinstance(out, (tuple, list)):
+            raise TypeError(_errors.aux_unexpected(len(out)))
+        loss, aux = out, None
+    if not (hasattr(loss, "dtype") and jnp.ndim(loss) == 0
+            and jnp.issubdtype(loss.dtype, jnp.floating)):
+        raise TypeError(_errors.loss_not_scalar(loss))
+    sharded_aux = [p for p, x in tree_flatten_with_path(aux, is_leaf=is_sharded)[0]
+                   if isinstance(x, Sharded)]
+    if sharded_aux:
+        raise TypeError(_errors.sharded_aux(sharded_aux))
+    return loss, aux
 
 
 def _local_value_and_grad(loss_fn, opts: _Options, plan, ctx, values, batch, args, trainable):
@@ -171,11 +210,13 @@ def _local_value_and_grad(loss_fn, opts: _Options, plan, ctx, values, batch, arg
         merged = list(values)
         for i, v in zip(diff, diff_values):
             merged[i] = v
-        frozen = frozenset(id(merged[i]) for i, s in enumerate(sharded) if s and not wanted[i])
-        routes = {id(merged[i]): a for i, a in zip(deferred, accumulators)}
-        with _context.inside(dataclasses.replace(ctx, frozen=frozen, deferred=routes)):
-            out = loss_fn(plan.rebuild(merged), batch, *args)
-        return out if opts.has_aux else (out, None)
+        accumulator_of = dict(zip(deferred, accumulators))
+        step_meta = {
+            i: (not wanted[i], accumulator_of.get(i)) for i, s in enumerate(sharded) if s
+        }
+        with _context.inside(ctx):
+            out = loss_fn(plan.rebuild(merged, step_meta), batch, *args)
+        return _split_output(out, opts.has_aux)
 
     accumulators = [_accumulator(plan.items[plan.dynamic[i]], ctx.dp_axes) for i in deferred]
     (loss, aux), (diff_grads, deferred_grads) = jax.value_and_grad(
@@ -191,8 +232,12 @@ def _add(total: dict, new: dict) -> dict:
     return out
 
 
-def _mean_over_microbatches(values: list) -> Any:
+def _combine_microbatches(values: list) -> Any:
+    """Per-microbatch aux values as one: scalars averaged (floating) or summed, arrays
+    (per-example values) concatenated in batch order."""
     def combine(*xs):
+        if xs[0].ndim:
+            return jnp.concatenate(xs)
         stacked = jnp.stack(xs)
         return stacked.mean(0) if jnp.issubdtype(stacked.dtype, jnp.inexact) else stacked.sum(0)
 
@@ -209,9 +254,24 @@ def _reduce_deferred(plan, sums: dict, ctx) -> dict:
     return dict(zip(order, reduced))
 
 
-def _finish_grads(plan, values, grads: dict, opts: _Options, world: int, replicate_axes):
-    """Every position's gradient: averaged, HSDP-reduced if postponed, zeros elsewhere."""
-    scale = 1.0 / ((opts.divide_factor or world) * opts.microbatches)
+def _grad_scale(opts: _Options, world: int, loss_world: int) -> float:
+    """What the summed per-device gradients are multiplied by.
+
+    A loss that still varies over `loss_world` devices is a per-device mean: their sum
+    over devices divided by `loss_world` is the gradient of the global mean. A loss the
+    user already reduced (psum / pmean: invariant, loss_world = 1) needs no division.
+    `gradient_divide_factor` f means "sum of per-device-mean gradients / f" in both
+    cases, hence the `world / loss_world` correction.
+    """
+    if opts.divide_factor is None:
+        scale = 1.0 / loss_world
+    else:
+        scale = (world / loss_world) / opts.divide_factor
+    return scale / opts.microbatches
+
+
+def _finish_grads(plan, values, grads: dict, opts: _Options, scale: float, replicate_axes):
+    """Every position's gradient: scaled, HSDP-reduced if postponed, zeros elsewhere."""
     out = []
     for i, v in enumerate(values):
         if i not in grads:
@@ -223,6 +283,29 @@ def _finish_grads(plan, values, grads: dict, opts: _Options, world: int, replica
             g = jax.lax.psum(g, replicate_axes)
         out.append((g * scale).astype(v.dtype))
     return out
+
+
+def _as_arrays(items: list) -> list:
+    """Python numbers in the state as arrays, exactly as `jax.jit` would trace them.
+
+    Under jit a Python float leaf is a traced float32 (differentiable) and an int a
+    traced int32; converting them here makes an un-jitted step behave the same.
+    """
+    return [
+        jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x for x in items
+    ]
+
+
+def _check_state_leaves(paths, items, flags) -> None:
+    """Non-floating leaves have no gradient, but an optimizer would still change them."""
+    bad = [
+        (path, str(np.dtype(x.dtype)))
+        for path, x, trainable in zip(paths, items, flags)
+        if trainable and (isinstance(x, Sharded) or is_array(x))
+        and not jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    if bad:
+        raise TypeError(_errors.non_float_leaves("value_and_grad", bad))
 
 
 def value_and_grad(
@@ -295,14 +378,16 @@ def value_and_grad(
         mesh = common_mesh("value_and_grad", paths, items)
         if mesh is None:
             raise ValueError(_errors.no_sharded("value_and_grad"))
+        items = _as_arrays(items)
         replicate_axes, shard_axes = _dp_axes(paths, items)
         dp_axes = (*replicate_axes, *shard_axes)
         world = _mesh.axes_size(mesh, dp_axes)
         _check_batch(batch, world, dp_axes, opts.microbatches)
+        flags = _trainable_flags(trainable, state)
+        _check_state_leaves(paths, items, flags)
         plan = _plan(items, treedef)
-        flags = _trainable_flags(trainable, state, len(items))
         trainable_values = [flags[i] for i in plan.dynamic]
-        arg_values, rebuild_args = _split_static(args)
+        arg_values, rebuild_args = split_arrays(args)
         ctx = _context.StepContext(
             mesh, dp_axes, skip_replicate_reduce=not opts.all_reduce_every_microbatch
         )
@@ -327,9 +412,15 @@ def value_and_grad(
                 auxes.append(aux)
                 grads, sums = _add(grads, g), _add(sums, deferred)
             grads = _add(grads, _reduce_deferred(plan, sums, ctx))
-            grads = _finish_grads(plan, values, grads, opts, world, replicate_axes)
-            loss = jax.lax.pmean(sum(losses) / len(losses), dp_axes)
-            return loss, _reduce_aux(_mean_over_microbatches(auxes), dp_axes), grads
+            loss = sum(losses) / len(losses)
+            # A loss already reduced over some data axes (psum / pmean in the loss
+            # function) is not averaged over them again, nor are its gradients.
+            loss_axes = varying_axes(loss, dp_axes)
+            scale = _grad_scale(opts, world, _mesh.axes_size(mesh, loss_axes))
+            grads = _finish_grads(plan, values, grads, opts, scale, replicate_axes)
+            if loss_axes:
+                loss = jax.lax.pmean(loss, loss_axes)
+            return loss, _reduce_aux(_combine_microbatches(auxes), dp_axes), grads
 
         mapped = jax.shard_map(
             body,

@@ -73,11 +73,13 @@ def test_has_aux_and_grad():
 
     def loss_with_aux(state, batch):
         loss = mlp_loss(fs.unshard(state), batch)
-        return loss, {"loss": loss, "rows": jnp.int32(batch[0].shape[0])}
+        rows = jnp.sum(jnp.isfinite(batch[0][:, 0]))  # varies over the devices
+        return loss, {"loss": loss, "rows": rows, "local": jnp.int32(batch[0].shape[0])}
 
     (loss, aux), grads = jax.jit(fs.value_and_grad(loss_with_aux, has_aux=True))(state, batch)
     np.testing.assert_allclose(aux["loss"], loss)
-    assert int(aux["rows"]) == 16  # integer aux is summed over the world
+    assert int(aux["rows"]) == 16  # integer aux varying over the devices is summed
+    assert int(aux["local"]) == 2  # a value the same on every device is kept as it is
     only_grads = jax.jit(fs.grad(mlp_sharded_loss(False)))(state, batch)
     _assert_tree_close(fs.unshard(only_grads), fs.unshard(grads), atol=0, rtol=0)
 
@@ -90,7 +92,8 @@ def test_replicated_extra_args_and_int_leaves():
     def loss(state, x, scale):
         return jnp.mean((x @ fs.unshard(state)["w"]) ** 2) * scale
 
-    value, grads = jax.jit(fs.value_and_grad(loss))(state, x, 3.0)
+    trainable = {"w": True, "step": False}
+    value, grads = jax.jit(fs.value_and_grad(loss, trainable=trainable))(state, x, 3.0)
     ref = jax.grad(lambda w: jnp.mean((x @ w) ** 2) * 3.0)(params["w"])
     np.testing.assert_allclose(fs.unshard(grads)["w"], ref, rtol=1e-6)
     np.testing.assert_array_equal(fs.unshard(grads)["step"], np.zeros(3, np.int32))
