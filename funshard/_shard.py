@@ -258,16 +258,18 @@ def unshard(tree: Any) -> Any:
     return tree_unflatten(treedef, out)
 
 
-def _check_full(path, full, like: Sharded):
+def _full_problem(path, full, like: Sharded) -> tuple[type, str] | None:
+    """(exception type, message) if `full` cannot be resharded like `like`, else None."""
     if not is_array(full):
-        raise TypeError(
+        return TypeError, (
             f"{_errors.where('reshard', path)} is {type(full).__name__}; expected the full "
             f"array of shape {like.shape}."
         )
     if tuple(full.shape) != like.shape:
-        raise ValueError(_errors.shape_mismatch("reshard", path, full.shape, like.shape))
+        return ValueError, _errors.shape_mismatch("reshard", path, full.shape, like.shape)
     if np.dtype(full.dtype) != like.dtype:
-        raise ValueError(_errors.dtype_mismatch("reshard", path, full.dtype, like.dtype))
+        return ValueError, _errors.dtype_mismatch("reshard", path, full.dtype, like.dtype)
+    return None
 
 
 def _local_rows(full, like: Sharded):
@@ -314,12 +316,16 @@ def reshard(full_tree: Any, like: Any) -> Any:
     except (ValueError, TypeError) as exc:
         got = jax.tree_util.tree_structure(full_tree, is_leaf=is_sharded)
         raise ValueError(_errors.structure_mismatch("reshard", "full", got, treedef)) from exc
+    problems = [
+        found for path, full, item in zip(paths, fulls, items, strict=True)
+        if isinstance(item, Sharded) and (found := _full_problem(path, full, item))
+    ]
+    if problems:  # every bad leaf at once, as jax.shard_map reports its specs
+        kind = TypeError if all(k is TypeError for k, _ in problems) else ValueError
+        raise kind("\n".join(message for _, message in problems))
     in_step = _context.current() is not None
-    out = []
-    for path, full, item in zip(paths, fulls, items):
-        if isinstance(item, Sharded):
-            _check_full(path, full, item)
-            out.append(reshard_leaf(full, item, in_step))
-        else:
-            out.append(full)
+    out = [
+        reshard_leaf(full, item, in_step) if isinstance(item, Sharded) else full
+        for full, item in zip(fulls, items, strict=True)
+    ]
     return tree_unflatten(treedef, out)

@@ -37,15 +37,22 @@ def _dp_axes(paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _check_batch(batch: Any, world: int, dp_axes, microbatches: int = 1) -> None:
-    rows = []
+    rows, not_arrays, scalars = [], [], []
     for path, leaf in tree_flatten_with_path(batch)[0]:
         if not is_array(leaf):
             if not isinstance(leaf, (int, float, complex, bool)):
-                raise TypeError(_errors.batch_not_array(path, leaf))
+                not_arrays.append(_errors.batch_not_array(path, leaf))
+                continue
             leaf = np.asarray(leaf)
         if leaf.ndim == 0:
-            raise ValueError(_errors.batch_scalar(path))
-        rows.append((path, leaf.shape[0]))
+            scalars.append(_errors.batch_scalar(path))
+        else:
+            rows.append((path, leaf.shape[0]))
+    # Every bad leaf at once, as jax.shard_map reports its specs.
+    if not_arrays:
+        raise TypeError("\n".join(not_arrays + scalars))
+    if scalars:
+        raise ValueError("\n".join(scalars))
     if len({r for _, r in rows}) > 1:
         raise ValueError(_errors.batch_ragged(rows))
     for path, size in rows[:1]:
@@ -324,7 +331,9 @@ def value_and_grad(
     holds this device's shards (call `funshard.unshard` or a `funshard.fully_shard` unit
     on it), `batch` is this device's slice of the global batch (leading dimension split
     over every data-parallel axis), `args` are replicated. It returns the mean loss over
-    its local slice (and, with `has_aux`, an auxiliary pytree).
+    its local slice, or a loss it already reduced over the devices with `jax.lax.psum`
+    / `pmean` (e.g. summed token losses over the summed token count), which is then
+    neither averaged nor divided again (and, with `has_aux`, an auxiliary pytree).
 
     Args:
       loss_fn: the per-device loss function.
@@ -348,17 +357,26 @@ def value_and_grad(
 
     Returns:
       A function `(state, batch, *args) -> (loss, grads)` (or `((loss, aux), grads)`)
-      where `loss` is the mean over the global batch, `aux` floating leaves are averaged
-      and other leaves summed over the data-parallel world, and `grads` has the
-      structure and sharding of `state` (dtype of the sharded parameters):
-      reduce-scattered over the shard axis, all-reduced over the replicate axis (HSDP)
-      and divided by `gradient_divide_factor`. Frozen and non-floating leaves get zero
-      gradients, non-array leaves are carried over unchanged.
+      where `loss` is the mean over the global batch (or the already-reduced loss as
+      returned), and `grads` is `jax.grad` of that loss with the structure and sharding
+      of `state` (dtype of the sharded parameters): reduce-scattered over the shard
+      axis, all-reduced over the replicate axis (HSDP) and divided by
+      `gradient_divide_factor`. Aux scalars that vary over the devices are averaged
+      (floating) or summed (other dtypes), aux arrays are per-example values gathered
+      along dim 0 in global batch order, and aux values already equal on every device
+      are returned as they are. Frozen leaves get zero gradients; Python numbers in the
+      state are traced as `jax.jit` would (a float trains as a float32 scalar);
+      other non-array leaves are carried over unchanged.
 
     Raises:
       ValueError: the state has no `Sharded` leaves or mixes meshes or axes, the
         global batch size is not a multiple of the data-parallel world size times
-        `microbatches`, or `trainable` does not fit the state.
+        `microbatches`, batch leaves have different leading sizes, or `trainable`
+        does not fit the state.
+      TypeError: the state has integer or bool leaves (they have no gradient, yet an
+        optimizer would change them) that `trainable` does not mark False; the loss
+        function's output does not match `has_aux`, its loss is not a floating
+        scalar, or its aux holds `Sharded` leaves.
     """
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"value_and_grad: microbatches must be an int >= 1, got {microbatches!r}.")
