@@ -72,7 +72,8 @@ def main(steps: int) -> None:
     params = init_params(jax.random.key(0))
     state = fs.shard(params, mesh)
     opt = optax.adamw(3e-3, weight_decay=1e-4)
-    opt_state = opt.init(state)
+    # opt.init(state) with its step count on the mesh too: the step compiles once.
+    opt_state = fs.init_optimizer(opt, state)
 
     @jax.jit
     def train_step(state, opt_state, batch):

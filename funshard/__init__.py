@@ -5,6 +5,7 @@ from funshard._checkpoint import restore as restore
 from funshard._checkpoint import save as save
 from funshard._fully_shard import fully_shard as fully_shard
 from funshard._mesh import make_mesh as make_mesh
+from funshard._optim import init_optimizer as init_optimizer
 from funshard._placement import Replicate as Replicate
 from funshard._placement import Shard as Shard
 from funshard._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
@@ -31,6 +32,7 @@ __all__ = [
     "distributed",
     "fully_shard",
     "grad",
+    "init_optimizer",
     "load_state_dict",
     "make_mesh",
     "reshard",

@@ -7,6 +7,12 @@ shard count reads the logical rows and pads (or drops) zero rows at the end
 (`ArrayRestoreArgs(strict=False)`). A small JSON item records each leaf's path,
 logical shape and dtype, so a restore into a tree of another structure or dtype is a
 clear error naming each offending path, never a silent partial load.
+
+Restored arrays outside `Sharded` leaves (an optimizer's step count, a replicated
+scalar parameter) are placed replicated on the mesh of `like`'s `Sharded` leaves, so a
+jitted step accepts the restored tree whatever device `like`'s copy was on. `like` may
+be abstract (`jax.ShapeDtypeStruct` leaves, as from `jax.eval_shape`), so a model too
+large for one device is restored without first materialising an initial state.
 """
 
 from __future__ import annotations
@@ -20,10 +26,16 @@ import jax
 import numpy as np
 from jax.tree_util import keystr, tree_unflatten
 
-from funshard import _shard
+from funshard import _errors, _optim, _shard
 from funshard._sharded import Sharded, is_array
 
 _FORMAT = "funshard-checkpoint-1"
+
+# Paths of this process's asynchronous saves not yet waited for. Waiting, not the
+# background thread finishing, ends an entry, so every process refuses (or accepts) the
+# same later save whatever its thread timing: a refusal on one process only would hang
+# the others in the save's barrier.
+_IN_FLIGHT: dict[str, "PendingSave"] = {}
 
 
 def _ocp():
@@ -33,11 +45,15 @@ def _ocp():
     return ocp
 
 
+def _is_abstract(x) -> bool:
+    return isinstance(x.data if isinstance(x, Sharded) else x, jax.ShapeDtypeStruct)
+
+
 def _entry(path, x) -> dict | None:
     if isinstance(x, Sharded):
         return {"path": keystr(tuple(path)), "kind": "sharded", "shape": list(x.shape),
                 "dtype": np.dtype(x.dtype).name}
-    if is_array(x):
+    if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
         return {"path": keystr(tuple(path)), "kind": "array", "shape": list(np.shape(x)),
                 "dtype": np.dtype(x.dtype).name}
     if isinstance(x, (bool, int, float)):
@@ -53,6 +69,8 @@ def _arrays_and_meta(tree: Any):
         entry = _entry(path, x)
         if entry is None:
             continue
+        if _is_abstract(x):
+            raise ValueError(_errors.abstract_in_save(path))
         key = str(len(leaves))
         leaves.append(entry)
         if isinstance(x, Sharded):
@@ -70,9 +88,18 @@ class PendingSave:
         self.path = path
 
     def wait(self) -> str:
-        """Blocks until the checkpoint is complete; returns its path."""
-        self._checkpointer.wait_until_finished()
-        self._checkpointer.close()
+        """Blocks until the checkpoint is complete; returns its path.
+
+        Raises:
+          Exception: whatever made the background write fail; the path is then free
+            for another save.
+        """
+        try:
+            self._checkpointer.wait_until_finished()
+            self._checkpointer.close()
+        finally:
+            if _IN_FLIGHT.get(self.path) is self:
+                del _IN_FLIGHT[self.path]
         return self.path
 
 
@@ -99,10 +126,14 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False,
 
     Raises:
       FileExistsError: `path` exists and `overwrite` is False.
-      ValueError: `overwrite` together with `asynchronous`.
+      RuntimeError: an asynchronous save to `path` has not been waited for yet.
+      ValueError: `overwrite` together with `asynchronous`, or an abstract leaf
+        (`jax.ShapeDtypeStruct`) in `tree`.
     """
     ocp = _ocp()
     path = os.path.abspath(os.fspath(path))
+    if path in _IN_FLIGHT:
+        raise RuntimeError(_errors.save_in_flight(path))
     exists = os.path.exists(path)
     if exists and not overwrite:
         raise FileExistsError(
@@ -117,7 +148,8 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False,
     if asynchronous:
         checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
         checkpointer.save(target, args=args)
-        return PendingSave(checkpointer, path)
+        _IN_FLIGHT[path] = PendingSave(checkpointer, path)
+        return _IN_FLIGHT[path]
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(target, args=args, force=True)
     if exists:
@@ -151,13 +183,32 @@ def _mismatches(meta: dict, paths, items) -> list[str]:
         if have["shape"] != want["shape"]:
             problems.append(f"  shape mismatch: {p} is {tuple(have['shape'])} in the "
                             f"checkpoint, {tuple(want['shape'])} in `like`")
-        elif have["dtype"] != want["dtype"]:
+        elif not _readable(have, want):
             problems.append(f"  dtype mismatch: {p} is {have['dtype']} in the checkpoint, "
                             f"{want['dtype']} in `like`")
     return problems
 
 
-def _restore_target(x):
+def _readable(have: dict, want: dict) -> bool:
+    """Whether the stored leaf `have` can be read into `like`'s leaf `want`."""
+    if have["dtype"] == want["dtype"]:
+        return True
+    # `jax.eval_shape` turns a Python scalar such as `"step": 0` into a 0-d
+    # ShapeDtypeStruct: an abstract `like` may ask for it as an array of its kind.
+    kinds = {"bool": "b", "int": "iu", "float": "f"}
+    return (have["kind"] == "scalar" and want["kind"] == "array" and not want["shape"]
+            and np.dtype(want["dtype"]).kind in kinds.get(have["dtype"], ""))
+
+
+def _unplaced(paths, items, mesh) -> list:
+    """Paths of abstract `like` leaves that say nowhere to put them (no sharding, no mesh)."""
+    if mesh is not None:
+        return []
+    return [p for p, x in zip(paths, items)
+            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None]
+
+
+def _restore_target(x, mesh):
     ocp = _ocp()
     if isinstance(x, Sharded):
         struct = jax.ShapeDtypeStruct(x.padded_shape, x.dtype, sharding=x.sharding)
@@ -165,9 +216,11 @@ def _restore_target(x):
         args = ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.padded_shape,
                                     dtype=x.dtype, strict=False)
         return struct, args
-    if isinstance(x, jax.Array):
-        struct = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return struct, ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        # See the module docstring: replicated on the state's mesh, if there is one.
+        sharding = x.sharding if mesh is None else _optim.sharding_on(mesh, x)
+        struct = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return struct, ocp.ArrayRestoreArgs(sharding=sharding, global_shape=x.shape,
                                             dtype=x.dtype)
     return np.asarray(x), ocp.RestoreArgs(restore_type=np.ndarray)
 
@@ -190,27 +243,37 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     Args:
       path: a directory written by `save`.
       like: a tree with the structure, logical shapes and dtypes of the saved one,
-        whose `Sharded` leaves and arrays say where the restored values go (for
-        example `fs.shard(init_params, new_mesh)` and `opt.init` of it).
+        whose `Sharded` leaves say where the restored values go (for example
+        `fs.shard(init_params, new_mesh)` and `opt.init` of it). Its array leaves may
+        be concrete or abstract (`jax.ShapeDtypeStruct`, e.g. from `jax.eval_shape`);
+        a 0-d abstract leaf may receive a saved Python scalar of its kind.
 
     Returns:
       A tree like `like` holding the checkpoint's values, logically bit-identical to
-      what was saved whatever the mesh.
+      what was saved whatever the mesh. Arrays outside `Sharded` leaves are
+      replicated on the mesh of `like`'s `Sharded` leaves unless `like` already had
+      them on that mesh (then they keep its sharding); numpy leaves stay numpy.
 
     Raises:
       FileNotFoundError: there is no checkpoint at `path`.
-      ValueError: the checkpoint is incomplete or corrupt, or its structure, shapes or
-        dtypes differ from `like` (the message lists every offending path).
+      ValueError: `path` is not a funshard checkpoint or is incomplete or corrupt,
+        or its structure, shapes or dtypes differ from `like` (the message lists every
+        offending path), or `like`'s `Sharded` leaves live on different meshes.
     """
     ocp = _ocp()
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
+        if path in _IN_FLIGHT:
+            raise FileNotFoundError(_errors.restore_in_flight(path))
         raise FileNotFoundError(f"restore: no checkpoint at {path}.")
+    if not os.path.isdir(os.path.join(path, "funshard")):
+        raise ValueError(_errors.not_a_checkpoint(path, os.listdir(path)))
     meta = _read(path, "metadata", ocp.args.Composite(funshard=ocp.args.JsonRestore()))
     meta = meta["funshard"]
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         raise ValueError(f"restore: {path} is not a funshard checkpoint (no funshard metadata).")
     paths, items, treedef = _shard.sharded_leaves("restore", like)
+    mesh = _shard.common_mesh("restore", paths, items)
     problems = _mismatches(meta, paths, items)
     if problems:
         raise ValueError(
@@ -218,8 +281,11 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
             + "\nBuild `like` exactly as the saved tree was built (same model, optimizer "
             "and dtypes)."
         )
+    unplaced = _unplaced(paths, items, mesh)
+    if unplaced:
+        raise ValueError(_errors.no_placement("restore", unplaced))
     stored = [i for i, (p, x) in enumerate(zip(paths, items)) if _entry(p, x) is not None]
-    targets = [_restore_target(items[i]) for i in stored]
+    targets = [_restore_target(items[i], mesh) for i in stored]
     item = {str(k): t[0] for k, t in enumerate(targets)}
     restore_args = {str(k): t[1] for k, t in enumerate(targets)}
     arrays = _read(path, "arrays", ocp.args.Composite(
@@ -229,7 +295,7 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
         value, x = arrays[str(k)], items[i]
         if isinstance(x, Sharded):
             out[i] = dataclasses.replace(x, data=value)
-        elif is_array(x):
+        elif is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
             out[i] = value
         else:
             out[i] = type(x)(np.asarray(value).item())

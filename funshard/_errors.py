@@ -342,11 +342,13 @@ def abstract_in_save(path) -> str:
     )
 
 
-def no_placement(fn: str, path) -> str:
+def no_placement(fn: str, paths) -> str:
+    listing = "\n".join(f"  {keystr(tuple(p)) or '<root>'}" for p in paths)
     return (
-        f"{where(fn, path)} is a jax.ShapeDtypeStruct without a sharding and `like` has "
-        "no fs.Sharded leaves whose mesh it could be replicated on. Give it one, e.g. "
-        "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))."
+        f"{fn}: these leaves are jax.ShapeDtypeStruct without a sharding, and `like` has "
+        f"no fs.Sharded leaves whose mesh they could be replicated on:\n{listing}\nGive "
+        "each a sharding, e.g. jax.ShapeDtypeStruct(shape, dtype, "
+        "sharding=NamedSharding(mesh, P()))."
     )
 
 

@@ -79,6 +79,44 @@ def test_async_save_then_restore(tmp_path):
     )
 
 
+def test_save_to_a_path_with_an_async_save_in_flight_is_refused(tmp_path, saved):
+    tree, path = saved[1], tmp_path / "async"
+    pending = fs.save(path, tree, asynchronous=True)
+    try:
+        # Refused whether or not the background write has finished: only .wait() frees
+        # the path, so every process decides alike.
+        for asynchronous in (True, False):
+            with pytest.raises(RuntimeError, match=r"in flight; call \.wait\(\)"):
+                fs.save(path, _tree("8"), asynchronous=asynchronous)
+    finally:
+        pending.wait()
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        fs.save(path, _tree("8"))
+    assert fs.restore(path, _tree("4"))["step"] == 1  # the first save, intact
+    fs.save(path, _tree("8"), overwrite=True)
+    assert fs.restore(path, _tree("4"))["step"] == 0
+    # Another path is independent of one in flight.
+    first = fs.save(tmp_path / "a", tree, asynchronous=True)
+    second = fs.save(tmp_path / "b", tree, asynchronous=True)
+    assert (first.wait(), second.wait()) == (str(tmp_path / "a"), str(tmp_path / "b"))
+
+
+def test_directory_that_is_not_a_checkpoint_is_a_clear_error(tmp_path, saved):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty is not a funshard checkpoint.*holds: nothing"):
+        fs.restore(tmp_path / "empty", _tree("8"))
+    parent = tmp_path / "runs"
+    fs.save(parent / "step_1", saved[1])
+    with pytest.raises(ValueError, match=r"runs is not a funshard checkpoint.*holds: step_1"):
+        fs.restore(parent, _tree("8"))
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "other", {"w": np.ones(3)})
+    with pytest.raises(ValueError, match="other is not a funshard checkpoint"):
+        fs.restore(tmp_path / "other", _tree("8"))
+
+
 def test_existing_path_needs_overwrite(tmp_path, saved):
     fs.save(tmp_path / "c", _tree("8"))
     with pytest.raises(FileExistsError, match="overwrite=True"):
