@@ -30,9 +30,11 @@ def make_mesh(replicate: int | None = None, *, devices: Sequence[jax.Device] | N
       code (evaluation, data loading) runs on it without explicit-sharding type errors.
 
     Raises:
-      ValueError: `replicate` is not a positive divisor of the device count.
+      ValueError: `devices` is empty or lists a device twice, or `replicate` is not a
+        positive divisor of the device count.
     """
     devices = list(jax.devices() if devices is None else devices)
+    _check_devices(devices)
     n = len(devices)
     if replicate is None:
         shape, names = (n,), (SHARD_AXIS,)
@@ -47,6 +49,19 @@ def make_mesh(replicate: int | None = None, *, devices: Sequence[jax.Device] | N
         shape, names = (replicate, n // replicate), (REPLICATE_AXIS, SHARD_AXIS)
     grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _check_devices(devices: list) -> None:
+    # A mesh with no device cannot hold a shard, and a repeated device would hold two
+    # shards of one array: XLA rejects it only later, deep inside the first program.
+    if not devices:
+        raise ValueError(_errors.mesh_no_devices())
+    positions: dict = {}
+    for i, d in enumerate(devices):
+        positions.setdefault(d, []).append(i)
+    repeated = {d: where for d, where in positions.items() if len(where) > 1}
+    if repeated:
+        raise ValueError(_errors.mesh_repeated_devices(repeated))
 
 
 def _as_axes(axis: str | Sequence[str]) -> tuple[str, ...]:

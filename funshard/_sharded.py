@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from funshard import _mesh
+from funshard import _errors, _mesh
 from funshard._policy import MixedPrecisionPolicy
 
 
@@ -54,6 +54,19 @@ class Sharded:
     )
     dim: int = dataclasses.field(metadata=dict(static=True), default=0)
 
+    def __post_init__(self):
+        # `jax.eval_shape` drops the sharding of outputs on a mesh with Auto axes; the
+        # layout fixes where a global abstract `data` lives, so an abstract state says
+        # it (as `jax.jit(..., out_shardings=...)` and `fs.restore` need).
+        data = self.data
+        if (
+            isinstance(data, jax.ShapeDtypeStruct)
+            and data.sharding is None
+            and tuple(data.shape) == self.padded_shape
+        ):
+            abstract = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=self.sharding)
+            object.__setattr__(self, "data", abstract)
+
     @property
     def num_shards(self) -> int:
         """Number of devices the sharded dimension is split over."""
@@ -92,6 +105,38 @@ class Sharded:
         """The sharding of `data` outside a step."""
         return NamedSharding(self.mesh, _mesh.spec(self.shard_axis, self.dim))
 
+    def __repr__(self) -> str:
+        # One line of layout: a model's state holds hundreds of these, and printing
+        # `data` would dump every parameter (tens of KB for a small model).
+        fields = [
+            f"shape={self.shape}",
+            f"dtype={np.dtype(self.dtype).name}",
+            f"rows_per_shard={self.rows_per_shard}",
+            f"shard_axis={self.shard_axis}",
+        ]
+        if self.dim:
+            fields.append(f"dim={self.dim}")
+        if self.replicate_axis:
+            fields.append(f"replicate_axis={self.replicate_axis}")
+        fields.append(f"mesh={dict(self.mesh.shape)}")
+        if self.mp_policy is not None:
+            fields.append(f"mp_policy={self.mp_policy}")
+        return f"Sharded({', '.join(fields)})"
+
+    def _refuse(self, *args, **kwargs):
+        # A Sharded leaf in user math is a forgotten fs.unshard; refuse instead of
+        # letting jnp / numpy compute on the padded local rows or an object array.
+        raise TypeError(_errors.sharded_in_user_code(self.shape, self.dtype))
+
+    # numpy defers binary operators to the reflected methods below instead of
+    # converting this object through __array__.
+    __array_ufunc__ = None
+    __jax_array__ = __array__ = __getitem__ = __iter__ = _refuse
+    __neg__ = __pos__ = __abs__ = __invert__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _refuse
+    __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _refuse
+
 
 def is_sharded(x: Any) -> bool:
     """Whether `x` is a `Sharded` leaf (used as `is_leaf` in tree walks)."""
@@ -103,3 +148,9 @@ def is_array(x: Any) -> bool:
     if isinstance(x, (str, bytes)):  # np.str_ / np.bytes_ are np.generic too
         return False
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def is_key(x: Any) -> bool:
+    """Whether `x` is an array of typed PRNG keys (`jax.random.key`), concrete or abstract."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)

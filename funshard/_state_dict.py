@@ -5,25 +5,41 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_unflatten
 
-from funshard import _shard
-from funshard._sharded import Sharded, is_array
+from funshard import _errors, _shard
+from funshard._sharded import Sharded, is_array, is_key
+
+
+def _is_stored(x) -> bool:
+    """Whether a leaf of `like` has an entry in a state dict (abstract leaves too)."""
+    return isinstance(x, (Sharded, jax.ShapeDtypeStruct)) or is_array(x)
 
 
 def _logical(x) -> tuple[tuple[int, ...], np.dtype]:
     if isinstance(x, Sharded):
         return x.shape, np.dtype(x.dtype)
+    if is_key(x):
+        # A typed key is stored as its raw key data (e.g. uint32[..., 2]).
+        data = jax.eval_shape(jax.random.key_data, x)
+        return tuple(data.shape), np.dtype(data.dtype)
     return tuple(np.shape(x)), np.dtype(x.dtype)
+
+
+def _host(full) -> np.ndarray:
+    # numpy has no PRNG key dtype: a key travels as its key data.
+    return np.asarray(jax.random.key_data(full) if is_key(full) else full)
 
 
 def state_dict(tree: Any) -> dict[str, np.ndarray]:
     """The full, unpadded arrays of `tree`, keyed by `jax.tree_util.keystr` paths.
 
     For export to other tools: every `Sharded` leaf is all-gathered (one collective per
-    layout) and its padding removed; replicated arrays are copied to the host. Non-array
-    leaves are left out.
+    layout) and its padding removed; replicated arrays are copied to the host; typed
+    PRNG keys are stored as their key data (`jax.random.key_data`). Non-array leaves are
+    left out.
 
     Args:
       tree: a (possibly sharded) pytree: parameters, optimizer state, ...
@@ -37,18 +53,14 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
     if has_sharded:
         full_items = _shard.sharded_leaves("state_dict", _shard.unshard(tree))[1]
     return {
-        keystr(tuple(p)): np.asarray(full)
+        keystr(tuple(p)): _host(full)
         for p, x, full in zip(paths, items, full_items)
         if isinstance(x, Sharded) or is_array(x)
     }
 
 
 def _problems(sd: Mapping[str, Any], paths, items) -> list[str]:
-    expected = {
-        keystr(tuple(p)): x
-        for p, x in zip(paths, items)
-        if isinstance(x, Sharded) or is_array(x)
-    }
+    expected = {keystr(tuple(p)): x for p, x in zip(paths, items) if _is_stored(x)}
     problems = [f"  missing: {k}" for k in expected if k not in sd]
     problems += [f"  unexpected: {k}" for k in sd if k not in expected]
     for key, like in expected.items():
@@ -66,9 +78,20 @@ def _problems(sd: Mapping[str, Any], paths, items) -> list[str]:
 def _place(value: np.ndarray, like):
     if isinstance(like, Sharded):
         return _shard.reshard_leaf(value, like, in_step=False)
-    if isinstance(like, jax.Array):
-        return jax.device_put(value, like.sharding)
-    return value
+    if is_key(like):
+        value = jax.random.wrap_key_data(value, dtype=like.dtype)
+    sharding = getattr(like, "sharding", None)
+    if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)) and sharding is not None:
+        return jax.device_put(value, sharding)
+    return jnp.asarray(value) if isinstance(like, jax.ShapeDtypeStruct) else value
+
+
+def _check_sd(sd: Any) -> None:
+    if not isinstance(sd, Mapping):
+        raise TypeError(_errors.state_dict_not_mapping(sd))
+    bad = [(k, v) for k, v in sd.items() if not (isinstance(k, str) and is_array(v))]
+    if bad:
+        raise TypeError(_errors.state_dict_bad_entries(bad))
 
 
 def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
@@ -76,17 +99,19 @@ def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
 
     Args:
       sd: full arrays keyed by path, as `state_dict` returns.
-      like: a tree with the wanted structure, shapes, dtypes and shardings (e.g. a
-        freshly `shard`-ed state, or `jax.eval_shape` of one is not enough: it must
-        hold `Sharded` leaves or arrays to copy placements from).
+      like: a tree with the wanted structure, shapes, dtypes and shardings: a
+        `shard`-ed state, or an abstract one (`fs.shard(jax.eval_shape(init, key),
+        mesh)`), which loads without ever materialising the initial parameters.
 
     Returns:
       A tree like `like` holding the values of `sd`.
 
     Raises:
+      TypeError: `sd` is not a mapping from path strings to arrays.
       ValueError: keys are missing or unexpected, or an array's shape or dtype does
         not match; the message lists every offending path.
     """
+    _check_sd(sd)
     paths, items, treedef = _shard.sharded_leaves("load_state_dict", like)
     problems = _problems(sd, paths, items)
     if problems:
@@ -96,7 +121,7 @@ def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
             "the listed keys."
         )
     out = [
-        _place(np.asarray(sd[keystr(tuple(p))]), x) if isinstance(x, Sharded) or is_array(x) else x
+        _place(np.asarray(sd[keystr(tuple(p))]), x) if _is_stored(x) else x
         for p, x in zip(paths, items)
     ]
     return tree_unflatten(treedef, out)
