@@ -9,10 +9,16 @@ global batch without any host-to-host copy. See docs/distributed.md.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
+import json
+import math
 import os
 import re
+import selectors
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,12 +27,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
 
-from funshard import _mesh
+from funshard import _errors, _mesh
 
 # JAX's own defaults (jax.distributed.initialize in jax 0.10.2), in seconds.
 INITIALIZATION_TIMEOUT = 300
 HEARTBEAT_TIMEOUT = 100
 SHUTDOWN_TIMEOUT = 300
+# Read when `initialize(initialization_timeout=None)`: launchers (torchrun) call scripts
+# whose initialize() the user may not want to edit.
+INITIALIZATION_TIMEOUT_ENV = "FUNSHARD_INITIALIZATION_TIMEOUT"
+# A start-up this quick stays silent; a longer one says once what it waits for.
+WAIT_NOTICE_S = 1.0
+# How long shard_batch waits for the other processes' batches before it goes on unchecked.
+BATCH_CHECK_WAIT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +205,7 @@ def initialize(
     *,
     local_device_ids: int | Sequence[int] | None = None,
     replicate: int | None = None,
-    initialization_timeout: int = INITIALIZATION_TIMEOUT,
+    initialization_timeout: float | None = None,
     heartbeat_timeout: int = HEARTBEAT_TIMEOUT,
     shutdown_timeout: int = SHUTDOWN_TIMEOUT,
     fail_fast: bool = True,
@@ -206,6 +219,11 @@ def initialize(
     A single process without such an environment starts nothing and just returns the
     mesh over its local devices. Calling it again returns the mesh again.
 
+    Before JAX's runtime starts, the processes meet on the coordinator's port: a
+    process still waiting after a second prints one line to stderr saying for whom
+    and how long, and one that gives up raises in Python (JAX itself would abort the
+    process in C++ when its own connection times out).
+
     Args:
       coordinator_address: "host:port" where process 0 runs JAX's coordination service.
       num_processes: number of processes in the job.
@@ -215,7 +233,8 @@ def initialize(
         devices are set with `jax.config.update("jax_num_cpu_devices", k)` instead.
       replicate: as in `funshard.make_mesh`: None for a 1-D "fsdp" mesh over all
         devices of all processes, k for HSDP ("replicate", "fsdp") of shape (k, n/k).
-      initialization_timeout: seconds every process waits for all others to connect.
+      initialization_timeout: seconds every process waits for all others to connect
+        (None: the environment variable FUNSHARD_INITIALIZATION_TIMEOUT, else 300).
       heartbeat_timeout: seconds without a heartbeat after which the coordination
         service declares a process dead and stops every process of the job.
       shutdown_timeout: seconds a finishing process waits for the others at exit.
@@ -229,20 +248,92 @@ def initialize(
       The global mesh, devices ordered by (process index, local device order).
 
     Raises:
-      ValueError: inconsistent rank / world size, or no coordinator for several
-        processes, or `replicate` does not divide the global device count.
-      RuntimeError: JAX's backend already started in this process before the call.
+      ValueError: inconsistent rank / world size, no coordinator for several
+        processes, a coordinator host that does not resolve, a bad timeout, or
+        `replicate` does not divide the global device count.
+      TimeoutError: within `initialization_timeout`, some processes never arrived
+        (named by rank) or process 0's coordinator was not reached.
+      RuntimeError: JAX's backend already started in this process before the call, or
+        process 0 cannot listen on the coordinator's port, or a peer was rejected
+        (another job size, a rank taken twice).
     """
+    timeout = _initialization_timeout(initialization_timeout, os.environ)
     launch = resolve_launch(coordinator_address, num_processes, process_id, local_device_ids)
     if launch.multi_process and not jax.distributed.is_initialized():
-        _start(launch, initialization_timeout, heartbeat_timeout, shutdown_timeout)
+        source = _address_source(coordinator_address, launch, os.environ)
+        _start(launch, source, timeout, heartbeat_timeout, shutdown_timeout)
         if fail_fast:
-            hosts = _exchange_hosts(launch, initialization_timeout)
+            hosts = _exchange_hosts(launch, timeout)
             sys.excepthook = _fail_fast_hook(sys.excepthook, launch, hosts)
     return _mesh.make_mesh(replicate, devices=global_devices())
 
 
-def _start(launch: Launch, initialization_timeout, heartbeat_timeout, shutdown_timeout):
+def _initialization_timeout(value, environ: Mapping[str, str]) -> float:
+    source = "initialization_timeout"
+    if value is None and INITIALIZATION_TIMEOUT_ENV in environ:
+        source, value = INITIALIZATION_TIMEOUT_ENV, environ[INITIALIZATION_TIMEOUT_ENV]
+    if value is None:
+        return float(INITIALIZATION_TIMEOUT)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not 0 < seconds < math.inf:
+        raise ValueError(
+            f"initialize: {source}={value!r} is not a positive number of seconds; pass e.g. "
+            "initialization_timeout=60 (or FUNSHARD_INITIALIZATION_TIMEOUT=60)."
+        )
+    return seconds
+
+
+def _address_source(argument: str | None, launch: Launch, environ) -> str:
+    """Where the coordinator address came from, in the words a user set it with."""
+    if argument:
+        return "the coordinator_address argument"
+    if environ.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    if launch.launcher == "slurm" and not environ.get("MASTER_ADDR"):
+        return "SLURM_LAUNCH_NODE_IPADDR"
+    return "MASTER_ADDR / MASTER_PORT"
+
+
+def _endpoint(address: str, source: str) -> tuple[str, int]:
+    """(host, port) of "host:port" / "[v6]:port"; the host must resolve (fail fast)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(_errors.coordinator_bad_address(address, source))
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(_errors.coordinator_unresolvable(host, source, str(exc))) from None
+    return host, int(port)
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge  # no public way to ask without starting it
+    except ImportError:
+        return False
+    return bool(getattr(xla_bridge, "backends_are_initialized", lambda: False)())
+
+
+def _too_late(launch: Launch) -> str:
+    return (
+        f"initialize: process {launch.process_id} of {launch.num_processes} already "
+        "used JAX (jax.devices(), an array, a computation, ...) before this call, so "
+        "its devices are fixed to this process alone. Call "
+        "funshard.distributed.initialize() first, right after the imports."
+    )
+
+
+def _start(launch: Launch, source: str, timeout: float, heartbeat_timeout, shutdown_timeout):
+    host, port = _endpoint(launch.coordinator_address, source)
+    # Checked before the rendezvous: a process that cannot start anyway must not make
+    # the others wait for it.
+    if _backend_started():
+        raise RuntimeError(_too_late(launch))
+    _rendezvous(launch, host, port, timeout)
     local = launch.local_device_ids
     try:
         jax.distributed.initialize(
@@ -250,7 +341,7 @@ def _start(launch: Launch, initialization_timeout, heartbeat_timeout, shutdown_t
             launch.num_processes,
             launch.process_id,
             local_device_ids=None if local is None else list(local),
-            initialization_timeout=initialization_timeout,
+            initialization_timeout=max(1, math.ceil(timeout)),
             heartbeat_timeout_seconds=heartbeat_timeout,
             shutdown_timeout_seconds=shutdown_timeout,
             # Everything is resolved already; JAX's own probing would only add surprises.
@@ -259,12 +350,215 @@ def _start(launch: Launch, initialization_timeout, heartbeat_timeout, shutdown_t
     except RuntimeError as exc:
         if "before any JAX calls" not in str(exc):
             raise
+        raise RuntimeError(_too_late(launch)) from exc
+
+
+# ---- Rendezvous: every process meets process 0 on the coordinator's port first. ----
+#
+# JAX's client aborts the whole process (LOG(FATAL) in C++, SIGABRT) when its
+# connection times out, and says only that "another task died". So the processes first
+# meet over a plain TCP socket on the same port, where a timeout is a Python exception
+# naming who is missing; process 0 then closes it and JAX's service binds the port.
+# Each process sends one line "funshard-start <rank> <num_processes>"; process 0
+# answers "go" once all have arrived, or "missing <ranks>" / "error <text>".
+
+_HELLO = "funshard-start"
+_ANSWER_SLACK_S = 1.0  # network and scheduling delay allowed for process 0's answer
+
+
+def _me(launch: Launch) -> str:
+    return f"process {launch.process_id} of {launch.num_processes}"
+
+
+def _rendezvous(launch: Launch, host: str, port: int, timeout: float) -> None:
+    start = time.monotonic()
+    if launch.process_id == 0:
+        _serve_rendezvous(launch, host, port, start, timeout)
+    else:
+        _join_rendezvous(launch, host, port, start, timeout)
+
+
+def _notice(text: str) -> None:
+    print(f"funshard: {text}", file=sys.stderr, flush=True)
+
+
+def _listen(port: int) -> socket.socket:
+    # Bind where JAX's service will: JAX_COORDINATOR_BIND_ADDRESS, else the same port
+    # on every interface ("[::]:port"), so whoever reaches one reaches the other.
+    host, _, bind_port = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").rpartition(":")
+    host, port = host.strip("[]"), int(bind_port) if bind_port.isdigit() else port
+    if host in ("", "::") and socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def _serve_rendezvous(launch: Launch, host: str, port: int, start: float, timeout: float):
+    """Process 0: waits for every other rank's hello, then answers all of them at once."""
+    address, n = f"{host}:{port}", launch.num_processes
+    try:
+        server = _listen(port)
+    except OSError as exc:
         raise RuntimeError(
-            f"initialize: process {launch.process_id} of {launch.num_processes} already "
-            "used JAX (jax.devices(), an array, a computation, ...) before this call, so "
-            "its devices are fixed to this process alone. Call "
-            "funshard.distributed.initialize() first, right after the imports."
-        ) from exc
+            f"initialize: process 0 cannot listen on port {port} for the coordinator "
+            f"({exc.strerror or exc}); another program uses it. Choose a free port "
+            "(MASTER_PORT, or the port in coordinator_address)."
+        ) from None
+    arrived: dict[int, socket.socket] = {}
+    notes: list[str] = []
+    with server, selectors.DefaultSelector() as selector:
+        selector.register(server, selectors.EVENT_READ, None)
+        try:
+            noticed = False
+            while len(arrived) < n - 1 and time.monotonic() - start < timeout:
+                if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
+                    missing = sorted(set(range(1, n)) - set(arrived))
+                    _notice(f"{_me(launch)} waiting for {_errors.process_list(missing)} "
+                            f"at {address}, timeout {timeout:g} s")
+                    noticed = True
+                for key, _ in selector.select(0.2):
+                    _on_readable(key, server, selector, arrived, notes, n)
+            missing = sorted(set(range(1, n)) - set(arrived))
+            reply = f"missing {','.join(map(str, missing))}" if missing else "go"
+            for peer in arrived.values():
+                _send_line(peer, reply)
+        finally:
+            for key in list(selector.get_map().values()):
+                if key.fileobj is not server:
+                    key.fileobj.close()
+    if missing:
+        raise TimeoutError(
+            _errors.start_missing_processes(_me(launch), missing, address, timeout, notes))
+
+
+def _on_readable(key, server, selector, arrived: dict, notes: list, n: int) -> None:
+    if key.fileobj is server:
+        peer, _ = server.accept()
+        peer.setblocking(False)
+        selector.register(peer, selectors.EVENT_READ, b"")
+        return
+    peer = key.fileobj
+    try:
+        data = key.data + peer.recv(256)
+    except OSError:
+        data = b""
+    selector.unregister(peer)
+    if b"\n" not in data:
+        if data and len(data) < 256:  # the rest of the line is still on its way
+            selector.register(peer, selectors.EVENT_READ, data)
+            return
+        # Gone before (or without) a hello: a peer that died, or not funshard at all.
+        for rank in [r for r, s in arrived.items() if s is peer]:
+            del arrived[rank]
+            notes.append(f"Process {rank} arrived but disconnected again (it exited)")
+        peer.close()
+        return
+    problem, rank = _check_hello(data.split(b"\n", 1)[0], arrived, n)
+    if problem:
+        notes.append(f"Refused a connection: {problem}")
+        _send_line(peer, f"error initialize: process 0 of {n} rejected this process: {problem}")
+        peer.close()
+        return
+    arrived[rank] = peer
+    selector.register(peer, selectors.EVENT_READ, b"")  # to notice if it dies meanwhile
+
+
+def _check_hello(line: bytes, arrived: dict, n: int) -> tuple[str | None, int]:
+    parts = line.decode(errors="replace").split()
+    if len(parts) != 3 or parts[0] != _HELLO or not all(p.isdigit() for p in parts[1:]):
+        return "a program other than funshard connected to the coordinator's port", -1
+    rank, size = int(parts[1]), int(parts[2])
+    if size != n:
+        return (f"a process started as rank {rank} of {size} processes, but process 0 "
+                f"expects {n} (WORLD_SIZE differs between processes)"), rank
+    if rank in arrived:
+        return f"two processes started as rank {rank} (RANK must be unique)", rank
+    return None, rank
+
+
+def _send_line(peer: socket.socket, text: str) -> None:
+    try:
+        peer.setblocking(True)
+        peer.sendall(text.encode() + b"\n")
+    except OSError:
+        pass  # it is gone; nothing to tell
+
+
+def _join_rendezvous(launch: Launch, host: str, port: int, start: float, timeout: float):
+    """Any other process: says hello to process 0 and waits for its answer."""
+    address, reason, noticed = f"{host}:{port}", "nothing listens there", False
+    while True:
+        left = timeout - (time.monotonic() - start)
+        if left <= 0:
+            raise TimeoutError(_errors.start_no_coordinator(_me(launch), address, timeout,
+                                                            reason))
+        if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
+            _notice(f"{_me(launch)} waiting for process 0 (the coordinator) and the "
+                    f"others at {address}, timeout {timeout:g} s")
+            noticed = True
+        try:
+            peer = socket.create_connection((host, port), timeout=min(left, 1.0))
+        except OSError as exc:
+            reason = exc.strerror or str(exc) or type(exc).__name__
+            time.sleep(min(0.2, max(left, 0)))
+            continue
+        with peer:
+            reply = _await_reply(peer, launch, start, timeout, noticed, address)
+        if reply is not None:
+            return _on_reply(reply, launch)
+        reason = "process 0 closed the connection without an answer"
+
+
+def _await_reply(peer, launch: Launch, start: float, timeout: float, noticed, address):
+    """Process 0's one-line answer, or None if the connection closed before it.
+
+    Process 0 started before this connection and answers by its own deadline, so its
+    clock decides (its answer names the missing processes); the bound here only guards
+    against a process 0 that hangs.
+    """
+    deadline = time.monotonic() + timeout + _ANSWER_SLACK_S
+    try:
+        peer.sendall(f"{_HELLO} {launch.process_id} {launch.num_processes}\n".encode())
+    except OSError:
+        return None
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"initialize: {_me(launch)} reached the coordinator at {address}, but "
+                f"process 0 did not answer within {timeout:g} s (is it stopped?)."
+            )
+        if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
+            _notice(f"{_me(launch)} waiting for the other processes at {address}, "
+                    f"timeout {timeout:g} s")
+            noticed = True
+        peer.settimeout(min(left, 0.2))
+        try:
+            chunk = peer.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace")
+
+
+def _on_reply(reply: str, launch: Launch) -> None:
+    word, _, rest = reply.partition(" ")
+    if word == "go":
+        return
+    if word == "missing":
+        missing = [int(r) for r in rest.split(",")]
+        raise TimeoutError(
+            f"initialize: {_me(launch)}: process 0 gave up waiting: "
+            f"{_errors.process_list(missing)} never reached the coordinator (see process "
+            "0's error). Start the missing processes, or raise the timeout "
+            "(initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
+        )
+    raise RuntimeError(rest if word == "error" else f"initialize: unexpected answer {reply!r}")
 
 
 def _my_address(coordinator_address: str) -> str:
@@ -279,7 +573,7 @@ def _my_address(coordinator_address: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def _exchange_hosts(launch: Launch, timeout_s: int) -> dict[int, str]:
+def _exchange_hosts(launch: Launch, timeout_s: float) -> dict[int, str]:
     """Every process's IP, by rank, through JAX's coordination service ({} if unavailable).
 
     Only used to name the process behind a failed connection in error messages. Every
@@ -291,7 +585,7 @@ def _exchange_hosts(launch: Launch, timeout_s: int) -> dict[int, str]:
         client = distributed.global_state.client
         me = _my_address(launch.coordinator_address)
         client.key_value_set(f"funshard/host/{launch.process_id}", me)
-        client.wait_at_barrier("funshard/hosts", min(timeout_s, 60) * 1000)
+        client.wait_at_barrier("funshard/hosts", int(min(timeout_s, 60) * 1000))
         pairs = client.key_value_dir_get("funshard/host/")
         return {int(key.rsplit("/", 1)[1]): ip for key, ip in pairs}
     except Exception:  # noqa: BLE001 -- naming peers is a nicety, never a failure
@@ -382,7 +676,13 @@ def _as_rows(path, leaf):
     return leaf
 
 
-def shard_batch(local_batch: Any, mesh: Mesh, *, axes: str | Sequence[str] | None = None) -> Any:
+def shard_batch(
+    local_batch: Any,
+    mesh: Mesh,
+    *,
+    axes: str | Sequence[str] | None = None,
+    check: bool = True,
+) -> Any:
     """Assembles every process's own rows into one global batch, sharded on dim 0.
 
     No process sees another's rows: each leaf becomes a global `jax.Array` built with
@@ -396,13 +696,19 @@ def shard_batch(local_batch: Any, mesh: Mesh, *, axes: str | Sequence[str] | Non
       mesh: the global mesh (from `initialize` or `funshard.make_mesh`).
       axes: mesh axes dim 0 is split over (default: ("replicate", "fsdp") on an HSDP
         mesh, else ("fsdp",)).
+      check: in a multi-process job, first compare every process's tree, row counts,
+        trailing shapes and dtypes through JAX's coordination service (three small
+        messages per call, no device work, no barrier: a process waits at most 10 s for
+        the others' batches). Every process must call `shard_batch` equally often.
+        False skips it, for a data pipeline known to be consistent.
 
     Returns:
       The same pytree of global arrays, each with `num_processes` times the rows.
 
     Raises:
       ValueError: a leaf is a scalar, or its rows do not split evenly over this
-        process's devices, or the mesh has no data-parallel axis.
+        process's devices, or the mesh has no data-parallel axis, or (on every
+        process) the processes' batches differ in structure, rows, shapes or dtypes.
       TypeError: a leaf is not an array.
     """
     if not isinstance(mesh, Mesh):
@@ -416,6 +722,11 @@ def shard_batch(local_batch: Any, mesh: Mesh, *, axes: str | Sequence[str] | Non
             f"shard_batch: mesh axes {mesh.axis_names} lack the data-parallel axes "
             f"{axes or ('fsdp',)}; pass axes=... naming the axes the batch is split over."
         )
+    with_path, treedef = tree_flatten_with_path(local_batch)
+    if check and jax.process_count() > 1:
+        # Before any check of this process alone: a mismatch must raise on every
+        # process, not leave the others waiting for one that already raised.
+        _check_same_batch(_signature(with_path), BATCH_CHECK_WAIT_S)
     local = _local_positions(mesh, axes)
     if not local:
         raise ValueError(
@@ -424,7 +735,6 @@ def shard_batch(local_batch: Any, mesh: Mesh, *, axes: str | Sequence[str] | Non
         )
     world = _mesh.axes_size(mesh, axes)
     sharding = NamedSharding(mesh, _mesh.spec(axes))
-    with_path, treedef = tree_flatten_with_path(local_batch)
     out = []
     for path, leaf in with_path:
         leaf = _as_rows(path, leaf)
@@ -437,3 +747,80 @@ def shard_batch(local_batch: Any, mesh: Mesh, *, axes: str | Sequence[str] | Non
         global_shape = (leaf.shape[0] // local * world, *leaf.shape[1:])
         out.append(jax.make_array_from_process_local_data(sharding, leaf, global_shape))
     return tree_unflatten(treedef, out)
+
+
+def _signature(with_path) -> list:
+    """[(keystr path, [shape, dtype] or a type name)]: what must agree across processes."""
+    described = []
+    for path, leaf in with_path:
+        if isinstance(leaf, (int, float, bool, complex)):
+            leaf = np.asarray(leaf)
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            described.append((keystr(path), [list(leaf.shape), str(leaf.dtype)]))
+        else:
+            described.append((keystr(path), type(leaf).__name__))
+    return described
+
+
+# Numbers this process's shard_batch calls; each call's keys carry it, so that every
+# process compares with the others' batch of the same step.
+_batch_calls = itertools.count()
+
+
+def _check_same_batch(signature: list, wait_s: float) -> None:
+    """Raises the same ValueError on every process when their batches do not fit together.
+
+    Each process adds 1 to a counter keyed by its signature's digest and to an arrival
+    counter. The last to arrive knows every process has counted: the digest's count
+    equals the process count exactly when all agree, and it posts that verdict, which
+    the others wait for. Only on a mismatch do the full signatures travel.
+
+    The others wait at most `wait_s`, never at a collective barrier: a process that
+    died would hold that barrier until its heartbeat times out (100 s by default),
+    where the next collective fails at once. A process more than `wait_s` behind the
+    others still gets the verdict (it arrives last) and raises; the others then fail
+    in their next collective with it, as they would without the check.
+    """
+    from jax._src import distributed  # the key-value store has no public API
+
+    client = distributed.global_state.client
+    if client is None:  # not started by jax.distributed: nothing to compare through
+        return
+    call, count = next(_batch_calls), jax.process_count()
+    root = f"funshard/batch/{call}/"
+    text = json.dumps(signature)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    client.key_value_increment(f"{root}digest/{digest}", 1)
+    if client.key_value_increment(f"{root}arrived", 1) == count:
+        agreed = client.key_value_try_get(f"{root}digest/{digest}") == str(count)
+        client.key_value_set(f"{root}verdict", "same" if agreed else "different")
+        if call:  # every process is past the previous call: drop its keys
+            client.key_value_delete(f"funshard/batch/{call - 1}/")
+    else:
+        agreed = _wait_for(client, f"{root}verdict", wait_s) != "different"
+    if not agreed:
+        raise ValueError(_errors.batch_differs_across_processes(
+            _all_signatures(client, root, text, wait_s)))
+
+
+def _wait_for(client, key: str, wait_s: float) -> str | None:
+    try:
+        return client.blocking_key_value_get(key, int(wait_s * 1000))
+    except Exception:  # noqa: BLE001 -- a late or dead process: see _check_same_batch
+        return None
+
+
+def _all_signatures(client, root: str, text: str, wait_s: float) -> dict:
+    """Every process's signature (rank -> leaves), exchanged only after a mismatch."""
+    rank, count = jax.process_index(), jax.process_count()
+    client.key_value_set(f"{root}full/{rank}", text)
+    if client.key_value_increment(f"{root}described", 1) == count:
+        client.key_value_set(f"{root}all_described", "1")
+    else:
+        _wait_for(client, f"{root}all_described", wait_s)  # else: name who did answer
+    signatures = {
+        int(key.rsplit("/", 1)[1]): [(p, (tuple(d[0]), d[1]) if isinstance(d, list) else d)
+                                     for p, d in json.loads(value)]
+        for key, value in client.key_value_dir_get(f"{root}full/")
+    }
+    return dict(sorted(signatures.items()))

@@ -1,0 +1,189 @@
+"""Multi-process start-up that cannot complete, and batches that differ between processes.
+
+Each case starts real processes (`tests/_startup_worker.py`, one CPU device each) on
+127.0.0.1 with torchrun's environment variables set by hand and a start-up timeout of a
+few seconds. Measured on jax 0.10.2 before funshard's rendezvous existed: a missing peer
+or coordinator, or an unresolvable MASTER_ADDR, made JAX's client abort the process
+(SIGABRT) after about twice the timeout, blaming "another task", with nothing printed
+while waiting; and `shard_batch` accepted different row counts per process.
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+import funshard.distributed
+
+WORKER = Path(__file__).with_name("_startup_worker.py")
+HARD_CAP_S = 45  # per job: a hung start-up fails the test instead of the run
+TIMEOUT_S = 4  # the start-up timeout the workers get
+# Python and JAX import in every worker; the 2 cores are shared with other jobs.
+SLACK_S = 20
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS",
+               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
+               "SLURM_LAUNCH_NODE_IPADDR", "SLURM_NTASKS_PER_NODE",
+               "SLURM_STEP_TASKS_PER_NODE", "FUNSHARD_INITIALIZATION_TIMEOUT")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(rank: int, world: int, port: int, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), **extra)
+    return env
+
+
+def _run(tmp_path: Path, ranks: dict) -> tuple[dict, dict, float]:
+    """Runs one worker per `ranks` entry (rank -> (env, args)); always kills leftovers.
+
+    Returns ({rank: exit code}, {rank: stdout + stderr}, seconds until all ended).
+    """
+    procs, start = {}, time.monotonic()
+    try:
+        for rank, (env, args) in ranks.items():
+            with open(tmp_path / f"rank{rank}.log", "w") as log:
+                procs[rank] = subprocess.Popen(
+                    [sys.executable, str(WORKER), *args], env=env, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+        codes = {}
+        for rank, p in procs.items():
+            try:
+                codes[rank] = p.wait(timeout=max(0.0, start + HARD_CAP_S - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[rank] = None  # still running: killed below, reported by the caller
+        elapsed = time.monotonic() - start
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    logs = {r: (tmp_path / f"rank{r}.log").read_text() for r in ranks}
+    return codes, logs, elapsed
+
+
+def _waiting_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("funshard: process")]
+
+
+def test_missing_peer_is_named_on_every_process(tmp_path):
+    # WORLD_SIZE=3, but process 2 never starts.
+    port = _free_port()
+    args = ["--timeout", str(TIMEOUT_S)]
+    codes, logs, elapsed = _run(tmp_path, {r: (_env(r, 3, port), args) for r in (0, 1)})
+    assert codes == {0: 1, 1: 1}, (codes, logs)  # a Python exception, not SIGABRT (-6)
+    assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, logs)
+    assert _waiting_lines(logs[0]) == [
+        f"funshard: process 0 of 3 waiting for process 2 at 127.0.0.1:{port}, "
+        f"timeout {TIMEOUT_S} s"], logs[0]
+    assert (f"TimeoutError: initialize: process 0 of 3 gave up after {TIMEOUT_S} s: "
+            f"process 2 never reached the coordinator at 127.0.0.1:{port}") in logs[0]
+    assert ("TimeoutError: initialize: process 1 of 3: process 0 gave up waiting: "
+            "process 2 never reached the coordinator") in logs[1], logs[1]
+    assert "another task" not in logs[0] + logs[1]
+
+
+def test_missing_coordinator_times_out_in_python(tmp_path):
+    # Process 1 alone; the timeout comes from the environment variable this time.
+    port = _free_port()
+    env = _env(1, 2, port, FUNSHARD_INITIALIZATION_TIMEOUT=str(TIMEOUT_S))
+    codes, logs, elapsed = _run(tmp_path, {1: (env, [])})
+    assert codes == {1: 1}, (codes, logs)
+    assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, logs)
+    assert _waiting_lines(logs[1]) == [
+        f"funshard: process 1 of 2 waiting for process 0 (the coordinator) and the others "
+        f"at 127.0.0.1:{port}, timeout {TIMEOUT_S} s"], logs[1]
+    assert (f"TimeoutError: initialize: process 1 of 2 could not reach the coordinator "
+            f"(process 0) at 127.0.0.1:{port} within {TIMEOUT_S} s (Connection refused)"
+            ) in logs[1], logs[1]
+
+
+def test_processes_that_disagree_on_the_world_size(tmp_path):
+    # Process 1 believes in 3 processes, process 0 in 2: process 1 is refused at once,
+    # process 0 names it as missing when its timeout expires.
+    port = _free_port()
+    args = ["--timeout", str(TIMEOUT_S)]
+    codes, logs, _ = _run(tmp_path, {0: (_env(0, 2, port), args), 1: (_env(1, 3, port), args)})
+    assert codes == {0: 1, 1: 1}, (codes, logs)
+    assert ("RuntimeError: initialize: process 0 of 2 rejected this process: a process "
+            "started as rank 1 of 3 processes, but process 0 expects 2") in logs[1], logs[1]
+    assert "gave up after 4 s: process 1 never reached" in logs[0], logs[0]
+    assert "WORLD_SIZE differs between processes" in logs[0]
+
+
+def test_late_peer_is_awaited_and_uneven_batches_are_refused_everywhere(tmp_path):
+    # Process 1 starts 2 s late: process 0 says once what it waits for, then both start.
+    port = _free_port()
+    codes, logs, _ = _run(tmp_path, {
+        0: (_env(0, 2, port), ["--timeout", "30", "--batches"]),
+        1: (_env(1, 2, port), ["--timeout", "30", "--batches", "--delay", "2"]),
+    })
+    assert codes == {0: 0, 1: 0}, (codes, logs)
+    assert _waiting_lines(logs[0]) == [
+        f"funshard: process 0 of 2 waiting for process 1 at 127.0.0.1:{port}, timeout 30 s"]
+    for rank in (0, 1):
+        log = logs[rank]
+        assert "uneven batch 0 refused: shard_batch: the processes passed batches" in log, log
+        assert "local_batch['x']: 4 rows on process 0; 2 rows on process 1" in log
+        assert "local_batch['x']: float32 (2, 3) on process 0; float32 (2, 5) on process 1" in log
+        assert "local_batch['y']: int32 (2,) on process 0; float32 (2,) on process 1" in log
+        assert "local_batch['y']" not in log.split("uneven batch 1")[0]  # it agreed
+        assert "accepted" not in log
+        # The failed checks left the processes in step: the next batch works.
+        assert f"rank {rank}: even batch (4, 3) sum 66.0" in log, log
+
+
+# ---- In this process: what fails before anything is started ----
+
+
+@pytest.fixture
+def clean_launch_env(monkeypatch):
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    jax.devices()  # started: a call that got past the checks below would be refused
+    return monkeypatch
+
+
+def test_unresolvable_coordinator_fails_fast(clean_launch_env):
+    clean_launch_env.setenv("RANK", "1")
+    clean_launch_env.setenv("WORLD_SIZE", "2")
+    clean_launch_env.setenv("MASTER_ADDR", "no-such-host.invalid")
+    clean_launch_env.setenv("MASTER_PORT", "29500")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"coordinator host 'no-such-host.invalid' \(from "
+                                         r"MASTER_ADDR / MASTER_PORT\) does not resolve"):
+        funshard.distributed.initialize(initialization_timeout=TIMEOUT_S)
+    assert time.monotonic() - start < 2
+    with pytest.raises(ValueError, match="from the coordinator_address argument"):
+        funshard.distributed.initialize("no-such-host.invalid:1", 2, 0)
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("address,kwargs,env,match", [
+    ("127.0.0.1:99999", {}, {}, r"'127.0.0.1:99999' \(from the coordinator_address argument\)"
+                                r" is not 'host:port'"),
+    ("127.0.0.1:1", {"initialization_timeout": -1}, {}, "initialization_timeout=-1 is not"),
+    ("127.0.0.1:1", {}, {"FUNSHARD_INITIALIZATION_TIMEOUT": "soon"},
+     "FUNSHARD_INITIALIZATION_TIMEOUT='soon' is not a positive number"),
+])
+def test_bad_start_up_settings_are_refused(clean_launch_env, address, kwargs, env, match):
+    for name, value in env.items():
+        clean_launch_env.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        funshard.distributed.initialize(address, 2, 1, **kwargs)
