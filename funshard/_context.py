@@ -37,10 +37,13 @@ class StepLeaf(Sharded):
         else None. A pytree child, not context: a function the user wraps in
         `jax.checkpoint` receives it as an input with the leaf, whereas a value read
         from context would be baked into the transform's cached trace.
+      skip_replicate_reduce: reduce-scatter but leave the HSDP all-reduce over the
+        replicate axes to the end of the step. Static.
     """
 
     frozen: bool = dataclasses.field(metadata=dict(static=True), default=False)
     accumulator: Any = None
+    skip_replicate_reduce: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,11 @@ def unit_body():
 def is_frozen(leaf: Sharded) -> bool:
     """Whether the running step wants no gradient for `leaf`."""
     return isinstance(leaf, StepLeaf) and leaf.frozen
+
+
+def skips_replicate_reduce(leaf: Sharded) -> bool:
+    """Whether the running step all-reduces `leaf`'s gradient over replicas only at its end."""
+    return isinstance(leaf, StepLeaf) and leaf.skip_replicate_reduce
 
 
 def accumulator_of(leaf: Sharded):

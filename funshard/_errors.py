@@ -381,7 +381,7 @@ def state_dict_bad_entries(entries) -> str:
     )
     return (
         "load_state_dict: sd must map path strings (such as \"['layers'][0]['w']\") to "
-        f"arrays; these entries do not:\n{listing}\nPass the flat dict fs.state_dict(tree) "
-        "returns, not a nested tree (for a tree of full arrays use fs.reshard(full_tree, "
-        "like))."
+        f"numpy or jax arrays; these entries do not:\n{listing}\nPass the flat dict "
+        "fs.state_dict(tree) returns, not a nested tree (for a tree of full arrays use "
+        "fs.reshard(full_tree, like)); wrap numbers with np.asarray(value, dtype)."
     )

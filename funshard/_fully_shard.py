@@ -99,12 +99,11 @@ def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | No
     With `group_size` k (hpZ), each device keeps 1/k of the gathered parameters and the
     backward gathers within its group of k devices only.
     """
-    ctx = _context.current()
     paths, items, treedef = sharded_leaves("fully_shard", params)
     idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
-    layout = _gather.layout_of([items[i] for i in idx], ctx)
+    layout = _gather.layout_of([items[i] for i in idx])
     datas = tuple(items[i].data for i in idx)
-    accumulators = _gather.accumulators_for([items[i] for i in idx], ctx)
+    accumulators = _gather.accumulators_for([items[i] for i in idx])
     deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
     others = [None if isinstance(x, Sharded) else x for x in items]
     group = _keep_group(layout, group_size) if group_size else None

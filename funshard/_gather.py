@@ -62,12 +62,16 @@ class GroupLayout:
         return (*self.replicate_axes, *self.shard_axes)
 
 
-def layout_of(leaves: Sequence[Sharded], ctx=None) -> GroupLayout:
+def layout_of(
+    leaves: Sequence[Sharded], skip_replicate_reduce: bool | None = None
+) -> GroupLayout:
     """The gather layout of `leaves`, which share one mesh and one set of axes.
 
-    `ctx` (the running step) says whether the HSDP all-reduce waits; frozen leaves are
-    marked by the step's own metadata on each leaf.
+    Frozen leaves, and whether the HSDP all-reduce waits for the end of the step, are
+    read from the step's metadata on each leaf unless `skip_replicate_reduce` is given.
     """
+    if skip_replicate_reduce is None:
+        skip_replicate_reduce = any(_context.skips_replicate_reduce(s) for s in leaves)
     first = leaves[0]
     return GroupLayout(
         leaves=tuple(
@@ -85,7 +89,7 @@ def layout_of(leaves: Sequence[Sharded], ctx=None) -> GroupLayout:
         shard_axes=first.shard_axis,
         replicate_axes=first.replicate_axis,
         num_shards=first.num_shards,
-        skip_replicate_reduce=ctx is not None and ctx.skip_replicate_reduce,
+        skip_replicate_reduce=skip_replicate_reduce,
     )
 
 
@@ -170,7 +174,7 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     return out
 
 
-def accumulators_for(leaves: Sequence[Sharded], ctx) -> tuple | None:
+def accumulators_for(leaves: Sequence[Sharded]) -> tuple | None:
     """The deferred-gradient accumulators of `leaves` in the running step, if any."""
     found = tuple(_context.accumulator_of(leaf) for leaf in leaves)
     return found if any(a is not None for a in found) else None
@@ -234,11 +238,11 @@ def _deferred_bwd(layout, deferred, _, cts):
 gather_deferred.defvjp(_deferred_fwd, _deferred_bwd)
 
 
-def unshard_in_step(leaves: Sequence[Sharded], ctx) -> list[jax.Array]:
+def unshard_in_step(leaves: Sequence[Sharded]) -> list[jax.Array]:
     """The step's differentiable gather of `leaves`, honouring frozen and deferred leaves."""
-    layout = layout_of(leaves, ctx)
+    layout = layout_of(leaves)
     datas = tuple(leaf.data for leaf in leaves)
-    accumulators = accumulators_for(leaves, ctx)
+    accumulators = accumulators_for(leaves)
     if accumulators is None:
         return gather(layout, datas)
     deferred = tuple(a is not None for a in accumulators)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from funshard import _mesh
 
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
 def _word_width(dtypes: Sequence[np.dtype]) -> int:
@@ -50,7 +50,7 @@ def _to_words(block: jax.Array, width: int) -> jax.Array:
     """This device's block as a 1-D buffer of `width`-byte unsigned words (exact bits)."""
     if block.dtype == jnp.bool_:
         block = block.astype(jnp.uint8)
-    words = jax.lax.bitcast_convert_type(block, _UINT[width])
+    words = jax.lax.bitcast_convert_type(block, UINT[width])
     return words.reshape(-1)
 
 
@@ -178,7 +178,7 @@ def all_gather_rows(
     packing = packing_of(blocks, dims)
     n = _mesh_axes_size(axes)
     if packing.total == 0:
-        empty = unpack(jnp.zeros((n, 0), packing.carrier or _UINT[packing.width]), packing)
+        empty = unpack(jnp.zeros((n, 0), packing.carrier or UINT[packing.width]), packing)
         return (empty, None) if keep_group else empty
     # Tied before packing, not after: the backward pass's re-gather would otherwise share
     # (by CSE) the forward's packed buffer, keeping it alive from forward to backward.

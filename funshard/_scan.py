@@ -47,12 +47,12 @@ def _match_types(ct, primal):
     return jax.tree.map(fix, ct, primal)
 
 
-def _layer_layout(items, idx, ctx):
+def _layer_layout(items, idx):
     layer = [
         dataclasses.replace(items[i], data=None, shape=items[i].shape[1:], dim=items[i].dim - 1)
         for i in idx
     ]
-    return _gather.layout_of(layer, ctx)
+    return _gather.layout_of(layer)
 
 
 def _check_stacked(paths, items):
@@ -110,19 +110,19 @@ def scan(
         full = _cast_floating(unshard(stacked), None if policy is None else policy.param_dtype)
         out = jax.lax.scan(lambda c, p: (fn(p, c), None), carry, full)[0]
     else:
-        out = _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward)
+        out = _scan_in_step(fn, items, treedef, carry, reshard_after_forward)
     return _cast_floating(out, None if policy is None else policy.output_dtype)
 
 
-def _scan_in_step(fn, items, treedef, carry, ctx, reshard_after_forward: bool):
+def _scan_in_step(fn, items, treedef, carry, reshard_after_forward: bool):
     idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
     datas = tuple(items[i].data for i in idx)
-    if _gather.accumulators_for([items[i] for i in idx], ctx) is not None:
+    if _gather.accumulators_for([items[i] for i in idx]) is not None:
         raise NotImplementedError(
             "scan: gradient accumulation without per-microbatch sync is not supported for "
             "scanned stacks yet; use sync_every_microbatch=True."
         )
-    layout = _layer_layout(items, idx, ctx)
+    layout = _layer_layout(items, idx)
     others = [None if isinstance(x, Sharded) else x for x in items]
     layers = datas[0].shape[0]
     saved: dict[str, Any] = {}

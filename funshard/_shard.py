@@ -27,14 +27,24 @@ def _check_numeric(fn: str, path, x) -> np.dtype:
     return dtype
 
 
-def _pad(x, dim: int, size: int):
-    """`x` zero-padded at the end of `dim` to `size`."""
+def _pad(x, dim: int, size: int, exact_bits: bool = True):
+    """`x` zero-padded at the end of `dim` to `size`.
+
+    With `exact_bits`, floating arrays are padded as raw bits (not differentiable).
+    """
     pad = size - x.shape[dim]
     if not pad:
         return x
     widths = [(0, 0)] * x.ndim
     widths[dim] = (0, pad)
-    return np.pad(x, widths) if isinstance(x, (np.ndarray, np.generic)) else jnp.pad(x, widths)
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.pad(x, widths)
+    if exact_bits and jnp.issubdtype(x.dtype, jnp.floating):
+        # Padded as raw bits: XLA CPU computes 16-bit floats in f32, which would quiet a
+        # signalling NaN's payload; the padding rows are zero bits either way.
+        bits = jax.lax.bitcast_convert_type(x, _lowering.UINT[x.dtype.itemsize])
+        return jax.lax.bitcast_convert_type(jnp.pad(bits, widths), x.dtype)
+    return jnp.pad(x, widths)
 
 
 def _strong(x):
@@ -244,7 +254,7 @@ def unshard(tree: Any) -> Any:
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
-            fulls = _gather.unshard_in_step(leaves, ctx)
+            fulls = _gather.unshard_in_step(leaves)
         else:
             fulls = _lowering.eager_all_gather(
                 [x.data for x in leaves],
@@ -273,7 +283,8 @@ def _full_problem(path, full, like: Sharded) -> tuple[type, str] | None:
 
 
 def _local_rows(full, like: Sharded):
-    padded = _pad(full, like.dim, like.padded_shape[like.dim])
+    # Differentiable: the step's gradient flows through an in-step reshard.
+    padded = _pad(full, like.dim, like.padded_shape[like.dim], exact_bits=False)
     start = jax.lax.axis_index(like.shard_axis) * like.rows_per_shard
     return jax.lax.dynamic_slice_in_dim(padded, start, like.rows_per_shard, axis=like.dim)
 
@@ -287,10 +298,28 @@ def reshard_leaf(full, like: Sharded, in_step: bool) -> Sharded:
         # size-0 array; device_put lays it out right.
         data = jax.device_put(np.zeros(like.padded_shape, like.dtype), like.sharding)
     else:
-        data = jax.jit(_pad, static_argnums=(1, 2), out_shardings=like.sharding)(
-            full, like.dim, like.padded_shape[like.dim]
-        )
+        data = _pad_to_layout(full, like)
     return dataclasses.replace(like, data=data)
+
+
+def _pad_to_layout(full, like: Sharded) -> jax.Array:
+    """`full` padded and laid out as `like.data`, bit for bit.
+
+    Floating values enter the program as raw bits: the SPMD partitioner pads the
+    replicated input in its own dtype, and XLA CPU computes 16-bit floats in f32, which
+    would quiet a signalling NaN's payload.
+    """
+    dtype = np.dtype(like.dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        full = jax.lax.bitcast_convert_type(full, _lowering.UINT[dtype.itemsize])
+    fn = jax.jit(_pad_as, static_argnums=(1, 2, 3), out_shardings=like.sharding)
+    return fn(full, like.dim, like.padded_shape[like.dim], dtype)
+
+
+def _pad_as(x, dim: int, size: int, dtype: np.dtype):
+    """`x` (raw bits for floating `dtype`) padded on `dim` to `size`, as `dtype`."""
+    x = _pad(x, dim, size)
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
 def reshard(full_tree: Any, like: Any) -> Any:

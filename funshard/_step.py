@@ -114,7 +114,7 @@ class _StatePlan:
     def rebuild(self, values, step_meta: dict | None = None) -> Any:
         """The tree with `values` in its dynamic positions.
 
-        With `step_meta` (position -> (frozen, accumulator)) the `Sharded` leaves
+        With `step_meta` (position -> the `StepLeaf` fields) the `Sharded` leaves
         become the running step's `StepLeaf`s.
         """
         out = list(self.items)
@@ -125,11 +125,8 @@ class _StatePlan:
             elif step_meta is None:
                 out[i] = dataclasses.replace(item, data=v)
             else:
-                frozen, accumulator = step_meta[pos]
                 fields = {f.name: getattr(item, f.name) for f in dataclasses.fields(Sharded)}
-                out[i] = _context.StepLeaf(
-                    **{**fields, "data": v}, frozen=frozen, accumulator=accumulator
-                )
+                out[i] = _context.StepLeaf(**{**fields, "data": v}, **step_meta[pos])
         return tree_unflatten(self.treedef, out)
 
 
@@ -219,7 +216,9 @@ def _local_value_and_grad(loss_fn, opts: _Options, plan, ctx, values, batch, arg
             merged[i] = v
         accumulator_of = dict(zip(deferred, accumulators))
         step_meta = {
-            i: (not wanted[i], accumulator_of.get(i)) for i, s in enumerate(sharded) if s
+            i: dict(frozen=not wanted[i], accumulator=accumulator_of.get(i),
+                    skip_replicate_reduce=ctx.skip_replicate_reduce)
+            for i, s in enumerate(sharded) if s
         }
         with _context.inside(ctx):
             out = loss_fn(plan.rebuild(merged, step_meta), batch, *args)
@@ -257,7 +256,7 @@ def _reduce_deferred(plan, sums: dict, ctx) -> dict:
         return {}
     order = sorted(sums)
     items = [plan.items[plan.dynamic[i]] for i in order]
-    reduced = _gather.reduce_values([sums[i] for i in order], _gather.layout_of(items, ctx))
+    reduced = _gather.reduce_values([sums[i] for i in order], _gather.layout_of(items, ctx.skip_replicate_reduce))
     return dict(zip(order, reduced))
 
 
