@@ -305,7 +305,7 @@ def _as_arrays(items: list) -> list:
 def _check_state_leaves(paths, items, flags) -> None:
     """Non-floating leaves have no gradient, but an optimizer would still change them."""
     bad = [
-        (path, str(np.dtype(x.dtype)))
+        (path, str(x.dtype))
         for path, x, trainable in zip(paths, items, flags)
         if trainable and (isinstance(x, Sharded) or is_array(x))
         and not jnp.issubdtype(x.dtype, jnp.inexact)
