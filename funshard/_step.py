@@ -171,12 +171,6 @@ def _trainable_flags(trainable: Any, state: Any) -> list[bool]:
     return jax.tree.leaves(expanded, is_leaf=is_sharded)
 
 
-def _microbatch(batch: Any, k: int, m: int) -> Any:
-    if k == 1:
-        return batch
-    return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:])[m], batch)
-
-
 def _accumulator(item: Sharded, dp_axes):
     dtype = _gather.layout_of([item]).leaves[0].reduce_dtype
     return _lowering.vary(jnp.zeros(item.shape, dtype), dp_axes)
@@ -202,19 +196,34 @@ def _split_output(out, has_aux: bool):
     return loss, aux
 
 
-def _local_value_and_grad(loss_fn, opts: _Options, plan, ctx, values, batch, args, trainable):
-    """One microbatch on this device: (loss, aux, grads by position, deferred sums)."""
+@dataclasses.dataclass(frozen=True)
+class _Routes:
+    """Where each traced state value's gradient goes in one step (by position)."""
+
+    sharded: list[bool]
+    wanted: list[bool]  # floating and trainable
+    deferred: list[int]  # gradient to a full-size accumulator, reduced after the loop
+    diff: list[int]  # gradient by autodiff (through the unit's reduce-scatter)
+
+
+def _routes(plan, values, trainable, opts: _Options) -> _Routes:
     sharded = [isinstance(plan.items[i], Sharded) for i in plan.dynamic]
-    wanted = [_is_differentiable(v) and t for v, t in zip(values, trainable)]
+    wanted = [_is_differentiable(v) and t for v, t in zip(values, trainable, strict=True)]
     defer = not opts.sync_every_microbatch
     deferred = [i for i, w in enumerate(wanted) if w and sharded[i] and defer]
     diff = [i for i, w in enumerate(wanted) if w and i not in deferred]
+    return _Routes(sharded, wanted, deferred, diff)
+
+
+def _local_value_and_grad(loss_fn, opts: _Options, plan, ctx, values, batch, args, routes):
+    """One microbatch on this device: (loss, aux, grads by position, deferred sums)."""
+    sharded, wanted, deferred, diff = routes.sharded, routes.wanted, routes.deferred, routes.diff
 
     def local_loss(diff_values, accumulators):
         merged = list(values)
-        for i, v in zip(diff, diff_values):
+        for i, v in zip(diff, diff_values, strict=True):
             merged[i] = v
-        accumulator_of = dict(zip(deferred, accumulators))
+        accumulator_of = dict(zip(deferred, accumulators, strict=True))
         step_meta = {
             i: dict(frozen=not wanted[i], accumulator=accumulator_of.get(i),
                     skip_replicate_reduce=ctx.skip_replicate_reduce)
@@ -231,6 +240,39 @@ def _local_value_and_grad(loss_fn, opts: _Options, plan, ctx, values, batch, arg
     return loss, aux, dict(zip(diff, diff_grads)), dict(zip(deferred, deferred_grads))
 
 
+def _zero_sums(plan, values, routes: _Routes, dp_axes) -> tuple[dict, dict]:
+    """Zero gradients and deferred sums, typed (varying axes) as autodiff returns them.
+
+    A cotangent has its primal's type: a state value's gradient varies where the value
+    does, a deferred sum where its accumulator does.
+    """
+    grads = {
+        i: _lowering.vary(jnp.zeros_like(values[i]), varying_axes(values[i], dp_axes))
+        for i in routes.diff
+    }
+    sums = {i: _accumulator(plan.items[plan.dynamic[i]], dp_axes) for i in routes.deferred}
+    return grads, sums
+
+
+def _over_microbatches(one, local_batch, k: int, zeros: tuple[dict, dict]):
+    """(losses, auxes, grads, sums) of `one(microbatch)` summed over `k` microbatches.
+
+    A `lax.scan` over the microbatches: the program (and its compile time) stays the
+    size of one microbatch's step whatever `k`, with the same collectives per
+    microbatch inside the loop. Losses and aux values come back stacked on a leading
+    microbatch axis.
+    """
+    split = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), local_batch)
+
+    def body(carry, microbatch):
+        grads, sums = carry
+        loss, aux, g, s = one(microbatch)
+        return (_add(grads, g), _add(sums, s)), (loss, aux)
+
+    (grads, sums), (losses, auxes) = jax.lax.scan(body, zeros, split)
+    return losses, auxes, grads, sums
+
+
 def _add(total: dict, new: dict) -> dict:
     out = dict(total)
     for i, g in new.items():
@@ -238,16 +280,15 @@ def _add(total: dict, new: dict) -> dict:
     return out
 
 
-def _combine_microbatches(values: list) -> Any:
-    """Per-microbatch aux values as one: scalars averaged (floating) or summed, arrays
-    (per-example values) concatenated in batch order."""
-    def combine(*xs):
-        if xs[0].ndim:
-            return jnp.concatenate(xs)
-        stacked = jnp.stack(xs)
-        return stacked.mean(0) if jnp.issubdtype(stacked.dtype, jnp.inexact) else stacked.sum(0)
+def _combine_microbatches(stacked: Any) -> Any:
+    """Per-microbatch aux values (stacked on axis 0) as one: scalars averaged (floating)
+    or summed, arrays (per-example values) concatenated in batch order."""
+    def combine(x):
+        if x.ndim > 1:
+            return x.reshape(-1, *x.shape[2:])
+        return x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x.sum(0)
 
-    return jax.tree.map(combine, *values)
+    return jax.tree.map(combine, stacked)
 
 
 def _reduce_deferred(plan, sums: dict, ctx) -> dict:
@@ -419,17 +460,22 @@ def value_and_grad(
                     if isinstance(plan.items[plan.dynamic[i]], Sharded) else v
                     for i, v in enumerate(values)
                 ]
-            losses, auxes, grads, sums = [], [], {}, {}
-            for m in range(opts.microbatches):
-                loss, aux, g, deferred = _local_value_and_grad(
-                    loss_fn, opts, plan, ctx, values,
-                    _microbatch(local_batch, opts.microbatches, m), args, trainable_values,
+            routes = _routes(plan, values, trainable_values, opts)
+
+            def one(microbatch):
+                return _local_value_and_grad(
+                    loss_fn, opts, plan, ctx, values, microbatch, args, routes
                 )
-                losses.append(loss)
-                auxes.append(aux)
-                grads, sums = _add(grads, g), _add(sums, deferred)
+
+            if opts.microbatches == 1:
+                loss, aux, grads, sums = one(local_batch)
+            else:
+                losses, auxes, grads, sums = _over_microbatches(
+                    one, local_batch, opts.microbatches,
+                    _zero_sums(plan, values, routes, dp_axes),
+                )
+                loss, aux = jnp.mean(losses), _combine_microbatches(auxes)
             grads = _add(grads, _reduce_deferred(plan, sums, ctx))
-            loss = sum(losses) / len(losses)
             # A loss already reduced over some data axes (psum / pmean in the loss
             # function) is not averaged over them again, nor are its gradients.
             loss_axes = varying_axes(loss, dp_axes)
@@ -437,7 +483,7 @@ def value_and_grad(
             grads = _finish_grads(plan, values, grads, opts, scale, replicate_axes)
             if loss_axes:
                 loss = jax.lax.pmean(loss, loss_axes)
-            return loss, _reduce_aux(_combine_microbatches(auxes), dp_axes), grads
+            return loss, _reduce_aux(aux, dp_axes), grads
 
         mapped = jax.shard_map(
             body,

@@ -1,12 +1,15 @@
 """Root options: gradient accumulation, postponed HSDP all-reduce, frozen leaves, divide factor."""
 
+import re
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import funshard as fs
-from _hlo import collectives, compiled, count_by_kind
+from _hlo import collectives, compiled, computations, count_by_kind
 from _models import mlp_loss, mlp_params, mlp_sharded_loss
 from conftest import mesh_for
 
@@ -44,17 +47,57 @@ def test_accumulated_gradients_equal_full_batch(mesh_name, options, reshard):
     _close(fs.unshard(grads), ref_grads)
 
 
-def _scatter_count(mesh_name="8", **options):
+def _scatter_count(mesh_name="8", rows=32, **options):
     state = fs.shard(mlp_params(jax.random.key(0)), mesh_for(mesh_name))
     step = fs.value_and_grad(mlp_sharded_loss(True), **options)
-    return compiled(step, state, _batch())[1]
+    return compiled(step, state, _batch(rows))[1]
 
 
-def test_reduce_scatter_every_microbatch_or_once():
-    assert count_by_kind(_scatter_count(microbatches=4))["reduce-scatter"] == UNITS * 4
-    deferred = _scatter_count(microbatches=4, sync_every_microbatch=False)
-    # The deferred sums are reduced together at the end: one collective per dtype.
-    assert count_by_kind(deferred)["reduce-scatter"] == 1
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([^}\n]*)")
+
+
+def _reachable(comps: dict, root: str) -> set[str]:
+    """Names of the computations `root` runs, itself included (calls, loops, branches)."""
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for group in _CALLED.findall(comps[name]):
+            todo += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+    return seen
+
+
+def _microbatch_loop(text: str) -> tuple[int, Counter, Counter]:
+    """(trip count, collectives inside the loop, collectives outside) of a step's HLO."""
+    comps = computations(text)
+    whiles = re.findall(r"while\(.*body=%?([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"",
+                        text)
+    assert len(whiles) == 1, whiles
+    body, trips = whiles[0]
+    inside = _reachable(comps, body)
+    count = lambda names: Counter(  # noqa: E731
+        c["kind"] for name in names for c in collectives(comps[name]))
+    return int(trips), count(inside), count(set(comps) - inside)
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_reduce_scatter_every_microbatch_inside_one_loop(k):
+    one = count_by_kind(_scatter_count(microbatches=1, rows=8 * k))
+    trips, inside, outside = _microbatch_loop(_scatter_count(microbatches=k, rows=8 * k))
+    # The program holds ONE microbatch's step (not k copies), run k times.
+    assert trips == k
+    assert inside["reduce-scatter"] == one["reduce-scatter"] == UNITS
+    assert inside["all-gather"] == one["all-gather"] and outside["reduce-scatter"] == 0
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_deferred_sums_reduced_once_after_the_loop(k):
+    trips, inside, outside = _microbatch_loop(
+        _scatter_count(microbatches=k, rows=8 * k, sync_every_microbatch=False))
+    # Unreduced sums accumulate in the loop; one reduce-scatter per dtype after it.
+    assert trips == k and inside["reduce-scatter"] == 0 and outside["reduce-scatter"] == 1
 
 
 def test_hsdp_all_reduce_once_after_the_last_microbatch():
@@ -64,11 +107,13 @@ def test_hsdp_all_reduce_once_after_the_last_microbatch():
             if c["kind"] == "all-reduce" and c["groups"] == "{{0,4},{1,5},{2,6},{3,7}}"
         )
 
+    # Per microbatch: the loop's body holds the all-reduce once and runs it 4 times.
+    trips, _, _ = _microbatch_loop(_scatter_count("2x4", microbatches=4))
     every = replicate_reduce_elements(_scatter_count("2x4", microbatches=4))
     once = replicate_reduce_elements(
         _scatter_count("2x4", microbatches=4, all_reduce_every_microbatch=False)
     )
-    assert once > 0 and every == 4 * once
+    assert trips == 4 and once > 0 and every == once
 
 
 @pytest.mark.parametrize("units", [False, True])
