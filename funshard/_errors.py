@@ -385,3 +385,10 @@ def state_dict_bad_entries(entries) -> str:
         "fs.state_dict(tree) returns, not a nested tree (for a tree of full arrays use "
         "fs.reshard(full_tree, like)); wrap numbers with np.asarray(value, dtype)."
     )
+
+
+def bad_unit_name(name) -> str:
+    return (
+        f"fully_shard: name must be a non-empty string (the unit's label in profiles and "
+        f"HLO metadata), got {name!r}."
+    )

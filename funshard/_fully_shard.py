@@ -22,7 +22,7 @@ from jax.tree_util import tree_flatten, tree_unflatten
 
 from funshard import _context, _errors, _gather, _lowering
 from funshard._policy import MixedPrecisionPolicy
-from funshard._shard import common_mesh, sharded_leaves, unshard
+from funshard._shard import common_mesh, sharded_leaves, unshard_as
 from funshard._sharded import Sharded, is_sharded
 from funshard._tree import split_arrays
 
@@ -93,7 +93,9 @@ def resume(saved: dict, kept: list, fulls) -> Callable:
     return tree_unflatten(saved["treedef"], residuals)
 
 
-def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | None, param_dtype):
+def _resharded_call(
+    fn: Callable, params: Any, args: tuple, group_size: int | None, param_dtype, name: str
+):
     """Runs `fn(unshard(params), *args)` without keeping the gathered params for backward.
 
     With `group_size` k (hpZ), each device keeps 1/k of the gathered parameters and the
@@ -101,7 +103,7 @@ def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | No
     """
     paths, items, treedef = sharded_leaves("fully_shard", params)
     idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
-    layout = _gather.layout_of([items[i] for i in idx])
+    layout = _gather.layout_of([items[i] for i in idx], name=name)
     datas = tuple(items[i].data for i in idx)
     accumulators = _gather.accumulators_for([items[i] for i in idx])
     deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
@@ -156,7 +158,9 @@ def _resharded_call(fn: Callable, params: Any, args: tuple, group_size: int | No
     return saved["rebuild_out"](out)
 
 
-def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable:
+def fully_shard(
+    fn: Callable, *, reshard_after_forward: bool | int = True, name: str | None = None
+) -> Callable:
     """Makes `fn(params, *args)` a sharded unit: `fn(sharded_params, *args)`.
 
     The functional form of FSDP2's `fully_shard(module)`. On entry the unit's
@@ -174,6 +178,9 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
         all-gather runs within groups of k devices only; the parameters must be sharded
         over axes ending in axes of k devices (e.g. `shard_axis=("fsdp_outer",
         "fsdp_inner")`). k = 1 is False, k = the shard count is True.
+      name: the unit's label (default: `fn.__name__`). Its collectives appear as
+        `funshard/<name>/all_gather` and `funshard/<name>/reduce_scatter` in
+        `jax.profiler` traces and in the compiled program's metadata.
 
     Returns:
       The unit taking sharded parameters. Outside `funshard.value_and_grad` it gathers
@@ -188,6 +195,9 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
         unit then gathers only its own, as in FSDP2.
     """
     check_reshard_after_forward("fully_shard", reshard_after_forward)
+    label = name if name is not None else getattr(fn, "__name__", "unit")
+    if not isinstance(label, str) or not label:
+        raise TypeError(_errors.bad_unit_name(label))
     if getattr(fn, "_funshard_unit", False):
         raise ValueError(_errors.nested_units("fully_shard(fully_shard(fn))"))
 
@@ -204,9 +214,9 @@ def fully_shard(fn: Callable, *, reshard_after_forward: bool = True) -> Callable
         group_size = _group_size(reshard_after_forward, items)
         ctx = _context.current()
         if ctx is not None and group_size != 1:
-            out = _resharded_call(fn, params, args, group_size, _param_dtype(policy))
+            out = _resharded_call(fn, params, args, group_size, _param_dtype(policy), label)
         else:
-            full = _cast_floating(unshard(params), _param_dtype(policy))
+            full = _cast_floating(unshard_as(params, label), _param_dtype(policy))
             with _context.unit_body():
                 out = fn(full, *args)
         if ctx is not None:

@@ -56,19 +56,30 @@ class GroupLayout:
     replicate_axes: tuple[str, ...]
     num_shards: int
     skip_replicate_reduce: bool = False
+    name: str = "unshard"  # the unit's label in profiles and HLO metadata
 
     @property
     def dp_axes(self) -> tuple[str, ...]:
         return (*self.replicate_axes, *self.shard_axes)
 
 
+def scope(layout: GroupLayout, what: str):
+    """`funshard/<unit>/<what>`: a unit's collectives, named in profiles and HLO metadata.
+
+    FSDP2 labels its work `FSDP::all_gather` etc. per module; these names let a
+    `jax.profiler` trace or an HLO dump attribute time and memory to units.
+    """
+    return jax.named_scope(f"funshard/{layout.name}/{what}")
+
+
 def layout_of(
-    leaves: Sequence[Sharded], skip_replicate_reduce: bool | None = None
+    leaves: Sequence[Sharded], skip_replicate_reduce: bool | None = None, name: str = "unshard"
 ) -> GroupLayout:
     """The gather layout of `leaves`, which share one mesh and one set of axes.
 
     Frozen leaves, and whether the HSDP all-reduce waits for the end of the step, are
     read from the step's metadata on each leaf unless `skip_replicate_reduce` is given.
+    `name` labels the group's collectives (see `scope`).
     """
     if skip_replicate_reduce is None:
         skip_replicate_reduce = any(_context.skips_replicate_reduce(s) for s in leaves)
@@ -90,6 +101,7 @@ def layout_of(
         replicate_axes=first.replicate_axis,
         num_shards=first.num_shards,
         skip_replicate_reduce=skip_replicate_reduce,
+        name=name,
     )
 
 
@@ -122,10 +134,11 @@ def gather_values(
     share of the gathered buffer within `keep_group`, for `regather_values`.
     """
     dims = [leaf.dim for leaf in layout.leaves]
-    out = _lowering.all_gather_rows(
-        _blocks(datas, layout), layout.shard_axes, dims=dims, dependency=dependency,
-        keep_group=keep_group,
-    )
+    with scope(layout, "all_gather"):
+        out = _lowering.all_gather_rows(
+            _blocks(datas, layout), layout.shard_axes, dims=dims, dependency=dependency,
+            keep_group=keep_group,
+        )
     if keep_group is None:
         return _logical(out, layout)
     return _logical(out[0], layout), out[1]
@@ -137,7 +150,9 @@ def regather_values(part, layout: GroupLayout, group, dependency=None) -> list[j
         jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in layout.leaves
     ]
     packing = _lowering.packing_of(structs, [leaf.dim for leaf in layout.leaves])
-    return _logical(_lowering.regather_group(part, packing, group, dependency), layout)
+    with scope(layout, "all_gather"):
+        fulls = _lowering.regather_group(part, packing, group, dependency)
+    return _logical(fulls, layout)
 
 
 def _zero_cotangent(leaf: LeafLayout, layout: GroupLayout):
@@ -167,7 +182,8 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
         padded.append(jnp.pad(ct, widths) if widths[leaf.dim][1] else ct)
     replicate_axes = () if layout.skip_replicate_reduce else layout.replicate_axes
     dims = [layout.leaves[i].dim for i in idx]
-    reduced = _lowering.reduce_scatter_rows(padded, layout.shard_axes, replicate_axes, dims)
+    with scope(layout, "reduce_scatter"):
+        reduced = _lowering.reduce_scatter_rows(padded, layout.shard_axes, replicate_axes, dims)
     out = [_zero_cotangent(leaf, layout) for leaf in layout.leaves]
     for i, r in zip(idx, reduced):
         out[i] = r.astype(layout.leaves[i].dtype)
@@ -238,9 +254,9 @@ def _deferred_bwd(layout, deferred, _, cts):
 gather_deferred.defvjp(_deferred_fwd, _deferred_bwd)
 
 
-def unshard_in_step(leaves: Sequence[Sharded]) -> list[jax.Array]:
+def unshard_in_step(leaves: Sequence[Sharded], name: str = "unshard") -> list[jax.Array]:
     """The step's differentiable gather of `leaves`, honouring frozen and deferred leaves."""
-    layout = layout_of(leaves)
+    layout = layout_of(leaves, name=name)
     datas = tuple(leaf.data for leaf in leaves)
     accumulators = accumulators_for(leaves)
     if accumulators is None:

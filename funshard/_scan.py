@@ -47,12 +47,12 @@ def _match_types(ct, primal):
     return jax.tree.map(fix, ct, primal)
 
 
-def _layer_layout(items, idx):
+def _layer_layout(items, idx, name: str):
     layer = [
         dataclasses.replace(items[i], data=None, shape=items[i].shape[1:], dim=items[i].dim - 1)
         for i in idx
     ]
-    return _gather.layout_of(layer)
+    return _gather.layout_of(layer, name=name)
 
 
 def _check_stacked(paths, items):
@@ -122,7 +122,7 @@ def _scan_in_step(fn, items, treedef, carry, reshard_after_forward: bool):
             "scan: gradient accumulation without per-microbatch sync is not supported for "
             "scanned stacks yet; use sync_every_microbatch=True."
         )
-    layout = _layer_layout(items, idx)
+    layout = _layer_layout(items, idx, f"scan/{getattr(fn, '__name__', 'layer')}")
     others = [None if isinstance(x, Sharded) else x for x in items]
     layers = datas[0].shape[0]
     saved: dict[str, Any] = {}

@@ -242,6 +242,11 @@ def unshard(tree: Any) -> Any:
     Raises:
       ValueError: the tree has no `Sharded` leaves, or leaves from different meshes.
     """
+    return unshard_as(tree, "unshard")
+
+
+def unshard_as(tree: Any, name: str) -> Any:
+    """`unshard`, with its collectives labelled `funshard/<name>/...` inside a step."""
     paths, items, treedef = sharded_leaves("unshard", tree)
     mesh = common_mesh("unshard", paths, items)
     if mesh is None:
@@ -254,7 +259,7 @@ def unshard(tree: Any) -> Any:
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
-            fulls = _gather.unshard_in_step(leaves)
+            fulls = _gather.unshard_in_step(leaves, name)
         else:
             fulls = _lowering.eager_all_gather(
                 [x.data for x in leaves],

@@ -297,7 +297,7 @@ def _reduce_deferred(plan, sums: dict, ctx) -> dict:
         return {}
     order = sorted(sums)
     items = [plan.items[plan.dynamic[i]] for i in order]
-    reduced = _gather.reduce_values([sums[i] for i in order], _gather.layout_of(items, ctx.skip_replicate_reduce))
+    reduced = _gather.reduce_values([sums[i] for i in order], _gather.layout_of(items, ctx.skip_replicate_reduce, name="root"))
     return dict(zip(order, reduced))
 
 
