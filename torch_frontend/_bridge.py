@@ -1,0 +1,160 @@
+"""The DLPack bridge: torch tensors of this rank <-> the core's eager collectives.
+
+Private adapter over `funshard._lowering.eager_all_gather` / `eager_reduce_scatter`
+(the same `all_gather_rows` / `reduce_scatter_rows` as the functional step). Every
+tensor crosses without a copy: a process-local torch buffer becomes this device's
+block of a global `jax.Array` (`make_array_from_single_device_arrays`), and the
+results come back as torch views of JAX's own buffers. Those results are immutable
+on the JAX side, so callers never write into them in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding
+
+from funshard import _lowering, _mesh
+
+SHARD_AXIS = "fsdp"
+REPLICATE_AXIS = "replicate"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where this process sits on the mesh (static per mesh).
+
+    Attributes:
+      mesh: the mesh, one device per process.
+      device: this process's device in it.
+      shard_axes: axes parameters are sharded over (world = their size).
+      replicate_axes: HSDP axes gradients are all-reduced over (empty for FSDP).
+      rank: this device's position along `shard_axes` (its torch.chunk index).
+      world: number of shards.
+      data_parallel: devices gradients are averaged over (all of the mesh).
+    """
+
+    mesh: Mesh
+    device: jax.Device
+    shard_axes: tuple[str, ...]
+    replicate_axes: tuple[str, ...]
+    rank: int
+    world: int
+    data_parallel: int
+
+    def padded_rows(self, rows: int) -> int:
+        """Rows each rank stores for a dim 0 of `rows` (torch.chunk's chunk size)."""
+        return math.ceil(rows / self.world)
+
+    def local_rows(self, rows: int) -> int:
+        """Rows of `torch.chunk(p, world, dim=0)[rank]` (possibly 0)."""
+        size = self.padded_rows(rows)
+        return max(0, min(size, rows - self.rank * size))
+
+
+def layout_of(mesh: Mesh) -> Layout:
+    """This process's `Layout` on `mesh`.
+
+    Raises:
+      TypeError: `mesh` is not a jax Mesh.
+      ValueError: the mesh lacks the "fsdp" axis, or this process has no device or
+        several devices in it.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"fully_shard: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
+            "pass the mesh torch_frontend.init_distributed() returns (or mesh=None)."
+        )
+    if SHARD_AXIS not in mesh.axis_names:
+        raise ValueError(
+            f"fully_shard: mesh axes {mesh.axis_names} lack the {SHARD_AXIS!r} axis; build "
+            "the mesh with torch_frontend.init_distributed() or funshard.make_mesh()."
+        )
+    mine = [idx for idx, d in np.ndenumerate(mesh.devices) if d.process_index == jax.process_index()]
+    if len(mine) != 1:
+        raise ValueError(
+            f"fully_shard: process {jax.process_index()} has {len(mine)} devices in the mesh; "
+            "the torch frontend needs exactly one per process (one rank, one shard). Use "
+            "the mesh torch_frontend.init_distributed() returns."
+        )
+    idx = mine[0]
+    replicate = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
+    position = idx[mesh.axis_names.index(SHARD_AXIS)]
+    return Layout(mesh, mesh.devices[idx], (SHARD_AXIS,), replicate, int(position),
+                  mesh.shape[SHARD_AXIS], mesh.devices.size)
+
+
+def _import(layout: Layout, tensor: torch.Tensor) -> jax.Array:
+    """`tensor` as a single-device jax.Array on this process's device, sharing memory."""
+    block = jax.dlpack.from_dlpack(tensor.detach())
+    return jax.device_put(block, layout.device)  # no-op: DLPack lands on this device
+
+
+def _export(block: jax.Array) -> torch.Tensor:
+    return torch.from_dlpack(block)
+
+
+def all_gather(layout: Layout, padded: Sequence[torch.Tensor], rows: Sequence[int]) -> list[torch.Tensor]:
+    """ONE all-gather of every rank's padded blocks; returns the full tensors.
+
+    Args:
+      layout: this process's place on the mesh.
+      padded: this rank's block of each tensor, `padded_rows(rows[i])` rows, contiguous.
+      rows: each tensor's full dim 0 (the padding is cut off).
+
+    Returns:
+      Each full tensor, a torch view of the gathered JAX buffer (read-only by contract).
+    """
+    sharding = NamedSharding(layout.mesh, _mesh.spec(layout.shard_axes))
+    datas = [
+        jax.make_array_from_single_device_arrays(
+            (layout.world * t.shape[0], *t.shape[1:]), sharding, [_import(layout, t)])
+        for t in padded
+    ]
+    fulls = _lowering.eager_all_gather(datas, layout.mesh, layout.shard_axes, rows=rows)
+    blocks = [f.addressable_shards[0].data for f in fulls]
+    # torch computes with these at once; JAX must have written them first.
+    jax.block_until_ready(blocks)
+    return [_export(b) for b in blocks]
+
+
+def _stacked_block(layout: Layout, full: torch.Tensor) -> torch.Tensor:
+    """`full` zero-padded to `world * padded_rows` rows, with a leading axis of 1."""
+    padded_rows = layout.world * layout.padded_rows(full.shape[0])
+    if padded_rows == full.shape[0] and full.is_contiguous():
+        return full.unsqueeze(0)
+    block = full.new_zeros((1, padded_rows, *full.shape[1:]))
+    block[0, :full.shape[0]].copy_(full)
+    return block
+
+
+def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """ONE reduce-scatter (sum) of every rank's full tensors; returns this rank's rows.
+
+    Args:
+      layout: this process's place on the mesh.
+      fulls: this rank's contribution to each tensor (full shape, reduce dtype); on an
+        HSDP mesh the scattered sums are also summed over the replicas.
+
+    Returns:
+      This rank's `padded_rows` block of each sum (padding rows last), a torch view of
+      JAX's buffer (read-only by contract).
+    """
+    dp_axes = (*layout.replicate_axes, *layout.shard_axes)
+    sharding = NamedSharding(layout.mesh, _mesh.spec(dp_axes))
+    stacked = []
+    for full in fulls:
+        block = _stacked_block(layout, full)
+        shape = (layout.data_parallel, *block.shape[1:])
+        stacked.append(jax.make_array_from_single_device_arrays(
+            shape, sharding, [_import(layout, block)]))
+    sums = _lowering.eager_reduce_scatter(
+        stacked, layout.mesh, layout.shard_axes, layout.replicate_axes)
+    blocks = [s.addressable_shards[0].data for s in sums]
+    jax.block_until_ready(blocks)
+    return [_export(b) for b in blocks]

@@ -1,0 +1,62 @@
+"""Error and warning messages: each names the module or parameter and says what to do."""
+
+from __future__ import annotations
+
+
+def scalar_param(fqn: str) -> str:
+    return (
+        f"fully_shard: parameter {fqn!r} is 0-dimensional; sharding it on dim 0 is not "
+        "supported yet. Store it with shape (1,) or keep it out of the sharded module "
+        "(e.g. as a buffer)."
+    )
+
+
+def grouped_root(modules) -> str:
+    names = ", ".join(type(m).__name__ for m in modules)
+    return (
+        f"fully_shard: the first forward ran through a group of several modules ({names}), "
+        "so that group would be the root; the root must be a single module. Call "
+        "fully_shard(model) on the module that contains them and run forward through it."
+    )
+
+
+def child_ran_forward_first(name: str, root: str) -> str:
+    return (
+        f"fully_shard: module {name!r} already ran forward on its own before the root "
+        f"{root} did, so it initialised as a root itself. Run the first forward through "
+        "the root module (the outermost fully_shard module)."
+    )
+
+
+def param_in_two_groups(fqn: str, other: str) -> str:
+    return (
+        f"fully_shard: parameter {fqn!r} is the same tensor as {other!r}, which another "
+        "fully_shard group already manages. Put the modules that share it in one group: "
+        "fully_shard([module_a, module_b])."
+    )
+
+
+def reset_on_non_root(fqn: str) -> str:
+    return (
+        f"reset_iter_state: module {fqn!r} is not the root; call it on the root module "
+        "(the one whose forward ran first)."
+    )
+
+
+def view_output(fqn: str) -> str:
+    return (
+        f"fully_shard: module {fqn!r} returned a view tensor. An in-place op on it (x += y) "
+        "would drop the pre-backward hook and skip the re-gather; use out-of-place ops or "
+        ".clone() the output first."
+    )
+
+
+def not_supported_yet(what: str, how: str) -> str:
+    return f"fully_shard: {what} is not supported by torch_frontend yet; {how}"
+
+
+def not_fsdp_module(method: str, module) -> str:
+    return (
+        f"{method}: {type(module).__name__} has no fully_shard state; call "
+        "torch_frontend.fully_shard on it first."
+    )

@@ -1,0 +1,176 @@
+"""`fully_shard`: FSDP2's entry point, and `FSDPModule`, the class it mixes in."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from torch_frontend import _bridge, _distributed, _errors
+from torch_frontend._group import ParamGroup, module_params
+from torch_frontend._param import FSDPParam
+from torch_frontend._policy import MixedPrecisionPolicy
+from torch_frontend._state import FSDPState, state_of
+
+_fsdp_classes: dict[type, type] = {}
+
+
+class FSDPModule:
+    """Mixed into every module `fully_shard` was applied to (class `FSDP<Cls>`)."""
+
+    def _fsdp_state(self) -> FSDPState:
+        state = state_of(self)
+        if state is None:
+            raise RuntimeError(_errors.not_fsdp_module("FSDPModule", self))
+        return state
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        states: list[FSDPState] = []
+        for module in self.modules():
+            state = state_of(module)
+            if state is not None and state not in states:
+                states.append(state)
+        return states
+
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """Gathers this module's parameters now (one collective); they stay until reshard.
+
+        Args:
+          async_op: return a handle whose `wait()` completes the gather (the gather is
+            already complete when this returns).
+        """
+        self._fsdp_state().group.unshard()
+        return UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """Frees the gathered parameters; the module holds its local shards again."""
+        self._fsdp_state().group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps gradients unsharded and unreduced (gradient accumulation)."""
+        for state in self._fsdp_states(recurse):
+            state.group.reduce_grads = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Changes `reshard_after_forward` (a bool) at run time."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward: expected a bool, got {reshard_after_forward!r}.")
+        for state in self._fsdp_states(recurse):
+            state.group.reshard_after_forward = reshard_after_forward
+            state.auto_reshard_after_forward = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False keeps parameters gathered after backward (e.g. between accumulation steps)."""
+        for state in self._fsdp_states(recurse):
+            state.group.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Records whether the next backward is the iteration's last (FSDP2's flag)."""
+        self._fsdp_state().ctx.is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divides reduced gradients by `factor` instead of the data-parallel size."""
+        self._fsdp_state().group.gradient_divide_factor = float(factor)
+
+    def reset_iter_state(self) -> None:
+        """After an exception mid-iteration: discard its gradients in flight, reshard all.
+
+        Raises:
+          RuntimeError: called on a module that is not the root.
+        """
+        self._fsdp_state().reset_iter_state()
+
+
+class UnshardHandle:
+    """Returned by `unshard(async_op=True)`; the gather has already completed."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _fsdp_classes:
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _fsdp_classes[cls]
+
+
+def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn) -> None:
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"fully_shard: expected an nn.Module or a list of them, got {type(module).__name__}.")
+        if state_of(module) is not None:
+            raise ValueError(
+                f"fully_shard: {type(module).__name__} is already fully sharded; call "
+                "fully_shard once per module (list modules to group them).")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(_errors.not_supported_yet(
+            f"reshard_after_forward={reshard_after_forward!r}",
+            "pass True, False or None."))
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            "fully_shard: mp_policy must be a torch_frontend.MixedPrecisionPolicy, got "
+            f"{type(mp_policy).__name__}.")
+    if shard_placement_fn is not None:
+        raise NotImplementedError(_errors.not_supported_yet(
+            "shard_placement_fn", "parameters are sharded on dim 0 (pass None)."))
+
+
+def _param_names(modules: list[nn.Module]) -> dict[int, str]:
+    """id(module) -> its name relative to the fully_shard call, for messages."""
+    names: dict[int, str] = {}
+    for i, top in enumerate(modules):
+        prefix = f"[{i}]." if len(modules) > 1 else ""
+        for name, module in top.named_modules():
+            names.setdefault(id(module), prefix + name)
+    return names
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh=None,
+    reshard_after_forward: bool | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    shard_placement_fn: Callable | None = None,
+):
+    """Shards `module`'s parameters over the mesh and installs FSDP2's hooks.
+
+    Each parameter not already managed by an inner `fully_shard` becomes this rank's
+    shard `torch.chunk(p, world, dim=0)[rank]` (possibly empty); the forward gathers
+    them (one collective per call of `fully_shard`), the backward reduce-scatters their
+    gradients into the shards' `.grad`, averaged over the data-parallel world. Apply it
+    bottom-up: blocks first, then the root.
+
+    Args:
+      module: a module, or a list of modules that form ONE group (tied weights).
+      mesh: the mesh from `init_distributed()` (None: that mesh).
+      reshard_after_forward: free the gathered parameters after forward and gather
+        again in backward. None: True, except for the root (the module that runs
+        forward first), which stays gathered.
+      mp_policy: the mixed-precision policy.
+      shard_placement_fn: not supported yet (must be None).
+
+    Returns:
+      `module`, its class swapped to `FSDP<Cls>` (a subclass of `FSDPModule`).
+
+    Raises:
+      TypeError / ValueError / NotImplementedError: for bad or unsupported arguments.
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn)
+    layout = _bridge.layout_of(_distributed.default_mesh() if mesh is None else mesh)
+    names = _param_names(modules)
+    params = []
+    for param, uses in module_params(modules, lambda m: state_of(m) is not None):
+        owner, attr = uses[0]
+        fqn = f"{names[id(owner)]}.{attr}" if names[id(owner)] else attr
+        params.append(FSDPParam(param, uses, fqn, layout))
+    group = ParamGroup(params, layout, mp_policy, reshard_after_forward is not False)
+    FSDPState(tuple(modules), group, mp_policy, reshard_after_forward is None)
+    for m in modules:
+        m.__class__ = _fsdp_class(type(m))
+    return module

@@ -1,0 +1,93 @@
+"""One managed parameter: its local shard in padded storage and its unsharded twin."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torch_frontend import _bridge, _errors
+
+
+class FSDPParam:
+    """A parameter of a group, held by this rank as `torch.chunk(p, world, dim=0)[rank]`.
+
+    The shard is a view of `padded`, a contiguous buffer of `padded_rows` rows (zero
+    rows after the shard) that JAX reads through DLPack without a copy. The optimizer
+    updates the shard in place, hence `padded` too. `unsharded` is one persistent
+    `nn.Parameter` whose data is swapped for each gathered tensor: autograd's saved
+    tensors and gradient accumulation across microbatches see it as one leaf.
+
+    Attributes:
+      fqn: the parameter's name (relative to the fully_shard module, then to the root).
+      uses: every (module, attribute name) that holds the parameter (tied weights).
+      orig_id: `id` of the original parameter, to find one managed by two groups.
+    """
+
+    def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], fqn: str,
+                 layout: _bridge.Layout):
+        if param.ndim == 0:
+            raise NotImplementedError(_errors.scalar_param(fqn))
+        self.fqn, self.uses, self.orig_id = fqn, uses, id(param)
+        self.shape, self.dtype = tuple(param.shape), param.dtype
+        self.local_rows = layout.local_rows(param.shape[0])
+        self.padded = param.detach().new_zeros((layout.padded_rows(param.shape[0]), *param.shape[1:]))
+        start = layout.rank * self.padded.shape[0]
+        self.padded[:self.local_rows].copy_(param.detach()[start:start + self.local_rows])
+        self.sharded = nn.Parameter(self.padded[:self.local_rows], requires_grad=param.requires_grad)
+        self.unsharded: nn.Parameter | None = None
+        self.accumulated_grad: torch.Tensor | None = None
+        self.to_sharded()
+
+    def gather_input(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's padded block in `dtype`: what the all-gather reads."""
+        if self.sharded.untyped_storage().data_ptr() != self.padded.untyped_storage().data_ptr():
+            # The shard was re-bound (`param.data = ...`, load_state_dict(assign=True)):
+            # re-pad it so that the gather sees the new values.
+            self.padded = self.padded.new_zeros(self.padded.shape)
+            self.padded[:self.local_rows].copy_(self.sharded.detach())
+            self.sharded.data = self.padded[:self.local_rows]
+        return self.padded if dtype == self.dtype else self.padded.to(dtype)
+
+    def to_unsharded(self, full: torch.Tensor) -> None:
+        """Makes the modules use `full` (a gathered tensor) as the parameter."""
+        if self.unsharded is None:
+            self.unsharded = nn.Parameter(full, requires_grad=self.sharded.requires_grad)
+        else:
+            self.unsharded.data = full
+        self._bind(self.unsharded)
+
+    def to_sharded(self) -> None:
+        """Makes the modules hold the local shard again and frees the gathered tensor."""
+        if self.unsharded is not None:
+            # Same dtype, no storage: autograd's saved references stay valid for the
+            # re-gather of the backward pass, which swaps the data in again.
+            self.unsharded.data = self.unsharded.data.new_empty((0,))
+        self._bind(self.sharded)
+
+    def take_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The gradient accumulated since the last reduction, in `dtype`; clears it."""
+        grad = None if self.unsharded is None else self.unsharded.grad
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        if grad is not None:
+            grad = grad.to(dtype)
+        if self.accumulated_grad is not None:
+            grad = self.accumulated_grad if grad is None else self.accumulated_grad + grad
+            self.accumulated_grad = None
+        return grad
+
+    def accumulate_unsharded_grad(self, dtype: torch.dtype) -> None:
+        """Keeps this backward's gradient (no reduction this time), in `dtype`."""
+        self.accumulated_grad = self.take_unsharded_grad(dtype)
+
+    def add_sharded_grad(self, block: torch.Tensor, divide_factor: float) -> None:
+        """Adds this rank's rows of a reduced gradient to the shard's `.grad`."""
+        grad = (block[:self.local_rows] / divide_factor).to(self.dtype)
+        if self.sharded.grad is None:
+            self.sharded.grad = grad
+        else:
+            self.sharded.grad += grad
+
+    def _bind(self, param: nn.Parameter) -> None:
+        for module, name in self.uses:
+            module._parameters[name] = param

@@ -1,0 +1,220 @@
+"""Per-module state: FSDP2's hooks and its lazy root, over one `ParamGroup`."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils import _pytree as pytree
+
+from torch_frontend import _errors
+from torch_frontend._group import ParamGroup, TrainingState
+from torch_frontend._policy import MixedPrecisionPolicy, cast_floating
+
+STATE_ATTR = "_torch_frontend_state"
+
+
+class IterationContext:
+    """What every state of one root shares (FSDP2's FSDPStateContext)."""
+
+    def __init__(self):
+        self.all_states: list[FSDPState] = []  # named_modules() pre-order of the root
+        self.iter_forward_root: FSDPState | None = None
+        self.final_callback_queued = False
+        self.is_last_backward = True
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The state `fully_shard` attached to `module`, if any."""
+    return module.__dict__.get(STATE_ATTR)
+
+
+class FSDPState:
+    """The hooks of one `fully_shard` call (one module, or a list grouped as one)."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup,
+                 mp_policy: MixedPrecisionPolicy, auto_reshard_after_forward: bool):
+        self.modules, self.group, self.mp_policy = modules, group, mp_policy
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.is_root: bool | None = None
+        self.ctx = IterationContext()
+        self.training_state = TrainingState.IDLE
+        self.modules_to_run: set[nn.Module] = set()
+        self.fqn = type(modules[0]).__name__
+        for module in modules:
+            module.__dict__[STATE_ATTR] = self
+            module.register_forward_pre_hook(
+                functools.partial(self._module_pre_forward, module), prepend=True, with_kwargs=True)
+            module.register_forward_hook(
+                functools.partial(self._module_post_forward, module), prepend=False)
+
+    # ---- forward ----
+
+    def _module_pre_forward(self, module, _module, args, kwargs):
+        if len(self.modules) > 1 and not self.modules_to_run:
+            self.modules_to_run.update(self.modules)
+        return self.pre_forward(args, kwargs)
+
+    def _module_post_forward(self, module, _module, _args, output):
+        if len(self.modules) > 1:
+            if module not in self.modules_to_run:
+                return self.cast_output(output)
+            self.modules_to_run.discard(module)
+            if self.modules_to_run:  # the group's post-forward waits for its last module
+                return self.cast_output(output)
+        return self.post_forward(output)
+
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Root set-up once per pass, input cast, ONE all-gather, post-backward hook."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            # Activation checkpointing re-runs forward inside backward: parameters only.
+            self.group.unshard()
+            return self.cast_inputs(args, kwargs)
+        first_in_pass = self.training_state != TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        if first_in_pass:
+            self._root_pre_forward()
+        args, kwargs = self.cast_inputs(args, kwargs)
+        return self.group.pre_forward(args, kwargs)
+
+    def post_forward(self, output: Any) -> Any:
+        """Reshard (per reshard_after_forward), pre-backward hooks, output cast."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return self.cast_output(output)
+        self.group.post_forward()
+        output = self._register_pre_backward(output)
+        self.training_state = TrainingState.IDLE
+        if self.ctx.iter_forward_root is self:
+            output = self._complete_unfinished_groups(output)
+            self.ctx.iter_forward_root = None
+        return self.cast_output(output)
+
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        policy = self.mp_policy
+        if not (policy.cast_forward_inputs and policy.param_dtype):
+            return args, kwargs
+        cast = functools.partial(cast_floating, policy.param_dtype)
+        return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
+
+    def cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is None:
+            return output
+        return pytree.tree_map(functools.partial(cast_floating, self.mp_policy.output_dtype), output)
+
+    def _root_pre_forward(self) -> None:
+        self.lazy_init()
+        if self.ctx.iter_forward_root is None:
+            self.ctx.iter_forward_root = self
+
+    def _complete_unfinished_groups(self, output: Any) -> Any:
+        # A grouped state whose modules did not all run forward never reached its
+        # post-forward; finish it here (deepest first, as the forward would unwind).
+        for state in reversed(self.ctx.all_states):
+            if state is self or not state.modules_to_run:
+                continue
+            state.group.post_forward()
+            output = state._register_pre_backward(output)
+            state.training_state = TrainingState.IDLE
+            output = state.cast_output(output)
+            state.modules_to_run.clear()
+        return output
+
+    # ---- lazy initialisation: the first state to run forward is the root ----
+
+    def lazy_init(self) -> None:
+        """Makes this state the root and collects every state below it (once).
+
+        Raises:
+          RuntimeError: the root is a group of several modules, or a state below it
+            already ran forward as a root of its own.
+          ValueError: one parameter is managed by two groups.
+        """
+        if self.is_root is not None:
+            return
+        if len(self.modules) > 1:
+            raise RuntimeError(_errors.grouped_root(self.modules))
+        self.is_root = True
+        root = self.modules[0]
+        for name, module in root.named_modules():
+            state = state_of(module)
+            if state is None or state in self.ctx.all_states:
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise RuntimeError(_errors.child_ran_forward_first(name, type(root).__name__))
+                state.is_root = False
+                state.fqn = name
+            state.ctx = self.ctx
+            self.ctx.all_states.append(state)
+        if self.auto_reshard_after_forward:
+            # The root's parameters would be gathered again at once for the backward pass.
+            self.group.reshard_after_forward = False
+        self._name_params(root)
+
+    def _name_params(self, root: nn.Module) -> None:
+        by_param = {id(p.sharded): p for s in self.ctx.all_states for p in s.group.params}
+        for name, param in root.named_parameters(remove_duplicate=False):
+            if id(param) in by_param:
+                by_param[id(param)].fqn = name
+        owners: dict[int, str] = {}
+        for state in self.ctx.all_states:
+            for param in state.group.params:
+                if param.orig_id in owners:
+                    raise ValueError(_errors.param_in_two_groups(param.fqn, owners[param.orig_id]))
+                owners[param.orig_id] = param.fqn
+
+    # ---- backward ----
+
+    def _register_pre_backward(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        for tensor in pytree.tree_leaves(output):
+            if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
+                continue
+            if tensor._base is not None:
+                warnings.warn(_errors.view_output(self.fqn), UserWarning, stacklevel=2)
+            tensor.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self.training_state = TrainingState.PRE_BACKWARD
+        self._queue_final_callback()
+        self.group.pre_backward()
+
+    def _queue_final_callback(self) -> None:
+        if self.ctx.final_callback_queued:
+            return
+        self.ctx.final_callback_queued = True
+        root = self.ctx.all_states[0] if self.ctx.all_states else self
+        Variable._execution_engine.queue_callback(root._root_post_backward_final_callback)
+
+    def _root_post_backward_final_callback(self) -> None:
+        # Groups whose backward never ran (inputs without grad, unused modules) reduce
+        # here; then every state starts the next iteration idle.
+        self.ctx.iter_forward_root = None
+        for state in self.ctx.all_states:
+            state.modules_to_run.clear()
+            if state.group.training_state != TrainingState.POST_BACKWARD:
+                state.group.post_backward()
+            state.group.training_state = TrainingState.IDLE
+            state.training_state = TrainingState.IDLE
+        self.ctx.final_callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        """Discards a failed iteration: unreduced gradients, gathered parameters, flags.
+
+        Raises:
+          RuntimeError: this state is not the root.
+        """
+        if self.is_root is False:
+            raise RuntimeError(_errors.reset_on_non_root(self.fqn))
+        for state in self.ctx.all_states or [self]:
+            state.modules_to_run.clear()
+            state.training_state = TrainingState.IDLE
+            state.group.reset_iter_state()
+        self.ctx.iter_forward_root = None
+        self.ctx.final_callback_queued = False
