@@ -1,0 +1,167 @@
+"""One torchrun job for tests/test_torch_frontend.py: the frontend, then PyTorch's FSDP2.
+
+    torchrun --nproc-per-node 2 tests/_torch_worker.py --out DIR [--cases seq,uneven,...]
+
+Every case trains one model for STEPS AdamW steps on per-rank data, first with
+torch_frontend (collectives through JAX; torch opens no process group), then with
+`torch.distributed.fsdp.fully_shard` on gloo (its process group is opened only after
+every frontend case finished). Each rank writes, per case and implementation,
+`{case}-{impl}-rank{r}.npz`: the per-step losses, the local gradients of the first step
+and the final local shard of every parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+STEPS = 10
+LR = 1e-2
+MICROBATCHES = 3
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block (a transformer block without attention)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, inputs: int = 8, width: int = 16, outputs: int = 4, depth: int = 3):
+        super().__init__()
+        self.emb = nn.Linear(inputs, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, outputs)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _mlp(*widths: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(widths) - 2 else [])
+    return nn.Sequential(*layers)
+
+
+# case -> (model builder, units of the model, fully_shard kwargs for the units, microbatches)
+CASES = {
+    "seq": (lambda: _mlp(16, 15, 8), lambda m: [l for l in m if isinstance(l, nn.Linear)], {}, 1),
+    "uneven": (lambda: _mlp(7, 15, 3, 1), lambda m: [l for l in m if isinstance(l, nn.Linear)], {}, 1),
+    "blocks_reshard": (Stack, lambda m: list(m.blocks), {"reshard_after_forward": True}, 1),
+    "blocks_keep": (Stack, lambda m: list(m.blocks), {"reshard_after_forward": False}, 1),
+    "accum": (lambda: _mlp(16, 15, 8), lambda m: [l for l in m if isinstance(l, nn.Linear)], {}, MICROBATCHES),
+}
+
+
+def _input_width(model: nn.Module) -> int:
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    return first.in_features
+
+
+def _batch(step: int, micro: int, rank: int, width: int, outputs: int):
+    g = torch.Generator().manual_seed(1000 + 100 * step + 10 * micro + rank)
+    return torch.randn(4, width, generator=g), torch.randn(4, outputs, generator=g)
+
+
+def _output_width(model: nn.Module) -> int:
+    last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    return last.out_features
+
+
+def train(case: str, shard, rank: int) -> dict[str, np.ndarray]:
+    """Trains `case` with `shard` (a fully_shard); returns losses and local shards."""
+    build, units, kwargs, micro = CASES[case]
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    model = build()
+    width, outputs = _input_width(model), _output_width(model)
+    for unit in units(model):
+        shard(unit, **kwargs)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            x, y = _batch(step, m, rank, width, outputs)
+            loss = (model(x) - y).pow(2).mean() / micro
+            loss.backward()
+            total += loss.item()
+        if step == 0:  # AdamW hides a gradient's scale: compare gradients themselves too
+            grads = {f"grad/{n}": _local(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    out = {"loss": np.asarray(losses), **grads}
+    for name, param in model.named_parameters():
+        out[f"param/{name}"] = _local(param)
+    return out
+
+
+def _local(tensor: torch.Tensor) -> np.ndarray:
+    """This rank's shard of a parameter or gradient (FSDP2's are DTensors)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.detach().numpy().copy()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--impls", default="frontend,fsdp2")
+    ap.add_argument("--deadline", type=float, default=300.0)
+    args = ap.parse_args()
+    out, cases, impls = Path(args.out), args.cases.split(","), args.impls.split(",")
+    rank = int(os.environ.get("RANK", "0"))
+    # torchrun starts each worker in a session of its own: the test kills these by pid,
+    # and a worker whose peers died (blocked in a collective) ends itself.
+    (out / f"pid-rank{rank}").write_text(str(os.getpid()))
+    watchdog = threading.Timer(args.deadline, os._exit, args=(3,))
+    watchdog.daemon = True
+    watchdog.start()
+
+    if "frontend" in impls:
+        import torch_frontend
+
+        torch_frontend.init_distributed()
+        for case in cases:
+            np.savez(out / f"{case}-frontend-rank{rank}.npz",
+                     **train(case, torch_frontend.fully_shard, rank))
+        if "torch.distributed" in sys.modules:
+            import torch.distributed as dist
+            assert not dist.is_initialized(), "torch_frontend opened a torch process group"
+    if "fsdp2" in impls:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for case in cases:
+            np.savez(out / f"{case}-fsdp2-rank{rank}.npz",
+                     **train(case, lambda m, **kw: fully_shard(m, mesh=mesh, **kw), rank))
+        dist.destroy_process_group()
+    print(f"rank {rank}: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""torch_frontend against PyTorch itself: FSDP2 on gloo (2 processes) and plain torch (1).
+
+The multi-process cases run in ONE torchrun job (`tests/_torch_worker.py`): each rank
+trains every case with torch_frontend, then with `torch.distributed.fsdp.fully_shard`,
+and writes per-step losses and its local shards; the tests compare them. The
+single-process tests (world size 1) run in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import torch_frontend
+from torch_frontend import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("_torch_worker.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+JOB_TIMEOUT_S = 180
+CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum")
+TOLERANCE = 1e-5
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS")
+
+
+def _free_port_pair() -> int:
+    """A port p with p + 1 free too (torchrun's store on p, JAX's coordinator on p + 1)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+                   [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]))
+    return env
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _run_torchrun(out: Path, processes: int, *args: str) -> tuple[int, str]:
+    """Runs the worker under torchrun; kills torchrun and every worker on the way out."""
+    log = out / "torchrun.log"
+    command = [str(TORCHRUN), f"--nproc-per-node={processes}", "--master-addr=127.0.0.1",
+               f"--master-port={_free_port_pair()}", str(WORKER), "--out", str(out),
+               "--deadline", str(JOB_TIMEOUT_S), *args]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        code = proc.wait(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        code = -1
+    finally:
+        _kill_group(proc.pid)
+        for pid_file in out.glob("pid-rank*"):  # workers run in sessions of their own
+            _kill_group(int(pid_file.read_text()))
+        proc.wait()
+    return code, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def parity_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("torch_parity")
+    start = time.monotonic()
+    code, log = _run_torchrun(out, 2, "--cases", ",".join(CASES))
+    assert code == 0, f"torchrun job failed (exit {code}) after {time.monotonic() - start:.0f} s:\n{log[-6000:]}"
+    return out
+
+
+def _load(out: Path, case: str, impl: str, rank: int) -> dict[str, np.ndarray]:
+    with np.load(out / f"{case}-{impl}-rank{rank}.npz") as data:
+        return dict(data)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_fsdp2_on_two_processes(parity_dir, case):
+    for rank in range(2):
+        ours, theirs = _load(parity_dir, case, "frontend", rank), _load(parity_dir, case, "fsdp2", rank)
+        assert sorted(ours) == sorted(theirs)
+        np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=0, atol=TOLERANCE,
+                                   err_msg=f"{case}: per-step loss, rank {rank}")
+        for name, shard in theirs.items():
+            # Same local shard shapes (torch.chunk's, empty ones included) and values.
+            assert ours[name].shape == shard.shape, (case, rank, name)
+            np.testing.assert_allclose(ours[name], shard, rtol=0, atol=TOLERANCE,
+                                       err_msg=f"{case}: {name}, rank {rank}")
+
+
+def test_uneven_shards_follow_torch_chunk(parity_dir):
+    # Linear(3, 1) on 2 ranks: rank 1's chunk of the (1, 3) weight and (1,) bias is empty.
+    shapes = [{k: v.shape for k, v in _load(parity_dir, "uneven", "frontend", r).items()}
+              for r in range(2)]
+    assert shapes[0]["param/2.weight"] == (2, 15) and shapes[1]["param/2.weight"] == (1, 15)
+    assert shapes[0]["param/4.weight"] == (1, 3) and shapes[1]["param/4.weight"] == (0, 3)
+    assert shapes[1]["param/4.bias"] == (0,)
+
+
+# ---- one process (world size 1), in this process ----
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 8))
+
+
+def _shard_mlp(model: nn.Sequential, **kwargs) -> nn.Sequential:
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, **kwargs)
+    return fully_shard(model)
+
+
+def _batches(steps: int):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)) for _ in range(steps)]
+
+
+def _train(model, batches, fail_at: int | None = None) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        if step == fail_at:
+            with pytest.raises(ZeroDivisionError):
+                _failing_step(model, x)
+            opt.zero_grad()
+            model.reset_iter_state()
+            continue
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _failing_step(model, x):
+    handle = model[2].register_forward_hook(lambda *_: 1 / 0)
+    try:
+        model(x)
+    finally:
+        handle.remove()
+
+
+def test_single_process_matches_plain_torch():
+    torch_frontend.init_distributed()
+    reference, model = _mlp(), _shard_mlp(_mlp())
+    assert type(model).__name__ == "FSDPSequential" and isinstance(model, FSDPModule)
+    assert isinstance(model[0], FSDPModule) and isinstance(model[0], nn.Linear)
+    batches = _batches(10)
+    np.testing.assert_allclose(_train(model, batches), _train(reference, batches), atol=1e-6)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        assert ours.shape == theirs.shape, name
+        np.testing.assert_allclose(ours.detach(), theirs.detach(), atol=1e-6, err_msg=name)
+
+
+def test_reset_iter_state_after_an_exception_in_forward():
+    batches = _batches(6)
+    skipped = batches[:2] + batches[3:]
+    expected = _train(_mlp(), skipped)
+    model = _shard_mlp(_mlp())
+    got = _train(model, batches, fail_at=2)
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_reshard_after_forward_false_keeps_parameters_gathered():
+    model = _shard_mlp(_mlp(), reshard_after_forward=False)
+    model(torch.randn(2, 16))
+    assert model[0].weight.shape == (15, 16)  # the unsharded parameter stays bound
+    model.reshard()
+    model[0].reshard()
+    model[0].unshard()
+    assert model[0].weight.shape == (15, 16)
+    model[0].reshard()
+    assert model[0].weight is next(model[0].parameters())
+
+
+def test_child_forward_before_root_is_an_error():
+    model = _shard_mlp(_mlp())
+    model[0](torch.randn(2, 16))
+    with pytest.raises(RuntimeError, match=r"module '0' already ran forward on its own"):
+        model(torch.randn(2, 16))
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def test_parameter_in_two_groups_is_an_error_naming_it():
+    model = _Tied()
+    fully_shard(model.emb)
+    fully_shard(model.head)
+    fully_shard(model)
+    with pytest.raises(ValueError, match=r"'head\.weight' is the same tensor as 'emb\.weight'.*fully_shard\(\[module_a, module_b\]\)"):
+        model(torch.randn(2, 4))
+
+
+def test_tied_parameters_grouped_in_one_list_train_like_plain_torch():
+    torch.manual_seed(0)
+    reference = _Tied()
+    model = copy.deepcopy(reference)
+    fully_shard([model.emb, model.head])
+    fully_shard(model)
+    assert len(list(model.parameters())) == 1
+    x = torch.randn(3, 4)
+    for m in (model, reference):
+        m(x).pow(2).sum().backward()
+    np.testing.assert_allclose(next(model.parameters()).grad, reference.emb.weight.grad, atol=1e-6)
+
+
+def test_reset_iter_state_on_a_non_root_is_an_error():
+    model = _shard_mlp(_mlp())
+    model(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"module '2' is not the root"):
+        model[2].reset_iter_state()
+
+
+def test_group_of_modules_as_root_is_an_error():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    fully_shard([a, b])
+    with pytest.raises(RuntimeError, match="the root must be a single module"):
+        a(torch.randn(2, 4))
+
+
+def test_policy_validates_its_dtypes():
+    with pytest.raises(TypeError, match="param_dtype"):
+        MixedPrecisionPolicy(param_dtype=torch.int32)
+
+
+def test_import_funshard_does_not_import_torch():
+    code = "import sys, funshard, funshard.distributed; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env=_env(), timeout=120).returncode == 0
+
+
+def test_one_core_collective_per_group_and_none_without_gradient_sync(monkeypatch):
+    from funshard import _lowering
+
+    calls = []
+    for name in ("eager_all_gather", "eager_reduce_scatter"):
+        real = getattr(_lowering, name)
+
+        def counted(datas, *args, _real=real, _name=name, **kwargs):
+            calls.append((_name, len(datas)))
+            return _real(datas, *args, **kwargs)
+
+        monkeypatch.setattr(_lowering, name, counted)
+    model = _shard_mlp(_mlp())  # two units of 2 parameters each; the root has none
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(2, 16)).sum().backward()
+    # Forward: one gather per unit; backward: one re-gather per unit, no reduction.
+    assert calls == [("eager_all_gather", 2)] * 4
+    calls.clear()
+    model.set_requires_gradient_sync(True)
+    model(torch.randn(2, 16)).sum().backward()
+    gather, reduce = ("eager_all_gather", 2), ("eager_reduce_scatter", 2)
+    # The last unit reduces when its backward is done; the first (whose input needs no
+    # gradient) in the root's final callback.
+    assert calls == [gather, gather, gather, reduce, gather, reduce]
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
