@@ -13,10 +13,12 @@ and the final local shard of every parameter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -61,13 +63,33 @@ def _mlp(*widths: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-# case -> (model builder, units of the model, fully_shard kwargs for the units, microbatches)
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A model, its units (each gets its own fully_shard before the root) and options."""
+
+    build: Callable[[], nn.Module]
+    units: Callable[[nn.Module], list[nn.Module]]
+    unit_kwargs: dict = dataclasses.field(default_factory=dict)
+    policy: dict | None = None  # MixedPrecisionPolicy fields, for every unit and the root
+    microbatches: int = 1
+
+
+def _linears(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model if isinstance(m, nn.Linear)]
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return list(model.blocks)
+
+
 CASES = {
-    "seq": (lambda: _mlp(16, 15, 8), lambda m: [l for l in m if isinstance(l, nn.Linear)], {}, 1),
-    "uneven": (lambda: _mlp(7, 15, 3, 1), lambda m: [l for l in m if isinstance(l, nn.Linear)], {}, 1),
-    "blocks_reshard": (Stack, lambda m: list(m.blocks), {"reshard_after_forward": True}, 1),
-    "blocks_keep": (Stack, lambda m: list(m.blocks), {"reshard_after_forward": False}, 1),
-    "accum": (lambda: _mlp(16, 15, 8), lambda m: [l for l in m if isinstance(l, nn.Linear)], {}, MICROBATCHES),
+    "seq": Case(lambda: _mlp(16, 15, 8), _linears),
+    "uneven": Case(lambda: _mlp(7, 15, 3, 1), _linears),
+    "blocks_reshard": Case(Stack, _blocks, {"reshard_after_forward": True}),
+    "blocks_keep": Case(Stack, _blocks, {"reshard_after_forward": False}),
+    "accum": Case(lambda: _mlp(16, 15, 8), _linears, microbatches=MICROBATCHES),
+    "bf16": Case(Stack, _blocks, policy={"param_dtype": torch.bfloat16,
+                                         "reduce_dtype": torch.float32}),
 }
 
 
@@ -86,23 +108,24 @@ def _output_width(model: nn.Module) -> int:
     return last.out_features
 
 
-def train(case: str, shard, rank: int) -> dict[str, np.ndarray]:
-    """Trains `case` with `shard` (a fully_shard); returns losses and local shards."""
-    build, units, kwargs, micro = CASES[case]
+def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
+    """Trains `case` with `shard` (a fully_shard); returns losses, gradients and shards."""
+    spec = CASES[case]
     torch.manual_seed(0)  # the same initial parameters on every rank
-    model = build()
+    model = spec.build()
     width, outputs = _input_width(model), _output_width(model)
-    for unit in units(model):
-        shard(unit, **kwargs)
-    shard(model)
+    kwargs = {} if spec.policy is None else {"mp_policy": policy_cls(**spec.policy)}
+    for unit in spec.units(model):
+        shard(unit, **spec.unit_kwargs, **kwargs)
+    shard(model, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         total = 0.0
-        for m in range(micro):
-            model.set_requires_gradient_sync(m == micro - 1)
+        for m in range(spec.microbatches):
+            model.set_requires_gradient_sync(m == spec.microbatches - 1)
             x, y = _batch(step, m, rank, width, outputs)
-            loss = (model(x) - y).pow(2).mean() / micro
+            loss = (model(x).float() - y).pow(2).mean() / spec.microbatches
             loss.backward()
             total += loss.item()
         if step == 0:  # AdamW hides a gradient's scale: compare gradients themselves too
@@ -144,20 +167,22 @@ def main() -> int:
         torch_frontend.init_distributed()
         for case in cases:
             np.savez(out / f"{case}-frontend-rank{rank}.npz",
-                     **train(case, torch_frontend.fully_shard, rank))
+                     **train(case, torch_frontend.fully_shard,
+                             torch_frontend.MixedPrecisionPolicy, rank))
         if "torch.distributed" in sys.modules:
             import torch.distributed as dist
             assert not dist.is_initialized(), "torch_frontend opened a torch process group"
     if "fsdp2" in impls:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for case in cases:
             np.savez(out / f"{case}-fsdp2-rank{rank}.npz",
-                     **train(case, lambda m, **kw: fully_shard(m, mesh=mesh, **kw), rank))
+                     **train(case, lambda m, **kw: fully_shard(m, mesh=mesh, **kw),
+                             MixedPrecisionPolicy, rank))
         dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
     return 0

@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _torch_worker import Stack
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import torch_frontend
 from torch_frontend import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_torch_worker.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 JOB_TIMEOUT_S = 180
-CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum")
+CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum", "bf16")
 TOLERANCE = 1e-5
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS")
@@ -142,13 +144,13 @@ def _batches(steps: int):
     return [(torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)) for _ in range(steps)]
 
 
-def _train(model, batches, fail_at: int | None = None) -> list[float]:
+def _train(model, batches, fail_at: int | None = None, fail_in: str = "forward") -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step, (x, y) in enumerate(batches):
         if step == fail_at:
             with pytest.raises(ZeroDivisionError):
-                _failing_step(model, x)
+                _failing_step(model, x, fail_in)
             opt.zero_grad()
             model.reset_iter_state()
             continue
@@ -160,10 +162,22 @@ def _train(model, batches, fail_at: int | None = None) -> list[float]:
     return losses
 
 
-def _failing_step(model, x):
-    handle = model[2].register_forward_hook(lambda *_: 1 / 0)
+def _fail(*_):
+    return 1 / 0
+
+
+def _hook_fail(out: torch.Tensor) -> None:
+    out.register_hook(_fail)
+
+
+def _failing_step(model, x, where: str):
+    """A step that raises inside the last unit's forward, or in backward between units."""
+    if where == "forward":
+        handle = model[2].register_forward_hook(_fail)
+    else:  # after the last unit's post-backward, before the first unit's backward
+        handle = model[1].register_forward_hook(lambda _m, _i, out: _hook_fail(out))
     try:
-        model(x)
+        model(x).pow(2).mean().backward()
     finally:
         handle.remove()
 
@@ -180,13 +194,16 @@ def test_single_process_matches_plain_torch():
         np.testing.assert_allclose(ours.detach(), theirs.detach(), atol=1e-6, err_msg=name)
 
 
-def test_reset_iter_state_after_an_exception_in_forward():
+@pytest.mark.parametrize("fail_in", ["forward", "backward"])
+def test_reset_iter_state_after_an_exception_trains_as_if_the_step_never_ran(fail_in):
     batches = _batches(6)
-    skipped = batches[:2] + batches[3:]
-    expected = _train(_mlp(), skipped)
+    reference = _mlp()
+    expected = _train(reference, batches[:2] + batches[3:])
     model = _shard_mlp(_mlp())
-    got = _train(model, batches, fail_at=2)
+    got = _train(model, batches, fail_at=2, fail_in=fail_in)
     np.testing.assert_allclose(got, expected, atol=1e-6)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        np.testing.assert_allclose(ours.detach(), theirs.detach(), atol=1e-6)
 
 
 def test_reshard_after_forward_false_keeps_parameters_gathered():
@@ -290,3 +307,96 @@ def test_one_core_collective_per_group_and_none_without_gradient_sync(monkeypatc
     # gradient) in the root's final callback.
     assert calls == [gather, gather, gather, reduce, gather, reduce]
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+class _CheckpointedStack(Stack):
+    """Stack whose blocks are recomputed in backward (non-reentrant checkpointing)."""
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+def _stack_pair(cls=Stack, **kwargs):
+    torch.manual_seed(0)
+    reference = Stack()
+    model = cls()
+    model.load_state_dict(reference.state_dict())
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    return reference, fully_shard(model, **kwargs)
+
+
+def _assert_same(model, reference, what: str = "grad"):
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        ours, theirs = (ours.grad, theirs.grad) if what == "grad" else (ours, theirs)
+        np.testing.assert_allclose(ours.detach(), theirs.detach(), atol=1e-6, err_msg=name)
+
+
+def test_activation_checkpointing_finds_parameters_gathered():
+    reference, model = _stack_pair(_CheckpointedStack)
+    runs = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, _: runs.append(m))
+    shards = list(model.parameters())
+    x = torch.randn(3, 8)
+    for m in (model, reference):
+        m(x).pow(2).mean().backward()
+    assert len(runs) == 6  # every block ran again in backward, its parameters gathered
+    _assert_same(model, reference)
+    assert all(p is q for p, q in zip(model.parameters(), shards, strict=True))  # resharded
+
+
+def test_forward_of_a_submodule_alone_between_steps():
+    reference, model = _stack_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(3, 8)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        h = torch.randn(3, 16)
+        with torch.no_grad():  # e.g. evaluating one block: it is this forward's root
+            np.testing.assert_allclose(model.blocks[1](h), reference.blocks[1](h), atol=1e-6)
+        # Resharded after its forward: the block holds the optimizer's shards again.
+        assert any(model.blocks[1].up.weight is p for p in opt.param_groups[0]["params"])
+    _assert_same(model, reference, "param")
+
+
+def test_mixed_precision_gathers_in_param_dtype_and_keeps_fp32_shards():
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  output_dtype=torch.float32)
+    model = _shard_mlp(_mlp(), mp_policy=policy, reshard_after_forward=False)
+    seen = []
+    model[2].register_forward_pre_hook(lambda m, args: seen.append((m.weight.dtype, args[0].dtype)))
+    out = model(torch.randn(2, 16))
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.float32
+    out.sum().backward()
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch):
+    from funshard import _lowering
+
+    inputs, outputs = [], []
+    real = _lowering.eager_all_gather
+
+    def recording(datas, *args, **kwargs):
+        fulls = real(datas, *args, **kwargs)
+        inputs.extend(d.addressable_shards[0].data.unsafe_buffer_pointer() for d in datas)
+        outputs.extend(f.addressable_shards[0].data.unsafe_buffer_pointer() for f in fulls)
+        return fulls
+
+    monkeypatch.setattr(_lowering, "eager_all_gather", recording)
+    model = _shard_mlp(_mlp(), reshard_after_forward=False)
+    shards = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    model(torch.randn(2, 16))
+    gathered = [m.weight.data_ptr() for m in (model[0], model[2])]
+    gathered += [m.bias.data_ptr() for m in (model[0], model[2])]
+    assert sorted(inputs) == sorted(shards)  # JAX read the shards' own storage
+    assert sorted(outputs) == sorted(gathered)  # torch computes in JAX's output buffers
+    assert not set(outputs) & set(inputs)
