@@ -136,12 +136,9 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False,
         raise RuntimeError(_errors.save_in_flight(path))
     exists = os.path.exists(path)
     if exists and not overwrite:
-        raise FileExistsError(
-            f"save: {path} already exists; pass overwrite=True, or save each step to its "
-            "own directory (e.g. f'{root}/step_{step}')."
-        )
+        raise FileExistsError(_errors.save_exists(path))
     if overwrite and asynchronous:
-        raise ValueError("save: overwrite=True cannot be asynchronous; save to a new path.")
+        raise ValueError(_errors.save_overwrite_async())
     arrays, meta = _arrays_and_meta(tree)
     args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(arrays), funshard=ocp.args.JsonSave(meta))
     target = path + ".funshard-new" if exists else path
@@ -174,18 +171,16 @@ def _mismatches(meta: dict, paths, items) -> list[str]:
         entry = _entry(path, x)
         if entry is not None:
             wanted[entry["path"]] = entry
-    problems = [f"  missing from the checkpoint: {p}" for p in wanted if p not in stored]
-    problems += [f"  not in `like`: {p}" for p in stored if p not in wanted]
+    problems = [_errors.checkpoint_missing_leaf(p) for p in wanted if p not in stored]
+    problems += [_errors.checkpoint_extra_leaf(p) for p in stored if p not in wanted]
     for p, want in wanted.items():
         have = stored.get(p)
         if have is None:
             continue
         if have["shape"] != want["shape"]:
-            problems.append(f"  shape mismatch: {p} is {tuple(have['shape'])} in the "
-                            f"checkpoint, {tuple(want['shape'])} in `like`")
+            problems.append(_errors.checkpoint_shape(p, have["shape"], want["shape"]))
         elif not _readable(have, want):
-            problems.append(f"  dtype mismatch: {p} is {have['dtype']} in the checkpoint, "
-                            f"{want['dtype']} in `like`")
+            problems.append(_errors.checkpoint_dtype(p, have["dtype"], want["dtype"]))
     return problems
 
 
@@ -231,10 +226,7 @@ def _read(path: str, what: str, args):
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             return checkpointer.restore(path, args=args)
     except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
-        raise ValueError(
-            f"restore: the checkpoint at {path} is incomplete or corrupt (reading its "
-            f"{what} failed: {type(exc).__name__}: {exc}). Restore an earlier checkpoint."
-        ) from exc
+        raise ValueError(_errors.checkpoint_corrupt(path, what, exc)) from exc
 
 
 def restore(path: str | os.PathLike, like: Any) -> Any:
@@ -265,22 +257,18 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     if not os.path.isdir(path):
         if path in _IN_FLIGHT:
             raise FileNotFoundError(_errors.restore_in_flight(path))
-        raise FileNotFoundError(f"restore: no checkpoint at {path}.")
+        raise FileNotFoundError(_errors.no_checkpoint(path))
     if not os.path.isdir(os.path.join(path, "funshard")):
         raise ValueError(_errors.not_a_checkpoint(path, os.listdir(path)))
     meta = _read(path, "metadata", ocp.args.Composite(funshard=ocp.args.JsonRestore()))
     meta = meta["funshard"]
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise ValueError(f"restore: {path} is not a funshard checkpoint (no funshard metadata).")
+        raise ValueError(_errors.checkpoint_bad_metadata(path))
     paths, items, treedef = _shard.sharded_leaves("restore", like)
     mesh = _shard.common_mesh("restore", paths, items)
     problems = _mismatches(meta, paths, items)
     if problems:
-        raise ValueError(
-            f"restore: the checkpoint at {path} does not match `like`:\n" + "\n".join(problems)
-            + "\nBuild `like` exactly as the saved tree was built (same model, optimizer "
-            "and dtypes)."
-        )
+        raise ValueError(_errors.checkpoint_mismatch(path, problems))
     unplaced = _unplaced(paths, items, mesh)
     if unplaced:
         raise ValueError(_errors.no_placement("restore", unplaced))

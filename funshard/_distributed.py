@@ -3,7 +3,8 @@
 `initialize` reads what torchrun or SLURM put in the environment, starts JAX's
 multi-process runtime (`jax.distributed`: gloo collectives on CPU, NCCL on GPU) and
 returns the global mesh. `shard_batch` assembles each process's own rows into one
-global batch without any host-to-host copy. See docs/distributed.md.
+global batch without any host-to-host copy. The processes' first meeting, before
+JAX's runtime starts, lives in `_rendezvous`. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import json
 import math
 import os
 import re
-import selectors
 import socket
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,17 +26,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
 
-from funshard import _errors, _mesh
+from funshard import _errors, _mesh, _rendezvous
+from funshard._rendezvous import INITIALIZATION_TIMEOUT as INITIALIZATION_TIMEOUT
+from funshard._rendezvous import INITIALIZATION_TIMEOUT_ENV as INITIALIZATION_TIMEOUT_ENV
 
 # JAX's own defaults (jax.distributed.initialize in jax 0.10.2), in seconds.
-INITIALIZATION_TIMEOUT = 300
 HEARTBEAT_TIMEOUT = 100
 SHUTDOWN_TIMEOUT = 300
-# Read when `initialize(initialization_timeout=None)`: launchers (torchrun) call scripts
-# whose initialize() the user may not want to edit.
-INITIALIZATION_TIMEOUT_ENV = "FUNSHARD_INITIALIZATION_TIMEOUT"
-# A start-up this quick stays silent; a longer one says once what it waits for.
-WAIT_NOTICE_S = 1.0
 # How long shard_batch waits for the other processes' batches before it goes on unchecked.
 BATCH_CHECK_WAIT_S = 10.0
 
@@ -70,10 +65,7 @@ def _int_env(environ: Mapping[str, str], name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(
-            f"initialize: environment variable {name}={value!r} is not an integer; it is "
-            "set by the launcher (torchrun / srun), or pass the value as an argument."
-        ) from None
+        raise ValueError(_errors.env_not_int(name, value)) from None
 
 
 def _torchrun_port(environ: Mapping[str, str]) -> int:
@@ -175,18 +167,11 @@ def resolve_launch(
 def _check_launch(launcher: str, coordinator, n, rank) -> None:
     for name, value in (("num_processes", n), ("process_id", rank)):
         if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"initialize: {name} must be an int, got {value!r}.")
+            raise TypeError(_errors.launch_not_int(name, value))
     if n < 1 or not 0 <= rank < n:
-        raise ValueError(
-            f"initialize: process_id={rank} and num_processes={n} must satisfy "
-            "0 <= process_id < num_processes (check RANK / WORLD_SIZE or the arguments)."
-        )
+        raise ValueError(_errors.launch_bad_rank(rank, n))
     if n > 1 and not coordinator:
-        raise ValueError(
-            f"initialize: {n} processes ({launcher}) but no coordinator address: pass "
-            "coordinator_address='host:port' (process 0's host), or set MASTER_ADDR and "
-            "MASTER_PORT (or JAX_COORDINATOR_ADDRESS) in every process's environment."
-        )
+        raise ValueError(_errors.launch_no_coordinator(n, launcher))
 
 
 def global_devices() -> list[jax.Device]:
@@ -257,7 +242,7 @@ def initialize(
         process 0 cannot listen on the coordinator's port, or a peer was rejected
         (another job size, a rank taken twice).
     """
-    timeout = _initialization_timeout(initialization_timeout, os.environ)
+    timeout = _rendezvous.initialization_timeout(initialization_timeout, os.environ)
     launch = resolve_launch(coordinator_address, num_processes, process_id, local_device_ids)
     if launch.multi_process and not jax.distributed.is_initialized():
         source = _address_source(coordinator_address, launch, os.environ)
@@ -266,24 +251,6 @@ def initialize(
             hosts = _exchange_hosts(launch, timeout)
             sys.excepthook = _fail_fast_hook(sys.excepthook, launch, hosts)
     return _mesh.make_mesh(replicate, devices=global_devices())
-
-
-def _initialization_timeout(value, environ: Mapping[str, str]) -> float:
-    source = "initialization_timeout"
-    if value is None and INITIALIZATION_TIMEOUT_ENV in environ:
-        source, value = INITIALIZATION_TIMEOUT_ENV, environ[INITIALIZATION_TIMEOUT_ENV]
-    if value is None:
-        return float(INITIALIZATION_TIMEOUT)
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if isinstance(value, bool) or not 0 < seconds < math.inf:
-        raise ValueError(
-            f"initialize: {source}={value!r} is not a positive number of seconds; pass e.g. "
-            "initialization_timeout=60 (or FUNSHARD_INITIALIZATION_TIMEOUT=60)."
-        )
-    return seconds
 
 
 def _address_source(argument: str | None, launch: Launch, environ) -> str:
@@ -297,19 +264,6 @@ def _address_source(argument: str | None, launch: Launch, environ) -> str:
     return "MASTER_ADDR / MASTER_PORT"
 
 
-def _endpoint(address: str, source: str) -> tuple[str, int]:
-    """(host, port) of "host:port" / "[v6]:port"; the host must resolve (fail fast)."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(_errors.coordinator_bad_address(address, source))
-    try:
-        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise ValueError(_errors.coordinator_unresolvable(host, source, str(exc))) from None
-    return host, int(port)
-
-
 def _backend_started() -> bool:
     try:
         from jax._src import xla_bridge  # no public way to ask without starting it
@@ -318,22 +272,13 @@ def _backend_started() -> bool:
     return bool(getattr(xla_bridge, "backends_are_initialized", lambda: False)())
 
 
-def _too_late(launch: Launch) -> str:
-    return (
-        f"initialize: process {launch.process_id} of {launch.num_processes} already "
-        "used JAX (jax.devices(), an array, a computation, ...) before this call, so "
-        "its devices are fixed to this process alone. Call "
-        "funshard.distributed.initialize() first, right after the imports."
-    )
-
-
 def _start(launch: Launch, source: str, timeout: float, heartbeat_timeout, shutdown_timeout):
-    host, port = _endpoint(launch.coordinator_address, source)
+    host, port = _rendezvous.endpoint(launch.coordinator_address, source)
     # Checked before the rendezvous: a process that cannot start anyway must not make
     # the others wait for it.
     if _backend_started():
-        raise RuntimeError(_too_late(launch))
-    _rendezvous(launch, host, port, timeout)
+        raise RuntimeError(_errors.backend_already_started(launch))
+    _rendezvous.meet(launch.process_id, launch.num_processes, host, port, timeout)
     local = launch.local_device_ids
     try:
         jax.distributed.initialize(
@@ -350,215 +295,7 @@ def _start(launch: Launch, source: str, timeout: float, heartbeat_timeout, shutd
     except RuntimeError as exc:
         if "before any JAX calls" not in str(exc):
             raise
-        raise RuntimeError(_too_late(launch)) from exc
-
-
-# ---- Rendezvous: every process meets process 0 on the coordinator's port first. ----
-#
-# JAX's client aborts the whole process (LOG(FATAL) in C++, SIGABRT) when its
-# connection times out, and says only that "another task died". So the processes first
-# meet over a plain TCP socket on the same port, where a timeout is a Python exception
-# naming who is missing; process 0 then closes it and JAX's service binds the port.
-# Each process sends one line "funshard-start <rank> <num_processes>"; process 0
-# answers "go" once all have arrived, or "missing <ranks>" / "error <text>".
-
-_HELLO = "funshard-start"
-_ANSWER_SLACK_S = 1.0  # network and scheduling delay allowed for process 0's answer
-
-
-def _me(launch: Launch) -> str:
-    return f"process {launch.process_id} of {launch.num_processes}"
-
-
-def _rendezvous(launch: Launch, host: str, port: int, timeout: float) -> None:
-    start = time.monotonic()
-    if launch.process_id == 0:
-        _serve_rendezvous(launch, host, port, start, timeout)
-    else:
-        _join_rendezvous(launch, host, port, start, timeout)
-
-
-def _notice(text: str) -> None:
-    print(f"funshard: {text}", file=sys.stderr, flush=True)
-
-
-def _listen(port: int) -> socket.socket:
-    # Bind where JAX's service will: JAX_COORDINATOR_BIND_ADDRESS, else the same port
-    # on every interface ("[::]:port"), so whoever reaches one reaches the other.
-    host, _, bind_port = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").rpartition(":")
-    host, port = host.strip("[]"), int(bind_port) if bind_port.isdigit() else port
-    if host in ("", "::") and socket.has_dualstack_ipv6():
-        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family)
-
-
-def _serve_rendezvous(launch: Launch, host: str, port: int, start: float, timeout: float):
-    """Process 0: waits for every other rank's hello, then answers all of them at once."""
-    address, n = f"{host}:{port}", launch.num_processes
-    try:
-        server = _listen(port)
-    except OSError as exc:
-        raise RuntimeError(
-            f"initialize: process 0 cannot listen on port {port} for the coordinator "
-            f"({exc.strerror or exc}); another program uses it. Choose a free port "
-            "(MASTER_PORT, or the port in coordinator_address)."
-        ) from None
-    arrived: dict[int, socket.socket] = {}
-    notes: list[str] = []
-    with server, selectors.DefaultSelector() as selector:
-        selector.register(server, selectors.EVENT_READ, None)
-        try:
-            noticed = False
-            while len(arrived) < n - 1 and time.monotonic() - start < timeout:
-                if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
-                    missing = sorted(set(range(1, n)) - set(arrived))
-                    _notice(f"{_me(launch)} waiting for {_errors.process_list(missing)} "
-                            f"at {address}, timeout {timeout:g} s")
-                    noticed = True
-                for key, _ in selector.select(0.2):
-                    _on_readable(key, server, selector, arrived, notes, n)
-            missing = sorted(set(range(1, n)) - set(arrived))
-            reply = f"missing {','.join(map(str, missing))}" if missing else "go"
-            for peer in arrived.values():
-                _send_line(peer, reply)
-        finally:
-            for key in list(selector.get_map().values()):
-                if key.fileobj is not server:
-                    key.fileobj.close()
-    if missing:
-        raise TimeoutError(
-            _errors.start_missing_processes(_me(launch), missing, address, timeout, notes))
-
-
-def _on_readable(key, server, selector, arrived: dict, notes: list, n: int) -> None:
-    if key.fileobj is server:
-        peer, _ = server.accept()
-        peer.setblocking(False)
-        selector.register(peer, selectors.EVENT_READ, b"")
-        return
-    peer = key.fileobj
-    try:
-        data = key.data + peer.recv(256)
-    except OSError:
-        data = b""
-    selector.unregister(peer)
-    if b"\n" not in data:
-        if data and len(data) < 256:  # the rest of the line is still on its way
-            selector.register(peer, selectors.EVENT_READ, data)
-            return
-        # Gone before (or without) a hello: a peer that died, or not funshard at all.
-        for rank in [r for r, s in arrived.items() if s is peer]:
-            del arrived[rank]
-            notes.append(f"Process {rank} arrived but disconnected again (it exited)")
-        peer.close()
-        return
-    problem, rank = _check_hello(data.split(b"\n", 1)[0], arrived, n)
-    if problem:
-        notes.append(f"Refused a connection: {problem}")
-        _send_line(peer, f"error initialize: process 0 of {n} rejected this process: {problem}")
-        peer.close()
-        return
-    arrived[rank] = peer
-    selector.register(peer, selectors.EVENT_READ, b"")  # to notice if it dies meanwhile
-
-
-def _check_hello(line: bytes, arrived: dict, n: int) -> tuple[str | None, int]:
-    parts = line.decode(errors="replace").split()
-    if len(parts) != 3 or parts[0] != _HELLO or not all(p.isdigit() for p in parts[1:]):
-        return "a program other than funshard connected to the coordinator's port", -1
-    rank, size = int(parts[1]), int(parts[2])
-    if size != n:
-        return (f"a process started as rank {rank} of {size} processes, but process 0 "
-                f"expects {n} (WORLD_SIZE differs between processes)"), rank
-    if rank in arrived:
-        return f"two processes started as rank {rank} (RANK must be unique)", rank
-    return None, rank
-
-
-def _send_line(peer: socket.socket, text: str) -> None:
-    try:
-        peer.setblocking(True)
-        peer.sendall(text.encode() + b"\n")
-    except OSError:
-        pass  # it is gone; nothing to tell
-
-
-def _join_rendezvous(launch: Launch, host: str, port: int, start: float, timeout: float):
-    """Any other process: says hello to process 0 and waits for its answer."""
-    address, reason, noticed = f"{host}:{port}", "nothing listens there", False
-    while True:
-        left = timeout - (time.monotonic() - start)
-        if left <= 0:
-            raise TimeoutError(_errors.start_no_coordinator(_me(launch), address, timeout,
-                                                            reason))
-        if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
-            _notice(f"{_me(launch)} waiting for process 0 (the coordinator) and the "
-                    f"others at {address}, timeout {timeout:g} s")
-            noticed = True
-        try:
-            peer = socket.create_connection((host, port), timeout=min(left, 1.0))
-        except OSError as exc:
-            reason = exc.strerror or str(exc) or type(exc).__name__
-            time.sleep(min(0.2, max(left, 0)))
-            continue
-        with peer:
-            reply = _await_reply(peer, launch, start, timeout, noticed, address)
-        if reply is not None:
-            return _on_reply(reply, launch)
-        reason = "process 0 closed the connection without an answer"
-
-
-def _await_reply(peer, launch: Launch, start: float, timeout: float, noticed, address):
-    """Process 0's one-line answer, or None if the connection closed before it.
-
-    Process 0 started before this connection and answers by its own deadline, so its
-    clock decides (its answer names the missing processes); the bound here only guards
-    against a process 0 that hangs.
-    """
-    deadline = time.monotonic() + timeout + _ANSWER_SLACK_S
-    try:
-        peer.sendall(f"{_HELLO} {launch.process_id} {launch.num_processes}\n".encode())
-    except OSError:
-        return None
-    data = b""
-    while b"\n" not in data:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(
-                f"initialize: {_me(launch)} reached the coordinator at {address}, but "
-                f"process 0 did not answer within {timeout:g} s (is it stopped?)."
-            )
-        if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
-            _notice(f"{_me(launch)} waiting for the other processes at {address}, "
-                    f"timeout {timeout:g} s")
-            noticed = True
-        peer.settimeout(min(left, 0.2))
-        try:
-            chunk = peer.recv(4096)
-        except TimeoutError:
-            continue
-        except OSError:
-            return None
-        if not chunk:
-            return None
-        data += chunk
-    return data.split(b"\n", 1)[0].decode(errors="replace")
-
-
-def _on_reply(reply: str, launch: Launch) -> None:
-    word, _, rest = reply.partition(" ")
-    if word == "go":
-        return
-    if word == "missing":
-        missing = [int(r) for r in rest.split(",")]
-        raise TimeoutError(
-            f"initialize: {_me(launch)}: process 0 gave up waiting: "
-            f"{_errors.process_list(missing)} never reached the coordinator (see process "
-            "0's error). Start the missing processes, or raise the timeout "
-            "(initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
-        )
-    raise RuntimeError(rest if word == "error" else f"initialize: unexpected answer {reply!r}")
+        raise RuntimeError(_errors.backend_already_started(launch)) from exc
 
 
 def _my_address(coordinator_address: str) -> str:
@@ -663,16 +400,10 @@ def _local_positions(mesh: Mesh, axes: tuple[str, ...]) -> int:
 def _as_rows(path, leaf):
     if not isinstance(leaf, jax.Array):
         if not hasattr(leaf, "shape") and not isinstance(leaf, (int, float, bool, complex)):
-            raise TypeError(
-                f"shard_batch: leaf local_batch{keystr(path)} is {type(leaf).__name__}; "
-                "expected a numpy or jax array of this process's rows."
-            )
+            raise TypeError(_errors.local_batch_not_array(path, leaf))
         leaf = np.asarray(leaf)
     if leaf.ndim == 0:
-        raise ValueError(
-            f"shard_batch: leaf local_batch{keystr(path)} is a scalar; every batch leaf "
-            "needs a leading row dimension (pass replicated values as extra arguments)."
-        )
+        raise ValueError(_errors.local_batch_scalar(path))
     return leaf
 
 
@@ -712,16 +443,10 @@ def shard_batch(
       TypeError: a leaf is not an array.
     """
     if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"shard_batch: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
-            "use the mesh funshard.distributed.initialize() returned."
-        )
+        raise TypeError(_errors.shard_batch_not_mesh(mesh))
     axes = data_axes(mesh) if axes is None else _mesh._as_axes(axes)
     if not axes or any(a not in mesh.axis_names for a in axes):
-        raise ValueError(
-            f"shard_batch: mesh axes {mesh.axis_names} lack the data-parallel axes "
-            f"{axes or ('fsdp',)}; pass axes=... naming the axes the batch is split over."
-        )
+        raise ValueError(_errors.shard_batch_no_data_axes(mesh.axis_names, axes))
     with_path, treedef = tree_flatten_with_path(local_batch)
     if check and jax.process_count() > 1:
         # Before any check of this process alone: a mismatch must raise on every
@@ -729,21 +454,14 @@ def shard_batch(
         _check_same_batch(_signature(with_path), BATCH_CHECK_WAIT_S)
     local = _local_positions(mesh, axes)
     if not local:
-        raise ValueError(
-            f"shard_batch: process {jax.process_index()} has no device in the mesh; build "
-            "the mesh over every process's devices (funshard.distributed.initialize())."
-        )
+        raise ValueError(_errors.shard_batch_no_local_device(jax.process_index()))
     world = _mesh.axes_size(mesh, axes)
     sharding = NamedSharding(mesh, _mesh.spec(axes))
     out = []
     for path, leaf in with_path:
         leaf = _as_rows(path, leaf)
         if leaf.shape[0] % local:
-            raise ValueError(
-                f"shard_batch: leaf local_batch{keystr(path)} has {leaf.shape[0]} rows, which "
-                f"do not split over this process's {local} data-parallel devices; give each "
-                f"process a multiple of {local} rows."
-            )
+            raise ValueError(_errors.local_batch_uneven(path, leaf.shape[0], local))
         global_shape = (leaf.shape[0] // local * world, *leaf.shape[1:])
         out.append(jax.make_array_from_process_local_data(sharding, leaf, global_shape))
     return tree_unflatten(treedef, out)

@@ -68,11 +68,7 @@ def _keep_group(layout, k: int) -> tuple[str, ...]:
     for start in range(len(axes) - 1, 0, -1):
         if int(np.prod(sizes[start:])) == k:
             return axes[start:]
-    raise ValueError(
-        f"fully_shard: reshard_after_forward={k} needs the parameters' shard axes {axes} "
-        f"(sizes {tuple(sizes)}) to end in axes spanning exactly {k} devices, e.g. shard "
-        f"over ('fsdp_outer', 'fsdp_inner') with an inner axis of size {k}."
-    )
+    raise ValueError(_errors.hpz_group_mismatch(k, axes, sizes))
 
 
 def drop_gathered(vjp_fn, fulls, saved: dict) -> list:
@@ -243,10 +239,7 @@ def _group_size(reshard_after_forward: bool | int, items) -> int | None:
         return None if reshard_after_forward else 1
     n = next(x.num_shards for x in items if isinstance(x, Sharded))
     if n % reshard_after_forward:
-        raise ValueError(
-            f"fully_shard: reshard_after_forward={reshard_after_forward} must divide the "
-            f"number of shards ({n}); use True, False or a divisor of {n}."
-        )
+        raise ValueError(_errors.hpz_not_divisor(reshard_after_forward, n))
     return None if reshard_after_forward == n else reshard_after_forward
 
 

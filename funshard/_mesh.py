@@ -41,11 +41,7 @@ def make_mesh(replicate: int | None = None, *, devices: Sequence[jax.Device] | N
     else:
         valid = isinstance(replicate, int) and not isinstance(replicate, bool)
         if not valid or replicate < 1 or n % replicate:
-            raise ValueError(
-                f"make_mesh: replicate={replicate!r} must be a positive integer dividing "
-                f"the number of devices ({n}); e.g. make_mesh(replicate=2) on 8 devices "
-                "gives 2 replicas of a 4-way sharded model."
-            )
+            raise ValueError(_errors.mesh_bad_replicate(replicate, n))
         shape, names = (replicate, n // replicate), (REPLICATE_AXIS, SHARD_AXIS)
     grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
@@ -76,10 +72,7 @@ def resolve_axes(
     `replicate_axis=None` means the mesh's "replicate" axis if it has one.
     """
     if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
-            "with fs.make_mesh()."
-        )
+        raise TypeError(_errors.not_a_mesh(fn, mesh))
     shard_axes = _as_axes(shard_axis)
     if replicate_axis is None:
         replicate_axes = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
@@ -90,10 +83,7 @@ def resolve_axes(
             if axis not in mesh.axis_names:
                 raise ValueError(_errors.unknown_axis(fn, axis, mesh.axis_names, role))
     if not shard_axes or set(shard_axes) & set(replicate_axes):
-        raise ValueError(
-            f"{fn}: shard_axis {shard_axes} and replicate_axis {replicate_axes} must be "
-            "non-empty and disjoint."
-        )
+        raise ValueError(_errors.axes_overlap(fn, shard_axes, replicate_axes))
     return shard_axes, replicate_axes
 
 

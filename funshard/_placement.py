@@ -20,7 +20,7 @@ class Shard:
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
-            raise ValueError(f"Shard: dim must be a non-negative int, got {self.dim!r}.")
+            raise ValueError(_errors.shard_dim_invalid(self.dim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +41,7 @@ def resolve(path, x, placement: PlacementFn | None, min_shard_size: int) -> Plac
     if chosen is None:
         return Shard(0)
     if not isinstance(chosen, (Shard, Replicate)):
-        raise TypeError(
-            f"{_errors.where('shard', path)}: placement returned {chosen!r}; return "
-            "fs.Shard(dim), fs.Replicate() or None (the default, Shard(0))."
-        )
+        raise TypeError(_errors.placement_bad_return(path, chosen))
     if isinstance(chosen, Shard) and chosen.dim >= x.ndim:
-        raise ValueError(
-            f"{_errors.where('shard', path)} has {x.ndim} dimensions, so it cannot be "
-            f"sharded on dim {chosen.dim}; return a dim below {x.ndim}."
-        )
+        raise ValueError(_errors.placement_dim_out_of_range(path, x.ndim, chosen.dim))
     return chosen

@@ -55,10 +55,8 @@ class MixedPrecisionPolicy:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             object.__setattr__(self, field, _as_float_dtype(field, getattr(self, field)))
         if not isinstance(self.cast_forward_inputs, bool):
-            raise TypeError(
-                "MixedPrecisionPolicy: cast_forward_inputs must be a bool, got "
-                f"{self.cast_forward_inputs!r}."
-            )
+            flag = self.cast_forward_inputs
+            raise TypeError(_errors.policy_flag_not_bool("cast_forward_inputs", flag))
 
 
 def param_dtype_for(policy: MixedPrecisionPolicy | None, dtype: np.dtype) -> np.dtype:

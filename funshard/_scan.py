@@ -58,10 +58,7 @@ def _layer_layout(items, idx, name: str):
 def _check_stacked(paths, items):
     for path, x in zip(paths, items):
         if isinstance(x, Sharded) and x.dim != 1:
-            raise ValueError(
-                f"{_errors.where('scan', path)} is sharded on dim {x.dim}, not as a stack "
-                "of layers; shard the stacked parameters with fs.shard(..., stacked=True)."
-            )
+            raise ValueError(_errors.scan_not_stacked(path, x.dim))
 
 
 def scan(
@@ -94,10 +91,7 @@ def scan(
     """
     check_reshard_after_forward("scan", reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"scan: reshard_after_forward={reshard_after_forward} (hpZ) is not supported for "
-            "scanned stacks yet; use True or False."
-        )
+        raise NotImplementedError(_errors.scan_hpz_unsupported(reshard_after_forward))
     paths, items, treedef = sharded_leaves("scan", stacked)
     if common_mesh("scan", paths, items) is None:
         raise ValueError(_errors.no_sharded("scan"))
@@ -118,10 +112,7 @@ def _scan_in_step(fn, items, treedef, carry, reshard_after_forward: bool):
     idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
     datas = tuple(items[i].data for i in idx)
     if _gather.accumulators_for([items[i] for i in idx]) is not None:
-        raise NotImplementedError(
-            "scan: gradient accumulation without per-microbatch sync is not supported for "
-            "scanned stacks yet; use sync_every_microbatch=True."
-        )
+        raise NotImplementedError(_errors.scan_deferred_sync_unsupported())
     layout = _layer_layout(items, idx, f"scan/{getattr(fn, '__name__', 'layer')}")
     others = [None if isinstance(x, Sharded) else x for x in items]
     layers = datas[0].shape[0]

@@ -85,10 +85,7 @@ def _shard_leaf(
     path, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_size, traced
 ):
     if isinstance(x, Sharded):
-        raise ValueError(
-            f"{_errors.where('shard', path)} is already an fs.Sharded leaf; call "
-            "fs.unshard(state) first to reshard onto another mesh."
-        )
+        raise ValueError(_errors.already_sharded(path))
     if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
         return x
     if is_key(x):
@@ -104,11 +101,7 @@ def _shard_leaf(
     )
     stacked = placement is _stacked_placement
     if where.dim and not stacked and x.shape[where.dim] % layout.num_shards:
-        raise ValueError(
-            f"{_errors.where('shard', path)} has size {x.shape[where.dim]} on dim "
-            f"{where.dim}, which the {layout.num_shards} shards do not divide; only dim 0 "
-            "is padded. Shard it on dim 0 or keep it replicated (fs.Replicate())."
-        )
+        raise ValueError(_errors.dim_not_divisible(path, x.shape, where.dim, layout.num_shards))
     return dataclasses.replace(layout, data=_place(x, layout, traced))
 
 
@@ -177,13 +170,10 @@ def shard(
     shard_axes, replicate_axes = _mesh.resolve_axes("shard", mesh, shard_axis, replicate_axis)
     if stacked:
         if placement is not None:
-            raise ValueError("shard: pass either stacked=True or a placement, not both.")
+            raise ValueError(_errors.stacked_and_placement())
         placement = _stacked_placement
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"shard: mp_policy must be an fs.MixedPrecisionPolicy or None, got "
-            f"{type(mp_policy).__name__}."
-        )
+        raise TypeError(_errors.bad_mp_policy(mp_policy))
     traced = any(_is_traced(x) for x in jax.tree.leaves(params))
     return jax.tree_util.tree_map_with_path(
         lambda p, x: _shard_leaf(
@@ -276,10 +266,7 @@ def unshard_as(tree: Any, name: str) -> Any:
 def _full_problem(path, full, like: Sharded) -> tuple[type, str] | None:
     """(exception type, message) if `full` cannot be resharded like `like`, else None."""
     if not is_array(full):
-        return TypeError, (
-            f"{_errors.where('reshard', path)} is {type(full).__name__}; expected the full "
-            f"array of shape {like.shape}."
-        )
+        return TypeError, _errors.reshard_not_array(path, full, like.shape)
     if tuple(full.shape) != like.shape:
         return ValueError, _errors.shape_mismatch("reshard", path, full.shape, like.shape)
     if np.dtype(full.dtype) != like.dtype:
@@ -356,7 +343,7 @@ def reshard(full_tree: Any, like: Any) -> Any:
     ]
     if problems:  # every bad leaf at once, as jax.shard_map reports its specs
         kind = TypeError if all(k is TypeError for k, _ in problems) else ValueError
-        raise kind("\n".join(message for _, message in problems))
+        raise kind(_errors.joined([message for _, message in problems]))
     in_step = _context.current() is not None
     out = [
         reshard_leaf(full, item, in_step) if isinstance(item, Sharded) else full

@@ -61,17 +61,17 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
 
 def _problems(sd: Mapping[str, Any], paths, items) -> list[str]:
     expected = {keystr(tuple(p)): x for p, x in zip(paths, items) if _is_stored(x)}
-    problems = [f"  missing: {k}" for k in expected if k not in sd]
-    problems += [f"  unexpected: {k}" for k in sd if k not in expected]
+    problems = [_errors.state_dict_missing(k) for k in expected if k not in sd]
+    problems += [_errors.state_dict_unexpected(k) for k in sd if k not in expected]
     for key, like in expected.items():
         if key not in sd:
             continue
         shape, dtype = _logical(like)
         got = np.asarray(sd[key])
         if got.shape != shape:
-            problems.append(f"  shape mismatch: {key} is {got.shape}, expected {shape}")
+            problems.append(_errors.state_dict_shape(key, got.shape, shape))
         elif got.dtype != dtype:
-            problems.append(f"  dtype mismatch: {key} is {got.dtype}, expected {dtype}")
+            problems.append(_errors.state_dict_dtype(key, got.dtype, dtype))
     return problems
 
 
@@ -115,11 +115,7 @@ def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
     paths, items, treedef = _shard.sharded_leaves("load_state_dict", like)
     problems = _problems(sd, paths, items)
     if problems:
-        raise ValueError(
-            "load_state_dict: the state dict does not match `like`:\n" + "\n".join(problems)
-            + "\nExport it with fs.state_dict from a tree of the same structure, or fix "
-            "the listed keys."
-        )
+        raise ValueError(_errors.state_dict_mismatch(problems))
     out = [
         _place(np.asarray(sd[keystr(tuple(p))]), x) if _is_stored(x) else x
         for p, x in zip(paths, items)

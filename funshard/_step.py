@@ -28,11 +28,7 @@ def _dp_axes(paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if axes is None:
             axes = these
         elif these != axes:
-            raise ValueError(
-                f"{_errors.where('value_and_grad', path)} is sharded over {these[1]} "
-                f"(replicated over {these[0]}) but other leaves over {axes[1]} (replicated "
-                f"over {axes[0]}); shard the whole state with one shard_axis/replicate_axis."
-            )
+            raise ValueError(_errors.mixed_axes(path, these, axes))
     return axes  # type: ignore[return-value]
 
 
@@ -50,9 +46,9 @@ def _check_batch(batch: Any, world: int, dp_axes, microbatches: int = 1) -> None
             rows.append((path, leaf.shape[0]))
     # Every bad leaf at once, as jax.shard_map reports its specs.
     if not_arrays:
-        raise TypeError("\n".join(not_arrays + scalars))
+        raise TypeError(_errors.joined(not_arrays + scalars))
     if scalars:
-        raise ValueError("\n".join(scalars))
+        raise ValueError(_errors.joined(scalars))
     if len({r for _, r in rows}) > 1:
         raise ValueError(_errors.batch_ragged(rows))
     for path, size in rows[:1]:
@@ -164,10 +160,7 @@ def _trainable_flags(trainable: Any, state: Any) -> list[bool]:
             is_leaf=lambda x: x is None,
         )
     except (ValueError, TypeError) as exc:
-        raise ValueError(
-            "value_and_grad: `trainable` must be a pytree prefix of the state with a bool "
-            f"at each leaf or subtree ({exc}). E.g. {{'encoder': False, 'head': True}}."
-        ) from exc
+        raise ValueError(_errors.trainable_mismatch(exc)) from exc
     return jax.tree.leaves(expanded, is_leaf=is_sharded)
 
 
@@ -419,12 +412,9 @@ def value_and_grad(
         scalar, or its aux holds `Sharded` leaves.
     """
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"value_and_grad: microbatches must be an int >= 1, got {microbatches!r}.")
+        raise ValueError(_errors.microbatches_invalid(microbatches))
     if gradient_divide_factor is not None and not gradient_divide_factor > 0:
-        raise ValueError(
-            "value_and_grad: gradient_divide_factor must be a positive number, got "
-            f"{gradient_divide_factor!r}."
-        )
+        raise ValueError(_errors.gradient_divide_factor_invalid(gradient_divide_factor))
     opts = _Options(
         has_aux, gradient_divide_factor, microbatches, sync_every_microbatch,
         all_reduce_every_microbatch,

@@ -266,9 +266,10 @@ def test_shard_batch_single_process(replicate):
 
 def test_shard_batch_errors():
     mesh = fs.make_mesh(devices=jax.devices()[:4])
-    with pytest.raises(ValueError, match=r"local_batch\['y'\]\[0\] has 6 rows.*multiple of 4"):
+    with pytest.raises(ValueError,
+                       match=r"shard_batch: leaf \['y'\]\[0\] has 6 rows.*multiple of 4"):
         fs.distributed.shard_batch({"x": np.zeros((8, 2)), "y": [np.zeros(6)]}, mesh)
-    with pytest.raises(ValueError, match=r"local_batch\['s'\] is a scalar"):
+    with pytest.raises(ValueError, match=r"shard_batch: leaf \['s'\] is a scalar"):
         fs.distributed.shard_batch({"s": np.float32(1.0)}, mesh)
     with pytest.raises(TypeError, match="jax.sharding.Mesh"):
         fs.distributed.shard_batch(np.zeros(4), "mesh")

@@ -1,0 +1,278 @@
+"""Start-up rendezvous: every process meets process 0 on the coordinator's port first.
+
+JAX's client aborts the whole process (LOG(FATAL) in C++, SIGABRT) when its
+connection times out, and says only that "another task died". So the processes first
+meet over a plain TCP socket on the same port, where a timeout is a Python exception
+naming who is missing; process 0 then closes it and JAX's service binds the port.
+Each process sends one line "funshard-start <rank> <num_processes>"; process 0
+answers "go" once all have arrived, or "missing <ranks>" / "error <text>".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import selectors
+import socket
+import sys
+import time
+from collections.abc import Mapping
+
+from funshard import _errors
+
+# JAX's own default (jax.distributed.initialize in jax 0.10.2), in seconds.
+INITIALIZATION_TIMEOUT = 300
+# Read when `initialize(initialization_timeout=None)`: launchers (torchrun) call scripts
+# whose initialize() the user may not want to edit.
+INITIALIZATION_TIMEOUT_ENV = "FUNSHARD_INITIALIZATION_TIMEOUT"
+# A start-up this quick stays silent; a longer one says once what it waits for.
+WAIT_NOTICE_S = 1.0
+
+_HELLO = "funshard-start"
+_ANSWER_SLACK_S = 1.0  # network and scheduling delay allowed for process 0's answer
+
+
+def initialization_timeout(value, environ: Mapping[str, str]) -> float:
+    """Seconds to wait for the other processes: `value`, else the environment, else 300.
+
+    Args:
+      value: the `initialization_timeout` argument (None: not given).
+      environ: the environment, read for FUNSHARD_INITIALIZATION_TIMEOUT.
+
+    Returns:
+      The timeout in seconds.
+
+    Raises:
+      ValueError: the value is not a positive, finite number of seconds.
+    """
+    source = "initialization_timeout"
+    if value is None and INITIALIZATION_TIMEOUT_ENV in environ:
+        source, value = INITIALIZATION_TIMEOUT_ENV, environ[INITIALIZATION_TIMEOUT_ENV]
+    if value is None:
+        return float(INITIALIZATION_TIMEOUT)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not 0 < seconds < math.inf:
+        raise ValueError(_errors.timeout_invalid(source, value))
+    return seconds
+
+
+def endpoint(address: str, source: str) -> tuple[str, int]:
+    """(host, port) of "host:port" / "[v6]:port"; the host must resolve (fail fast).
+
+    Args:
+      address: the coordinator address.
+      source: where it came from, in the user's words (named in the error).
+
+    Returns:
+      The host (brackets of an IPv6 literal removed) and the port.
+
+    Raises:
+      ValueError: the address is malformed or its host does not resolve.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(_errors.coordinator_bad_address(address, source))
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(_errors.coordinator_unresolvable(host, source, str(exc))) from None
+    return host, int(port)
+
+
+def meet(rank: int, n: int, host: str, port: int, timeout: float) -> None:
+    """Returns once all `n` processes have reached process 0 at `host:port`.
+
+    Args:
+      rank: this process's rank; rank 0 listens, the others connect.
+      n: processes in the job.
+      host: the coordinator's host (process 0's), already resolved once by `endpoint`.
+      port: the coordinator's port, which JAX's service binds once this returns.
+      timeout: seconds to wait for every process, from this call on.
+
+    Raises:
+      TimeoutError: within `timeout` s some processes never arrived (named by rank)
+        or process 0 was not reached.
+      RuntimeError: process 0 cannot listen on `port`, or it rejected this process.
+    """
+    start = time.monotonic()
+    if rank == 0:
+        _serve(n, host, port, start, timeout)
+    else:
+        _join(rank, n, host, port, start, timeout)
+
+
+def _me(rank: int, n: int) -> str:
+    return f"process {rank} of {n}"
+
+
+def _notice(text: str) -> None:
+    print(f"funshard: {text}", file=sys.stderr, flush=True)
+
+
+def _listen(port: int) -> socket.socket:
+    # Bind where JAX's service will: JAX_COORDINATOR_BIND_ADDRESS, else the same port
+    # on every interface ("[::]:port"), so whoever reaches one reaches the other.
+    host, _, bind_port = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").rpartition(":")
+    host, port = host.strip("[]"), int(bind_port) if bind_port.isdigit() else port
+    if host in ("", "::") and socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def _serve(n: int, host: str, port: int, start: float, timeout: float) -> None:
+    """Process 0: waits for every other rank's hello, then answers all of them at once."""
+    address, me = f"{host}:{port}", _me(0, n)
+    try:
+        server = _listen(port)
+    except OSError as exc:
+        raise RuntimeError(_errors.start_cannot_listen(port, exc.strerror or exc)) from None
+    arrived: dict[int, socket.socket] = {}
+    notes: list[str] = []
+    with server, selectors.DefaultSelector() as selector:
+        selector.register(server, selectors.EVENT_READ, None)
+        try:
+            noticed = False
+            while len(arrived) < n - 1 and time.monotonic() - start < timeout:
+                if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
+                    missing = sorted(set(range(1, n)) - set(arrived))
+                    _notice(f"{me} waiting for {_errors.process_list(missing)} "
+                            f"at {address}, timeout {timeout:g} s")
+                    noticed = True
+                for key, _ in selector.select(0.2):
+                    _on_readable(key, server, selector, arrived, notes, n)
+            missing = sorted(set(range(1, n)) - set(arrived))
+            reply = f"missing {','.join(map(str, missing))}" if missing else "go"
+            for peer in arrived.values():
+                _send_line(peer, reply)
+        finally:
+            for key in list(selector.get_map().values()):
+                if key.fileobj is not server:
+                    key.fileobj.close()
+    if missing:
+        raise TimeoutError(_errors.start_missing_processes(me, missing, address, timeout, notes))
+
+
+def _on_readable(key, server, selector, arrived: dict, notes: list, n: int) -> None:
+    if key.fileobj is server:
+        peer, _ = server.accept()
+        peer.setblocking(False)
+        selector.register(peer, selectors.EVENT_READ, b"")
+        return
+    peer = key.fileobj
+    try:
+        data = key.data + peer.recv(256)
+    except OSError:
+        data = b""
+    selector.unregister(peer)
+    if b"\n" not in data:
+        if data and len(data) < 256:  # the rest of the line is still on its way
+            selector.register(peer, selectors.EVENT_READ, data)
+            return
+        # Gone before (or without) a hello: a peer that died, or not funshard at all.
+        for rank in [r for r, s in arrived.items() if s is peer]:
+            del arrived[rank]
+            notes.append(_errors.start_note_disconnected(rank))
+        peer.close()
+        return
+    problem, rank = _check_hello(data.split(b"\n", 1)[0], arrived, n)
+    if problem:
+        notes.append(_errors.start_note_refused(problem))
+        _send_line(peer, f"error {_errors.start_rejected(n, problem)}")
+        peer.close()
+        return
+    arrived[rank] = peer
+    selector.register(peer, selectors.EVENT_READ, b"")  # to notice if it dies meanwhile
+
+
+def _check_hello(line: bytes, arrived: dict, n: int) -> tuple[str | None, int]:
+    parts = line.decode(errors="replace").split()
+    if len(parts) != 3 or parts[0] != _HELLO or not all(p.isdigit() for p in parts[1:]):
+        return _errors.hello_not_funshard(), -1
+    rank, size = int(parts[1]), int(parts[2])
+    if size != n:
+        return _errors.hello_world_size(rank, size, n), rank
+    if rank in arrived:
+        return _errors.hello_rank_taken(rank), rank
+    return None, rank
+
+
+def _send_line(peer: socket.socket, text: str) -> None:
+    try:
+        peer.setblocking(True)
+        peer.sendall(text.encode() + b"\n")
+    except OSError:
+        pass  # it is gone; nothing to tell
+
+
+def _join(rank: int, n: int, host: str, port: int, start: float, timeout: float) -> None:
+    """Any other process: says hello to process 0 and waits for its answer."""
+    address, reason, noticed = f"{host}:{port}", "nothing listens there", False
+    me = _me(rank, n)
+    while True:
+        left = timeout - (time.monotonic() - start)
+        if left <= 0:
+            raise TimeoutError(_errors.start_no_coordinator(me, address, timeout, reason))
+        if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
+            _notice(f"{me} waiting for process 0 (the coordinator) and the "
+                    f"others at {address}, timeout {timeout:g} s")
+            noticed = True
+        try:
+            peer = socket.create_connection((host, port), timeout=min(left, 1.0))
+        except OSError as exc:
+            reason = exc.strerror or str(exc) or type(exc).__name__
+            time.sleep(min(0.2, max(left, 0)))
+            continue
+        with peer:
+            reply = _await_reply(peer, rank, n, start, timeout, noticed, address)
+        if reply is not None:
+            return _on_reply(reply, me)
+        reason = "process 0 closed the connection without an answer"
+
+
+def _await_reply(peer, rank: int, n: int, start: float, timeout: float, noticed, address):
+    """Process 0's one-line answer, or None if the connection closed before it.
+
+    Process 0 started before this connection and answers by its own deadline, so its
+    clock decides (its answer names the missing processes); the bound here only guards
+    against a process 0 that hangs.
+    """
+    deadline = time.monotonic() + timeout + _ANSWER_SLACK_S
+    me = _me(rank, n)
+    try:
+        peer.sendall(f"{_HELLO} {rank} {n}\n".encode())
+    except OSError:
+        return None
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(_errors.start_no_answer(me, address, timeout))
+        if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
+            _notice(f"{me} waiting for the other processes at {address}, "
+                    f"timeout {timeout:g} s")
+            noticed = True
+        peer.settimeout(min(left, 0.2))
+        try:
+            chunk = peer.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace")
+
+
+def _on_reply(reply: str, me: str) -> None:
+    word, _, rest = reply.partition(" ")
+    if word == "go":
+        return
+    if word == "missing":
+        raise TimeoutError(_errors.start_gave_up_elsewhere(me, [int(r) for r in rest.split(",")]))
+    raise RuntimeError(rest if word == "error" else _errors.start_unexpected_answer(reply))
