@@ -1,40 +1,50 @@
-"""Reading collectives out of compiled (and lowered) programs."""
+"""Reading collectives out of compiled programs, for the tests.
 
-import re
+A thin face over `benchmarks/hlo.py`, the one HLO parser the tests and the benchmark
+share: this module keeps the tests' vocabulary (plain dicts, joined computation text).
+"""
+
+import importlib.util
+import sys
 from collections import Counter
+from pathlib import Path
 
-_COLLECTIVE = re.compile(
-    r"= (?P<type>\([^)]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*) "
-    r"(?P<kind>all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
-    r"(?:-start)?\((?P<rest>[^\n]*)"
-)
-_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+def _load_parser():
+    """Loads `benchmarks/hlo.py` by path: `benchmarks/` holds scripts, not a package on
+    the tests' path, and putting it there would let its modules shadow the tests'."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hlo.py"
+    spec = importlib.util.spec_from_file_location("funshard_benchmarks_hlo", path)
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: its dataclass looks its module up in sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_parser = _load_parser()
 
 
 def collectives(hlo_text: str) -> list[dict]:
-    """Every collective in an HLO module: kind, dtype, element count, replica groups.
+    """Every collective in an HLO module (or in one computation's text).
 
-    A combined (tuple-shaped) collective counts once, with the elements of all parts.
+    Args:
+        hlo_text: HLO text: `compiled.as_text()` or a value of `computations`.
+
+    Returns:
+        One dict per collective, in text order: `kind`, `dtype` (of its first result
+        part), `elements` (of all result parts: a combined, tuple-shaped collective
+        counts once) and `groups` (its `replica_groups` attribute as written, or None).
     """
-    out = []
-    for m in _COLLECTIVE.finditer(hlo_text):
-        arrays = _ARRAY.findall(m["type"])  # a tuple when XLA combined several
-        count = 0
-        for _, dims in arrays:
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            count += n
-        dtype = arrays[0][0]
-        groups = re.search(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)", m["rest"])
-        out.append(
-            {"kind": m["kind"], "dtype": dtype, "elements": count,
-             "groups": groups.group(1) if groups else None}
-        )
-    return out
+    return [
+        {"kind": c.kind, "dtype": c.arrays[0][0], "elements": c.elements,
+         "groups": c.replica_groups}
+        for c in _parser.parse_collectives(hlo_text.splitlines())
+    ]
 
 
 def count_by_kind(hlo_text: str) -> Counter:
+    """Number of collective instructions of each kind in `hlo_text`."""
     return Counter(c["kind"] for c in collectives(hlo_text))
 
 
@@ -47,15 +57,5 @@ def compiled(fn, *args):
 
 
 def computations(hlo_text: str) -> dict[str, str]:
-    """HLO computations by name ("ENTRY" for the entry computation)."""
-    out, name, lines = {}, None, []
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if header and not line.startswith(" "):
-            name, lines = ("ENTRY" if header.group(1) else header.group(2)), []
-        elif line.startswith("}") and name is not None:
-            out[name] = "\n".join(lines)
-            name = None
-        elif name is not None:
-            lines.append(line)
-    return out
+    """HLO computations by name ("ENTRY" for the entry computation), each as its text."""
+    return {name: "\n".join(lines) for name, lines in _parser.computations(hlo_text).items()}
