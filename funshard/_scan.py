@@ -56,9 +56,13 @@ def _layer_layout(items, idx, name: str):
 
 
 def _check_stacked(paths, items):
-    for path, x in zip(paths, items):
-        if isinstance(x, Sharded) and x.dim != 1:
-            raise ValueError(_errors.scan_not_stacked(path, x.dim))
+    bad = [
+        _errors.scan_not_stacked(path, x.dim)
+        for path, x in zip(paths, items, strict=True)
+        if isinstance(x, Sharded) and x.dim != 1
+    ]
+    if bad:  # every bad leaf at once
+        raise ValueError(_errors.joined(bad))
 
 
 def scan(

@@ -141,3 +141,15 @@ def test_hpz_group_that_does_not_divide_the_shards():
 
     with pytest.raises(ValueError, match="reshard_after_forward=3 must divide the number of shards"):
         jax.jit(fs.value_and_grad(loss))(state, _batch())
+
+
+def test_scan_reports_every_unstacked_leaf_at_once():
+    mesh = mesh_for("4")
+    stacked = {"a": fs.shard(np.ones((2, 4, 4), F32), mesh),
+               "b": fs.shard(np.ones((2, 4), F32), mesh),
+               "c": fs.shard({"c": np.ones((2, 4, 4), F32)}, mesh, stacked=True)["c"]}
+    with pytest.raises(ValueError) as err:
+        fs.scan(lambda p, h: h, stacked, np.ones(4, F32))
+    assert "leaf ['a'] is sharded on dim 0" in str(err.value)
+    assert "leaf ['b'] is sharded on dim 0" in str(err.value)
+    assert "['c']" not in str(err.value)
