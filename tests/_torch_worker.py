@@ -17,6 +17,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -119,8 +120,9 @@ def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
         shard(unit, **spec.unit_kwargs, **kwargs)
     shard(model, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    losses, times = [], []
     for step in range(STEPS):
+        start = time.perf_counter()
         total = 0.0
         for m in range(spec.microbatches):
             model.set_requires_gradient_sync(m == spec.microbatches - 1)
@@ -133,7 +135,9 @@ def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
         opt.step()
         opt.zero_grad()
         losses.append(total)
+        times.append(time.perf_counter() - start)
     out = {"loss": np.asarray(losses), **grads}
+    out["step_seconds"] = np.asarray(times)  # for reports: not compared
     for name, param in model.named_parameters():
         out[f"param/{name}"] = _local(param)
     return out

@@ -37,6 +37,7 @@ class Layout:
       rank: this device's position along `shard_axes` (its torch.chunk index).
       world: number of shards.
       data_parallel: devices gradients are averaged over (all of the mesh).
+      imports_here: DLPack imports land on `device` (JAX's first local device).
     """
 
     mesh: Mesh
@@ -46,6 +47,7 @@ class Layout:
     rank: int
     world: int
     data_parallel: int
+    imports_here: bool
 
     def padded_rows(self, rows: int) -> int:
         """Rows each rank stores for a dim 0 of `rows` (torch.chunk's chunk size)."""
@@ -85,42 +87,51 @@ def layout_of(mesh: Mesh) -> Layout:
     idx = mine[0]
     replicate = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
     position = idx[mesh.axis_names.index(SHARD_AXIS)]
-    return Layout(mesh, mesh.devices[idx], (SHARD_AXIS,), replicate, int(position),
-                  mesh.shape[SHARD_AXIS], mesh.devices.size)
+    device = mesh.devices[idx]
+    return Layout(mesh, device, (SHARD_AXIS,), replicate, int(position),
+                  mesh.shape[SHARD_AXIS], mesh.devices.size, device == jax.local_devices()[0])
 
 
 def _import(layout: Layout, tensor: torch.Tensor) -> jax.Array:
     """`tensor` as a single-device jax.Array on this process's device, sharing memory."""
     block = jax.dlpack.from_dlpack(tensor.detach())
-    return jax.device_put(block, layout.device)  # no-op: DLPack lands on this device
+    if not layout.imports_here:
+        block = jax.device_put(block, layout.device)
+    return block
+
+
+def global_block(layout: Layout, padded: torch.Tensor) -> jax.Array:
+    """This rank's padded block as its part of the `P(fsdp)`-sharded global array.
+
+    The result aliases `padded`'s memory, so a caller may keep it and gather it again
+    after torch updated `padded` in place (the optimizer step): every gather below
+    completes before it returns, so torch never writes while JAX reads.
+    """
+    sharding = NamedSharding(layout.mesh, _mesh.spec(layout.shard_axes))
+    shape = (layout.world * padded.shape[0], *padded.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, sharding, [_import(layout, padded)])
 
 
 def _export(block: jax.Array) -> torch.Tensor:
     return torch.from_dlpack(block)
 
 
-def all_gather(layout: Layout, padded: Sequence[torch.Tensor], rows: Sequence[int]) -> list[torch.Tensor]:
+def all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int]) -> list[torch.Tensor]:
     """ONE all-gather of every rank's padded blocks; returns the full tensors.
 
     Args:
       layout: this process's place on the mesh.
-      padded: this rank's block of each tensor, `padded_rows(rows[i])` rows, contiguous.
+      blocks: each tensor's global array from `global_block`.
       rows: each tensor's full dim 0 (the padding is cut off).
 
     Returns:
       Each full tensor, a torch view of the gathered JAX buffer (read-only by contract).
     """
-    sharding = NamedSharding(layout.mesh, _mesh.spec(layout.shard_axes))
-    datas = [
-        jax.make_array_from_single_device_arrays(
-            (layout.world * t.shape[0], *t.shape[1:]), sharding, [_import(layout, t)])
-        for t in padded
-    ]
-    fulls = _lowering.eager_all_gather(datas, layout.mesh, layout.shard_axes, rows=rows)
-    blocks = [f.addressable_shards[0].data for f in fulls]
-    # torch computes with these at once; JAX must have written them first.
-    jax.block_until_ready(blocks)
-    return [_export(b) for b in blocks]
+    fulls = _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows)
+    outs = [f.addressable_shards[0].data for f in fulls]
+    # torch computes with these at once, and may update the inputs in place next.
+    jax.block_until_ready(outs)
+    return [_export(b) for b in outs]
 
 
 def _stacked_block(layout: Layout, full: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ class ParamGroup:
         if self.is_unsharded:
             return
         if self.params:
-            blocks = [p.gather_input(self.param_dtype(p)) for p in self.params]
+            blocks = [p.gather_input(self.layout, self.param_dtype(p)) for p in self.params]
             fulls = _bridge.all_gather(self.layout, blocks, [p.shape[0] for p in self.params])
             for param, full in zip(self.params, fulls):
                 param.to_unsharded(full)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import torch
 from torch import nn
 
@@ -36,17 +37,29 @@ class FSDPParam:
         self.sharded = nn.Parameter(self.padded[:self.local_rows], requires_grad=param.requires_grad)
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None
+        self._gather_input: tuple[torch.Tensor, jax.Array] | None = None
         self.to_sharded()
 
-    def gather_input(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's padded block in `dtype`: what the all-gather reads."""
+    def gather_input(self, layout: _bridge.Layout, dtype: torch.dtype) -> jax.Array:
+        """This rank's padded block in `dtype` as a global jax.Array: the gather's input.
+
+        Imported once and kept: it aliases `padded` (or, for another dtype, a persistent
+        cast buffer refreshed here), so each later gather reads the current values.
+        """
         if self.sharded.untyped_storage().data_ptr() != self.padded.untyped_storage().data_ptr():
             # The shard was re-bound (`param.data = ...`, load_state_dict(assign=True)):
             # re-pad it so that the gather sees the new values.
             self.padded = self.padded.new_zeros(self.padded.shape)
             self.padded[:self.local_rows].copy_(self.sharded.detach())
             self.sharded.data = self.padded[:self.local_rows]
-        return self.padded if dtype == self.dtype else self.padded.to(dtype)
+            self._gather_input = None
+        if self._gather_input is None or self._gather_input[0].dtype != dtype:
+            source = self.padded if dtype == self.dtype else self.padded.to(dtype)
+            self._gather_input = (source, _bridge.global_block(layout, source))
+        source, block = self._gather_input
+        if source is not self.padded:
+            source.copy_(self.padded)
+        return block
 
     def to_unsharded(self, full: torch.Tensor) -> None:
         """Makes the modules use `full` (a gathered tensor) as the parameter."""
