@@ -155,6 +155,7 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--impls", default="frontend,fsdp2")
     ap.add_argument("--deadline", type=float, default=300.0)
+    ap.add_argument("--replicate", type=int, default=None, help="HSDP: number of replicas")
     args = ap.parse_args()
     out, cases, impls = Path(args.out), args.cases.split(","), args.impls.split(",")
     rank = int(os.environ.get("RANK", "0"))
@@ -168,7 +169,7 @@ def main() -> int:
     if "frontend" in impls:
         import torch_frontend
 
-        torch_frontend.init_distributed()
+        torch_frontend.init_distributed(replicate=args.replicate)
         for case in cases:
             np.savez(out / f"{case}-frontend-rank{rank}.npz",
                      **train(case, torch_frontend.fully_shard,
@@ -182,7 +183,12 @@ def main() -> int:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        world = dist.get_world_size()
+        if args.replicate is None:
+            mesh = init_device_mesh("cpu", (world,))
+        else:  # HSDP: replicas of a model sharded over world // replicate ranks
+            mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate),
+                                    mesh_dim_names=("replicate", "shard"))
         for case in cases:
             np.savez(out / f"{case}-fsdp2-rank{rank}.npz",
                      **train(case, lambda m, **kw: fully_shard(m, mesh=mesh, **kw),

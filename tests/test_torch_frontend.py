@@ -33,6 +33,7 @@ WORKER = Path(__file__).with_name("_torch_worker.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 JOB_TIMEOUT_S = 180
 CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum", "bf16")
+HSDP_CASES = ("seq", "uneven", "blocks_reshard")
 TOLERANCE = 1e-5
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS")
@@ -87,13 +88,22 @@ def _run_torchrun(out: Path, processes: int, *args: str) -> tuple[int, str]:
     return code, log.read_text()
 
 
-@pytest.fixture(scope="module")
-def parity_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("torch_parity")
+def _job(tmp_path_factory, name: str, processes: int, cases, *args: str) -> Path:
+    out = tmp_path_factory.mktemp(name)
     start = time.monotonic()
-    code, log = _run_torchrun(out, 2, "--cases", ",".join(CASES))
+    code, log = _run_torchrun(out, processes, "--cases", ",".join(cases), *args)
     assert code == 0, f"torchrun job failed (exit {code}) after {time.monotonic() - start:.0f} s:\n{log[-6000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def parity_dir(tmp_path_factory) -> Path:
+    return _job(tmp_path_factory, "torch_parity", 2, CASES)
+
+
+@pytest.fixture(scope="module")
+def hsdp_dir(tmp_path_factory) -> Path:
+    return _job(tmp_path_factory, "torch_hsdp", 4, HSDP_CASES, "--replicate", "2")
 
 
 def _load(out: Path, case: str, impl: str, rank: int) -> dict[str, np.ndarray]:
@@ -103,8 +113,17 @@ def _load(out: Path, case: str, impl: str, rank: int) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_fsdp2_on_two_processes(parity_dir, case):
-    for rank in range(2):
-        ours, theirs = _load(parity_dir, case, "frontend", rank), _load(parity_dir, case, "fsdp2", rank)
+    _assert_matches_fsdp2(parity_dir, case, 2)
+
+
+@pytest.mark.parametrize("case", HSDP_CASES)
+def test_hsdp_2x2_matches_fsdp2_on_four_processes(hsdp_dir, case):
+    _assert_matches_fsdp2(hsdp_dir, case, 4)
+
+
+def _assert_matches_fsdp2(out: Path, case: str, processes: int):
+    for rank in range(processes):
+        ours, theirs = _load(out, case, "frontend", rank), _load(out, case, "fsdp2", rank)
         del ours["step_seconds"], theirs["step_seconds"]
         assert sorted(ours) == sorted(theirs)
         np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=0, atol=TOLERANCE,
