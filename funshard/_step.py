@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
-from funshard import _context, _errors, _gather, _lowering, _mesh
+from funshard import _callbacks, _context, _errors, _gather, _lowering, _mesh
 from funshard._shard import common_mesh, sharded_leaves
 from funshard._tree import split_arrays
 from funshard._sharded import Sharded, is_array, is_sharded
@@ -452,10 +452,16 @@ def value_and_grad(
                 ]
             routes = _routes(plan, values, trainable_values, opts)
 
+            callbacks = []  # whether the user's step has host callbacks (trace time)
+
             def one(microbatch):
-                return _local_value_and_grad(
-                    loss_fn, opts, plan, ctx, values, microbatch, args, routes
-                )
+                out, found = _callbacks.deferring_errors(
+                    lambda mb: _local_value_and_grad(
+                        loss_fn, opts, plan, ctx, values, mb, args, routes
+                    )
+                )(microbatch)
+                callbacks.append(found)
+                return out
 
             if opts.microbatches == 1:
                 loss, aux, grads, sums = one(local_batch)
@@ -473,7 +479,10 @@ def value_and_grad(
             grads = _finish_grads(plan, values, grads, opts, scale, replicate_axes)
             if loss_axes:
                 loss = jax.lax.pmean(loss, loss_axes)
-            return loss, _reduce_aux(aux, dp_axes), grads
+            aux = _reduce_aux(aux, dp_axes)
+            if any(callbacks):
+                _callbacks.raise_pending((loss, aux, grads))
+            return loss, aux, grads
 
         mapped = jax.shard_map(
             body,

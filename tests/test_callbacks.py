@@ -6,7 +6,8 @@ some devices raise (a NaN check on one device's batch slice), the others wait fo
 the next collective's rendezvous, and XLA CPU kills the process (`LOG(FATAL)` in
 `rendezvous.cc` after `xla_cpu_collective_call_terminate_timeout_seconds`, 40 s by
 default). A plain `jax.shard_map` step with a `psum` after the callback aborts the same
-way, so that case is marked as a known failure until the step defers callback errors.
+way. funshard's root therefore records a callback's exception on the device that raised
+it and raises it at the end of the step, after the last collective (funshard/_callbacks.py).
 
 Each case runs in a child process bounded by a timeout, so that an abort or a hang fails
 the test instead of killing or stalling the suite.
@@ -32,7 +33,7 @@ CHILD = textwrap.dedent(
     import numpy as np
     import funshard as fs
 
-    which = sys.argv[1]
+    which, nested = sys.argv[1], sys.argv[2] == "nested"
     armed = [True]
 
     def check(h, device):
@@ -56,8 +57,20 @@ CHILD = textwrap.dedent(
     batch = (x, jnp.sin(x))
     state = fs.shard(params, fs.make_mesh())
     before = [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
-    unit = fs.fully_shard(block)
-    step = jax.jit(fs.value_and_grad(lambda s, b: loss(s, b, unit, probe=True)))
+    if nested:
+        # The callback inside a checkpointed unit, under cond, with microbatches (a scan).
+        def probed(w, h):
+            h = block(w, h)
+            jax.lax.cond(jnp.all(jnp.isfinite(h)),
+                         lambda: jax.debug.callback(check, h, jax.lax.axis_index("fsdp")),
+                         lambda: None)
+            return h
+
+        unit = jax.checkpoint(fs.fully_shard(probed))
+        step = jax.jit(fs.value_and_grad(lambda s, b: loss(s, b, unit), microbatches=2))
+    else:
+        unit = fs.fully_shard(block)
+        step = jax.jit(fs.value_and_grad(lambda s, b: loss(s, b, unit, probe=True)))
 
     start = time.monotonic()
     try:
@@ -83,7 +96,8 @@ CHILD = textwrap.dedent(
 )
 
 
-def _run_child(which: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+def _run_child(which: str, nested: bool = False,
+               timeout: float = 120.0) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     # Only the rendezvous timeouts are shortened, so that an abort (the failure this file
     # guards against) shows up in seconds rather than after XLA's default 40 s.
@@ -94,7 +108,7 @@ def _run_child(which: str, timeout: float = 120.0) -> subprocess.CompletedProces
     ])
     try:
         return subprocess.run(
-            [sys.executable, "-c", CHILD, which],
+            [sys.executable, "-c", CHILD, which, "nested" if nested else "plain"],
             env=env, capture_output=True, text=True, timeout=timeout,
         )
     except subprocess.TimeoutExpired as e:
@@ -112,10 +126,10 @@ def test_callback_raising_on_every_device_raises_and_keeps_the_state():
     _assert_clean(_run_child("all"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="XLA CPU aborts when a callback raises on some devices and a collective follows "
-    "(plain jax.shard_map + psum does too); needs the step to defer callback errors",
-)
 def test_callback_raising_on_one_device_raises_and_keeps_the_state():
     _assert_clean(_run_child("3"))
+
+
+@pytest.mark.parametrize("which", ["3", "all"])
+def test_nested_callback_under_checkpoint_cond_and_microbatches(which):
+    _assert_clean(_run_child(which, nested=True))
