@@ -73,6 +73,14 @@ class Case:
     unit_kwargs: dict = dataclasses.field(default_factory=dict)
     policy: dict | None = None  # MixedPrecisionPolicy fields, for every unit and the root
     microbatches: int = 1
+    configure: Callable[[nn.Module], None] | None = None  # after fully_shard
+
+
+def _explicit_prefetch(model: nn.Module) -> None:
+    blocks = list(model.blocks)
+    for before, after in zip(blocks, blocks[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
 
 
 def _linears(model: nn.Module) -> list[nn.Module]:
@@ -91,6 +99,7 @@ CASES = {
     "accum": Case(lambda: _mlp(16, 15, 8), _linears, microbatches=MICROBATCHES),
     "bf16": Case(Stack, _blocks, policy={"param_dtype": torch.bfloat16,
                                          "reduce_dtype": torch.float32}),
+    "prefetch": Case(Stack, _blocks, configure=_explicit_prefetch),
 }
 
 
@@ -119,6 +128,8 @@ def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
     for unit in spec.units(model):
         shard(unit, **spec.unit_kwargs, **kwargs)
     shard(model, **kwargs)
+    if spec.configure is not None:
+        spec.configure(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, times = [], []
     for step in range(STEPS):

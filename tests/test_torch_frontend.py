@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_torch_worker.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 JOB_TIMEOUT_S = 180
-CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum", "bf16")
+CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum", "bf16", "prefetch")
 HSDP_CASES = ("seq", "uneven", "blocks_reshard")
 TOLERANCE = 1e-5
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -323,9 +323,11 @@ def test_one_core_collective_per_group_and_none_without_gradient_sync(monkeypatc
     model.set_requires_gradient_sync(True)
     model(torch.randn(2, 16)).sum().backward()
     gather, reduce = ("eager_all_gather", 2), ("eager_reduce_scatter", 2)
-    # The last unit reduces when its backward is done; the first (whose input needs no
-    # gradient) in the root's final callback.
-    assert calls == [gather, gather, gather, reduce, gather, reduce]
+    # Backward: each gather is dispatched one unit ahead (the default prefetch: the root
+    # prefetches the last unit, which prefetches the first); the last unit reduces when
+    # its backward is done, the first (whose input needs no gradient) in the root's
+    # final callback.
+    assert calls == [gather, gather, gather, gather, reduce, reduce]
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
 
 
@@ -420,3 +422,58 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
     assert sorted(inputs) == sorted(shards)  # JAX read the shards' own storage
     assert sorted(outputs) == sorted(gathered)  # torch computes in JAX's output buffers
     assert not set(outputs) & set(inputs)
+
+
+def test_explicit_prefetch_dispatches_the_next_gathers_early(monkeypatch):
+    from funshard import _lowering
+
+    reference, model = _stack_pair()
+    blocks = list(model.blocks)
+    blocks[0].set_modules_to_forward_prefetch([blocks[1], blocks[2]])
+    gathers = []
+    real = _lowering.eager_all_gather
+    monkeypatch.setattr(_lowering, "eager_all_gather",
+                        lambda datas, *a, **k: gathers.append(len(datas)) or real(datas, *a, **k))
+    entered = []
+    for block in blocks:
+        block.register_forward_pre_hook(lambda m, _: entered.append(len(gathers)))
+    x = torch.randn(3, 8)
+    for m in (model, reference):
+        m(x).pow(2).mean().backward()
+    # Root (emb + head: 4 tensors), block 0, then blocks 1 and 2 at once; each block has
+    # 6 tensors. Blocks 1 and 2 found their gathers dispatched already.
+    assert gathers[:4] == [4, 6, 6, 6] and entered == [4, 4, 4]
+    _assert_same(model, reference)
+
+
+def test_unshard_async_op_returns_a_handle_that_binds_on_wait():
+    model = _shard_mlp(_mlp(), reshard_after_forward=False)
+    shard = model[0].weight
+    handle = model[0].unshard(async_op=True)
+    assert model[0].weight is shard  # dispatched only
+    handle.wait()
+    full = model[0].weight
+    assert full is not shard and torch.equal(full, shard)
+    model[0].unshard()  # already gathered: nothing happens
+    assert model[0].weight is full
+    model[0].reshard()
+    assert model[0].weight is shard
+
+
+class _Generator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def generate(self, x):
+        return self.proj.weight @ x.T
+
+
+def test_register_fsdp_forward_method_gathers_for_that_method():
+    torch.manual_seed(0)
+    reference = _Generator()
+    model = copy.deepcopy(reference)
+    fully_shard(model, reshard_after_forward=True)
+    torch_frontend.register_fsdp_forward_method(model, "generate")
+    x = torch.randn(2, 4)
+    np.testing.assert_allclose(model.generate(x).detach(), reference.generate(x).detach(), atol=1e-6)

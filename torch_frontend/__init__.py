@@ -14,6 +14,7 @@ from torch_frontend._distributed import init_distributed as init_distributed
 from torch_frontend._fully_shard import FSDPModule as FSDPModule
 from torch_frontend._fully_shard import UnshardHandle as UnshardHandle
 from torch_frontend._fully_shard import fully_shard as fully_shard
+from torch_frontend._fully_shard import register_fsdp_forward_method as register_fsdp_forward_method
 from torch_frontend._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "init_distributed",
+    "register_fsdp_forward_method",
 ]

@@ -104,8 +104,8 @@ def global_block(layout: Layout, padded: torch.Tensor) -> jax.Array:
     """This rank's padded block as its part of the `P(fsdp)`-sharded global array.
 
     The result aliases `padded`'s memory, so a caller may keep it and gather it again
-    after torch updated `padded` in place (the optimizer step): every gather below
-    completes before it returns, so torch never writes while JAX reads.
+    after torch updated `padded` in place (the optimizer step). The caller must not
+    write `padded` while a gather of it is in flight (`finish_all_gather` ends it).
     """
     sharding = NamedSharding(layout.mesh, _mesh.spec(layout.shard_axes))
     shape = (layout.world * padded.shape[0], *padded.shape[1:])
@@ -116,8 +116,11 @@ def _export(block: jax.Array) -> torch.Tensor:
     return torch.from_dlpack(block)
 
 
-def all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int]) -> list[torch.Tensor]:
-    """ONE all-gather of every rank's padded blocks; returns the full tensors.
+def start_all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int]) -> list[jax.Array]:
+    """Dispatches ONE all-gather of every rank's padded blocks and returns at once.
+
+    JAX runs it asynchronously (collectives start in dispatch order on every process),
+    so torch can compute meanwhile: this is FSDP2's prefetch.
 
     Args:
       layout: this process's place on the mesh.
@@ -125,12 +128,19 @@ def all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int])
       rows: each tensor's full dim 0 (the padding is cut off).
 
     Returns:
+      The gathered arrays (replicated, possibly not computed yet).
+    """
+    return _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows)
+
+
+def finish_all_gather(pending: Sequence[jax.Array]) -> list[torch.Tensor]:
+    """Waits for `start_all_gather`'s result; returns the full tensors.
+
+    Returns:
       Each full tensor, a torch view of the gathered JAX buffer (read-only by contract).
     """
-    fulls = _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows)
-    outs = [f.addressable_shards[0].data for f in fulls]
-    # torch computes with these at once, and may update the inputs in place next.
-    jax.block_until_ready(outs)
+    outs = [f.addressable_shards[0].data for f in pending]
+    jax.block_until_ready(outs)  # the inputs may be written again after this
     return [_export(b) for b in outs]
 
 

@@ -38,11 +38,12 @@ class FSDPModule:
         """Gathers this module's parameters now (one collective); they stay until reshard.
 
         Args:
-          async_op: return a handle whose `wait()` completes the gather (the gather is
-            already complete when this returns).
+          async_op: only dispatch the gather (JAX runs it while torch computes) and
+            return a handle whose `wait()` completes it and binds the parameters.
         """
-        self._fsdp_state().group.unshard()
-        return UnshardHandle() if async_op else None
+        group = self._fsdp_state().group
+        group.unshard(async_op=async_op)
+        return UnshardHandle(group) if async_op else None
 
     def reshard(self) -> None:
         """Frees the gathered parameters; the module holds its local shards again."""
@@ -84,11 +85,68 @@ class FSDPModule:
         self._fsdp_state().reset_iter_state()
 
 
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Dispatches these modules' gathers right after this module's own (forward).
+
+        Args:
+          modules: FSDP modules, usually the next one(s) to run forward.
+        """
+        self._fsdp_state().forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Dispatches these modules' gathers at this module's pre-backward.
+
+        Replaces the default, which prefetches the module whose forward ran just
+        before this one's.
+
+        Args:
+          modules: FSDP modules, usually the next one(s) to run backward.
+        """
+        self._fsdp_state().backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
+
+
+def _states_of(modules, method: str) -> list[FSDPState]:
+    states = []
+    for module in modules:
+        state = state_of(module) if isinstance(module, nn.Module) else None
+        if state is None:
+            raise ValueError(_errors.not_fsdp_module(method, module))
+        states.append(state)
+    return states
+
+
 class UnshardHandle:
-    """Returned by `unshard(async_op=True)`; the gather has already completed."""
+    """Returned by `unshard(async_op=True)`: `wait()` completes the gather."""
+
+    def __init__(self, group: ParamGroup | None = None):
+        self._group = group
 
     def wait(self) -> None:
-        return None
+        """Waits for the gather and binds the gathered parameters."""
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Makes `module.<method_name>(...)` run FSDP's pre- and post-forward like `forward`.
+
+    For methods such as `generate` that use the parameters without calling `forward`.
+
+    Raises:
+      ValueError: `module` was not passed to `fully_shard`.
+      AttributeError: `module` has no such method.
+    """
+    state = state_of(module)
+    if state is None:
+        raise ValueError(_errors.not_fsdp_module("register_fsdp_forward_method", module))
+    method = getattr(module, method_name)  # bound: the original implementation
+
+    def wrapped(*args, **kwargs):
+        args, kwargs = state.pre_forward(args, kwargs)
+        return state.post_forward(method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
 
 
 def _fsdp_class(cls: type) -> type:

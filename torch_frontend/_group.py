@@ -38,6 +38,7 @@ class ParamGroup:
         self.gradient_divide_factor: float | None = None
         self.training_state = TrainingState.IDLE
         self.is_unsharded = False
+        self._pending: list | None = None  # a dispatched, not yet bound all-gather
 
     def param_dtype(self, param: FSDPParam) -> torch.dtype:
         return self.mp_policy.param_dtype or param.dtype
@@ -45,19 +46,41 @@ class ParamGroup:
     def reduce_dtype(self, param: FSDPParam) -> torch.dtype:
         return self.mp_policy.reduce_dtype or self.param_dtype(param)
 
-    def unshard(self) -> None:
-        """Gathers every parameter of the group (one collective) and binds the results."""
-        if self.is_unsharded:
+    def unshard(self, async_op: bool = False) -> None:
+        """Gathers every parameter of the group (one collective) and binds the results.
+
+        Args:
+          async_op: only dispatch the gather (a prefetch); `wait_for_unshard` binds.
+        """
+        if self.is_unsharded or self._pending is not None:
+            if not async_op:
+                self.wait_for_unshard()
             return
         if self.params:
             blocks = [p.gather_input(self.layout, self.param_dtype(p)) for p in self.params]
-            fulls = _bridge.all_gather(self.layout, blocks, [p.shape[0] for p in self.params])
-            for param, full in zip(self.params, fulls):
-                param.to_unsharded(full)
+            self._pending = _bridge.start_all_gather(
+                self.layout, blocks, [p.shape[0] for p in self.params])
+        else:
+            self.is_unsharded = True
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Completes a dispatched gather and binds the gathered parameters."""
+        if self._pending is None:
+            return
+        fulls = _bridge.finish_all_gather(self._pending)
+        self._pending = None
+        for param, full in zip(self.params, fulls):
+            param.to_unsharded(full)
         self.is_unsharded = True
 
     def reshard(self) -> None:
         """Binds the local shards again and drops the gathered tensors."""
+        if self._pending is not None:
+            # Its input is the shards' storage, which torch may write next (optimizer).
+            _bridge.finish_all_gather(self._pending)
+            self._pending = None
         for param in self.params:
             param.to_sharded()
         self.is_unsharded = False

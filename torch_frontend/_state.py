@@ -26,6 +26,9 @@ class IterationContext:
         self.iter_forward_root: FSDPState | None = None
         self.final_callback_queued = False
         self.is_last_backward = True
+        # Groups in the order their post-forward ran this iteration (with repeats):
+        # the default backward prefetch walks it backwards.
+        self.post_forward_order: list[FSDPState] = []
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -44,6 +47,9 @@ class FSDPState:
         self.ctx = IterationContext()
         self.training_state = TrainingState.IDLE
         self.modules_to_run: set[nn.Module] = set()
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] | None = None  # None: the default
+        self.post_forward_indices: list[int] = []
         self.fqn = type(modules[0]).__name__
         for module in modules:
             module.__dict__[STATE_ATTR] = self
@@ -79,19 +85,29 @@ class FSDPState:
         if first_in_pass:
             self._root_pre_forward()
         args, kwargs = self.cast_inputs(args, kwargs)
-        return self.group.pre_forward(args, kwargs)
+        args, kwargs = self.group.pre_forward(args, kwargs)
+        if first_in_pass:
+            for state in self.forward_prefetch:  # dispatched now, overlapping our compute
+                state.group.unshard(async_op=True)
+        return args, kwargs
 
     def post_forward(self, output: Any) -> Any:
         """Reshard (per reshard_after_forward), pre-backward hooks, output cast."""
         if self.training_state == TrainingState.PRE_BACKWARD:
             return self.cast_output(output)
-        self.group.post_forward()
+        self._finish_forward()
         output = self._register_pre_backward(output)
-        self.training_state = TrainingState.IDLE
         if self.ctx.iter_forward_root is self:
             output = self._complete_unfinished_groups(output)
             self.ctx.iter_forward_root = None
         return self.cast_output(output)
+
+    def _finish_forward(self) -> None:
+        self.group.post_forward()
+        if torch.is_grad_enabled():  # only a forward that a backward may follow
+            self.post_forward_indices.append(len(self.ctx.post_forward_order))
+            self.ctx.post_forward_order.append(self)
+        self.training_state = TrainingState.IDLE
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         policy = self.mp_policy
@@ -116,9 +132,8 @@ class FSDPState:
         for state in reversed(self.ctx.all_states):
             if state is self or not state.modules_to_run:
                 continue
-            state.group.post_forward()
+            state._finish_forward()
             output = state._register_pre_backward(output)
-            state.training_state = TrainingState.IDLE
             output = state.cast_output(output)
             state.modules_to_run.clear()
         return output
@@ -181,9 +196,22 @@ class FSDPState:
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
+        already = self.training_state == TrainingState.PRE_BACKWARD
         self.training_state = TrainingState.PRE_BACKWARD
         self._queue_final_callback()
         self.group.pre_backward()
+        if not already:
+            for state in self._backward_prefetch_targets():
+                state.group.unshard(async_op=True)
+
+    def _backward_prefetch_targets(self) -> list[FSDPState]:
+        """Explicit targets, else the state whose post-forward ran just before ours."""
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        if not self.post_forward_indices:
+            return []
+        index = self.post_forward_indices.pop()
+        return [self.ctx.post_forward_order[index - 1]] if index > 0 else []
 
     def _queue_final_callback(self) -> None:
         if self.ctx.final_callback_queued:
@@ -196,8 +224,10 @@ class FSDPState:
         # Groups whose backward never ran (inputs without grad, unused modules) reduce
         # here; then every state starts the next iteration idle.
         self.ctx.iter_forward_root = None
+        self.ctx.post_forward_order.clear()
         for state in self.ctx.all_states:
             state.modules_to_run.clear()
+            state.post_forward_indices.clear()
             if state.group.training_state != TrainingState.POST_BACKWARD:
                 state.group.post_backward()
             state.group.training_state = TrainingState.IDLE
@@ -212,8 +242,10 @@ class FSDPState:
         """
         if self.is_root is False:
             raise RuntimeError(_errors.reset_on_non_root(self.fqn))
+        self.ctx.post_forward_order.clear()
         for state in self.ctx.all_states or [self]:
             state.modules_to_run.clear()
+            state.post_forward_indices.clear()
             state.training_state = TrainingState.IDLE
             state.group.reset_iter_state()
         self.ctx.iter_forward_root = None
