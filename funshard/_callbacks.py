@@ -21,7 +21,8 @@ import threading
 from typing import Any, Callable
 
 import jax
-from jax._src import core, debugging  # the jaxpr and the callback primitive (see below)
+
+from funshard import _jax_compat
 
 # Exceptions recorded by wrapped callbacks, waiting for the step's check. A process-wide
 # list: every device of the process runs its callbacks on its own thread.
@@ -50,6 +51,7 @@ def _raise_pending(*_) -> None:
 
 
 def _rewrite_param(value: Any) -> tuple[Any, bool]:
+    core, _ = _jax_compat.jaxpr_internals()
     if isinstance(value, core.ClosedJaxpr):
         jaxpr, found = _rewrite(value.jaxpr)
         return (value.replace(jaxpr=jaxpr), True) if found else (value, False)
@@ -61,11 +63,12 @@ def _rewrite_param(value: Any) -> tuple[Any, bool]:
     return value, False
 
 
-def _rewrite(jaxpr: core.Jaxpr) -> tuple[core.Jaxpr, bool]:
+def _rewrite(jaxpr) -> tuple[Any, bool]:
     """`jaxpr` with every debug callback (nested ones included) wrapped by `_deferring`."""
+    _, callback_p = _jax_compat.jaxpr_internals()
     eqns, found = [], False
     for eqn in jaxpr.eqns:
-        if eqn.primitive is debugging.debug_callback_p:
+        if eqn.primitive is callback_p:
             params = {**eqn.params, "callback": _deferring(eqn.params["callback"])}
             eqns.append(eqn.replace(params=params))
             found = True
@@ -91,6 +94,7 @@ def deferring_errors(fn: Callable) -> Callable:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         jaxpr, found = _rewrite(closed.jaxpr)
         flat = jax.tree.leaves(args)
+        core, _ = _jax_compat.jaxpr_internals()
         out = core.eval_jaxpr(jaxpr, closed.consts, *flat)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out), found
 

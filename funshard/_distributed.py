@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
 
-from funshard import _errors, _mesh, _rendezvous
+from funshard import _errors, _jax_compat, _mesh, _rendezvous
 from funshard._rendezvous import INITIALIZATION_TIMEOUT as INITIALIZATION_TIMEOUT
 from funshard._rendezvous import INITIALIZATION_TIMEOUT_ENV as INITIALIZATION_TIMEOUT_ENV
 
@@ -264,19 +264,11 @@ def _address_source(argument: str | None, launch: Launch, environ) -> str:
     return "MASTER_ADDR / MASTER_PORT"
 
 
-def _backend_started() -> bool:
-    try:
-        from jax._src import xla_bridge  # no public way to ask without starting it
-    except ImportError:
-        return False
-    return bool(getattr(xla_bridge, "backends_are_initialized", lambda: False)())
-
-
 def _start(launch: Launch, source: str, timeout: float, heartbeat_timeout, shutdown_timeout):
     host, port = _rendezvous.endpoint(launch.coordinator_address, source)
     # Checked before the rendezvous: a process that cannot start anyway must not make
     # the others wait for it.
-    if _backend_started():
+    if _jax_compat.backends_started():
         raise RuntimeError(_errors.backend_already_started(launch))
     _rendezvous.meet(launch.process_id, launch.num_processes, host, port, timeout)
     local = launch.local_device_ids
@@ -317,9 +309,7 @@ def _exchange_hosts(launch: Launch, timeout_s: float) -> dict[int, str]:
     process has connected by now, so the barrier is short.
     """
     try:
-        from jax._src import distributed  # the key-value store has no public API
-
-        client = distributed.global_state.client
+        client = _jax_compat.coordination_client()
         me = _my_address(launch.coordinator_address)
         client.key_value_set(f"funshard/host/{launch.process_id}", me)
         client.wait_at_barrier("funshard/hosts", int(min(timeout_s, 60) * 1000))
@@ -499,9 +489,7 @@ def _check_same_batch(signature: list, wait_s: float) -> None:
     others still gets the verdict (it arrives last) and raises; the others then fail
     in their next collective with it, as they would without the check.
     """
-    from jax._src import distributed  # the key-value store has no public API
-
-    client = distributed.global_state.client
+    client = _jax_compat.coordination_client()
     if client is None:  # not started by jax.distributed: nothing to compare through
         return
     call, count = next(_batch_calls), jax.process_count()

@@ -18,9 +18,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.tree_util import tree_flatten, tree_unflatten
+from jax.tree_util import tree_unflatten
 
-from funshard import _context, _errors, _gather, _lowering
+from funshard import _context, _errors, _gather, _jax_compat, _lowering
 from funshard._policy import MixedPrecisionPolicy
 from funshard._shard import common_mesh, sharded_leaves, unshard_as
 from funshard._sharded import Sharded, is_sharded
@@ -77,7 +77,7 @@ def drop_gathered(vjp_fn, fulls, saved: dict) -> list:
     Records in `saved` (a trace-time dict, not a residual) the residuals' structure and
     which slot each left-out one came from, for `resume`.
     """
-    residuals, saved["treedef"] = tree_flatten(vjp_fn)
+    residuals, saved["treedef"] = _jax_compat.vjp_residuals(vjp_fn)
     slot_of = {id(f): k for k, f in enumerate(fulls)}
     saved["slots"] = [slot_of.get(id(r)) for r in residuals]
     return [None if s is not None else r for r, s in zip(residuals, saved["slots"])]
@@ -86,7 +86,7 @@ def drop_gathered(vjp_fn, fulls, saved: dict) -> list:
 def resume(saved: dict, kept: list, fulls) -> Callable:
     """The vjp function again, with re-gathered `fulls` put back into their slots."""
     residuals = [k if s is None else fulls[s] for k, s in zip(kept, saved["slots"])]
-    return tree_unflatten(saved["treedef"], residuals)
+    return _jax_compat.vjp_from_residuals(saved["treedef"], residuals)
 
 
 def _resharded_call(

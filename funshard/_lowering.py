@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from funshard import _mesh
+from funshard import _jax_compat, _mesh
 
 UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -65,7 +65,8 @@ def _from_words(words: jax.Array, shape: tuple[int, ...], dtype: np.dtype, width
 
 def vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     """Marks `x` as varying over `axes` (a no-op for axes it already varies over)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    varying = _jax_compat.varying_axes(x)
+    missing = tuple(a for a in axes if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import tree_unflatten
 
-from funshard import _context, _errors, _gather
+from funshard import _context, _errors, _gather, _jax_compat
 from funshard._fully_shard import (
     _cast_floating,
     _unit_policy,
@@ -39,8 +39,8 @@ def _match_types(ct, primal):
         if not hasattr(c, "dtype") or c.dtype == jax.dtypes.float0:
             return c
         extra = tuple(
-            a for a in jax.typeof(c).manual_axis_type.varying
-            if a not in jax.typeof(p).manual_axis_type.varying
+            a for a in _jax_compat.varying_axes(c)
+            if a not in _jax_compat.varying_axes(p)
         )
         return jax.lax.psum(c, extra) if extra else c
 

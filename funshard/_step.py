@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
-from funshard import _callbacks, _context, _errors, _gather, _lowering, _mesh
+from funshard import _callbacks, _context, _jax_compat, _errors, _gather, _lowering, _mesh
 from funshard._shard import common_mesh, sharded_leaves
 from funshard._tree import split_arrays
 from funshard._sharded import Sharded, is_array, is_sharded
@@ -66,7 +66,7 @@ def _is_differentiable(x) -> bool:
 
 def varying_axes(x, dp_axes) -> tuple[str, ...]:
     """The data-parallel axes `x` still varies over (its shard_map type)."""
-    varying = jax.typeof(x).manual_axis_type.varying
+    varying = _jax_compat.varying_axes(x)
     return tuple(a for a in dp_axes if a in varying)
 
 
@@ -422,6 +422,7 @@ def value_and_grad(
 
     @functools.wraps(loss_fn)
     def step(state, batch, *args):
+        _jax_compat.check()
         paths, items, treedef = sharded_leaves("value_and_grad", state)
         mesh = common_mesh("value_and_grad", paths, items)
         if mesh is None:

@@ -1,0 +1,105 @@
+"""Every JAX behaviour funshard relies on beyond the documented API, in one place.
+
+funshard pins `jax<0.11`. Each function here names the JAX behaviour it depends on and
+the test that guards it; `check()` verifies them on first use (never at import: importing
+funshard must not start a JAX backend, or `jax.distributed.initialize` could no longer
+run) and fails with a message naming the broken assumption, so that moving the pin is a
+one-file job.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+from jax.tree_util import tree_flatten, tree_unflatten
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes `x` varies over inside `jax.shard_map` (its vma type).
+
+    Relies on `jax.typeof(x).manual_axis_type.varying` (jax 0.10; `.vma` before).
+    Guarded by tests/test_compositions.py (psum-normalised losses) and every step test.
+    """
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def vjp_residuals(vjp_fn: Callable) -> tuple[list, Any]:
+    """The residual arrays a `jax.vjp` function holds, and the structure to rebuild it.
+
+    Relies on the function returned by `jax.vjp` being a pytree whose leaves are its
+    residuals, with a primal the function saves unchanged appearing as that very array
+    object (identity). Guarded by tests/test_hlo.py (re-gather counts, temp bytes).
+    """
+    return tree_flatten(vjp_fn)
+
+
+def vjp_from_residuals(treedef: Any, residuals: list) -> Callable:
+    """The inverse of `vjp_residuals`."""
+    return tree_unflatten(treedef, residuals)
+
+
+def backends_started() -> bool:
+    """Whether a JAX backend is already running (so `jax.distributed` can no longer start).
+
+    Relies on `jax._src.xla_bridge.backends_are_initialized` (no public way to ask
+    without starting a backend). Guarded by tests/test_multiprocess.py.
+    """
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return False
+    return bool(getattr(xla_bridge, "backends_are_initialized", lambda: False)())
+
+
+def coordination_client() -> Any:
+    """The coordination service's client (its key-value store), or None if not started.
+
+    Relies on `jax._src.distributed.global_state.client` and its `key_value_*` /
+    `blocking_key_value_get` / `wait_at_barrier` methods (no public API). Guarded by
+    tests/test_multiprocess.py and tests/test_distributed_startup.py.
+    """
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def jaxpr_internals() -> tuple[Any, Any]:
+    """`(jax._src.core, debug_callback_p)`: jaxprs to rewrite and the callback primitive.
+
+    Relies on `core.Jaxpr.replace`, `core.JaxprEqn.replace`, `core.ClosedJaxpr.replace`,
+    `core.eval_jaxpr` and a `callback` parameter on `debug_callback_p`. Guarded by
+    tests/test_callbacks.py.
+    """
+    from jax._src import core, debugging
+
+    return core, debugging.debug_callback_p
+
+
+@functools.cache
+def check() -> None:
+    """Verifies the assumptions above once; raises naming the one that broke."""
+    import jax.numpy as jnp
+
+    core, callback_p = jaxpr_internals()
+    for owner, name in [(core.Jaxpr, "replace"), (core.JaxprEqn, "replace"),
+                        (core.ClosedJaxpr, "replace"), (core, "eval_jaxpr")]:
+        if not hasattr(owner, name):
+            _broken(f"jax._src.core has no {getattr(owner, '__name__', owner)}.{name}")
+    if not hasattr(jax.typeof(jnp.zeros(())), "manual_axis_type"):
+        _broken("jax.typeof(x) has no .manual_axis_type (the shard_map varying-axes type)")
+    x = jnp.ones(3)
+    residuals, _ = vjp_residuals(jax.vjp(lambda a: a * a, x)[1])
+    if not any(r is x for r in residuals):
+        _broken("a jax.vjp function no longer holds a saved primal as the same array "
+                "object among its pytree leaves")
+    del callback_p
+
+
+def _broken(what: str) -> None:
+    raise RuntimeError(
+        f"funshard: an assumption about JAX {jax.__version__} failed: {what}. funshard "
+        "supports jax>=0.10.2,<0.11; install a supported version, or update "
+        "funshard/_jax_compat.py for this one."
+    )

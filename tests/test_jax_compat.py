@@ -1,0 +1,38 @@
+"""The JAX behaviours funshard relies on beyond the documented API still hold."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from funshard import _jax_compat
+
+
+def test_assumptions_hold_on_the_installed_jax():
+    _jax_compat.check.cache_clear()
+    _jax_compat.check()  # raises naming the broken assumption otherwise
+
+
+def test_assumptions_hold_under_a_trace():
+    _jax_compat.check.cache_clear()
+    jax.jit(lambda x: (_jax_compat.check(), x)[1])(jnp.ones(2))
+
+
+def test_a_broken_assumption_names_itself_and_the_fix(monkeypatch):
+    _jax_compat.check.cache_clear()
+    monkeypatch.setattr(_jax_compat, "vjp_residuals", lambda fn: ([], None))
+    with pytest.raises(RuntimeError, match="saved primal as the same array.*jax>=0.10.2,<0.11"):
+        _jax_compat.check()
+    _jax_compat.check.cache_clear()
+
+
+def test_varying_axes_reads_the_shard_map_type():
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+
+    def body(x):
+        assert _jax_compat.varying_axes(x) == {"d"}
+        assert _jax_compat.varying_axes(jax.lax.psum(x, "d")) == frozenset()
+        return x
+
+    jax.shard_map(body, mesh=mesh, in_specs=jax.sharding.PartitionSpec("d"),
+                  out_specs=jax.sharding.PartitionSpec("d"))(jnp.ones(4))
