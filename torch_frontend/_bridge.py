@@ -10,8 +10,10 @@ on the JAX side, so callers never write into them in place.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+from concurrent.futures import Future
 from typing import Sequence
 
 import jax
@@ -116,11 +118,24 @@ def _export(block: jax.Array) -> torch.Tensor:
     return torch.from_dlpack(block)
 
 
-def start_all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int]) -> list[jax.Array]:
-    """Dispatches ONE all-gather of every rank's padded blocks and returns at once.
+# One thread launches every collective, in call order: JAX's CPU client runs a
+# collective-only program inline (it dispatches only expensive programs
+# asynchronously), so a prefetched gather overlaps torch's compute only from another
+# thread; and one thread for all of them keeps their launch order the same on every
+# process, as the collectives require.
+_launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_frontend")
 
-    JAX runs it asynchronously (collectives start in dispatch order on every process),
-    so torch can compute meanwhile: this is FSDP2's prefetch.
+
+def _gather_now(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int]) -> list[jax.Array]:
+    fulls = _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows)
+    outs = [f.addressable_shards[0].data for f in fulls]
+    return jax.block_until_ready(outs)
+
+
+def start_all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int]) -> Future:
+    """Starts ONE all-gather of every rank's padded blocks and returns at once.
+
+    It runs on the collective thread while torch computes: this is FSDP2's prefetch.
 
     Args:
       layout: this process's place on the mesh.
@@ -128,20 +143,18 @@ def start_all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence
       rows: each tensor's full dim 0 (the padding is cut off).
 
     Returns:
-      The gathered arrays (replicated, possibly not computed yet).
+      A future of the gathered arrays, for `finish_all_gather`.
     """
-    return _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows)
+    return _launcher.submit(_gather_now, layout, blocks, rows)
 
 
-def finish_all_gather(pending: Sequence[jax.Array]) -> list[torch.Tensor]:
+def finish_all_gather(pending: Future) -> list[torch.Tensor]:
     """Waits for `start_all_gather`'s result; returns the full tensors.
 
     Returns:
       Each full tensor, a torch view of the gathered JAX buffer (read-only by contract).
     """
-    outs = [f.addressable_shards[0].data for f in pending]
-    jax.block_until_ready(outs)  # the inputs may be written again after this
-    return [_export(b) for b in outs]
+    return [_export(b) for b in pending.result()]
 
 
 def _stacked_block(layout: Layout, full: torch.Tensor) -> torch.Tensor:
@@ -174,8 +187,11 @@ def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor]) -> list[torch.
         shape = (layout.data_parallel, *block.shape[1:])
         stacked.append(jax.make_array_from_single_device_arrays(
             shape, sharding, [_import(layout, block)]))
+    blocks = _launcher.submit(_reduce_now, layout, stacked).result()
+    return [_export(b) for b in blocks]
+
+
+def _reduce_now(layout: Layout, stacked: Sequence[jax.Array]) -> list[jax.Array]:
     sums = _lowering.eager_reduce_scatter(
         stacked, layout.mesh, layout.shard_axes, layout.replicate_axes)
-    blocks = [s.addressable_shards[0].data for s in sums]
-    jax.block_until_ready(blocks)
-    return [_export(b) for b in blocks]
+    return jax.block_until_ready([s.addressable_shards[0].data for s in sums])
