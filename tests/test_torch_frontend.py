@@ -479,3 +479,67 @@ def test_register_fsdp_forward_method_gathers_for_that_method():
     torch_frontend.register_fsdp_forward_method(model, "generate")
     x = torch.randn(2, 4)
     np.testing.assert_allclose(model.generate(x).detach(), reference.generate(x).detach(), atol=1e-6)
+
+
+def test_ignored_params_are_left_alone():
+    torch.manual_seed(0)
+    reference = _mlp()
+    model = copy.deepcopy(reference)
+    frozen = model[2].bias
+    fully_shard(model[0])
+    fully_shard(model, ignored_params={frozen})
+    x = torch.randn(3, 16)
+    for m in (model, reference):
+        m(x).pow(2).mean().backward()
+    assert model[2].bias is frozen  # never swapped for a shard or a gathered copy
+    _assert_same(model, reference)
+
+
+class _HeadOutside(nn.Module):
+    """Embedding and head in one group; the loss applies the head outside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 6, bias=False)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 4, bias=False)
+
+    def forward(self, x):
+        return self.mid(self.emb(x))
+
+
+def test_group_whose_modules_did_not_all_run_forward_is_completed_by_the_root():
+    torch.manual_seed(0)
+    reference = _HeadOutside()
+    model = copy.deepcopy(reference)
+    fully_shard([model.emb, model.head])
+    fully_shard(model)
+    shards = (model.emb.weight, model.head.weight)
+    x = torch.randn(3, 4)
+    for m in (model, reference):
+        h = m(x)
+        if m is model:  # head never ran: the root's post-forward resharded the group
+            assert m.emb.weight is shards[0] and m.head.weight is shards[1]
+        (m.head(h[:2]).pow(2).sum() + m.head(h[2:]).pow(2).sum()).backward()
+    assert model.emb.weight is shards[0] and model.head.weight is shards[1]
+    _assert_same(model, reference)
+
+
+def test_an_output_that_is_a_view_warns():
+    class Viewing(nn.Linear):
+        def forward(self, x):
+            return super().forward(x)[:, :2]
+
+    model = fully_shard(Viewing(4, 4))
+    with pytest.warns(UserWarning, match="returned a view tensor"):
+        model(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"shard_placement_fn": lambda p: None}, "shard_placement_fn"),
+    ({"reshard_after_forward": 2}, "reshard_after_forward=2"),
+    ({"dp_mesh_dims": object()}, "dp_mesh_dims"),
+])
+def test_arguments_not_supported_yet_say_so(kwargs, match):
+    with pytest.raises(NotImplementedError, match=match):
+        fully_shard(nn.Linear(2, 2), **kwargs)

@@ -155,6 +155,16 @@ def _fsdp_class(cls: type) -> type:
     return _fsdp_classes[cls]
 
 
+def _check_not_yet(offload_policy, dp_mesh_dims) -> None:
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise NotImplementedError(_errors.not_supported_yet(
+            f"offload_policy={offload_policy!r}", "parameters already live in host memory "
+            "on CPU; pass None."))
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(_errors.not_supported_yet(
+            "dp_mesh_dims", "pass None and a mesh from init_distributed()."))
+
+
 def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn) -> None:
     for module in modules:
         if not isinstance(module, nn.Module):
@@ -194,6 +204,9 @@ def fully_shard(
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     shard_placement_fn: Callable | None = None,
+    offload_policy=None,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims=None,
 ):
     """Shards `module`'s parameters over the mesh and installs FSDP2's hooks.
 
@@ -211,6 +224,10 @@ def fully_shard(
         forward first), which stays gathered.
       mp_policy: the mixed-precision policy.
       shard_placement_fn: not supported yet (must be None).
+      offload_policy: not supported yet (None, or FSDP2's default `OffloadPolicy()`).
+      ignored_params: parameters to leave alone: not sharded, not gathered, their
+        gradients not reduced (as in FSDP2).
+      dp_mesh_dims: not supported yet (must be None).
 
     Returns:
       `module`, its class swapped to `FSDP<Cls>` (a subclass of `FSDPModule`).
@@ -220,10 +237,14 @@ def fully_shard(
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn)
+    _check_not_yet(offload_policy, dp_mesh_dims)
+    ignored = {id(p) for p in ignored_params or ()}
     layout = _bridge.layout_of(_distributed.default_mesh() if mesh is None else mesh)
     names = _param_names(modules)
     params = []
     for param, uses in module_params(modules, lambda m: state_of(m) is not None):
+        if id(param) in ignored:
+            continue
         owner, attr = uses[0]
         fqn = f"{names[id(owner)]}.{attr}" if names[id(owner)] else attr
         params.append(FSDPParam(param, uses, fqn, layout))
