@@ -543,3 +543,25 @@ def test_an_output_that_is_a_view_warns():
 def test_arguments_not_supported_yet_say_so(kwargs, match):
     with pytest.raises(NotImplementedError, match=match):
         fully_shard(nn.Linear(2, 2), **kwargs)
+
+
+def test_accumulation_without_reshard_after_backward_gathers_once(monkeypatch):
+    from torch_frontend import _bridge
+
+    torch.manual_seed(0)
+    reference = _mlp()
+    model = _shard_mlp(copy.deepcopy(reference))
+    started = []
+    real = _bridge.start_all_gather
+    monkeypatch.setattr(_bridge, "start_all_gather",
+                        lambda layout, blocks, rows: started.append(1) or real(layout, blocks, rows))
+    batches = _batches(3)
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        model.set_reshard_after_forward(False)
+        for m in (model, reference):
+            (m(x) - y).pow(2).mean().backward()
+    assert len(started) == 2  # each unit gathered once for all three microbatches
+    _assert_same(model, reference)

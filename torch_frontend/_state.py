@@ -26,7 +26,7 @@ class IterationContext:
         self.iter_forward_root: FSDPState | None = None
         self.final_callback_queued = False
         self.is_last_backward = True
-        # Groups in the order their post-forward ran this iteration (with repeats):
+        # States in the order their post-forward ran this iteration (with repeats):
         # the default backward prefetch walks it backwards.
         self.post_forward_order: list[FSDPState] = []
 
