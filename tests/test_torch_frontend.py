@@ -565,3 +565,15 @@ def test_accumulation_without_reshard_after_backward_gathers_once(monkeypatch):
             (m(x) - y).pow(2).mean().backward()
     assert len(started) == 2  # each unit gathered once for all three microbatches
     _assert_same(model, reference)
+
+
+def test_gradient_divide_factor_replaces_the_world_size():
+    torch.manual_seed(0)
+    reference = _mlp()
+    model = _shard_mlp(copy.deepcopy(reference))
+    model[0].set_gradient_divide_factor(4.0)  # this module only, as in FSDP2
+    x = torch.randn(3, 16)
+    for m in (model, reference):
+        m(x).pow(2).mean().backward()
+    np.testing.assert_allclose(model[0].weight.grad, reference[0].weight.grad / 4, atol=1e-7)
+    np.testing.assert_allclose(model[2].weight.grad, reference[2].weight.grad, atol=1e-7)
