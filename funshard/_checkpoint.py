@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.tree_util import keystr, tree_unflatten
 
-from funshard import _errors, _optim, _shard
+from funshard import _errors, _optim, _tree
 from funshard._sharded import Sharded, is_array
 
 _FORMAT = "funshard-checkpoint-1"
@@ -63,7 +63,7 @@ def _entry(path, x) -> dict | None:
 
 
 def _arrays_and_meta(tree: Any):
-    paths, items, _ = _shard.sharded_leaves("save", tree)
+    paths, items, _ = _tree.sharded_leaves(tree)
     arrays, leaves = {}, []
     for path, x in zip(paths, items):
         entry = _entry(path, x)
@@ -264,8 +264,8 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     meta = meta["funshard"]
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         raise ValueError(_errors.checkpoint_bad_metadata(path))
-    paths, items, treedef = _shard.sharded_leaves("restore", like)
-    mesh = _shard.common_mesh("restore", paths, items)
+    paths, items, treedef = _tree.sharded_leaves(like)
+    mesh = _tree.common_mesh("restore", paths, items)
     problems = _mismatches(meta, paths, items)
     if problems:
         raise ValueError(_errors.checkpoint_mismatch(path, problems))

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from funshard import _errors, _shard
+from funshard import _errors, _tree
 from funshard._sharded import Sharded, is_sharded
 
 
@@ -75,8 +75,8 @@ def init_optimizer(opt: Any, state: Any) -> Any:
       ValueError: `state` has no `Sharded` leaves (so no mesh), or they live on
         different meshes.
     """
-    paths, items, _ = _shard.sharded_leaves("init_optimizer", state)
-    mesh = _shard.common_mesh("init_optimizer", paths, items)
+    paths, items, _ = _tree.sharded_leaves(state)
+    mesh = _tree.common_mesh("init_optimizer", paths, items)
     if mesh is None:
         raise ValueError(_errors.no_state_mesh("init_optimizer"))
     opt_state = jax.eval_shape(opt.init, state) if _is_abstract(state) else opt.init(state)

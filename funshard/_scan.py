@@ -17,18 +17,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.tree_util import tree_unflatten
 
-from funshard import _context, _errors, _gather, _jax_compat
-from funshard._fully_shard import (
-    _cast_floating,
-    _unit_policy,
-    check_reshard_after_forward,
-    dependency_of,
-    drop_gathered,
-    resume,
-)
-from funshard._shard import common_mesh, sharded_leaves, unshard
+from funshard import _context, _errors, _gather, _jax_compat, _unit
+from funshard._shard import unshard
 from funshard._sharded import Sharded
 
 
@@ -47,11 +38,9 @@ def _match_types(ct, primal):
     return jax.tree.map(fix, ct, primal)
 
 
-def _layer_layout(items, idx, name: str):
-    layer = [
-        dataclasses.replace(items[i], data=None, shape=items[i].shape[1:], dim=items[i].dim - 1)
-        for i in idx
-    ]
+def _layer_layout(sharded, name: str):
+    """The gather layout of one layer of each stacked leaf (its layer axis dropped)."""
+    layer = [dataclasses.replace(x, data=None, shape=x.shape[1:], dim=x.dim - 1) for x in sharded]
     return _gather.layout_of(layer, name=name)
 
 
@@ -93,40 +82,32 @@ def scan(
         (`sync_every_microbatch=False`) over a scanned stack, or an int
         `reshard_after_forward` (hpZ).
     """
-    check_reshard_after_forward("scan", reshard_after_forward)
+    _unit.check_reshard_after_forward("scan", reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(_errors.scan_hpz_unsupported(reshard_after_forward))
-    paths, items, treedef = sharded_leaves("scan", stacked)
-    if common_mesh("scan", paths, items) is None:
-        raise ValueError(_errors.no_sharded("scan"))
-    _check_stacked(paths, items)
-    policy = _unit_policy(paths, items)
-    if policy is not None and policy.cast_forward_inputs:
-        carry = _cast_floating(carry, policy.param_dtype)
-    ctx = _context.current()
-    if ctx is None:
-        full = _cast_floating(unshard(stacked), None if policy is None else policy.param_dtype)
+    unit = _unit.prepare("scan", stacked)
+    _check_stacked(unit.paths, unit.parts.items)
+    carry = _unit.cast_inputs(unit, carry)
+    if _context.current() is None:
+        full = _unit.cast_floating(unshard(stacked), unit.param_dtype)
         out = jax.lax.scan(lambda c, p: (fn(p, c), None), carry, full)[0]
     else:
-        out = _scan_in_step(fn, items, treedef, carry, reshard_after_forward)
-    return _cast_floating(out, None if policy is None else policy.output_dtype)
+        out = _scan_in_step(fn, unit, carry, reshard_after_forward)
+    return _unit.cast_floating(out, unit.output_dtype)
 
 
-def _scan_in_step(fn, items, treedef, carry, reshard_after_forward: bool):
-    idx = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
-    datas = tuple(items[i].data for i in idx)
-    if _gather.accumulators_for([items[i] for i in idx]) is not None:
+def _scan_in_step(fn, unit: _unit.UnitParams, carry, reshard_after_forward: bool):
+    sharded = unit.sharded
+    datas = tuple(x.data for x in sharded)
+    if _gather.accumulators_for(sharded) is not None:
         raise NotImplementedError(_errors.scan_deferred_sync_unsupported())
-    layout = _layer_layout(items, idx, f"scan/{getattr(fn, '__name__', 'layer')}")
-    others = [None if isinstance(x, Sharded) else x for x in items]
+    layout = _layer_layout(sharded, f"scan/{getattr(fn, '__name__', 'layer')}")
+    others = unit.parts.others
     layers = datas[0].shape[0]
-    saved: dict[str, Any] = {}
+    record = _unit.Residuals()
 
     def layer_params(gathered, others_i):
-        merged = list(others_i)
-        for i, g in zip(idx, gathered):
-            merged[i] = g
-        return tree_unflatten(treedef, merged)
+        return unit.parts.combine(gathered, others_i)
 
     def gather_layer(datas, i, dependency):
         blocks = [jax.lax.dynamic_index_in_dim(d, i, keepdims=False) for d in datas]
@@ -150,12 +131,12 @@ def _scan_in_step(fn, items, treedef, carry, reshard_after_forward: bool):
             h, current = c
             i, others_i = xs
             upcoming = prefetch(datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1),
-                                dependency_of(h), current)
+                                _unit.dependency_of(h), current)
             h, vjp_fn = jax.vjp(run_layer, current, others_i, h)
-            kept = drop_gathered(vjp_fn, current if reshard_after_forward else (), saved)
+            kept = record.drop_gathered(vjp_fn, current if reshard_after_forward else ())
             return (h, upcoming), kept
 
-        first = gather_layer(datas, 0, dependency_of(carry))
+        first = gather_layer(datas, 0, _unit.dependency_of(carry))
         (h, _), kept = jax.lax.scan(body, (carry, first), (jnp.arange(layers), others))
         return h, (datas, others, carry, kept)
 
@@ -166,16 +147,16 @@ def _scan_in_step(fn, items, treedef, carry, reshard_after_forward: bool):
             ct_h, current = c
             i, kept_i = xs
             if reshard_after_forward:
-                dependency = dependency_of(ct_h)
+                dependency = _unit.dependency_of(ct_h)
                 previous = prefetch(datas, i > 0, jnp.maximum(i - 1, 0), dependency, current)
             else:
                 previous = current  # every layer's parameters were kept: nothing to gather
-            ct_g, ct_others, ct_h = resume(saved, kept_i, current)(ct_h)
+            ct_g, ct_others, ct_h = record.resume(kept_i, current)(ct_h)
             ct_blocks = _gather.backward_values(ct_g, layout, None)[0]
             return (ct_h, previous), (ct_blocks, ct_others)
 
         if reshard_after_forward:
-            last = gather_layer(datas, layers - 1, dependency_of(ct))
+            last = gather_layer(datas, layers - 1, _unit.dependency_of(ct))
         else:
             last = tuple(jnp.zeros(leaf.shape, leaf.gather_dtype) for leaf in layout.leaves)
         (ct_carry, _), (ct_datas, ct_others) = jax.lax.scan(

@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jax.tree_util import tree_flatten_with_path, tree_unflatten
+from jax.tree_util import tree_unflatten
 
 from funshard import _context, _errors, _gather, _lowering, _mesh, _placement
 from funshard._placement import Replicate
 from funshard._policy import MixedPrecisionPolicy
 from funshard._sharded import Sharded, is_array, is_key, is_sharded
+from funshard._tree import common_mesh, sharded_leaves
 
 
 def _check_numeric(fn: str, path, x) -> np.dtype:
@@ -185,27 +186,6 @@ def shard(
     )
 
 
-def sharded_leaves(fn: str, tree: Any) -> tuple[list, list, Any]:
-    """Flattens `tree` keeping `Sharded` nodes whole: (paths, items, treedef)."""
-    with_path, treedef = tree_flatten_with_path(tree, is_leaf=is_sharded)
-    paths = [p for p, _ in with_path]
-    items = [x for _, x in with_path]
-    return paths, items, treedef
-
-
-def common_mesh(fn: str, paths, items) -> Mesh | None:
-    """The one mesh all `Sharded` items live on (ValueError if they disagree)."""
-    first = None
-    for path, x in zip(paths, items):
-        if not isinstance(x, Sharded):
-            continue
-        if first is None:
-            first = (path, x.mesh)
-        elif x.mesh != first[1]:
-            raise ValueError(_errors.mixed_meshes(fn, first, (path, x.mesh)))
-    return None if first is None else first[1]
-
-
 def _groups(items) -> dict[tuple, list[int]]:
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(items):
@@ -237,7 +217,7 @@ def unshard(tree: Any) -> Any:
 
 def unshard_as(tree: Any, name: str) -> Any:
     """`unshard`, with its collectives labelled `funshard/<name>/...` inside a step."""
-    paths, items, treedef = sharded_leaves("unshard", tree)
+    paths, items, treedef = sharded_leaves(tree)
     mesh = common_mesh("unshard", paths, items)
     if mesh is None:
         raise ValueError(_errors.no_sharded("unshard"))
@@ -331,7 +311,7 @@ def reshard(full_tree: Any, like: Any) -> Any:
       ValueError: the structures differ, or a leaf's shape or dtype does not match.
       TypeError: a leaf that should be an array is not.
     """
-    paths, items, treedef = sharded_leaves("reshard", like)
+    paths, items, treedef = sharded_leaves(like)
     try:
         fulls = treedef.flatten_up_to(full_tree)
     except (ValueError, TypeError) as exc:

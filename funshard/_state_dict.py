@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_unflatten
 
-from funshard import _errors, _shard
+from funshard import _errors, _shard, _tree
 from funshard._sharded import Sharded, is_array, is_key
 
 
@@ -47,11 +47,11 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
     Returns:
       A dict from paths such as `"['layers'][0]['w']"` to numpy arrays.
     """
-    paths, items, _ = _shard.sharded_leaves("state_dict", tree)
+    paths, items, _ = _tree.sharded_leaves(tree)
     has_sharded = any(isinstance(x, Sharded) for x in items)
     full_items = items
     if has_sharded:
-        full_items = _shard.sharded_leaves("state_dict", _shard.unshard(tree))[1]
+        full_items = _tree.sharded_leaves(_shard.unshard(tree))[1]
     return {
         keystr(tuple(p)): _host(full)
         for p, x, full in zip(paths, items, full_items)
@@ -112,7 +112,7 @@ def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
         not match; the message lists every offending path.
     """
     _check_sd(sd)
-    paths, items, treedef = _shard.sharded_leaves("load_state_dict", like)
+    paths, items, treedef = _tree.sharded_leaves(like)
     problems = _problems(sd, paths, items)
     if problems:
         raise ValueError(_errors.state_dict_mismatch(problems))

@@ -12,9 +12,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
-from funshard import _callbacks, _context, _jax_compat, _errors, _gather, _lowering, _mesh
-from funshard._shard import common_mesh, sharded_leaves
-from funshard._tree import split_arrays
+from funshard import _callbacks, _context, _errors, _gather, _jax_compat, _lowering, _mesh
+from funshard._tree import common_mesh, sharded_leaves, split_arrays
 from funshard._sharded import Sharded, is_array, is_sharded
 
 
@@ -423,7 +422,7 @@ def value_and_grad(
     @functools.wraps(loss_fn)
     def step(state, batch, *args):
         _jax_compat.check()
-        paths, items, treedef = sharded_leaves("value_and_grad", state)
+        paths, items, treedef = sharded_leaves(state)
         mesh = common_mesh("value_and_grad", paths, items)
         if mesh is None:
             raise ValueError(_errors.no_sharded("value_and_grad"))

@@ -1,12 +1,83 @@
-"""Pytree helpers shared by the root and the units."""
+"""Pytree helpers shared by the root, the units and the public transforms.
+
+`sharded_leaves` flattens a tree keeping `Sharded` nodes whole; `partition` /
+`Partition.combine` (equinox's partition/combine idea) select some of those leaves,
+compute new values for them and put them back, which is how every transform here
+rebuilds a tree.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
-from funshard._sharded import is_array
+from funshard import _errors
+from funshard._sharded import Sharded, is_array, is_sharded
+
+
+def sharded_leaves(tree: Any) -> tuple[list, list, Any]:
+    """Flattens `tree` keeping `Sharded` nodes whole: (paths, items, treedef)."""
+    with_path, treedef = tree_flatten_with_path(tree, is_leaf=is_sharded)
+    return [p for p, _ in with_path], [x for _, x in with_path], treedef
+
+
+def common_mesh(fn: str, paths, items) -> Mesh | None:
+    """The one mesh all `Sharded` items live on (ValueError if they disagree)."""
+    first = None
+    for path, x in zip(paths, items, strict=True):
+        if not isinstance(x, Sharded):
+            continue
+        if first is None:
+            first = (path, x.mesh)
+        elif x.mesh != first[1]:
+            raise ValueError(_errors.mixed_meshes(fn, first, (path, x.mesh)))
+    return None if first is None else first[1]
+
+
+def is_inexact_array(x: Any) -> bool:
+    """Whether `x` (an array, tracer, abstract array or `Sharded`) is floating or complex."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """A flattened tree with some positions selected (`partition`)."""
+
+    items: tuple
+    treedef: Any
+    positions: tuple[int, ...]
+
+    @property
+    def selected(self) -> list:
+        """The selected items, in tree order."""
+        return [self.items[i] for i in self.positions]
+
+    @property
+    def others(self) -> list:
+        """Every item, with None in the selected positions."""
+        chosen = set(self.positions)
+        return [None if i in chosen else x for i, x in enumerate(self.items)]
+
+    def combine(self, values, others: list | None = None) -> Any:
+        """The tree again, with `values` in the selected positions (and `others`, if
+        given, in the rest)."""
+        out = list(self.items if others is None else others)
+        for i, v in zip(self.positions, values, strict=True):
+            out[i] = v
+        return tree_unflatten(self.treedef, out)
+
+
+def partition(tree: Any, select: Callable[[Any], bool] = is_sharded) -> Partition:
+    """`tree` flattened (`Sharded` nodes whole) with the items `select` picks marked."""
+    _, items, treedef = sharded_leaves(tree)
+    positions = tuple(i for i, x in enumerate(items) if select(x))
+    return Partition(tuple(items), treedef, positions)
 
 
 def split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
@@ -16,12 +87,5 @@ def split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
     leaves (strings, Python numbers, ...) are static and come back unchanged.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    positions = [i for i, x in enumerate(leaves) if is_array(x)]
-
-    def rebuild(values: list) -> Any:
-        out = list(leaves)
-        for i, v in zip(positions, values, strict=True):
-            out[i] = v
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    return [leaves[i] for i in positions], rebuild
+    parts = Partition(tuple(leaves), treedef, tuple(i for i, x in enumerate(leaves) if is_array(x)))
+    return parts.selected, parts.combine

@@ -1,0 +1,221 @@
+"""A unit: the one place funshard defines how a function's sharded parameters are
+gathered for it and how their gradients are reduced after it.
+
+`fs.fully_shard`, `fs.scan` and the frontends are thin callers of this module:
+
+- `prepare` is every unit's prologue: the parameters split into `Sharded` leaves and the
+  rest, their one mesh and one policy, the forward-input cast, the nesting check;
+- `Residuals` is the typed trace-time record of a unit's backward: which of `jax.vjp`'s
+  residuals were the gathered parameters (left out of the saved residuals and gathered
+  again in the backward pass: FSDP2's `reshard_after_forward`, no recomputation);
+- `call_resharded` is the custom_vjp of one unit call.
+
+Each gather is tied by a data dependency to the value it must wait for (the unit's input
+forward, the incoming cotangent backward): that keeps XLA from hoisting every gather to the
+program start and from merging the backward re-gather with the forward gather, either of
+which would keep all parameters alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from funshard import _context, _errors, _gather, _jax_compat, _tree
+from funshard._policy import MixedPrecisionPolicy
+from funshard._sharded import Sharded, is_sharded
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitParams:
+    """A unit's parameters as the unit sees them on entry (see `prepare`)."""
+
+    parts: _tree.Partition  # the params tree, `Sharded` leaves selected
+    paths: list
+    policy: MixedPrecisionPolicy | None
+
+    @property
+    def sharded(self) -> list[Sharded]:
+        return self.parts.selected
+
+    @property
+    def param_dtype(self):
+        return None if self.policy is None else self.policy.param_dtype
+
+    @property
+    def output_dtype(self):
+        return None if self.policy is None else self.policy.output_dtype
+
+
+def prepare(fn: str, params: Any) -> UnitParams:
+    """Splits a unit's parameters; checks they share one mesh and one policy."""
+    paths, items, _ = _tree.sharded_leaves(params)
+    if _tree.common_mesh(fn, paths, items) is None:
+        if _context.in_unit():
+            raise ValueError(_errors.nested_units("a unit called inside another unit"))
+        raise ValueError(_errors.no_sharded(fn))
+    return UnitParams(_tree.partition(params), paths, _policy_of(fn, paths, items))
+
+
+def _policy_of(fn: str, paths, items) -> MixedPrecisionPolicy | None:
+    found: dict = {}
+    for path, x in zip(paths, items, strict=True):
+        if isinstance(x, Sharded):
+            found.setdefault(x.mp_policy, path)
+    if len(found) > 1:
+        raise ValueError(_errors.mixed_policies(fn, [(p, k) for k, p in found.items()]))
+    return next(iter(found), None)
+
+
+def cast_inputs(unit: UnitParams, args: Any) -> Any:
+    """`args` cast to `param_dtype` when the policy says `cast_forward_inputs`."""
+    if unit.policy is not None and unit.policy.cast_forward_inputs:
+        return cast_floating(args, unit.policy.param_dtype)
+    return args
+
+
+def cast_floating(tree: Any, dtype) -> Any:
+    """Floating arrays of `tree` cast to `dtype` (None: unchanged)."""
+    if dtype is None:
+        return tree
+
+    def cast(x):
+        # Sharded arguments (another unit's parameters, passed through) keep their dtype.
+        if isinstance(x, Sharded) or not hasattr(x, "dtype"):
+            return x
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, tree, is_leaf=is_sharded)
+
+
+def dependency_of(tree: Any):
+    """A non-empty array of `tree` a gather can be tied to (floating first), or None.
+
+    Any dtype will do (`_lowering.tie_to` reads it as a predicate that is always true),
+    so a unit whose only inputs are integer token ids is still tied to them.
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and x.size]
+    floating = [x for x in leaves if _tree.is_inexact_array(x)]
+    return (floating or leaves or [None])[0]
+
+
+def check_reshard_after_forward(fn: str, value) -> None:
+    """FSDP2's `reshard_after_forward: bool | int` (an int k >= 1), or a clear error."""
+    if not isinstance(value, int):
+        raise TypeError(_errors.bad_reshard_after_forward(fn, value))
+    if not isinstance(value, bool) and value < 1:
+        raise ValueError(_errors.bad_reshard_after_forward(fn, value))
+
+
+def group_size(reshard_after_forward: bool | int, sharded: list[Sharded]) -> int | None:
+    """1: keep the gathered params; None: reshard fully; k: hpZ over groups of k."""
+    if isinstance(reshard_after_forward, bool):
+        return None if reshard_after_forward else 1
+    n = sharded[0].num_shards
+    if n % reshard_after_forward:
+        raise ValueError(_errors.hpz_not_divisor(reshard_after_forward, n))
+    return None if reshard_after_forward == n else reshard_after_forward
+
+
+def _keep_group(layout: _gather.GroupLayout, k: int) -> tuple[str, ...]:
+    """The trailing shard axes spanning k devices (the hpZ group), or a clear error."""
+    axes = layout.shard_axes
+    sizes = [jax.lax.axis_size(a) for a in axes]
+    for start in range(len(axes) - 1, 0, -1):
+        if int(np.prod(sizes[start:])) == k:
+            return axes[start:]
+    raise ValueError(_errors.hpz_group_mismatch(k, axes, sizes))
+
+
+@dataclasses.dataclass
+class Residuals:
+    """What a unit's backward needs to know about its forward, recorded at trace time.
+
+    Static structure cannot travel as custom_vjp residuals (those are arrays), so it
+    lives here, in the closure of the unit's forward and backward.
+
+    Attributes:
+      treedef: the structure of the forward's `jax.vjp` function.
+      slots: for each of its residuals, the index of the gathered parameter it is (left
+        out of the saved residuals, re-gathered in backward), or None (saved).
+      regroup: the backward gathers from hpZ parts, within groups (not from shards).
+      rebuild_out: puts the unit's static (non-array) outputs back around its arrays.
+    """
+
+    treedef: Any = None
+    slots: list = dataclasses.field(default_factory=list)
+    regroup: bool = False
+    rebuild_out: Callable | None = None
+
+    def drop_gathered(self, vjp_fn: Callable, fulls) -> list:
+        """The residuals of `vjp_fn`, with the gathered `fulls` among them left out (None)."""
+        residuals, self.treedef = _jax_compat.vjp_residuals(vjp_fn)
+        slot_of = {id(f): k for k, f in enumerate(fulls)}
+        self.slots = [slot_of.get(id(r)) for r in residuals]
+        return [None if s is not None else r for r, s in zip(residuals, self.slots, strict=True)]
+
+    def resume(self, kept: list, fulls) -> Callable:
+        """The vjp function again, with re-gathered `fulls` put back into their slots."""
+        residuals = [k if s is None else fulls[s] for k, s in zip(kept, self.slots, strict=True)]
+        return _jax_compat.vjp_from_residuals(self.treedef, residuals)
+
+
+def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | None, name: str):
+    """`fn(gathered params, *args)` without keeping the gathered params for backward.
+
+    One custom_vjp call: the forward gathers (one collective), runs `jax.vjp` of `fn`
+    and saves its residuals except the gathered parameters; the backward gathers them
+    again (from the local shards, or with `group` k (hpZ) from the 1/k parts each device
+    kept, within its group of k devices), resumes the vjp and reduce-scatters.
+    """
+    sharded = unit.sharded
+    layout = _gather.layout_of(sharded, name=name)
+    datas = tuple(x.data for x in sharded)
+    accumulators = _gather.accumulators_for(sharded)
+    deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
+    keep_group = _keep_group(layout, group) if group else None
+    record = Residuals()
+    # custom_vjp takes and returns arrays only: the other leaves stay static.
+    operand_arrays, rebuild_operands = _tree.split_arrays((unit.parts.others, args))
+
+    def run(fulls, operand_arrays):
+        others, call_args = rebuild_operands(operand_arrays)
+        # Replicated (unsharded) parameters of the unit compute in param_dtype too.
+        params = unit.parts.combine(fulls, cast_floating(others, unit.param_dtype))
+        with _context.unit_body():
+            out = fn(params, *call_args)
+        out_arrays, record.rebuild_out = _tree.split_arrays(out)
+        return out_arrays
+
+    @jax.custom_vjp
+    def call(datas, accumulators, operand_arrays):
+        return run(_gather.gather_values(datas, layout), operand_arrays)
+
+    def call_fwd(datas, accumulators, operand_arrays):
+        dependency = dependency_of(operand_arrays)
+        if keep_group is None:
+            fulls, source = _gather.gather_values(datas, layout, dependency), datas
+        else:
+            fulls, part = _gather.gather_values(datas, layout, dependency, keep_group)
+            source = datas if part is None else part  # None: nothing to gather at all
+        record.regroup = source is not datas
+        out, vjp_fn = jax.vjp(run, fulls, operand_arrays)
+        return out, (source, record.drop_gathered(vjp_fn, fulls))
+
+    def call_bwd(residuals, ct):
+        source, kept = residuals
+        if record.regroup:
+            fulls = _gather.regather_values(source, layout, keep_group, dependency_of(ct))
+        else:
+            fulls = _gather.gather_values(source, layout, dependency_of(ct))
+        ct_fulls, ct_operands = record.resume(kept, fulls)(ct)
+        ct_datas, ct_accumulators = _gather.backward_values(ct_fulls, layout, deferred)
+        return ct_datas, ct_accumulators, ct_operands
+
+    call.defvjp(call_fwd, call_bwd)
+    out = call(datas, accumulators, operand_arrays)  # traces `run`, which records its output
+    return record.rebuild_out(out)
