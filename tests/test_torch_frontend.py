@@ -30,7 +30,7 @@ from torch_frontend import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_torch_worker.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command
 JOB_TIMEOUT_S = 180
 CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum", "bf16", "prefetch")
 HSDP_CASES = ("seq", "uneven", "blocks_reshard")
@@ -70,7 +70,7 @@ def _kill_group(pid: int) -> None:
 def _run_torchrun(out: Path, processes: int, *args: str) -> tuple[int, str]:
     """Runs the worker under torchrun; kills torchrun and every worker on the way out."""
     log = out / "torchrun.log"
-    command = [str(TORCHRUN), f"--nproc-per-node={processes}", "--master-addr=127.0.0.1",
+    command = [*TORCHRUN, f"--nproc-per-node={processes}", "--master-addr=127.0.0.1",
                f"--master-port={_free_port_pair()}", str(WORKER), "--out", str(out),
                "--deadline", str(JOB_TIMEOUT_S), *args]
     with open(log, "w") as sink:
