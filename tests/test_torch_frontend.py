@@ -577,3 +577,28 @@ def test_gradient_divide_factor_replaces_the_world_size():
         m(x).pow(2).mean().backward()
     np.testing.assert_allclose(model[0].weight.grad, reference[0].weight.grad / 4, atol=1e-7)
     np.testing.assert_allclose(model[2].weight.grad, reference[2].weight.grad, atol=1e-7)
+
+
+def test_gradients_enter_jax_without_copies_when_rows_divide(monkeypatch):
+    from funshard import _lowering
+    from torch_frontend._param import FSDPParam
+
+    grads, inputs = [], []
+    take = FSDPParam.take_unsharded_grad
+
+    def recording_take(self, dtype):
+        grad = take(self, dtype)
+        grads.append(grad.data_ptr())
+        return grad
+
+    real = _lowering.eager_reduce_scatter
+
+    def recording_reduce(stacked, *args, **kwargs):
+        inputs.extend(s.addressable_shards[0].data.unsafe_buffer_pointer() for s in stacked)
+        return real(stacked, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPParam, "take_unsharded_grad", recording_take)
+    monkeypatch.setattr(_lowering, "eager_reduce_scatter", recording_reduce)
+    model = _shard_mlp(_mlp())  # one process: every dim 0 divides the world size
+    model(torch.randn(2, 16)).sum().backward()
+    assert len(inputs) == 4 and sorted(inputs) == sorted(grads)
