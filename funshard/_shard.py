@@ -18,14 +18,38 @@ from funshard._sharded import Sharded, is_array, is_key, is_sharded
 from funshard._tree import common_mesh, sharded_leaves
 
 
-def _check_numeric(fn: str, path, x) -> np.dtype:
-    """The numpy dtype of `x` (concrete, traced or abstract); TypeError if not numeric."""
+def _dtype_problem(fn: str, path, x) -> str | None:
+    """Why `x` (concrete, traced or abstract) cannot be a parameter, or None."""
     dtype = np.dtype(x.dtype)
     if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)):
-        raise TypeError(_errors.bad_dtype(fn, path, dtype))
+        return _errors.bad_dtype(fn, path, dtype)
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-        raise TypeError(_errors.x64_dtype(fn, path, dtype))
-    return dtype
+        return _errors.x64_dtype(fn, path, dtype)
+    return None
+
+
+def _check_numeric(fn: str, path, x) -> np.dtype:
+    """The numpy dtype of `x`; TypeError if it is not numeric."""
+    problem = _dtype_problem(fn, path, x)
+    if problem:
+        raise TypeError(problem)
+    return np.dtype(x.dtype)
+
+
+def _check_leaves(params: Any) -> None:
+    """Every leaf `shard` cannot take, reported at once (as jax.shard_map reports specs)."""
+    sharded, bad_dtypes = [], []
+    for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]:
+        if isinstance(x, Sharded):
+            sharded.append(_errors.already_sharded(path))
+        elif (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)) and not is_key(x):
+            problem = _dtype_problem("shard", path, x)
+            if problem:
+                bad_dtypes.append(problem)
+    if sharded:
+        raise ValueError(_errors.joined(sharded + bad_dtypes))
+    if bad_dtypes:
+        raise TypeError(_errors.joined(bad_dtypes))
 
 
 def _pad(x, dim: int, size: int, exact_bits: bool = True):
@@ -175,6 +199,7 @@ def shard(
         placement = _stacked_placement
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(_errors.bad_mp_policy(mp_policy))
+    _check_leaves(params)
     traced = any(_is_traced(x) for x in jax.tree.leaves(params))
     return jax.tree_util.tree_map_with_path(
         lambda p, x: _shard_leaf(

@@ -153,3 +153,11 @@ def test_scan_reports_every_unstacked_leaf_at_once():
     assert "leaf ['a'] is sharded on dim 0" in str(err.value)
     assert "leaf ['b'] is sharded on dim 0" in str(err.value)
     assert "['c']" not in str(err.value)
+
+
+def test_shard_reports_every_bad_leaf_at_once():
+    params = {"a": np.zeros(3, object), "b": np.ones(3, F32), "c": np.zeros(3, np.float64)}
+    with pytest.raises(TypeError) as err:
+        fs.shard(params, mesh_for("8"))
+    assert "leaf ['a'] has dtype object" in str(err.value)
+    assert "leaf ['c'] has dtype float64" in str(err.value)
