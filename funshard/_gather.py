@@ -19,6 +19,7 @@ import numpy as np
 
 from funshard import _context, _lowering, _policy
 from funshard._sharded import Sharded
+from funshard._tree import is_inexact_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ class LeafLayout:
 
     @property
     def differentiable(self) -> bool:
-        return bool(jnp.issubdtype(self.dtype, jnp.inexact))
+        return is_inexact_array(self)
 
     @property
     def reduced(self) -> bool:

@@ -21,9 +21,10 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from funshard import _jax_compat, _mesh
+from funshard._tree import is_inexact_array
 
 UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -234,7 +235,7 @@ def materialize(tree: Any, axes: tuple[str, ...]) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     idx = [
         i for i, x in enumerate(leaves)
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+        if isinstance(x, jax.Array) and is_inexact_array(x) and x.size
     ]
     if not idx:
         return tree
@@ -254,7 +255,8 @@ def copy_out(gathered: jax.Array, packing: Packing, axes: tuple[str, ...]) -> li
     gathered at once. Materialised (see `_materialized`), the leaves are buffers of
     their own and the flat buffer dies right after this copy.
     """
-    return _materialized(lambda g: unpack(g, packing), gathered, axes)
+    with jax.named_scope("copy_out"):  # funshard/<unit>/all_gather/copy_out in profiles
+        return _materialized(lambda g: unpack(g, packing), gathered, axes)
 
 
 def regather_group(
@@ -407,8 +409,3 @@ def eager_reduce_scatter(
         return []
     fn = _eager_reduce_scatter_fn(mesh, tuple(shard_axes), tuple(replicate_axes), len(stacked))
     return list(fn(*stacked))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    """The fully replicated sharding on `mesh`."""
-    return NamedSharding(mesh, PartitionSpec())

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
 from funshard import _callbacks, _context, _errors, _gather, _jax_compat, _lowering, _mesh
-from funshard._tree import common_mesh, sharded_leaves, split_arrays
+from funshard._tree import common_mesh, is_inexact_array, sharded_leaves, split_arrays
 from funshard._sharded import Sharded, is_array, is_sharded
 
 
@@ -60,7 +60,7 @@ def _check_batch(batch: Any, world: int, dp_axes, microbatches: int = 1) -> None
 
 
 def _is_differentiable(x) -> bool:
-    return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+    return is_inexact_array(x)
 
 
 def varying_axes(x, dp_axes) -> tuple[str, ...]:
@@ -82,7 +82,7 @@ def _reduce_aux(aux: Any, dp_axes) -> Any:
         if not axes:
             return x
         if x.ndim == 0:
-            if jnp.issubdtype(x.dtype, jnp.inexact):
+            if is_inexact_array(x):
                 return jax.lax.pmean(x, axes)
             return jax.lax.psum(x, axes)
         x = _lowering.vary(x, dp_axes)
@@ -278,7 +278,7 @@ def _combine_microbatches(stacked: Any) -> Any:
     def combine(x):
         if x.ndim > 1:
             return x.reshape(-1, *x.shape[2:])
-        return x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x.sum(0)
+        return x.mean(0) if is_inexact_array(x) else x.sum(0)
 
     return jax.tree.map(combine, stacked)
 
@@ -341,7 +341,7 @@ def _check_state_leaves(paths, items, flags) -> None:
         (path, str(x.dtype))
         for path, x, trainable in zip(paths, items, flags)
         if trainable and (isinstance(x, Sharded) or is_array(x))
-        and not jnp.issubdtype(x.dtype, jnp.inexact)
+        and not is_inexact_array(x)
     ]
     if bad:
         raise TypeError(_errors.non_float_leaves("value_and_grad", bad))

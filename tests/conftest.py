@@ -9,7 +9,6 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 import hypothesis  # noqa: E402
-import pytest  # noqa: E402
 
 import funshard as fs  # noqa: E402
 
@@ -29,8 +28,3 @@ def mesh_for(name: str):
     """The mesh called `name` in MESHES, on the first devices."""
     count, replicate = MESHES[name]
     return fs.make_mesh(replicate, devices=jax.devices()[:count])
-
-
-@pytest.fixture(params=list(MESHES))
-def any_mesh(request):
-    return mesh_for(request.param)
