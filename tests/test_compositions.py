@@ -15,15 +15,11 @@ import pytest
 
 import funshard as fs
 from conftest import mesh_for
+from _util import assert_tree_close, mlp_batch_dict
 from _hlo import compiled, count_by_kind
 from _models import mlp_layer, mlp_params, mse
 
 F32 = np.float32
-
-
-def _batch(rows=16, key=7):
-    kx, ky = jax.random.split(jax.random.key(key))
-    return {"x": jax.random.normal(kx, (rows, 13)), "y": jax.random.normal(ky, (rows, 5))}
 
 
 def _forward(params, x, layer=mlp_layer):
@@ -34,14 +30,6 @@ def _forward(params, x, layer=mlp_layer):
 
 def _ref_loss(params, batch):
     return mse(_forward(params, batch["x"]), batch["y"])
-
-
-def _assert_close(got, want, atol=1e-5, rtol=1e-5):
-    got_leaves, got_def = jax.tree.flatten(got)
-    want_leaves, want_def = jax.tree.flatten(want)
-    assert got_def == want_def
-    for g, w in zip(got_leaves, want_leaves, strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=atol, rtol=rtol)
 
 
 def _unit_loss(layer, reduce=None):
@@ -64,14 +52,14 @@ def _unit_loss(layer, reduce=None):
 def test_pmean_loss_gives_the_global_gradient(mesh_name, reduce):
     mesh = mesh_for(mesh_name)
     axes = tuple(mesh.axis_names) if reduce == "pmean" else ("fsdp",)
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     state = fs.shard(params, mesh)
     unit = fs.fully_shard(mlp_layer)
     step = fs.value_and_grad(_unit_loss(unit, lambda v: jax.lax.pmean(v, axes)))
     loss, grads = jax.jit(step)(state, batch)
     ref_loss, ref = jax.value_and_grad(_ref_loss)(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    _assert_close(fs.unshard(grads), ref)
+    assert_tree_close(fs.unshard(grads), ref)
 
 
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
@@ -79,7 +67,7 @@ def test_pmean_loss_gives_the_global_gradient(mesh_name, reduce):
 def test_token_normalised_loss_gives_the_global_gradient(mesh_name, microbatches):
     """LLM-style normalisation: psum(sum of token losses) / psum(token count)."""
     mesh = mesh_for(mesh_name)
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     # Uneven numbers of valid rows per device: a local mean would weight them wrongly.
     batch["mask"] = (jnp.arange(16) % 3 != 0) & (jnp.arange(16) < 13)
     axes = tuple(mesh.axis_names)
@@ -104,17 +92,17 @@ def test_token_normalised_loss_gives_the_global_gradient(mesh_name, microbatches
     ref_value, ref = jax.value_and_grad(ref_loss)(params, batch)
     if microbatches == 1:  # with microbatches each is normalised by its own count
         np.testing.assert_allclose(got_loss, ref_value, rtol=1e-6)
-        _assert_close(fs.unshard(grads), ref)
+        assert_tree_close(fs.unshard(grads), ref)
     else:
         halves = [jax.tree.map(lambda x, m=m: x.reshape(8, 2, *x.shape[1:])[:, m].reshape(
             8, *x.shape[1:]), batch) for m in range(2)]
         values, refs = zip(*(jax.value_and_grad(ref_loss)(params, h) for h in halves))
         np.testing.assert_allclose(got_loss, np.mean(values), rtol=1e-6)
-        _assert_close(fs.unshard(grads), jax.tree.map(lambda a, b: (a + b) / 2, *refs))
+        assert_tree_close(fs.unshard(grads), jax.tree.map(lambda a, b: (a + b) / 2, *refs))
 
 
 def test_divide_factor_means_the_same_for_reduced_and_local_losses():
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     state = fs.shard(params, mesh_for("8"))
     unit = fs.fully_shard(mlp_layer)
     local = fs.value_and_grad(_unit_loss(unit), gradient_divide_factor=1.0)
@@ -123,8 +111,8 @@ def test_divide_factor_means_the_same_for_reduced_and_local_losses():
     _, g_local = jax.jit(local)(state, batch)
     _, g_reduced = jax.jit(reduced)(state, batch)
     _, ref = jax.value_and_grad(_ref_loss)(params, batch)
-    _assert_close(fs.unshard(g_local), fs.unshard(g_reduced))
-    _assert_close(fs.unshard(g_reduced), jax.tree.map(lambda g: 8 * g, ref), atol=1e-4)
+    assert_tree_close(fs.unshard(g_local), fs.unshard(g_reduced))
+    assert_tree_close(fs.unshard(g_reduced), jax.tree.map(lambda g: 8 * g, ref), atol=1e-4)
 
 
 # --- 2. leaves an optimizer must leave alone -----------------------------------------
@@ -147,7 +135,7 @@ def test_integer_leaf_is_an_error_naming_it(jit):
     step = fs.value_and_grad(_buffer_loss)
     step = jax.jit(step) if jit else step
     with pytest.raises(TypeError) as err:
-        step(state, _batch())
+        step(state, mlp_batch_dict())
     message = str(err.value)
     assert "['positions']: int32" in message and "trainable" in message
     assert "optax.masked" in message
@@ -173,7 +161,7 @@ def test_frozen_integer_leaf_is_bit_identical_after_adamw():
     ref_params = {k: v for k, v in params.items() if k != "positions"}
     ref_state = ref_opt.init(ref_params)
     for i in range(3):
-        batch = _batch(key=i)
+        batch = mlp_batch_dict(key=i)
         state, opt_state = train(state, opt_state, batch)
         grads = jax.grad(_ref_loss)(ref_params, batch)
         updates, ref_state = ref_opt.update(grads, ref_state, ref_params)
@@ -181,7 +169,7 @@ def test_frozen_integer_leaf_is_bit_identical_after_adamw():
     got = fs.unshard(state)
     np.testing.assert_array_equal(got["positions"], np.arange(6, dtype=np.int32))
     assert got["positions"].dtype == jnp.int32
-    _assert_close({k: v for k, v in got.items() if k != "positions"}, ref_params, atol=1e-5)
+    assert_tree_close({k: v for k, v in got.items() if k != "positions"}, ref_params, atol=1e-5)
 
 
 @pytest.mark.parametrize("jit", [True, False])
@@ -190,10 +178,10 @@ def test_python_float_leaf_trains_like_jax_grad_with_and_without_jit(jit):
     params["scale"] = 0.5  # a Python float: jax.grad differentiates it, so must we
     state = fs.shard(params, mesh_for("8"))
     step = fs.value_and_grad(_unit_loss(fs.fully_shard(mlp_layer)))
-    loss, grads = (jax.jit(step) if jit else step)(state, _batch())
-    ref_loss, ref = jax.value_and_grad(_ref_loss)(params, _batch())
+    loss, grads = (jax.jit(step) if jit else step)(state, mlp_batch_dict())
+    ref_loss, ref = jax.value_and_grad(_ref_loss)(params, mlp_batch_dict())
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    _assert_close(fs.unshard(grads), ref)
+    assert_tree_close(fs.unshard(grads), ref)
 
 
 @pytest.mark.parametrize("jit", [True, False])
@@ -207,7 +195,7 @@ def test_python_int_leaf_is_an_error_with_and_without_jit(jit):
 
     step = fs.value_and_grad(loss)
     with pytest.raises(TypeError, match=r"\['depth'\]: int32"):
-        (jax.jit(step) if jit else step)(state, _batch())
+        (jax.jit(step) if jit else step)(state, mlp_batch_dict())
 
 
 # --- 3. transforms that re-trace the loss --------------------------------------------
@@ -240,19 +228,19 @@ WRAPPERS = {"checkpoint": _checkpointed, "checkpoint_dots": _checkpointed_dots,
 @pytest.mark.parametrize("sync", [True, False])
 @pytest.mark.parametrize("reshard", [True, False])
 def test_unit_under_transforms_with_accumulation(wrapper, sync, reshard):
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     state = fs.shard(params, mesh_for("8"))
     unit = WRAPPERS[wrapper](fs.fully_shard(mlp_layer, reshard_after_forward=reshard))
     step = fs.value_and_grad(_unit_loss(unit), microbatches=2, sync_every_microbatch=sync)
     loss, grads = jax.jit(step)(state, batch)
     ref_loss, ref = jax.value_and_grad(_ref_loss)(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    _assert_close(fs.unshard(grads), ref)
+    assert_tree_close(fs.unshard(grads), ref)
 
 
 def test_units_inside_lax_scan_with_deferred_accumulation():
     params = mlp_params(jax.random.key(0), sizes=(13, 13, 13, 13))
-    batch = {"x": _batch()["x"], "y": _batch()["y"][:, :1].repeat(13, 1)}
+    batch = {"x": mlp_batch_dict()["x"], "y": mlp_batch_dict()["y"][:, :1].repeat(13, 1)}
     state = fs.shard(params, mesh_for("8"))
     unit = fs.fully_shard(mlp_layer)
 
@@ -269,12 +257,12 @@ def test_units_inside_lax_scan_with_deferred_accumulation():
 
     ref_value, ref = jax.value_and_grad(ref_loss)(params, batch)
     np.testing.assert_allclose(loss_value, ref_value, rtol=1e-5)
-    _assert_close(fs.unshard(grads), ref)
+    assert_tree_close(fs.unshard(grads), ref)
 
 
 @pytest.mark.parametrize("sync", [True, False])
 def test_frozen_leaves_under_checkpoint_are_not_communicated(sync):
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     state = fs.shard(params, mesh_for("8"))
     unit = jax.checkpoint(fs.fully_shard(mlp_layer))
     trainable = {"layers": [False, False, False], "scale": True}
@@ -295,7 +283,7 @@ def test_frozen_leaves_under_checkpoint_are_not_communicated(sync):
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_nan_in_a_unit_input_changes_nothing_else(reshard):
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     batch["x"] = batch["x"].at[2, 0].set(jnp.nan)  # the first element of device 1's slice
     state = fs.shard(params, mesh_for("8"))
     unit = fs.fully_shard(mlp_layer, reshard_after_forward=reshard)
@@ -318,7 +306,7 @@ def test_nan_in_a_unit_input_changes_nothing_else(reshard):
     got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, batch)
     ref_loss, ref_grads = jax.value_and_grad(ref)(params, batch)
     np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-6)
-    _assert_close(fs.unshard(grads), ref_grads)
+    assert_tree_close(fs.unshard(grads), ref_grads)
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -335,7 +323,7 @@ def test_unit_with_only_integer_input(reshard):
     ref_loss, ref = jax.value_and_grad(lambda p: jnp.mean(jnp.sin(p["emb"][tokens]) ** 2))(
         {"emb": emb})
     np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-6)
-    _assert_close(fs.unshard(grads), ref)
+    assert_tree_close(fs.unshard(grads), ref)
 
 
 # --- 5. batches ----------------------------------------------------------------------
@@ -343,7 +331,7 @@ def test_unit_with_only_integer_input(reshard):
 
 def test_batch_leaves_of_different_lengths_are_an_error():
     state = fs.shard(mlp_params(jax.random.key(0)), mesh_for("8"))
-    batch = {"x": _batch()["x"], "y": _batch(rows=8)["y"]}
+    batch = {"x": mlp_batch_dict()["x"], "y": mlp_batch_dict(rows=8)["y"]}
     with pytest.raises(ValueError) as err:
         fs.value_and_grad(_unit_loss(fs.fully_shard(mlp_layer)))(state, batch)
     assert "['x']: 16 rows" in str(err.value) and "['y']: 8 rows" in str(err.value)
@@ -356,16 +344,16 @@ def test_vmap_over_steps_matches_per_batch_steps():
     params = mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("8"))
     step = fs.value_and_grad(_unit_loss(fs.fully_shard(mlp_layer)))
-    batches = jax.tree.map(lambda *xs: jnp.stack(xs), _batch(key=1), _batch(key=2))
+    batches = jax.tree.map(lambda *xs: jnp.stack(xs), mlp_batch_dict(key=1), mlp_batch_dict(key=2))
     try:
         losses, grads = jax.jit(jax.vmap(step, in_axes=(None, 0)))(state, batches)
     except (ValueError, TypeError, NotImplementedError) as exc:  # pragma: no cover
         pytest.fail(f"vmap over a step raised {exc!r}")
     for k, key in enumerate((1, 2)):
-        ref_loss, ref = jax.value_and_grad(_ref_loss)(params, _batch(key=key))
+        ref_loss, ref = jax.value_and_grad(_ref_loss)(params, mlp_batch_dict(key=key))
         np.testing.assert_allclose(losses[k], ref_loss, rtol=1e-5)
         got = jax.tree.map(lambda g, k=k: g[k], grads)  # batch k's gradients, like state
-        _assert_close(fs.unshard(got), ref)
+        assert_tree_close(fs.unshard(got), ref)
 
 
 def test_two_steps_in_one_jit():
@@ -379,11 +367,11 @@ def test_two_steps_in_one_jit():
     def both(state, a, b):
         return first(state, a), second(state, b)
 
-    (la, ga), (lb, gb) = both(state, _batch(key=1), _batch(key=2))
+    (la, ga), (lb, gb) = both(state, mlp_batch_dict(key=1), mlp_batch_dict(key=2))
     for (loss, grads), key in (((la, ga), 1), ((lb, gb), 2)):
-        ref_loss, ref = jax.value_and_grad(_ref_loss)(params, _batch(key=key))
+        ref_loss, ref = jax.value_and_grad(_ref_loss)(params, mlp_batch_dict(key=key))
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        _assert_close(fs.unshard(grads), ref)
+        assert_tree_close(fs.unshard(grads), ref)
 
 
 def test_donated_train_step_matches_undonated():
@@ -402,16 +390,16 @@ def test_donated_train_step_matches_undonated():
         opt_state = opt.init(state)
         fn = jax.jit(train, donate_argnums=donate)
         for i in range(3):
-            state, opt_state, loss = fn(state, opt_state, _batch(key=i))
+            state, opt_state, loss = fn(state, opt_state, mlp_batch_dict(key=i))
         results.append((fs.unshard(state), loss))
-    _assert_close(results[0][0], results[1][0], atol=0, rtol=0)
+    assert_tree_close(results[0][0], results[1][0], atol=0, rtol=0)
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
 def test_eval_shape_of_a_step():
     state = fs.shard(mlp_params(jax.random.key(0)), mesh_for("8"))
     step = fs.value_and_grad(_unit_loss(fs.fully_shard(mlp_layer)))
-    loss, grads = jax.eval_shape(step, state, _batch())
+    loss, grads = jax.eval_shape(step, state, mlp_batch_dict())
     assert loss.shape == () and loss.dtype == jnp.float32
     assert jax.tree.structure(grads) == jax.tree.structure(state)
     for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(state), strict=True):
@@ -420,7 +408,7 @@ def test_eval_shape_of_a_step():
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_unit_outputs_with_non_array_leaves(reshard):
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     unit = fs.fully_shard(lambda p, h: {"h": mlp_layer(p, h), "tag": "layer", "n": 3, "z": None},
                           reshard_after_forward=reshard)
 
@@ -434,7 +422,7 @@ def test_unit_outputs_with_non_array_leaves(reshard):
     got_loss, grads = jax.jit(fs.value_and_grad(loss))(fs.shard(params, mesh_for("8")), batch)
     ref_loss, ref = jax.value_and_grad(_ref_loss)(params, batch)
     np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-6)
-    _assert_close(fs.unshard(grads), ref)
+    assert_tree_close(fs.unshard(grads), ref)
 
 
 # --- 12. aux values and has_aux mistakes ---------------------------------------------
@@ -447,12 +435,12 @@ def test_aux_with_sharded_leaves_is_an_error():
         return _ref_loss(fs.unshard(state), b), {"w": state["layers"][0]["w"]}
 
     with pytest.raises(TypeError, match=r"aux holds fs.Sharded leaves \(\['w'\]\).*fs.unshard"):
-        fs.value_and_grad(loss, has_aux=True)(state, _batch())
+        fs.value_and_grad(loss, has_aux=True)(state, mlp_batch_dict())
 
 
 @pytest.mark.parametrize("mesh_name,microbatches", [("8", 1), ("8", 2), ("2x4", 2)])
 def test_per_example_aux_comes_back_in_global_batch_order(mesh_name, microbatches):
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     state = fs.shard(params, mesh_for(mesh_name))
 
     def per_example(p, b):
@@ -478,7 +466,7 @@ def test_aux_already_reduced_is_not_reduced_again():
         rows = jnp.sum(jnp.isfinite(b["x"][:, 0]))
         return value, {"total_rows": jax.lax.psum(rows, "fsdp"), "rows": rows}
 
-    (_, aux), _ = jax.jit(fs.value_and_grad(loss, has_aux=True))(state, _batch())
+    (_, aux), _ = jax.jit(fs.value_and_grad(loss, has_aux=True))(state, mlp_batch_dict())
     assert int(aux["total_rows"]) == 16 and int(aux["rows"]) == 16
 
 
@@ -486,21 +474,21 @@ def test_tuple_returned_without_has_aux():
     state = fs.shard(mlp_params(jax.random.key(0)), mesh_for("8"))
     step = fs.value_and_grad(lambda s, b: (_ref_loss(fs.unshard(s), b), {"n": 1}))
     with pytest.raises(TypeError, match="pass has_aux=True"):
-        step(state, _batch())
+        step(state, mlp_batch_dict())
 
 
 def test_scalar_returned_with_has_aux():
     state = fs.shard(mlp_params(jax.random.key(0)), mesh_for("8"))
     step = fs.value_and_grad(lambda s, b: _ref_loss(fs.unshard(s), b), has_aux=True)
     with pytest.raises(TypeError, match="or pass has_aux=False"):
-        step(state, _batch())
+        step(state, mlp_batch_dict())
 
 
 def test_non_scalar_loss():
     state = fs.shard(mlp_params(jax.random.key(0)), mesh_for("8"))
     step = fs.value_and_grad(lambda s, b: _forward(fs.unshard(s), b["x"]))
     with pytest.raises(TypeError, match=r"floating scalar, got shape \(2, 5\)"):
-        step(state, _batch())
+        step(state, mlp_batch_dict())
 
 
 # --- 12. nested units -----------------------------------------------------------------
@@ -520,13 +508,13 @@ def test_unit_called_with_gathered_parameters_is_an_error():
         return mse(outer(state["layers"][:2], b["x"])[:, :5], b["y"])
 
     with pytest.raises(ValueError, match="units cannot be nested.*as an argument"):
-        jax.jit(fs.value_and_grad(loss))(state, _batch())
+        jax.jit(fs.value_and_grad(loss))(state, mlp_batch_dict())
 
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_inner_unit_parameters_passed_as_arguments(reshard):
     """FSDP2 nesting: the outer unit gathers only what it owns."""
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     inner = fs.fully_shard(mlp_layer, reshard_after_forward=reshard)
 
     def outer_fn(own, h, inner_params):
@@ -543,7 +531,7 @@ def test_inner_unit_parameters_passed_as_arguments(reshard):
     got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, batch)
     ref_loss, ref = jax.value_and_grad(_ref_loss)(params, batch)
     np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-6)
-    _assert_close(fs.unshard(grads), ref)
+    assert_tree_close(fs.unshard(grads), ref)
 
 
 @pytest.mark.parametrize("value,error", [("yes", TypeError), (0, ValueError), (-1, ValueError),

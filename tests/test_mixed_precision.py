@@ -10,14 +10,10 @@ import pytest
 
 import funshard as fs
 from conftest import mesh_for
+from _util import mlp_batch
 from _models import mlp_loss, mlp_params, mlp_sharded_loss
 
 BF16 = fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
-
-
-def _batch():
-    kx, ky = jax.random.split(jax.random.key(7))
-    return jax.random.normal(kx, (16, 13)), jax.random.normal(ky, (16, 5))
 
 
 def test_policy_normalises_dtypes_and_is_hashable():
@@ -32,10 +28,10 @@ def test_policy_normalises_dtypes_and_is_hashable():
 def test_bf16_gradients_close_to_reference_and_master_weights_stay_f32(units):
     params = mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("8"), mp_policy=BF16)
-    loss, grads = jax.jit(fs.value_and_grad(mlp_sharded_loss(units)))(state, _batch())
+    loss, grads = jax.jit(fs.value_and_grad(mlp_sharded_loss(units)))(state, mlp_batch())
     bf16_params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-    ref_loss, _ = jax.value_and_grad(mlp_loss)(bf16_params, _batch())
-    _, f32_grads = jax.value_and_grad(mlp_loss)(params, _batch())
+    ref_loss, _ = jax.value_and_grad(mlp_loss)(bf16_params, mlp_batch())
+    _, f32_grads = jax.value_and_grad(mlp_loss)(params, mlp_batch())
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
     for g, ref, s in zip(
         jax.tree.leaves(fs.unshard(grads)), jax.tree.leaves(f32_grads), jax.tree.leaves(state)
@@ -82,7 +78,7 @@ def test_adamw_on_bf16_policy_keeps_f32_optimizer_state():
     state = fs.shard(params, mesh_for("2x4"), mp_policy=BF16)
     opt = optax.adamw(1e-2)
     opt_state = opt.init(state)
-    grads = jax.jit(fs.grad(mlp_sharded_loss(True)))(state, _batch())
+    grads = jax.jit(fs.grad(mlp_sharded_loss(True)))(state, mlp_batch())
     updates, opt_state = opt.update(grads, opt_state, state)
     state = optax.apply_updates(state, updates)
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves((state, opt_state))

@@ -6,13 +6,9 @@ import pytest
 
 import funshard as fs
 from _hlo import collectives, compiled
+from _util import mlp_batch
 from _models import mlp_loss, mlp_params, mlp_sharded_loss
 from conftest import mesh_for
-
-
-def _batch():
-    kx, ky = jax.random.split(jax.random.key(7))
-    return jax.random.normal(kx, (16, 13)), jax.random.normal(ky, (16, 5))
 
 
 def _dim1_when_even(path, x):
@@ -34,8 +30,8 @@ def test_placements_round_trip_and_gradient_parity(mesh_name, placement, min_siz
     back = fs.unshard(state)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
         np.testing.assert_array_equal(got, want)
-    loss, grads = jax.jit(fs.value_and_grad(mlp_sharded_loss(units)))(state, _batch())
-    ref_loss, ref = jax.value_and_grad(mlp_loss)(params, _batch())
+    loss, grads = jax.jit(fs.value_and_grad(mlp_sharded_loss(units)))(state, mlp_batch())
+    ref_loss, ref = jax.value_and_grad(mlp_loss)(params, mlp_batch())
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for g, r in zip(jax.tree.leaves(fs.unshard(grads)), jax.tree.leaves(ref)):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
@@ -61,7 +57,7 @@ def test_min_shard_size_replicates_small_leaves_and_all_reduces_their_grads():
     # Biases (24, 32 and 5 elements) stay plain replicated arrays.
     assert not isinstance(state["layers"][0]["b"], fs.Sharded)
     assert isinstance(state["layers"][0]["w"], fs.Sharded)
-    text = compiled(fs.value_and_grad(mlp_sharded_loss(True)), state, _batch())[1]
+    text = compiled(fs.value_and_grad(mlp_sharded_loss(True)), state, mlp_batch())[1]
     reduced = sum(c["elements"] for c in collectives(text) if c["kind"] == "all-reduce")
     assert reduced == 32 + 24 + 5 + 1 + 1  # three biases, the 0-d scale and the loss
 

@@ -10,20 +10,11 @@ import pytest
 
 import funshard as fs
 from _hlo import collectives, compiled, computations, count_by_kind
+from _util import assert_tree_close, mlp_batch
 from _models import mlp_loss, mlp_params, mlp_sharded_loss
 from conftest import mesh_for
 
 UNITS = 3  # mlp_params has three layers, one fully_shard unit each
-
-
-def _batch(rows=32):
-    kx, ky = jax.random.split(jax.random.key(7))
-    return jax.random.normal(kx, (rows, 13)), jax.random.normal(ky, (rows, 5))
-
-
-def _close(got, want, atol=2e-5):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=atol, rtol=1e-5)
 
 
 ACCUMULATION = [
@@ -41,16 +32,16 @@ def test_accumulated_gradients_equal_full_batch(mesh_name, options, reshard):
     params = mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for(mesh_name))
     step = fs.value_and_grad(mlp_sharded_loss(True, reshard), **options)
-    loss, grads = jax.jit(step)(state, _batch())
-    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, _batch())
+    loss, grads = jax.jit(step)(state, mlp_batch(32))
+    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, mlp_batch(32))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    _close(fs.unshard(grads), ref_grads)
+    assert_tree_close(fs.unshard(grads), ref_grads, atol=2e-5)
 
 
 def _scatter_count(mesh_name="8", rows=32, **options):
     state = fs.shard(mlp_params(jax.random.key(0)), mesh_for(mesh_name))
     step = fs.value_and_grad(mlp_sharded_loss(True), **options)
-    return compiled(step, state, _batch(rows))[1]
+    return compiled(step, state, mlp_batch(rows))[1]
 
 
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([^}\n]*)")
@@ -122,16 +113,16 @@ def test_frozen_leaves_get_zero_gradients_and_no_communication(units):
     state = fs.shard(params, mesh_for("8"))
     trainable = {"layers": [False, True, {"w": True, "b": False}], "scale": True}
     step = fs.value_and_grad(mlp_sharded_loss(units), trainable=trainable)
-    _, grads = jax.jit(step)(state, _batch())
-    _, ref = jax.value_and_grad(mlp_loss)(params, _batch())
+    _, grads = jax.jit(step)(state, mlp_batch(32))
+    _, ref = jax.value_and_grad(mlp_loss)(params, mlp_batch(32))
     got = fs.unshard(grads)
     for name in ("w", "b"):
         np.testing.assert_array_equal(got["layers"][0][name], 0)
     np.testing.assert_array_equal(got["layers"][2]["b"], 0)
-    _close(got["layers"][1], ref["layers"][1])
-    _close(got["layers"][2]["w"], ref["layers"][2]["w"])
-    _close(got["scale"], ref["scale"])
-    text = compiled(step, state, _batch())[1]
+    assert_tree_close(got["layers"][1], ref["layers"][1], atol=2e-5)
+    assert_tree_close(got["layers"][2]["w"], ref["layers"][2]["w"], atol=2e-5)
+    assert_tree_close(got["scale"], ref["scale"], atol=2e-5)
+    text = compiled(step, state, mlp_batch(32))[1]
     scattered = sum(c["elements"] for c in collectives(text) if c["kind"] == "reduce-scatter")
     # Only the trainable leaves' local blocks are reduce-scattered: layer 1's w (4 rows
     # of 24 per device) and b (3 rows), layer 2's w (3 rows of 5).
@@ -143,7 +134,7 @@ def test_frozen_everything_in_a_unit_means_no_reduce_scatter():
     state = fs.shard(params, mesh_for("8"))
     trainable = {"layers": [False, False, False], "scale": True}
     text = compiled(fs.value_and_grad(mlp_sharded_loss(True), trainable=trainable),
-                    state, _batch())[1]
+                    state, mlp_batch(32))[1]
     assert count_by_kind(text)["reduce-scatter"] == 0
 
 
@@ -152,10 +143,10 @@ def test_gradient_divide_factor_scales_the_sum(factor):
     params = mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("2x4"))
     step = fs.value_and_grad(mlp_sharded_loss(True), gradient_divide_factor=factor)
-    loss, grads = jax.jit(step)(state, _batch())
-    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, _batch())
+    loss, grads = jax.jit(step)(state, mlp_batch(32))
+    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, mlp_batch(32))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the loss is still the mean
-    _close(fs.unshard(grads), jax.tree.map(lambda g: g * 8 / factor, ref_grads), atol=1e-4)
+    assert_tree_close(fs.unshard(grads), jax.tree.map(lambda g: g * 8 / factor, ref_grads), atol=1e-4)
 
 
 def test_one_all_gather_for_a_unit_of_mixed_dtypes():

@@ -8,6 +8,7 @@ import pytest
 
 import funshard as fs
 from conftest import mesh_for
+from _util import assert_tree_close, mlp_batch
 from _models import (
     block_loss,
     block_params,
@@ -21,29 +22,15 @@ MESH_NAMES = ["1", "2", "4", "8", "2x4"]
 UNIT_MODES = [(False, True), (True, True), (True, False)]  # (units, reshard_after_forward)
 
 
-def _mlp_batch(rows=16):
-    kx, ky = jax.random.split(jax.random.key(7))
-    return jax.random.normal(kx, (rows, 13)), jax.random.normal(ky, (rows, 5))
-
-
 def _tokens(rows=8, t=6, vocab=11):
     return jax.random.randint(jax.random.key(3), (rows, t), 0, vocab)
-
-
-def _assert_tree_close(got, want, atol=1e-5, rtol=1e-5):
-    got_leaves, got_def = jax.tree.flatten(got)
-    want_leaves, want_def = jax.tree.flatten(want)
-    assert got_def == want_def
-    for g, w in zip(got_leaves, want_leaves):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("mesh_name", MESH_NAMES)
 @pytest.mark.parametrize("units,reshard", UNIT_MODES)
 def test_mlp_grad_parity(mesh_name, units, reshard):
     params = mlp_params(jax.random.key(0))
-    batch = _mlp_batch()
+    batch = mlp_batch()
     state = fs.shard(params, mesh_for(mesh_name))
     loss, grads = jax.jit(fs.value_and_grad(mlp_sharded_loss(units, reshard)))(state, batch)
     ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, batch)
@@ -51,7 +38,7 @@ def test_mlp_grad_parity(mesh_name, units, reshard):
     assert jax.tree.structure(grads) == jax.tree.structure(state)
     for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(state)):
         assert g.sharding.is_equivalent_to(s.sharding, g.ndim) and g.dtype == s.dtype
-    _assert_tree_close(fs.unshard(grads), ref_grads)
+    assert_tree_close(fs.unshard(grads), ref_grads)
 
 
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
@@ -63,12 +50,12 @@ def test_transformer_block_grad_parity(mesh_name, units, reshard):
     loss, grads = jax.jit(fs.value_and_grad(block_sharded_loss(units, reshard)))(state, tokens)
     ref_loss, ref_grads = jax.value_and_grad(block_loss)(params, tokens)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    _assert_tree_close(fs.unshard(grads), ref_grads)
+    assert_tree_close(fs.unshard(grads), ref_grads)
 
 
 def test_has_aux_and_grad():
     params = mlp_params(jax.random.key(0))
-    batch = _mlp_batch()
+    batch = mlp_batch()
     state = fs.shard(params, mesh_for("8"))
 
     def loss_with_aux(state, batch):
@@ -81,7 +68,7 @@ def test_has_aux_and_grad():
     assert int(aux["rows"]) == 16  # integer aux varying over the devices is summed
     assert int(aux["local"]) == 2  # a value the same on every device is kept as it is
     only_grads = jax.jit(fs.grad(mlp_sharded_loss(False)))(state, batch)
-    _assert_tree_close(fs.unshard(only_grads), fs.unshard(grads), atol=0, rtol=0)
+    assert_tree_close(fs.unshard(only_grads), fs.unshard(grads), atol=0, rtol=0)
 
 
 def test_replicated_extra_args_and_int_leaves():
@@ -120,11 +107,11 @@ def test_adamw_trajectory_matches_unsharded(mesh_name):
         return optax.apply_updates(params, updates), opt_state, loss
 
     for i in range(20):
-        batch = jax.tree.map(lambda a: a * (1 + 0.05 * i), _mlp_batch())
+        batch = jax.tree.map(lambda a: a * (1 + 0.05 * i), mlp_batch())
         state, opt_state, loss = step(state, opt_state, batch)
         ref_params, ref_opt_state, ref_loss = ref_step(ref_params, ref_opt_state, batch)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    _assert_tree_close(fs.unshard(state), ref_params, atol=1e-5)
+    assert_tree_close(fs.unshard(state), ref_params, atol=1e-5)
 
 
 def test_optimizer_state_sharded_and_padding_stays_zero():
@@ -135,7 +122,7 @@ def test_optimizer_state_sharded_and_padding_stays_zero():
     opt_state = opt.init(state)
     grads_fn = jax.jit(fs.grad(mlp_sharded_loss(True)))
     for _ in range(30):
-        grads = grads_fn(state, _mlp_batch())
+        grads = grads_fn(state, mlp_batch())
         updates, opt_state = opt.update(grads, opt_state, state)
         state = optax.apply_updates(state, updates)
     w0 = state["layers"][0]["w"]
@@ -165,8 +152,8 @@ def test_optimizer_scalars_placed_on_the_mesh_compile_the_step_once():
             updates, opt_state = opt.update(grads, opt_state, state)
             return optax.apply_updates(state, updates), opt_state
 
-        s, o = step(state, opt_state, _mlp_batch())
-        step(s, o, _mlp_batch())
+        s, o = step(state, opt_state, mlp_batch())
+        step(s, o, mlp_batch())
         return step._cache_size()
 
     assert programs_for_two_steps(opt.init(state)) == 2

@@ -13,6 +13,7 @@ import pytest
 
 import funshard as fs
 from _hlo import compiled, count_by_kind
+from _util import mlp_batch
 from _models import mlp_layer, mlp_params, mse
 from conftest import mesh_for
 
@@ -27,11 +28,6 @@ def _named_collectives(text: str) -> Counter:
     return Counter(m.groups() for m in map(_NAMED.search, text.splitlines()) if m)
 
 
-def _batch(rows=16):
-    kx, ky = jax.random.split(jax.random.key(7))
-    return jax.random.normal(kx, (rows, 13)), jax.random.normal(ky, (rows, 5))
-
-
 @pytest.mark.parametrize("reshard", [True, False])
 def test_unit_collectives_are_named_after_the_unit(reshard):
     state = fs.shard(mlp_params(jax.random.key(0)), mesh_for("8"))
@@ -43,7 +39,7 @@ def test_unit_collectives_are_named_after_the_unit(reshard):
             h = unit(p, h)
         return mse(h * state["scale"], batch[1])
 
-    text = compiled(fs.value_and_grad(loss), state, _batch())[1]
+    text = compiled(fs.value_and_grad(loss), state, mlp_batch())[1]
     named = _named_collectives(text)
     # Every all-gather and reduce-scatter of the step is the unit's, and named so.
     assert named == Counter({
@@ -66,13 +62,13 @@ def test_default_names_unshard_scan_and_root():
         return mse(h @ fs.unshard(state["head"]), batch[1])
 
     step = fs.value_and_grad(loss, microbatches=2, sync_every_microbatch=True)
-    named = _named_collectives(compiled(step, state, _batch())[1])
+    named = _named_collectives(compiled(step, state, mlp_batch())[1])
     units = {unit for _, unit, _ in named}
     assert units == {"scan/block", "unshard"}, named
     deferred = fs.value_and_grad(
         lambda s, b: mse(fs.fully_shard(lambda p, h: h @ p)(s["head"], b[0][:, :8]), b[1]),
         microbatches=2, sync_every_microbatch=False)
-    named = _named_collectives(compiled(deferred, state, _batch())[1])
+    named = _named_collectives(compiled(deferred, state, mlp_batch())[1])
     assert ("reduce-scatter", "root", "reduce_scatter") in named
     assert ("all-gather", "<lambda>", "all_gather") in named
 

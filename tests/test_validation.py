@@ -6,14 +6,10 @@ import pytest
 
 import funshard as fs
 from conftest import mesh_for
+from _util import mlp_batch_dict
 from _models import mlp_layer, mlp_params, mse
 
 F32 = np.float32
-
-
-def _batch(rows=16):
-    kx, ky = jax.random.split(jax.random.key(7))
-    return {"x": jax.random.normal(kx, (rows, 13)), "y": jax.random.normal(ky, (rows, 5))}
 
 
 def _loss(state, batch):
@@ -35,7 +31,7 @@ def _state():
 
 
 def test_reshard_inside_a_step_gives_the_local_blocks():
-    params, batch = mlp_params(jax.random.key(0)), _batch()
+    params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
     state = fs.shard(params, mesh_for("8"))
 
     def loss(state, b):
@@ -54,7 +50,7 @@ def test_reshard_inside_a_step_gives_the_local_blocks():
 
 def test_trainable_that_does_not_fit_the_state():
     with pytest.raises(ValueError, match="`trainable` must be a pytree prefix of the state"):
-        fs.value_and_grad(_loss, trainable={"nope": True})(_state(), _batch())
+        fs.value_and_grad(_loss, trainable={"nope": True})(_state(), mlp_batch_dict())
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
@@ -72,7 +68,7 @@ def test_gradient_divide_factor_must_be_positive(value):
 def test_batch_that_does_not_split_into_microbatches():
     step = fs.value_and_grad(_loss, microbatches=4)
     with pytest.raises(ValueError, match="do not split into 4 microbatches on each of 8 devices"):
-        step(_state(), _batch(rows=16))
+        step(_state(), mlp_batch_dict(rows=16))
 
 
 @pytest.mark.parametrize("dim", [-1, True, "0", 1.0])
@@ -94,7 +90,7 @@ def test_reshard_reports_every_bad_leaf_at_once():
 
 
 def test_batch_reports_every_bad_leaf_at_once():
-    batch = {**_batch(), "name": "train", "step": 3, "ids": object()}
+    batch = {**mlp_batch_dict(), "name": "train", "step": 3, "ids": object()}
     with pytest.raises(TypeError) as err:
         fs.value_and_grad(_loss)(_state(), batch)
     message = str(err.value)
@@ -115,7 +111,7 @@ def test_async_save_cannot_overwrite(tmp_path):
 def test_unit_outside_a_step_matches_the_plain_function():
     params = mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("8"))
-    x = _batch()["x"]
+    x = mlp_batch_dict()["x"]
     got = fs.fully_shard(mlp_layer)(state["layers"][0], x)
     np.testing.assert_allclose(got, mlp_layer(params["layers"][0], x), rtol=1e-6)
 
@@ -129,7 +125,7 @@ def test_hpz_group_that_the_axes_cannot_form():
         return mse(unit(state["layers"][0], b["x"])[:, :5], b["y"])
 
     with pytest.raises(ValueError, match="reshard_after_forward=2 needs the parameters' shard axes"):
-        jax.jit(fs.value_and_grad(loss))(state, _batch())
+        jax.jit(fs.value_and_grad(loss))(state, mlp_batch_dict())
 
 
 def test_hpz_group_that_does_not_divide_the_shards():
@@ -140,7 +136,7 @@ def test_hpz_group_that_does_not_divide_the_shards():
         return mse(unit(state["layers"][0], b["x"])[:, :5], b["y"])
 
     with pytest.raises(ValueError, match="reshard_after_forward=3 must divide the number of shards"):
-        jax.jit(fs.value_and_grad(loss))(state, _batch())
+        jax.jit(fs.value_and_grad(loss))(state, mlp_batch_dict())
 
 
 def test_scan_reports_every_unstacked_leaf_at_once():
