@@ -136,7 +136,7 @@ def gather_values(
     """
     dims = [leaf.dim for leaf in layout.leaves]
     with scope(layout, "all_gather"):
-        out = _lowering.all_gather_rows(
+        out = _lowering.all_gather_blocks(
             _blocks(datas, layout), layout.shard_axes, dims=dims, dependency=dependency,
             keep_group=keep_group,
         )
@@ -184,7 +184,7 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     replicate_axes = () if layout.skip_replicate_reduce else layout.replicate_axes
     dims = [layout.leaves[i].dim for i in idx]
     with scope(layout, "reduce_scatter"):
-        reduced = _lowering.reduce_scatter_rows(padded, layout.shard_axes, replicate_axes, dims)
+        reduced = _lowering.reduce_scatter_blocks(padded, layout.shard_axes, replicate_axes, dims)
     out = [_zero_cotangent(leaf, layout) for leaf in layout.leaves]
     for i, r in zip(idx, reduced):
         out[i] = r.astype(layout.leaves[i].dtype)

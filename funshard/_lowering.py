@@ -147,7 +147,7 @@ def unpack(gathered: jax.Array, packing: Packing) -> list[jax.Array]:
     return out
 
 
-def all_gather_rows(
+def all_gather_blocks(
     blocks: Sequence[jax.Array],
     axes: tuple[str, ...],
     *,
@@ -265,7 +265,7 @@ def regather_group(
     group: tuple[str, ...],
     dependency: jax.Array | None = None,
 ) -> list[jax.Array]:
-    """Rebuilds the global arrays from the `part`s kept by `all_gather_rows(keep_group=)`.
+    """Rebuilds the global arrays from the `part`s kept by `all_gather_blocks(keep_group=)`.
 
     Gathers only within `group` (k devices), not over all N.
     """
@@ -274,7 +274,7 @@ def regather_group(
     return copy_out(gathered.transpose(1, 0, 2).reshape(-1, packing.total), packing, group)
 
 
-def reduce_scatter_rows(
+def reduce_scatter_blocks(
     fulls: Sequence[jax.Array],
     shard_axes: tuple[str, ...],
     replicate_axes: tuple[str, ...] = (),
@@ -327,7 +327,7 @@ def _mesh_axes_size(axes: tuple[str, ...]) -> int:
 @functools.lru_cache(maxsize=None)
 def _eager_gather_fn(mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...], dims):
     def body(*blocks):
-        fulls = all_gather_rows(blocks, shard_axes, dims=dims, to="invarying")
+        fulls = all_gather_blocks(blocks, shard_axes, dims=dims, to="invarying")
         return tuple(jax.lax.slice_in_dim(f, 0, r, axis=d) for f, r, d in zip(fulls, rows, dims))
 
     mapped = jax.shard_map(
@@ -349,7 +349,7 @@ def eager_all_gather(
     """All-gathers padded global arrays sharded `P(shard_axes)` into replicated ones.
 
     One compiled program (cached per mesh and layout) and one collective for all of
-    `datas`; the same `all_gather_rows` as the training step runs inside it.
+    `datas`; the same `all_gather_blocks` as the training step runs inside it.
 
     Args:
       datas: padded global arrays, dim 0 sharded over `shard_axes`.
@@ -375,7 +375,7 @@ def _eager_reduce_scatter_fn(mesh, shard_axes, replicate_axes, count: int):
 
     def body(*stacked):
         fulls = [s.reshape(s.shape[1:]) for s in stacked]
-        return tuple(reduce_scatter_rows(fulls, shard_axes, replicate_axes))
+        return tuple(reduce_scatter_blocks(fulls, shard_axes, replicate_axes))
 
     mapped = jax.shard_map(
         body,

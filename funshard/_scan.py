@@ -40,8 +40,11 @@ def _match_types(ct, primal):
 
 def _layer_layout(sharded, name: str):
     """The gather layout of one layer of each stacked leaf (its layer axis dropped)."""
-    layer = [dataclasses.replace(x, data=None, shape=x.shape[1:], dim=x.dim - 1) for x in sharded]
-    return _gather.layout_of(layer, name=name)
+    stack = _gather.layout_of(sharded, name=name)
+    layer = tuple(
+        dataclasses.replace(leaf, shape=leaf.shape[1:], dim=leaf.dim - 1) for leaf in stack.leaves
+    )
+    return dataclasses.replace(stack, leaves=layer)
 
 
 def _check_stacked(paths, items):

@@ -14,7 +14,7 @@ from jax.tree_util import tree_unflatten
 from funshard import _context, _errors, _gather, _lowering, _mesh, _placement
 from funshard._placement import Replicate
 from funshard._policy import MixedPrecisionPolicy
-from funshard._sharded import Sharded, is_array, is_key, is_sharded
+from funshard._sharded import Layout, Sharded, is_array, is_key, is_sharded
 from funshard._tree import common_mesh, sharded_leaves
 
 
@@ -121,16 +121,14 @@ def _shard_leaf(
     where = _placement.resolve(path, x, placement, min_size) if x.ndim else Replicate()
     if isinstance(where, Replicate):
         return _replicate(_strong(x), mesh, traced)
-    layout = Sharded(
-        None, tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim
-    )
+    layout = Layout(tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim)
     stacked = placement is _stacked_placement
     if where.dim and not stacked and x.shape[where.dim] % layout.num_shards:
         raise ValueError(_errors.dim_not_divisible(path, x.shape, where.dim, layout.num_shards))
-    return dataclasses.replace(layout, data=_place(x, layout, traced))
+    return layout.with_data(_place(x, layout, traced))
 
 
-def _place(x, layout: Sharded, traced: bool) -> jax.Array:
+def _place(x, layout: Layout, traced: bool) -> jax.Array:
     """`x` padded and laid out as `layout.data`, each process slicing its own shards.
 
     Under a trace (`shard` under `jax.jit` / `jax.eval_shape`) the padded value gets a

@@ -1,7 +1,7 @@
 """The DLPack bridge: torch tensors of this rank <-> the core's eager collectives.
 
 Private adapter over `funshard._lowering.eager_all_gather` / `eager_reduce_scatter`
-(the same `all_gather_rows` / `reduce_scatter_rows` as the functional step). Every
+(the same `all_gather_blocks` / `reduce_scatter_blocks` as the functional step). Every
 tensor crosses without a copy: a process-local torch buffer becomes this device's
 block of a global `jax.Array` (`make_array_from_single_device_arrays`), and the
 results come back as torch views of JAX's own buffers. Those results are immutable
