@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
-from jax.tree_util import tree_flatten_with_path, tree_unflatten
+from jax.tree_util import tree_flatten_with_path
 
-from funshard import _callbacks, _context, _errors, _gather, _jax_compat, _lowering, _mesh
+from funshard import _callbacks, _context, _errors, _gather, _jax_compat, _lowering, _mesh, _tree
 from funshard._tree import common_mesh, is_inexact_array, sharded_leaves, split_arrays
 from funshard._sharded import Sharded, is_array, is_sharded
 
@@ -93,18 +93,22 @@ def _reduce_aux(aux: Any, dp_axes) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class _StatePlan:
-    """How the state's leaves enter the per-device program."""
+    """How the state's leaves enter the per-device program: the traced ones (`Sharded`
+    leaves and arrays) selected, with the shard_map spec of each."""
 
-    items: list
-    treedef: Any
-    dynamic: list[int]  # indices of items that are traced (Sharded or array)
+    parts: _tree.Partition
     specs: list[PartitionSpec]
 
+    @property
+    def items(self) -> tuple:
+        return self.parts.items
+
+    @property
+    def dynamic(self) -> tuple[int, ...]:
+        return self.parts.positions
+
     def dynamic_values(self) -> list:
-        return [
-            self.items[i].data if isinstance(self.items[i], Sharded) else self.items[i]
-            for i in self.dynamic
-        ]
+        return [x.data if isinstance(x, Sharded) else x for x in self.parts.selected]
 
     def rebuild(self, values, step_meta: dict | None = None) -> Any:
         """The tree with `values` in its dynamic positions.
@@ -112,29 +116,33 @@ class _StatePlan:
         With `step_meta` (position -> the `StepLeaf` fields) the `Sharded` leaves
         become the running step's `StepLeaf`s.
         """
-        out = list(self.items)
-        for pos, (i, v) in enumerate(zip(self.dynamic, values)):
-            item = self.items[i]
-            if not isinstance(item, Sharded):
-                out[i] = v
-            elif step_meta is None:
-                out[i] = dataclasses.replace(item, data=v)
-            else:
-                fields = {f.name: getattr(item, f.name) for f in dataclasses.fields(Sharded)}
-                out[i] = _context.StepLeaf(**{**fields, "data": v}, **step_meta[pos])
-        return tree_unflatten(self.treedef, out)
+        new = [
+            _leaf_with(item, v, None if step_meta is None else step_meta.get(pos))
+            for pos, (item, v) in enumerate(zip(self.parts.selected, values, strict=True))
+        ]
+        return self.parts.combine(new)
+
+
+def _leaf_with(item, value, step_fields: dict | None):
+    """`item` holding `value`: a plain value, a `Sharded` leaf, or the step's `StepLeaf`."""
+    if not isinstance(item, Sharded):
+        return value
+    if step_fields is None:
+        return dataclasses.replace(item, data=value)
+    fields = {f.name: getattr(item, f.name) for f in dataclasses.fields(Sharded)}
+    return _context.StepLeaf(**{**fields, "data": value}, **step_fields)
 
 
 def _plan(items, treedef) -> _StatePlan:
-    dynamic, specs = [], []
-    for i, x in enumerate(items):
-        if isinstance(x, Sharded):
-            dynamic.append(i)
-            specs.append(_mesh.spec(x.shard_axis, x.dim))
-        elif is_array(x):
-            dynamic.append(i)
-            specs.append(PartitionSpec())
-    return _StatePlan(items, treedef, dynamic, specs)
+    parts = _tree.Partition(
+        tuple(items), treedef,
+        tuple(i for i, x in enumerate(items) if isinstance(x, Sharded) or is_array(x)),
+    )
+    specs = [
+        _mesh.spec(x.shard_axis, x.dim) if isinstance(x, Sharded) else PartitionSpec()
+        for x in parts.selected
+    ]
+    return _StatePlan(parts, specs)
 
 
 @dataclasses.dataclass(frozen=True)
