@@ -57,7 +57,8 @@ def _rewrite_param(value: Any) -> tuple[Any, bool]:
         return (value.replace(jaxpr=jaxpr), True) if found else (value, False)
     if isinstance(value, core.Jaxpr):
         return _rewrite(value)
-    if isinstance(value, tuple) and any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
+    jaxpr_types = (core.Jaxpr, core.ClosedJaxpr)
+    if isinstance(value, tuple) and any(isinstance(v, jaxpr_types) for v in value):
         rewritten = [_rewrite_param(v) for v in value]
         return tuple(v for v, _ in rewritten), any(f for _, f in rewritten)
     return value, False

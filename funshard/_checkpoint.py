@@ -65,7 +65,7 @@ def _entry(path, x) -> dict | None:
 def _arrays_and_meta(tree: Any):
     paths, items, _ = _tree.sharded_leaves(tree)
     arrays, leaves = {}, []
-    for path, x in zip(paths, items):
+    for path, x in zip(paths, items, strict=True):
         entry = _entry(path, x)
         if entry is None:
             continue
@@ -167,7 +167,7 @@ def _swap_in(new: str, path: str) -> None:
 def _mismatches(meta: dict, paths, items) -> list[str]:
     stored = {leaf["path"]: leaf for leaf in meta["leaves"]}
     wanted = {}
-    for path, x in zip(paths, items):
+    for path, x in zip(paths, items, strict=True):
         entry = _entry(path, x)
         if entry is not None:
             wanted[entry["path"]] = entry
@@ -199,7 +199,7 @@ def _unplaced(paths, items, mesh) -> list:
     """Paths of abstract `like` leaves that say nowhere to put them (no sharding, no mesh)."""
     if mesh is not None:
         return []
-    return [p for p, x in zip(paths, items)
+    return [p for p, x in zip(paths, items, strict=True)
             if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None]
 
 
@@ -272,7 +272,9 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     unplaced = _unplaced(paths, items, mesh)
     if unplaced:
         raise ValueError(_errors.no_placement("restore", unplaced))
-    stored = [i for i, (p, x) in enumerate(zip(paths, items)) if _entry(p, x) is not None]
+    stored = [
+        i for i, (p, x) in enumerate(zip(paths, items, strict=True)) if _entry(p, x) is not None
+    ]
     targets = [_restore_target(items[i], mesh) for i in stored]
     item = {str(k): t[0] for k, t in enumerate(targets)}
     restore_args = {str(k): t[1] for k, t in enumerate(targets)}

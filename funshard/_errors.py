@@ -549,9 +549,9 @@ def launch_no_coordinator(n: int, launcher: str) -> str:
 
 def backend_already_started(launch) -> str:
     return (
-        f"initialize: process {launch.process_id} of {launch.num_processes} already used JAX (jax.devices(), an array, a "
-        "computation, ...) before this call, so its devices are fixed to this process "
-        "alone. Call funshard.distributed.initialize() first, right after the imports."
+        f"initialize: process {launch.process_id} of {launch.num_processes} already used "
+        "JAX (jax.devices(), an array, a computation, ...) before this call, so its "
+        "devices are fixed to this process alone. Call funshard.distributed.initialize() first, right after the imports."
     )
 
 def shard_batch_not_mesh(mesh) -> str:

@@ -112,14 +112,14 @@ def _blocks(datas: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
     # being all-reduced at full size by autodiff.
     return [
         _lowering.vary(d.astype(leaf.gather_dtype), layout.replicate_axes)
-        for d, leaf in zip(datas, layout.leaves)
+        for d, leaf in zip(datas, layout.leaves, strict=True)
     ]
 
 
 def _logical(fulls: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
     return [
         jax.lax.slice_in_dim(f, 0, leaf.shape[leaf.dim], axis=leaf.dim)
-        for f, leaf in zip(fulls, layout.leaves)
+        for f, leaf in zip(fulls, layout.leaves, strict=True)
     ]
 
 
@@ -186,7 +186,7 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     with scope(layout, "reduce_scatter"):
         reduced = _lowering.reduce_scatter_blocks(padded, layout.shard_axes, replicate_axes, dims)
     out = [_zero_cotangent(leaf, layout) for leaf in layout.leaves]
-    for i, r in zip(idx, reduced):
+    for i, r in zip(idx, reduced, strict=True):
         out[i] = r.astype(layout.leaves[i].dtype)
     return out
 
@@ -243,7 +243,7 @@ def backward_values(cts, layout: GroupLayout, deferred: tuple[bool, ...] | None)
     zeros = tuple(_zero_cotangent(leaf, layout) for leaf in layout.leaves)
     routed = tuple(
         _lowering.vary(ct.astype(leaf.reduce_dtype), layout.dp_axes) if d else None
-        for ct, leaf, d in zip(cts, layout.leaves, deferred)
+        for ct, leaf, d in zip(cts, layout.leaves, deferred, strict=True)
     )
     return zeros, routed
 

@@ -113,11 +113,11 @@ def packing_of(blocks: Sequence[Any], dims: Sequence[int] | None = None) -> Pack
     dtypes = tuple(np.dtype(b.dtype) for b in blocks)
     carrier, width = _carrier(dtypes), _word_width(dtypes)
     shapes = tuple(
-        (b.shape[d], *b.shape[:d], *b.shape[d + 1:]) for b, d in zip(blocks, dims)
+        (b.shape[d], *b.shape[:d], *b.shape[d + 1:]) for b, d in zip(blocks, dims, strict=True)
     )
     sizes = tuple(
         int(np.prod(shape)) * (1 if carrier is not None else dtype.itemsize // width)
-        for shape, dtype in zip(shapes, dtypes)
+        for shape, dtype in zip(shapes, dtypes, strict=True)
     )
     return Packing(shapes, dtypes, dims, carrier, width, sizes)
 
@@ -125,7 +125,7 @@ def packing_of(blocks: Sequence[Any], dims: Sequence[int] | None = None) -> Pack
 def pack(blocks: Sequence[jax.Array], packing: Packing) -> jax.Array:
     """This device's blocks as ONE flat buffer."""
     words = []
-    for block, d in zip(blocks, packing.dims):
+    for block, d in zip(blocks, packing.dims, strict=True):
         block = jnp.moveaxis(block, d, 0) if d else block
         words.append(block.reshape(-1) if packing.carrier else _to_words(block, packing.width))
     return jnp.concatenate(words) if len(words) > 1 else words[0]
@@ -135,7 +135,8 @@ def unpack(gathered: jax.Array, packing: Packing) -> list[jax.Array]:
     """Splits a gathered `(N, L)` buffer into each leaf's `(N * r_i, ...)` global array."""
     n = gathered.shape[0]
     out, start = [], 0
-    for shape, dtype, d, size in zip(packing.shapes, packing.dtypes, packing.dims, packing.sizes):
+    layout = zip(packing.shapes, packing.dtypes, packing.dims, packing.sizes, strict=True)
+    for shape, dtype, d, size in layout:
         slab = gathered[:, start:start + size]
         start += size
         full_shape = (n * shape[0], *shape[1:])
@@ -240,7 +241,7 @@ def materialize(tree: Any, axes: tuple[str, ...]) -> Any:
     if not idx:
         return tree
     kept = _materialized(lambda xs: xs, [leaves[i] for i in idx], axes)
-    for i, x in zip(idx, kept):
+    for i, x in zip(idx, kept, strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
 
@@ -297,7 +298,7 @@ def reduce_scatter_blocks(
     """
     n = _mesh_axes_size(shard_axes)
     dims = tuple(dims) if dims is not None else (0,) * len(fulls)
-    fulls = [jnp.moveaxis(f, d, 0) if d else f for f, d in zip(fulls, dims)]
+    fulls = [jnp.moveaxis(f, d, 0) if d else f for f, d in zip(fulls, dims, strict=True)]
     out: list[jax.Array | None] = [None] * len(fulls)
     groups: dict[np.dtype, list[int]] = {}
     for i, full in enumerate(fulls):
@@ -312,7 +313,7 @@ def reduce_scatter_blocks(
             if replicate_axes:
                 flat = jax.lax.psum(flat, replicate_axes)
         start = 0
-        for i, col in zip(idx, cols):
+        for i, col in zip(idx, cols, strict=True):
             rows = fulls[i].shape[0] // n
             block = flat[start:start + col.shape[1]].reshape(rows, *fulls[i].shape[1:])
             out[i] = jnp.moveaxis(block, 0, dims[i]) if dims[i] else block
@@ -328,7 +329,10 @@ def _mesh_axes_size(axes: tuple[str, ...]) -> int:
 def _eager_gather_fn(mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...], dims):
     def body(*blocks):
         fulls = all_gather_blocks(blocks, shard_axes, dims=dims, to="invarying")
-        return tuple(jax.lax.slice_in_dim(f, 0, r, axis=d) for f, r, d in zip(fulls, rows, dims))
+        return tuple(
+            jax.lax.slice_in_dim(f, 0, r, axis=d)
+            for f, r, d in zip(fulls, rows, dims, strict=True)
+        )
 
     mapped = jax.shard_map(
         body,
@@ -365,7 +369,9 @@ def eager_all_gather(
     if not datas:
         return []
     dims = (0,) * len(datas) if dims is None else tuple(dims)
-    rows = tuple(x.shape[d] for x, d in zip(datas, dims)) if rows is None else tuple(rows)
+    if rows is None:
+        rows = tuple(x.shape[d] for x, d in zip(datas, dims, strict=True))
+    rows = tuple(rows)
     return list(_eager_gather_fn(mesh, tuple(shard_axes), rows, dims)(*datas))
 
 

@@ -247,7 +247,7 @@ def unshard_as(tree: Any, name: str) -> Any:
     ctx = _context.current()
     out = list(items)
     if ctx is not None and mesh != ctx.mesh:
-        path = next(p for p, x in zip(paths, items) if isinstance(x, Sharded))
+        path = next(p for p, x in zip(paths, items, strict=True) if isinstance(x, Sharded))
         raise ValueError(_errors.other_mesh_in_step("unshard", path, mesh, ctx.mesh))
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
@@ -261,7 +261,7 @@ def unshard_as(tree: Any, name: str) -> Any:
                 [x.shape[x.dim] for x in leaves],
                 [x.dim for x in leaves],
             )
-        for i, full in zip(idx, fulls):
+        for i, full in zip(idx, fulls, strict=True):
             out[i] = full
     return tree_unflatten(treedef, out)
 

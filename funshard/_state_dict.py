@@ -54,13 +54,13 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
         full_items = _tree.sharded_leaves(_shard.unshard(tree))[1]
     return {
         keystr(tuple(p)): _host(full)
-        for p, x, full in zip(paths, items, full_items)
+        for p, x, full in zip(paths, items, full_items, strict=True)
         if isinstance(x, Sharded) or is_array(x)
     }
 
 
 def _problems(sd: Mapping[str, Any], paths, items) -> list[str]:
-    expected = {keystr(tuple(p)): x for p, x in zip(paths, items) if _is_stored(x)}
+    expected = {keystr(tuple(p)): x for p, x in zip(paths, items, strict=True) if _is_stored(x)}
     problems = [_errors.state_dict_missing(k) for k in expected if k not in sd]
     problems += [_errors.state_dict_unexpected(k) for k in sd if k not in expected]
     for key, like in expected.items():
@@ -118,6 +118,6 @@ def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
         raise ValueError(_errors.state_dict_mismatch(problems))
     out = [
         _place(np.asarray(sd[keystr(tuple(p))]), x) if _is_stored(x) else x
-        for p, x in zip(paths, items)
+        for p, x in zip(paths, items, strict=True)
     ]
     return tree_unflatten(treedef, out)

@@ -20,7 +20,7 @@ from funshard._sharded import Sharded, is_array, is_sharded
 def _dp_axes(paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(replicate axes, shard axes) shared by every `Sharded` leaf of the state."""
     axes = None
-    for path, x in zip(paths, items):
+    for path, x in zip(paths, items, strict=True):
         if not isinstance(x, Sharded):
             continue
         these = (x.replicate_axis, x.shard_axis)
@@ -237,7 +237,8 @@ def _local_value_and_grad(loss_fn, opts: _Options, plan, ctx, values, batch, arg
     (loss, aux), (diff_grads, deferred_grads) = jax.value_and_grad(
         local_loss, argnums=(0, 1), has_aux=True
     )([values[i] for i in diff], accumulators)
-    return loss, aux, dict(zip(diff, diff_grads)), dict(zip(deferred, deferred_grads))
+    grads = dict(zip(diff, diff_grads, strict=True))
+    return loss, aux, grads, dict(zip(deferred, deferred_grads, strict=True))
 
 
 def _zero_sums(plan, values, routes: _Routes, dp_axes) -> tuple[dict, dict]:
@@ -297,8 +298,9 @@ def _reduce_deferred(plan, sums: dict, ctx) -> dict:
         return {}
     order = sorted(sums)
     items = [plan.items[plan.dynamic[i]] for i in order]
-    reduced = _gather.reduce_values([sums[i] for i in order], _gather.layout_of(items, ctx.skip_replicate_reduce, name="root"))
-    return dict(zip(order, reduced))
+    layout = _gather.layout_of(items, ctx.skip_replicate_reduce, name="root")
+    reduced = _gather.reduce_values([sums[i] for i in order], layout)
+    return dict(zip(order, reduced, strict=True))
 
 
 def _grad_scale(opts: _Options, world: int, loss_world: int) -> float:
@@ -347,7 +349,7 @@ def _check_state_leaves(paths, items, flags) -> None:
     """Non-floating leaves have no gradient, but an optimizer would still change them."""
     bad = [
         (path, str(x.dtype))
-        for path, x, trainable in zip(paths, items, flags)
+        for path, x, trainable in zip(paths, items, flags, strict=True)
         if trainable and (isinstance(x, Sharded) or is_array(x))
         and not is_inexact_array(x)
     ]
