@@ -551,7 +551,8 @@ def backend_already_started(launch) -> str:
     return (
         f"initialize: process {launch.process_id} of {launch.num_processes} already used "
         "JAX (jax.devices(), an array, a computation, ...) before this call, so its "
-        "devices are fixed to this process alone. Call funshard.distributed.initialize() first, right after the imports."
+        "devices are fixed to this process alone. Call funshard.distributed.initialize() "
+        "first, right after the imports."
     )
 
 def shard_batch_not_mesh(mesh) -> str:
