@@ -8,7 +8,8 @@ gathered for it and how their gradients are reduced after it.
 - `Residuals` is the typed trace-time record of a unit's backward: which of `jax.vjp`'s
   residuals were the gathered parameters (left out of the saved residuals and gathered
   again in the backward pass: FSDP2's `reshard_after_forward`, no recomputation);
-- `call_resharded` is the custom_vjp of one unit call.
+- `call_resharded` is the custom_vjp of one unit call, `call_scanned` that of a stack of
+  layers under `lax.scan`.
 
 Each gather is tied by a data dependency to the value it must wait for (the unit's input
 forward, the incoming cotangent backward): that keeps XLA from hoisting every gather to the
@@ -219,3 +220,106 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
     call.defvjp(call_fwd, call_bwd)
     out = call(datas, accumulators, operand_arrays)  # traces `run`, which records its output
     return record.rebuild_out(out)
+
+
+def _match_types(ct, primal):
+    """Sums `ct` over the axes it varies along but `primal` does not (autodiff's rule)."""
+
+    def fix(c, p):
+        if not hasattr(c, "dtype") or c.dtype == jax.dtypes.float0:
+            return c
+        extra = tuple(
+            a for a in _jax_compat.varying_axes(c)
+            if a not in _jax_compat.varying_axes(p)
+        )
+        return jax.lax.psum(c, extra) if extra else c
+
+    return jax.tree.map(fix, ct, primal)
+
+
+def _layer_layout(sharded, name: str):
+    """The gather layout of one layer of each stacked leaf (its layer axis dropped)."""
+    stack = _gather.layout_of(sharded, name=name)
+    layer = tuple(
+        dataclasses.replace(leaf, shape=leaf.shape[1:], dim=leaf.dim - 1) for leaf in stack.leaves
+    )
+    return dataclasses.replace(stack, leaves=layer)
+
+
+def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: bool):
+    """`carry = fn(layer, carry)` over a stack of sharded layers, one custom_vjp.
+
+    The forward is a `lax.scan` carrying a double buffer (this layer's gathered
+    parameters and the next layer's, gathered before this layer computes); the backward
+    is a reverse `lax.scan` that re-gathers each layer (prefetching the previous one)
+    and reduce-scatters its gradient as soon as the layer is done.
+    """
+    sharded = unit.sharded
+    datas = tuple(x.data for x in sharded)
+    if _gather.accumulators_for(sharded) is not None:
+        raise NotImplementedError(_errors.scan_deferred_sync_unsupported())
+    layout = _layer_layout(sharded, f"scan/{getattr(fn, '__name__', 'layer')}")
+    others = unit.parts.others
+    layers = datas[0].shape[0]
+    record = Residuals()
+
+    def layer_params(gathered, others_i):
+        return unit.parts.combine(gathered, others_i)
+
+    def gather_layer(datas, i, dependency):
+        blocks = [jax.lax.dynamic_index_in_dim(d, i, keepdims=False) for d in datas]
+        return tuple(_gather.gather_values(blocks, layout, dependency))
+
+    def prefetch(datas, pred, i, dependency, current):
+        # The other branch hands back the current buffer: same type, no communication.
+        return jax.lax.cond(pred, lambda: gather_layer(datas, i, dependency), lambda: current)
+
+    def run_layer(gathered, others_i, h):
+        with _context.unit_body():
+            return fn(layer_params(gathered, others_i), h)
+
+    @jax.custom_vjp
+    def run(datas, others, carry):
+        body = lambda h, xs: (run_layer(gather_layer(datas, xs[0], None), xs[1], h), None)  # noqa
+        return jax.lax.scan(body, carry, (jnp.arange(layers), others))[0]
+
+    def run_fwd(datas, others, carry):
+        def body(c, xs):
+            h, current = c
+            i, others_i = xs
+            upcoming = prefetch(datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1),
+                                dependency_of(h), current)
+            h, vjp_fn = jax.vjp(run_layer, current, others_i, h)
+            kept = record.drop_gathered(vjp_fn, current if reshard_after_forward else ())
+            return (h, upcoming), kept
+
+        first = gather_layer(datas, 0, dependency_of(carry))
+        (h, _), kept = jax.lax.scan(body, (carry, first), (jnp.arange(layers), others))
+        return h, (datas, others, carry, kept)
+
+    def run_bwd(res, ct):
+        datas, others, carry, kept = res
+
+        def body(c, xs):
+            ct_h, current = c
+            i, kept_i = xs
+            if reshard_after_forward:
+                dependency = dependency_of(ct_h)
+                previous = prefetch(datas, i > 0, jnp.maximum(i - 1, 0), dependency, current)
+            else:
+                previous = current  # every layer's parameters were kept: nothing to gather
+            ct_g, ct_others, ct_h = record.resume(kept_i, current)(ct_h)
+            ct_blocks = _gather.backward_values(ct_g, layout, None)[0]
+            return (ct_h, previous), (ct_blocks, ct_others)
+
+        if reshard_after_forward:
+            last = gather_layer(datas, layers - 1, dependency_of(ct))
+        else:
+            last = tuple(jnp.zeros(leaf.shape, leaf.gather_dtype) for leaf in layout.leaves)
+        (ct_carry, _), (ct_datas, ct_others) = jax.lax.scan(
+            body, (ct, last), (jnp.arange(layers), kept), reverse=True
+        )
+        return ct_datas, _match_types(ct_others, others), _match_types(ct_carry, carry)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(datas, others, carry)
