@@ -16,6 +16,10 @@ machine hits all variants alike. Besides the variants, the run compiles (never e
 plain `jax.grad` of one device's batch slice on one device (its temp bytes are the
 activation term of the memory target), variant 1 with twice the batch (temp-byte growth
 with the batch, for comparison) and variant 1 on 1, 2 and 4 devices (scaling table).
+Last, it compiles `fs.value_and_grad(loss, microbatches=k)` of variant 1's loss for
+k = 1, 2, 8 (three times each, `sync_every_microbatch` True and False) and reports
+compile time and HLO size against k (`fsdp/microbatches.py`; `--no-microbatches`
+skips it).
 
 Every step is loss + gradients + an `optax.adamw` update of the model in `fsdp/model.py`
 (a GPT-style decoder), returning the new parameters and optimizer state. The variants,

@@ -7,6 +7,7 @@ Modules, one concern each:
   data-parallel forms, yardsticks); each registers its builders with
   `variants.register`. See `variants/__init__.py` for how to add one.
 * `probes`: programs only compiled and read, never run (activation probe, scaling).
+* `microbatches`: compile time and HLO size of `microbatches=k` against k.
 * `measure`: compiling, reading facts out of the compiled programs, timing the steps.
 * `report`, `targets`: the Markdown report and its PASS/MISS checks.
 * `cli`: flags and the order of a run.

@@ -17,6 +17,7 @@ import optax
 
 from . import NUM_DEVICES
 from .measure import compile_all, log, lower, static_facts, time_steps
+from .microbatches import microbatch_rows
 from .model import Config, init_params
 from .probes import double_batch_variant, plain_grad_program, scaling_row, scaling_variants
 from .report import report
@@ -41,6 +42,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny model, 3 steps, scaling for N=4 and 8 only")
     parser.add_argument("--no-scaling", action="store_true", help="skip the N=1,2,4,8 table")
+    parser.add_argument("--no-microbatches", action="store_true",
+                        help="skip the compile time vs microbatches table")
     args = parser.parse_args(argv)
 
     defaults = Config(blocks=2, width=64, vocab=256, seq=16) if args.quick else Config()
@@ -114,7 +117,9 @@ def main(argv=None) -> None:
     facts = {v.name: static_facts(v, compiled[v.name][0]) for v in extra}
     act, scale_facts = probe_facts(args, results, extra, facts, compiled)
     scale = [scaling_row(ctx, f) for f in scale_facts]
-    text = report(args, cfg, ctx, results, scale, act, time.perf_counter() - start)
+    del compiled, lowered  # the variants' programs are done with
+    micro = None if args.no_microbatches else microbatch_rows(ctx)
+    text = report(args, cfg, ctx, results, scale, act, time.perf_counter() - start, micro)
     print(text)
     if args.out:
         with open(args.out, "w") as fh:

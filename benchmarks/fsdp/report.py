@@ -37,7 +37,7 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def report(args, cfg: Config, ctx: Context, results: list[dict], scale: list[dict],
-           act: dict, wall: float) -> str:
+           act: dict, wall: float, micro: list[dict] | None = None) -> str:
     """The whole report.
 
     Args:
@@ -49,6 +49,8 @@ def report(args, cfg: Config, ctx: Context, results: list[dict], scale: list[dic
         act: `plain`: temp bytes of the plain-grad probe; `slope`: temp growth with a
             doubled batch (either may be None).
         wall: the run's wall time in seconds.
+        micro: rows of the microbatch table (`microbatches.microbatch_rows`); None or
+            empty to leave it out.
 
     Returns:
         Markdown text.
@@ -58,8 +60,9 @@ def report(args, cfg: Config, ctx: Context, results: list[dict], scale: list[dic
     lines += _memory_section(results, len(ctx.devices))
     param_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(ctx.params))
     lines += _scaling_section(scale, param_bytes)
+    lines += microbatch_section(micro or [])
     lines += ["## Targets", ""]
-    lines += targets(ctx, {r["name"]: r for r in results}, act)
+    lines += targets(ctx, {r["name"]: r for r in results}, act, micro)
     return "\n".join(lines)
 
 
@@ -206,3 +209,38 @@ def _scaling_section(scale: list[dict], param_bytes: int) -> list[str]:
     return lines + table(["N", "state MiB", "ideal MiB", "ratio", "AG count / MiB",
                           "RS count / MiB", "AG+RS moved MiB", "ideal moved MiB", "temp MiB"],
                          rows)
+
+
+def _kinds(counts: dict) -> str:
+    """'AG / RS / other' counts of a collectives-by-kind dict."""
+    other = sum(v for kind, v in counts.items() if kind not in ("all-gather", "reduce-scatter"))
+    return f"{counts.get('all-gather', 0)} / {counts.get('reduce-scatter', 0)} / {other}"
+
+
+def microbatch_section(micro: list[dict]) -> list[str]:
+    """The table of `microbatches.microbatch_rows`; nothing when there are no rows."""
+    if not micro:
+        return []
+    r0 = micro[0]
+    lines = [
+        "## Microbatches: compile time and program size vs k", "",
+        "`jax.jit(fs.value_and_grad(loss, microbatches=k, sync_every_microbatch=...))` "
+        "of variant 1's loss (fully_shard per block, reshard_after_forward=True; "
+        "gradients only, no optimizer update), lowered and compiled, never run. The "
+        "global batch scales with k (k x the run's batch, so each microbatch has the "
+        "run's rows per device). lower / compile s: median of "
+        f"{r0['repeats']} compiles, each on fresh function objects after "
+        "`jax.clear_caches()`, the (sync, k) compiles interleaved round by round; "
+        "fastest s: the fastest of them (lower+compile). HLO "
+        "lines: lines of `compiled.as_text()`; while: while loops in it; collectives in "
+        "HLO: instructions in the text (AG / RS / other); executed per step: the same "
+        "with while bodies counted trip-count times (`benchmarks/hlo.py`).", "",
+    ]
+    return lines + table(
+        ["sync_every_microbatch", "k", "global batch", "lower s", "compile s",
+         "lower+compile s", "fastest s", "HLO lines", "while", "collectives in HLO AG / RS / other",
+         "executed per step AG / RS / other"],
+        [[str(r["sync"]), str(r["k"]), str(r["batch"]), f"{r['lower_s']:.2f}",
+          f"{r['compile_s']:.2f}", f"{r['total_s']:.2f}",
+          f"{r['fastest_s']:.2f}", f"{r['lines']:,}",
+          str(r["whiles"]), _kinds(r["static"]), _kinds(r["executed"])] for r in micro])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from .microbatches import LINES_RATIO, TIME_RATIO
 from .model import gathered_unit_bytes, ideal_comm
 from .variants import BASELINE, Context
 
@@ -16,13 +17,15 @@ def check(label: str, ok: bool, detail: str) -> str:
     return f"- **{'PASS' if ok else 'MISS'}** {label}: {detail}"
 
 
-def targets(ctx: Context, by_name: dict[str, dict], act: dict) -> list[str]:
+def targets(ctx: Context, by_name: dict[str, dict], act: dict,
+            micro: list[dict] | None = None) -> list[str]:
     """The target lines for the variants present, then a blank line.
 
     Args:
         ctx: what the variants were built from.
         by_name: per variant name, its facts and timing (as in `report.report`).
         act: the activation probes (`plain`, `slope`; see `report.report`).
+        micro: the microbatch rows (`microbatches.microbatch_rows`), or None.
     """
     t, f, auto = by_name.get(BASELINE), by_name.get(KEEP), by_name.get(AUTO)
     out = []
@@ -37,6 +40,8 @@ def targets(ctx: Context, by_name: dict[str, dict], act: dict) -> list[str]:
                          f"{f['flops']:,.0f} ({t['flops'] / f['flops'] - 1:+.2%}; within 2%)"))
     if t and auto:
         out.append(_speed(t, auto))
+    if micro:
+        out.append(_microbatches(micro))
     return out + [""]
 
 
@@ -110,3 +115,21 @@ def _speed(t: dict, auto: dict) -> str:
         f"{auto['median'] * 1e3:,.1f} ms = {ratio:.2f} median over median (target "
         f"<= 1.00); fastest over fastest step {best:.2f}. CPU-simulated devices, see "
         "the note on times.")
+
+
+def _microbatches(micro: list[dict]) -> str:
+    """Compile time and HLO lines at the largest k within a bound of k=1, per sync."""
+    ok, parts = True, []
+    for sync in sorted({r["sync"] for r in micro}, reverse=True):
+        rows = sorted((r for r in micro if r["sync"] == sync), key=lambda r: r["k"])
+        one, big = rows[0], rows[-1]
+        t, lines = big["total_s"] / one["total_s"], big["lines"] / one["lines"]
+        ok &= t <= TIME_RATIO and lines <= LINES_RATIO
+        parts.append(
+            f"sync_every_microbatch={sync}: lower+compile k={big['k']} "
+            f"{big['total_s']:.2f} s / k={one['k']} {one['total_s']:.2f} s = {t:.2f}, "
+            f"HLO lines {big['lines']:,} / {one['lines']:,} = {lines:.2f}")
+    return check(
+        "microbatches compile flat in k", ok,
+        "; ".join(parts) + f" (targets: time <= {TIME_RATIO}x, lines <= {LINES_RATIO}x; "
+        "median of the compiles, see the microbatch table)")
