@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.tree_util import keystr, tree_unflatten
+from jax.tree_util import keystr
 
 from funshard import _errors, _optim, _tree
 from funshard._sharded import Sharded, is_array
@@ -280,13 +280,16 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     restore_args = {str(k): t[1] for k, t in enumerate(targets)}
     arrays = _read(path, "arrays", ocp.args.Composite(
         arrays=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)))["arrays"]
-    out = list(items)
-    for k, i in enumerate(stored):
-        value, x = arrays[str(k)], items[i]
-        if isinstance(x, Sharded):
-            out[i] = dataclasses.replace(x, data=value)
-        elif is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
-            out[i] = value
-        else:
-            out[i] = type(x)(np.asarray(value).item())
-    return tree_unflatten(treedef, out)
+    parts = _tree.Partition(tuple(items), treedef, tuple(stored))
+    return parts.combine(
+        [_restored(items[i], arrays[str(k)]) for k, i in enumerate(stored)]
+    )
+
+
+def _restored(like: Any, value: Any) -> Any:
+    """A restored `value` in the form of its `like` leaf."""
+    if isinstance(like, Sharded):
+        return dataclasses.replace(like, data=value)
+    if is_array(like) or isinstance(like, jax.ShapeDtypeStruct):
+        return value
+    return type(like)(np.asarray(value).item())

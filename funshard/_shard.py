@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import tree_unflatten
 
-from funshard import _context, _errors, _gather, _lowering, _mesh, _placement
+from funshard import _context, _errors, _gather, _lowering, _mesh, _placement, _tree
 from funshard._placement import Replicate
 from funshard._policy import MixedPrecisionPolicy
 from funshard._sharded import Layout, Sharded, is_array, is_key, is_sharded
@@ -245,10 +245,10 @@ def unshard_as(tree: Any, name: str) -> Any:
     if mesh is None:
         raise ValueError(_errors.no_sharded("unshard"))
     ctx = _context.current()
-    out = list(items)
     if ctx is not None and mesh != ctx.mesh:
         path = next(p for p, x in zip(paths, items, strict=True) if isinstance(x, Sharded))
         raise ValueError(_errors.other_mesh_in_step("unshard", path, mesh, ctx.mesh))
+    gathered = {}
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
@@ -261,9 +261,9 @@ def unshard_as(tree: Any, name: str) -> Any:
                 [x.shape[x.dim] for x in leaves],
                 [x.dim for x in leaves],
             )
-        for i, full in zip(idx, fulls, strict=True):
-            out[i] = full
-    return tree_unflatten(treedef, out)
+        gathered.update(zip(idx, fulls, strict=True))
+    parts = _tree.Partition(tuple(items), treedef, tuple(sorted(gathered)))
+    return parts.combine([gathered[i] for i in parts.positions])
 
 
 def _full_problem(path, full, like: Sharded) -> tuple[type, str] | None:
