@@ -9,19 +9,23 @@ from jax.tree_util import keystr
 
 # ---- Shared: key paths, lists of processes, and messages several modules raise ----
 
+
 def where(fn: str, path: Sequence[Any] | None) -> str:
     """`fn: leaf <path>` prefix of a message (or just `fn:` at the root)."""
     if path is None:
         return f"{fn}:"
     return f"{fn}: leaf {leaf_name(path)}"
 
+
 def leaf_name(path: Sequence[Any]) -> str:
     """A leaf's key path as `keystr` writes it (`['a'][0]`), `<root>` for the tree itself."""
     return keystr(tuple(path)) or "<root>"
 
+
 def joined(messages: Sequence[str]) -> str:
     """Several leaves' messages as one, a line each: every bad leaf is reported at once."""
     return "\n".join(messages)
+
 
 def process_list(ranks) -> str:
     """"process 1" / "processes 0, 2-5": ranks with runs shortened to ranges."""
@@ -34,6 +38,7 @@ def process_list(ranks) -> str:
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
     return f"process{'es' if len(ranks) > 1 else ''} {text}"
 
+
 def no_sharded(fn: str) -> str:
     return (
         f"{fn}: the tree has no fs.Sharded leaves, so there is nothing to gather. Pass the "
@@ -43,11 +48,13 @@ def no_sharded(fn: str) -> str:
 
 # ---- _policy ----
 
+
 def policy_dtype(field: str, value: Any, problem: str) -> str:
     return (
         f"MixedPrecisionPolicy: {field}={value!r} {problem}; use a floating dtype such as "
         "jnp.bfloat16, jnp.float16 or jnp.float32, or None to keep the parameter's dtype."
     )
+
 
 def policy_flag_not_bool(field: str, value) -> str:
     return f"MixedPrecisionPolicy: {field} must be a bool, got {value!r}; pass True or False."
@@ -55,11 +62,13 @@ def policy_flag_not_bool(field: str, value) -> str:
 
 # ---- _mesh ----
 
+
 def mesh_no_devices() -> str:
     return (
         "make_mesh: devices is empty; pass at least one device, e.g. "
         "devices=jax.devices()[:4], or leave it out to use every device."
     )
+
 
 def mesh_repeated_devices(positions) -> str:
     listing = "; ".join(f"{d} at positions {at}" for d, at in positions.items())
@@ -68,6 +77,7 @@ def mesh_repeated_devices(positions) -> str:
         "holds exactly one shard. Pass distinct devices, e.g. devices=jax.devices()[:n]."
     )
 
+
 def mesh_bad_replicate(replicate, n: int) -> str:
     return (
         f"make_mesh: replicate={replicate!r} must be a positive integer dividing the "
@@ -75,11 +85,13 @@ def mesh_bad_replicate(replicate, n: int) -> str:
         "replicas of a 4-way sharded model."
     )
 
+
 def not_a_mesh(fn: str, mesh) -> str:
     return (
         f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
         "with fs.make_mesh()."
     )
+
 
 def unknown_axis(fn: str, axis: str, mesh_axes: Sequence[str], role: str) -> str:
     return (
@@ -87,6 +99,7 @@ def unknown_axis(fn: str, axis: str, mesh_axes: Sequence[str], role: str) -> str
         f"{tuple(mesh_axes)}); pass one of those names, or build the mesh with "
         "fs.make_mesh()."
     )
+
 
 def axes_overlap(fn: str, shard_axes, replicate_axes) -> str:
     return (
@@ -98,17 +111,20 @@ def axes_overlap(fn: str, shard_axes, replicate_axes) -> str:
 
 # ---- _placement ----
 
+
 def shard_dim_invalid(dim) -> str:
     return (
         f"Shard: dim must be a non-negative int, got {dim!r}; pass e.g. fs.Shard(0) "
         "(the default) or fs.Shard(1)."
     )
 
+
 def placement_bad_return(path, chosen) -> str:
     return (
         f"{where('shard', path)}: placement returned {chosen!r}; return fs.Shard(dim), "
         "fs.Replicate() or None (the default, Shard(0))."
     )
+
 
 def placement_dim_out_of_range(path, ndim: int, dim: int) -> str:
     return (
@@ -119,11 +135,13 @@ def placement_dim_out_of_range(path, ndim: int, dim: int) -> str:
 
 # ---- _shard: shard, unshard, reshard ----
 
+
 def bad_dtype(fn: str, path, dtype: Any) -> str:
     return (
         f"{where(fn, path)} has dtype {dtype}; expected a numeric or bool array. Convert it "
         "with jnp.asarray(..., dtype=...) or keep it out of the params tree."
     )
+
 
 def x64_dtype(fn: str, path, dtype: Any) -> str:
     return (
@@ -132,11 +150,13 @@ def x64_dtype(fn: str, path, dtype: Any) -> str:
         "64-bit mode with jax.config.update('jax_enable_x64', True)."
     )
 
+
 def already_sharded(path) -> str:
     return (
         f"{where('shard', path)} is already an fs.Sharded leaf; call fs.unshard(state) "
         "first to reshard onto another mesh."
     )
+
 
 def dim_not_divisible(path, shape, dim: int, shards: int) -> str:
     return (
@@ -145,14 +165,17 @@ def dim_not_divisible(path, shape, dim: int, shards: int) -> str:
         "(fs.Replicate())."
     )
 
+
 def stacked_and_placement() -> str:
     return "shard: pass either stacked=True or a placement, not both."
+
 
 def bad_mp_policy(policy) -> str:
     return (
         f"shard: mp_policy must be an fs.MixedPrecisionPolicy or None, got "
         f"{type(policy).__name__}; build one with fs.MixedPrecisionPolicy(param_dtype=...)."
     )
+
 
 def mixed_meshes(fn: str, first, other) -> str:
     return (
@@ -161,11 +184,13 @@ def mixed_meshes(fn: str, first, other) -> str:
         "one call. Shard every tree with the same mesh (fs.shard(params, mesh))."
     )
 
+
 def other_mesh_in_step(fn: str, path, mesh, step_mesh) -> str:
     return (
         f"{where(fn, path)} lives on mesh {mesh}, but the running step is on mesh "
         f"{step_mesh}; shard it with the step's mesh or pass it as part of the state."
     )
+
 
 def structure_mismatch(fn: str, what: str, got, expected) -> str:
     return (
@@ -174,17 +199,20 @@ def structure_mismatch(fn: str, what: str, got, expected) -> str:
         "state (e.g. the output of fs.unshard(state))."
     )
 
+
 def shape_mismatch(fn: str, path, shape, expected) -> str:
     return (
         f"{where(fn, path)} has shape {tuple(shape)} but `like` expects "
         f"{tuple(expected)}; pass the full (unsharded) array of that leaf."
     )
 
+
 def dtype_mismatch(fn: str, path, dtype, expected) -> str:
     return (
         f"{where(fn, path)} has dtype {dtype} but `like` expects {expected}; cast it with "
         f".astype({expected}) first."
     )
+
 
 def reshard_not_array(path, full, shape) -> str:
     return (
@@ -194,6 +222,7 @@ def reshard_not_array(path, full, shape) -> str:
 
 
 # ---- _sharded ----
+
 
 def sharded_in_user_code(shape, dtype) -> str:
     return (
@@ -205,12 +234,14 @@ def sharded_in_user_code(shape, dtype) -> str:
 
 # ---- _fully_shard ----
 
+
 def bad_unit_name(name) -> str:
     return (
         f"fully_shard: name must be a non-empty string (the unit's label in profiles and "
         f"HLO metadata), got {name!r}; pass e.g. name='block3', or leave it out to use "
         "the function's name."
     )
+
 
 def nested_units(how: str) -> str:
     return (
@@ -221,12 +252,14 @@ def nested_units(how: str) -> str:
         "outer unit gathers only the parameters it owns, as FSDP2 does."
     )
 
+
 def mixed_policies(fn: str, paths_and_policies) -> str:
     listing = "\n".join(f"  {leaf_name(p)}: {pol}" for p, pol in paths_and_policies)
     return (
         f"{fn}: the unit's parameters carry different mixed-precision policies:\n"
         f"{listing}\nShard all parameters of one unit with the same mp_policy."
     )
+
 
 def bad_reshard_after_forward(fn: str, value) -> str:
     return (
@@ -235,12 +268,14 @@ def bad_reshard_after_forward(fn: str, value) -> str:
         "the forward, False to keep them, or k to keep them sharded over groups of k."
     )
 
+
 def hpz_group_mismatch(k: int, axes, sizes) -> str:
     return (
         f"fully_shard: reshard_after_forward={k} needs the parameters' shard axes {axes} "
         f"(sizes {tuple(sizes)}) to end in axes spanning exactly {k} devices, e.g. shard "
         f"over ('fsdp_outer', 'fsdp_inner') with an inner axis of size {k}."
     )
+
 
 def hpz_not_divisor(k: int, n: int) -> str:
     return (
@@ -251,17 +286,20 @@ def hpz_not_divisor(k: int, n: int) -> str:
 
 # ---- _scan ----
 
+
 def scan_not_stacked(path, dim: int) -> str:
     return (
         f"{where('scan', path)} is sharded on dim {dim}, not as a stack of layers; shard "
         "the stacked parameters with fs.shard(..., stacked=True)."
     )
 
+
 def scan_hpz_unsupported(k: int) -> str:
     return (
         f"scan: reshard_after_forward={k} (hpZ) is not supported for scanned stacks yet; "
         "use True or False."
     )
+
 
 def scan_deferred_sync_unsupported() -> str:
     return (
@@ -272,17 +310,20 @@ def scan_deferred_sync_unsupported() -> str:
 
 # ---- _step: value_and_grad ----
 
+
 def microbatches_invalid(value) -> str:
     return (
         f"value_and_grad: microbatches must be an int >= 1, got {value!r}; pass e.g. "
         "microbatches=4 (1: no accumulation)."
     )
 
+
 def gradient_divide_factor_invalid(value) -> str:
     return (
         f"value_and_grad: gradient_divide_factor must be a positive number, got {value!r}; "
         "pass e.g. the data-parallel world size, or None for the default."
     )
+
 
 def mixed_axes(path, these, axes) -> str:
     return (
@@ -291,11 +332,13 @@ def mixed_axes(path, these, axes) -> str:
         "the whole state with one shard_axis/replicate_axis."
     )
 
+
 def trainable_mismatch(exc: BaseException) -> str:
     return (
         "value_and_grad: `trainable` must be a pytree prefix of the state with a bool "
         f"at each leaf or subtree ({exc}). E.g. {{'encoder': False, 'head': True}}."
     )
+
 
 def non_float_leaves(fn: str, bad) -> str:
     listing = "\n".join(f"  {leaf_name(p)}: {d}" for p, d in bad)
@@ -308,11 +351,13 @@ def non_float_leaves(fn: str, bad) -> str:
         "with optax.masked(opt, mask); see docs/concepts.md."
     )
 
+
 def batch_not_array(path, leaf) -> str:
     return (
         f"{where('value_and_grad', path)} is a {type(leaf).__name__}, not an array; the "
         "batch may only hold arrays (pass other values as extra *args or close over them)."
     )
+
 
 def batch_scalar(path) -> str:
     return (
@@ -320,6 +365,7 @@ def batch_scalar(path) -> str:
         "batch dimension to split over the data-parallel devices. Pass scalars as extra "
         "*args instead."
     )
+
 
 def batch_ragged(rows) -> str:
     listing = "\n".join(f"  {leaf_name(p)}: {n} rows" for p, n in rows)
@@ -329,11 +375,13 @@ def batch_ragged(rows) -> str:
         "same number of rows."
     )
 
+
 def batch_empty(path) -> str:
     return (
         f"{where('value_and_grad', path)} has 0 rows: the mean loss of an empty batch is "
         "undefined. Skip empty batches."
     )
+
 
 def batch_not_divisible(path, dim0: int, world: int, axes) -> str:
     return (
@@ -343,12 +391,14 @@ def batch_not_divisible(path, dim0: int, world: int, axes) -> str:
         "incomplete batch or pad it."
     )
 
+
 def batch_not_microbatchable(path, rows: int, world: int, microbatches: int) -> str:
     return (
         f"{where('value_and_grad', path)} has {rows} rows, which do not split into "
         f"{microbatches} microbatches on each of {world} devices; use a global batch that "
         f"is a multiple of {world * microbatches}."
     )
+
 
 def aux_expected(out) -> str:
     what = f"a {type(out).__name__}"
@@ -360,12 +410,14 @@ def aux_expected(out) -> str:
         "has_aux=False."
     )
 
+
 def aux_unexpected(count: int) -> str:
     return (
         f"value_and_grad: the loss function returned a tuple of {count} elements but "
         "has_aux=False; return the scalar loss alone, or return (loss, aux) and pass "
         "has_aux=True."
     )
+
 
 def loss_not_scalar(loss) -> str:
     shape = getattr(loss, "shape", None)
@@ -375,6 +427,7 @@ def loss_not_scalar(loss) -> str:
         f"{dtype}. Reduce it over the local batch (e.g. jnp.mean) and return a float; "
         "return other values as aux (has_aux=True)."
     )
+
 
 def sharded_aux(paths) -> str:
     listing = ", ".join(leaf_name(p) for p in paths)
@@ -387,6 +440,7 @@ def sharded_aux(paths) -> str:
 
 # ---- _optim ----
 
+
 def no_state_mesh(fn: str) -> str:
     return (
         f"{fn}: the state has no fs.Sharded leaves, so there is no mesh to place the "
@@ -396,14 +450,17 @@ def no_state_mesh(fn: str) -> str:
 
 # ---- _checkpoint: save, restore ----
 
+
 def save_exists(path: str) -> str:
     return (
         f"save: {path} already exists; pass overwrite=True, or save each step to its "
         "own directory (e.g. f'{root}/step_{step}')."
     )
 
+
 def save_overwrite_async() -> str:
     return "save: overwrite=True cannot be asynchronous; save to a new path."
+
 
 def save_in_flight(path: str) -> str:
     return (
@@ -412,6 +469,7 @@ def save_in_flight(path: str) -> str:
         "to its own directory (e.g. f'{root}/step_{step}')."
     )
 
+
 def abstract_in_save(path) -> str:
     return (
         f"{where('save', path)} is abstract (a jax.ShapeDtypeStruct) and has no values "
@@ -419,17 +477,20 @@ def abstract_in_save(path) -> str:
         "or jax.jit of the initialiser)."
     )
 
+
 def no_checkpoint(path: str) -> str:
     return (
         f"restore: no checkpoint at {path}. Pass a directory written by fs.save, e.g. "
         "f'{root}/step_{step}'."
     )
 
+
 def restore_in_flight(path: str) -> str:
     return (
         f"restore: no checkpoint at {path} yet: an asynchronous save to it is still in "
         "flight. Call .wait() on the fs.PendingSave that fs.save returned first."
     )
+
 
 def not_a_checkpoint(path: str, entries: Sequence[str]) -> str:
     held = ", ".join(sorted(entries)[:8]) + (", ..." if len(entries) > 8 else "")
@@ -439,11 +500,13 @@ def not_a_checkpoint(path: str, entries: Sequence[str]) -> str:
         "e.g. f'{root}/step_{step}', not its parent or another tool's checkpoint."
     )
 
+
 def checkpoint_bad_metadata(path: str) -> str:
     return (
         f"restore: {path} is not a funshard checkpoint (no funshard metadata). Pass a "
         "directory written by fs.save."
     )
+
 
 def checkpoint_corrupt(path: str, what: str, exc: BaseException) -> str:
     return (
@@ -451,17 +514,22 @@ def checkpoint_corrupt(path: str, what: str, exc: BaseException) -> str:
         f"{what} failed: {type(exc).__name__}: {exc}). Restore an earlier checkpoint."
     )
 
+
 def checkpoint_missing_leaf(key: str) -> str:
     return f"  missing from the checkpoint: {key}"
+
 
 def checkpoint_extra_leaf(key: str) -> str:
     return f"  not in `like`: {key}"
 
+
 def checkpoint_shape(key: str, have, want) -> str:
     return f"  shape mismatch: {key} is {tuple(have)} in the checkpoint, {tuple(want)} in `like`"
 
+
 def checkpoint_dtype(key: str, have, want) -> str:
     return f"  dtype mismatch: {key} is {have} in the checkpoint, {want} in `like`"
+
 
 def checkpoint_mismatch(path: str, problems: Sequence[str]) -> str:
     return (
@@ -469,6 +537,7 @@ def checkpoint_mismatch(path: str, problems: Sequence[str]) -> str:
         + "\nBuild `like` exactly as the saved tree was built (same model, optimizer "
         "and dtypes)."
     )
+
 
 def no_placement(fn: str, paths) -> str:
     listing = "\n".join(f"  {leaf_name(p)}" for p in paths)
@@ -482,12 +551,14 @@ def no_placement(fn: str, paths) -> str:
 
 # ---- _state_dict ----
 
+
 def state_dict_not_mapping(sd) -> str:
     return (
         f"load_state_dict: sd is a {type(sd).__name__}; expected a dict from path strings "
         "to full arrays, as fs.state_dict(tree) returns. To load a tree of full arrays "
         "use fs.reshard(full_tree, like); to load from disk use fs.restore(path, like)."
     )
+
 
 def state_dict_bad_entries(entries) -> str:
     listing = "\n".join(
@@ -500,17 +571,22 @@ def state_dict_bad_entries(entries) -> str:
         "fs.reshard(full_tree, like)); wrap numbers with np.asarray(value, dtype)."
     )
 
+
 def state_dict_missing(key: str) -> str:
     return f"  missing: {key}"
+
 
 def state_dict_unexpected(key: str) -> str:
     return f"  unexpected: {key}"
 
+
 def state_dict_shape(key: str, got, want) -> str:
     return f"  shape mismatch: {key} is {got}, expected {want}"
 
+
 def state_dict_dtype(key: str, got, want) -> str:
     return f"  dtype mismatch: {key} is {got}, expected {want}"
+
 
 def state_dict_mismatch(problems: Sequence[str]) -> str:
     return (
@@ -522,11 +598,13 @@ def state_dict_mismatch(problems: Sequence[str]) -> str:
 
 # ---- _distributed: initialize, shard_batch ----
 
+
 def env_not_int(name: str, value: str) -> str:
     return (
         f"initialize: environment variable {name}={value!r} is not an integer; it is "
         "set by the launcher (torchrun / srun), or pass the value as an argument."
     )
+
 
 def launch_not_int(name: str, value) -> str:
     return (
@@ -534,11 +612,13 @@ def launch_not_int(name: str, value) -> str:
         "None to read it from the launcher's environment."
     )
 
+
 def launch_bad_rank(rank: int, n: int) -> str:
     return (
         f"initialize: process_id={rank} and num_processes={n} must satisfy "
         "0 <= process_id < num_processes (check RANK / WORLD_SIZE or the arguments)."
     )
+
 
 def launch_no_coordinator(n: int, launcher: str) -> str:
     return (
@@ -546,6 +626,7 @@ def launch_no_coordinator(n: int, launcher: str) -> str:
         "coordinator_address='host:port' (process 0's host), or set MASTER_ADDR and "
         "MASTER_PORT (or JAX_COORDINATOR_ADDRESS) in every process's environment."
     )
+
 
 def backend_already_started(launch) -> str:
     return (
@@ -555,11 +636,13 @@ def backend_already_started(launch) -> str:
         "first, right after the imports."
     )
 
+
 def shard_batch_not_mesh(mesh) -> str:
     return (
         f"shard_batch: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
         "use the mesh funshard.distributed.initialize() returned."
     )
+
 
 def shard_batch_no_data_axes(mesh_axes, axes) -> str:
     return (
@@ -567,11 +650,13 @@ def shard_batch_no_data_axes(mesh_axes, axes) -> str:
         f"{axes or ('fsdp',)}; pass axes=... naming the axes the batch is split over."
     )
 
+
 def shard_batch_no_local_device(rank: int) -> str:
     return (
         f"shard_batch: process {rank} has no device in the mesh; build the mesh over "
         "every process's devices (funshard.distributed.initialize())."
     )
+
 
 def local_batch_not_array(path, leaf) -> str:
     return (
@@ -579,11 +664,13 @@ def local_batch_not_array(path, leaf) -> str:
         "numpy or jax array of this process's rows."
     )
 
+
 def local_batch_scalar(path) -> str:
     return (
         f"{where('shard_batch', path)} is a scalar; every batch leaf needs a leading row "
         "dimension (pass replicated values as extra arguments)."
     )
+
 
 def local_batch_uneven(path, rows: int, local: int) -> str:
     return (
@@ -591,6 +678,7 @@ def local_batch_uneven(path, rows: int, local: int) -> str:
         f"process's {local} data-parallel devices; give each process a multiple of "
         f"{local} rows."
     )
+
 
 def batch_differs_across_processes(signatures) -> str:
     """`signatures`: rank -> [(keystr path, (shape, dtype) or a type name)] of its leaves."""
@@ -614,6 +702,7 @@ def batch_differs_across_processes(signatures) -> str:
         "shape and dtype per leaf (drop or pad a last partial batch on every process alike)."
     )
 
+
 def _leaf_text(described, groups) -> str:
     """"8 rows" where only the row counts differ, else "float32 (8, 3)"."""
     if described == "absent":
@@ -630,11 +719,13 @@ def _leaf_text(described, groups) -> str:
 
 # ---- _rendezvous: the start-up meeting ----
 
+
 def timeout_invalid(source: str, value) -> str:
     return (
         f"initialize: {source}={value!r} is not a positive number of seconds; pass e.g. "
         "initialization_timeout=60 (or FUNSHARD_INITIALIZATION_TIMEOUT=60)."
     )
+
 
 def coordinator_bad_address(address: str, source: str) -> str:
     return (
@@ -643,12 +734,14 @@ def coordinator_bad_address(address: str, source: str) -> str:
         "under torchrun)."
     )
 
+
 def coordinator_unresolvable(host: str, source: str, reason: str) -> str:
     return (
         f"initialize: the coordinator host {host!r} (from {source}) does not resolve "
         f"({reason}); set it to the host name or IP address of the machine that runs "
         "process 0, as every process can resolve it."
     )
+
 
 def start_cannot_listen(port: int, reason) -> str:
     return (
@@ -657,8 +750,10 @@ def start_cannot_listen(port: int, reason) -> str:
         "port in coordinator_address)."
     )
 
+
 def hello_not_funshard() -> str:
     return "a program other than funshard connected to the coordinator's port"
+
 
 def hello_world_size(rank: int, size: int, n: int) -> str:
     return (
@@ -666,16 +761,20 @@ def hello_world_size(rank: int, size: int, n: int) -> str:
         f"{n} (WORLD_SIZE differs between processes)"
     )
 
+
 def hello_rank_taken(rank: int) -> str:
     return f"two processes started as rank {rank} (RANK must be unique)"
+
 
 def start_note_refused(problem: str) -> str:
     """A note for `start_missing_processes`: a connection process 0 turned away."""
     return f"Refused a connection: {problem}"
 
+
 def start_note_disconnected(rank: int) -> str:
     """A note for `start_missing_processes`: a peer that arrived, then died."""
     return f"Process {rank} arrived but disconnected again (it exited)"
+
 
 def start_rejected(n: int, problem: str) -> str:
     return (
@@ -683,6 +782,7 @@ def start_rejected(n: int, problem: str) -> str:
         "process with the same WORLD_SIZE and its own RANK, and keep other programs off "
         "the coordinator's port."
     )
+
 
 def start_missing_processes(me: str, missing, address: str, timeout: float, notes) -> str:
     extra = "".join(f" {note}." for note in notes)
@@ -693,6 +793,7 @@ def start_missing_processes(me: str, missing, address: str, timeout: float, note
         "timeout (initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
     )
 
+
 def start_no_coordinator(me: str, address: str, timeout: float, reason: str) -> str:
     return (
         f"initialize: {me} could not reach the coordinator (process 0) at {address} "
@@ -701,6 +802,7 @@ def start_no_coordinator(me: str, address: str, timeout: float, reason: str) -> 
         "or raise the timeout (initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
     )
 
+
 def start_no_answer(me: str, address: str, timeout: float) -> str:
     return (
         f"initialize: {me} reached the coordinator at {address}, but process 0 did not "
@@ -708,12 +810,14 @@ def start_no_answer(me: str, address: str, timeout: float) -> str:
         "the timeout (initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
     )
 
+
 def start_gave_up_elsewhere(me: str, missing) -> str:
     return (
         f"initialize: {me}: process 0 gave up waiting: {process_list(missing)} never "
         "reached the coordinator (see process 0's error). Start the missing processes, "
         "or raise the timeout (initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
     )
+
 
 def start_unexpected_answer(reply: str) -> str:
     return (
