@@ -23,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 STEPS = 10
@@ -38,9 +39,16 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
+        self.fail = False  # set by the raise_then_reset case: the forward raises
 
     def forward(self, x):
+        if self.fail:
+            raise PlannedFailure("a block's forward raised on purpose")
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class PlannedFailure(RuntimeError):
+    pass
 
 
 class Stack(nn.Module):
@@ -55,6 +63,42 @@ class Stack(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h)
+
+
+class CheckpointedStack(Stack):
+    """Stack with `torch.utils.checkpoint` (non-reentrant) around each block."""
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+VOCAB, TOKENS = 12, 5
+
+
+class TiedLM(nn.Module):
+    """A tiny language model whose output head shares the input embedding's weight."""
+
+    def __init__(self, width: int = 16, depth: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _tokens(step: int, micro: int, rank: int):
+    g = torch.Generator().manual_seed(1000 + 100 * step + 10 * micro + rank)
+    return (torch.randint(0, VOCAB, (4, TOKENS), generator=g),
+            torch.randn(4, TOKENS, VOCAB, generator=g))
 
 
 def _mlp(*widths: int) -> nn.Sequential:
@@ -74,6 +118,9 @@ class Case:
     policy: dict | None = None  # MixedPrecisionPolicy fields, for every unit and the root
     microbatches: int = 1
     configure: Callable[[nn.Module], None] | None = None  # after fully_shard
+    data: Callable[[int, int, int], tuple] | None = None  # (step, micro, rank) -> (x, y)
+    fail_at: int | None = None  # this step's forward raises in blocks[1]: reset, skip it
+    eval_block: bool = False  # after every step, blocks[0] alone under no_grad
 
 
 def _explicit_prefetch(model: nn.Module) -> None:
@@ -100,6 +147,10 @@ CASES = {
     "bf16": Case(Stack, _blocks, policy={"param_dtype": torch.bfloat16,
                                          "reduce_dtype": torch.float32}),
     "prefetch": Case(Stack, _blocks, configure=_explicit_prefetch),
+    "raise_then_reset": Case(Stack, _blocks, fail_at=3),
+    "tied_embeddings": Case(TiedLM, lambda m: [[m.emb, m.head], *m.blocks], data=_tokens),
+    "submodule_forward": Case(Stack, _blocks, eval_block=True),
+    "checkpointed_blocks": Case(CheckpointedStack, _blocks),
 }
 
 
@@ -123,7 +174,11 @@ def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
     spec = CASES[case]
     torch.manual_seed(0)  # the same initial parameters on every rank
     model = spec.build()
-    width, outputs = _input_width(model), _output_width(model)
+    if spec.data is None:
+        width, outputs = _input_width(model), _output_width(model)
+        data = lambda step, m: _batch(step, m, rank, width, outputs)  # noqa: E731
+    else:
+        data = lambda step, m: spec.data(step, m, rank)  # noqa: E731
     kwargs = {} if spec.policy is None else {"mp_policy": policy_cls(**spec.policy)}
     for unit in spec.units(model):
         shard(unit, **spec.unit_kwargs, **kwargs)
@@ -131,13 +186,25 @@ def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
     if spec.configure is not None:
         spec.configure(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, times = [], []
+    losses, times, evals = [], [], []
     for step in range(STEPS):
         start = time.perf_counter()
         total = 0.0
+        if step == spec.fail_at:
+            model.blocks[1].fail = True
+            try:
+                x, y = data(step, 0)
+                (model(x).float() - y).pow(2).mean().backward()
+                raise AssertionError("the planned failure did not happen")
+            except PlannedFailure:
+                model.reset_iter_state()  # on the root: as if the step never ran
+                opt.zero_grad()
+            finally:
+                model.blocks[1].fail = False
+            continue
         for m in range(spec.microbatches):
             model.set_requires_gradient_sync(m == spec.microbatches - 1)
-            x, y = _batch(step, m, rank, width, outputs)
+            x, y = data(step, m)
             loss = (model(x).float() - y).pow(2).mean() / spec.microbatches
             loss.backward()
             total += loss.item()
@@ -147,7 +214,14 @@ def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
         opt.zero_grad()
         losses.append(total)
         times.append(time.perf_counter() - start)
+        if spec.eval_block:  # e.g. evaluating one block: that forward's root is the block
+            h = torch.randn(3, model.blocks[0].up.in_features,
+                            generator=torch.Generator().manual_seed(step))
+            with torch.no_grad():
+                evals.append(model.blocks[0](h).numpy().copy())
     out = {"loss": np.asarray(losses), **grads}
+    if evals:
+        out["eval"] = np.stack(evals)
     out["step_seconds"] = np.asarray(times)  # for reports: not compared
     for name, param in model.named_parameters():
         out[f"param/{name}"] = _local(param)

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_torch_worker.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command
 JOB_TIMEOUT_S = 180
-CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum", "bf16", "prefetch")
+CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum", "bf16", "prefetch",
+         "raise_then_reset", "tied_embeddings", "submodule_forward", "checkpointed_blocks")
 HSDP_CASES = ("seq", "uneven", "blocks_reshard")
 TOLERANCE = 1e-5
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
