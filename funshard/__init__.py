@@ -23,6 +23,15 @@ from funshard import distributed as distributed
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # `fs.flax` without importing flax at `import funshard` (flax is an optional extra).
+    if name == "flax":
+        import importlib
+
+        return importlib.import_module("funshard.flax")
+    raise AttributeError(f"module 'funshard' has no attribute {name!r}")
+
 __all__ = [
     "PendingSave",
     "MixedPrecisionPolicy",
