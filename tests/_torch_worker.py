@@ -121,6 +121,7 @@ class Case:
     data: Callable[[int, int, int], tuple] | None = None  # (step, micro, rank) -> (x, y)
     fail_at: int | None = None  # this step's forward raises in blocks[1]: reset, skip it
     eval_block: bool = False  # after every step, blocks[0] alone under no_grad
+    flat_mesh: bool = False  # a 1-D mesh over every rank, even in an HSDP job
 
 
 def _explicit_prefetch(model: nn.Module) -> None:
@@ -151,6 +152,8 @@ CASES = {
     "tied_embeddings": Case(TiedLM, lambda m: [[m.emb, m.head], *m.blocks], data=_tokens),
     "submodule_forward": Case(Stack, _blocks, eval_block=True),
     "checkpointed_blocks": Case(CheckpointedStack, _blocks),
+    # hpZ: keep 1/2 after forward; the backward gathers within pairs of ranks.
+    "blocks_hpz": Case(Stack, _blocks, {"reshard_after_forward": 2}, flat_mesh=True),
 }
 
 
@@ -180,6 +183,7 @@ def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
     else:
         data = lambda step, m: spec.data(step, m, rank)  # noqa: E731
     kwargs = {} if spec.policy is None else {"mp_policy": policy_cls(**spec.policy)}
+    kwargs["flat"] = spec.flat_mesh
     for unit in spec.units(model):
         shard(unit, **spec.unit_kwargs, **kwargs)
     shard(model, **kwargs)
@@ -254,11 +258,25 @@ def main() -> int:
     if "frontend" in impls:
         import torch_frontend
 
-        torch_frontend.init_distributed(replicate=args.replicate)
+        import funshard
+        from torch_frontend import _bridge
+
+        mesh = torch_frontend.init_distributed(replicate=args.replicate)
+        flat_mesh = funshard.make_mesh() if args.replicate else mesh
+        gather_worlds: list[int] = []  # the group size of every all-gather, in order
+        start_all_gather = _bridge.start_all_gather
+
+        def recording(layout, blocks, rows):
+            gather_worlds.append(layout.world)
+            return start_all_gather(layout, blocks, rows)
+
+        _bridge.start_all_gather = recording
         for case in cases:
+            gather_worlds.clear()
+            result = train(case, lambda m, flat=False, **kw: torch_frontend.fully_shard(
+                m, mesh=flat_mesh if flat else mesh, **kw), torch_frontend.MixedPrecisionPolicy, rank)
             np.savez(out / f"{case}-frontend-rank{rank}.npz",
-                     **train(case, torch_frontend.fully_shard,
-                             torch_frontend.MixedPrecisionPolicy, rank))
+                     gather_worlds=np.asarray(gather_worlds), **result)
         if "torch.distributed" in sys.modules:
             import torch.distributed as dist
             assert not dist.is_initialized(), "torch_frontend opened a torch process group"
@@ -274,10 +292,11 @@ def main() -> int:
         else:  # HSDP: replicas of a model sharded over world // replicate ranks
             mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate),
                                     mesh_dim_names=("replicate", "shard"))
+        flat_mesh = init_device_mesh("cpu", (world,)) if args.replicate else mesh
         for case in cases:
             np.savez(out / f"{case}-fsdp2-rank{rank}.npz",
-                     **train(case, lambda m, **kw: fully_shard(m, mesh=mesh, **kw),
-                             MixedPrecisionPolicy, rank))
+                     **train(case, lambda m, flat=False, **kw: fully_shard(
+                         m, mesh=flat_mesh if flat else mesh, **kw), MixedPrecisionPolicy, rank))
         dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
     return 0

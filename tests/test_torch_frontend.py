@@ -35,6 +35,7 @@ JOB_TIMEOUT_S = 180
 CASES = ("seq", "uneven", "blocks_reshard", "blocks_keep", "accum", "bf16", "prefetch",
          "raise_then_reset", "tied_embeddings", "submodule_forward", "checkpointed_blocks")
 HSDP_CASES = ("seq", "uneven", "blocks_reshard")
+FOUR_PROCESS_CASES = (*HSDP_CASES, "blocks_hpz")  # blocks_hpz: a 1-D mesh of 4 ranks
 TOLERANCE = 1e-5
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS")
@@ -104,7 +105,7 @@ def parity_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hsdp_dir(tmp_path_factory) -> Path:
-    return _job(tmp_path_factory, "torch_hsdp", 4, HSDP_CASES, "--replicate", "2")
+    return _job(tmp_path_factory, "torch_hsdp", 4, FOUR_PROCESS_CASES, "--replicate", "2")
 
 
 def _load(out: Path, case: str, impl: str, rank: int) -> dict[str, np.ndarray]:
@@ -122,10 +123,22 @@ def test_hsdp_2x2_matches_fsdp2_on_four_processes(hsdp_dir, case):
     _assert_matches_fsdp2(hsdp_dir, case, 4)
 
 
+def test_hpz_reshard_after_forward_2_matches_fsdp2_on_four_processes(hsdp_dir):
+    _assert_matches_fsdp2(hsdp_dir, "blocks_hpz", 4)
+
+
+def test_hpz_backward_gathers_within_pairs_of_ranks(hsdp_dir):
+    # Per step: the root (kept gathered) and 3 blocks gather over all 4 ranks in
+    # forward; each block gathers its kept halves within its pair (2 ranks) in backward.
+    worlds = _load(hsdp_dir, "blocks_hpz", "frontend", 0)["gather_worlds"]
+    steps = len(_load(hsdp_dir, "blocks_hpz", "frontend", 0)["loss"])
+    assert worlds.tolist() == [4, 4, 4, 4, 2, 2, 2] * steps
+
+
 def _assert_matches_fsdp2(out: Path, case: str, processes: int):
     for rank in range(processes):
         ours, theirs = _load(out, case, "frontend", rank), _load(out, case, "fsdp2", rank)
-        del ours["step_seconds"], theirs["step_seconds"]
+        del ours["step_seconds"], theirs["step_seconds"], ours["gather_worlds"]
         assert sorted(ours) == sorted(theirs)
         np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=0, atol=TOLERANCE,
                                    err_msg=f"{case}: per-step loss, rank {rank}")
@@ -538,12 +551,35 @@ def test_an_output_that_is_a_view_warns():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"shard_placement_fn": lambda p: None}, "shard_placement_fn"),
-    ({"reshard_after_forward": 2}, "reshard_after_forward=2"),
     ({"dp_mesh_dims": object()}, "dp_mesh_dims"),
 ])
 def test_arguments_not_supported_yet_say_so(kwargs, match):
     with pytest.raises(NotImplementedError, match=match):
         fully_shard(nn.Linear(2, 2), **kwargs)
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (2, ValueError, r"reshard_after_forward=2 must divide the shard world size 1"),
+    (0, ValueError, r"reshard_after_forward=0 must divide"),
+    ("yes", TypeError, r"True, False, None or an int group size, got 'yes'"),
+    (1.0, TypeError, r"got 1.0 \(float\)"),
+])
+def test_bad_reshard_after_forward_is_an_error_that_changes_nothing(value, error, match):
+    model = nn.Linear(2, 2)
+    weight = model.weight
+    with pytest.raises(error, match=match):
+        fully_shard(model, reshard_after_forward=value)
+    assert type(model) is nn.Linear and model.weight is weight
+
+
+def test_reshard_after_forward_1_warns_and_keeps_parameters_gathered():
+    model = _mlp()
+    with pytest.warns(UserWarning, match="behaves as False"):
+        fully_shard(model[0], reshard_after_forward=1)
+    fully_shard(model)
+    shard = model[0].weight
+    model(torch.randn(2, 16))
+    assert model[0].weight is not shard  # the gathered parameter stays bound
 
 
 def test_accumulation_without_reshard_after_backward_gathers_once(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 from concurrent.futures import Future
 from typing import Sequence
@@ -92,6 +93,30 @@ def layout_of(mesh: Mesh) -> Layout:
     device = mesh.devices[idx]
     return Layout(mesh, device, (SHARD_AXIS,), replicate, int(position),
                   mesh.shape[SHARD_AXIS], mesh.devices.size, device == jax.local_devices()[0])
+
+
+HPZ_INNER_AXIS = "hpz_inner"
+HPZ_OUTER_AXIS = "hpz_outer"
+
+
+@functools.lru_cache(maxsize=None)
+def hpz_layout(layout: Layout, k: int) -> Layout:
+    """The layout of the hpZ groups of `k` consecutive ranks (FSDP2's post-forward mesh).
+
+    The shard axis is split into (world / k, k): ranks `k*j .. k*j + k - 1` form a group
+    (as FSDP2's `mesh.view(-1, k)`), and the backward's gather runs over the inner axis
+    only, each rank contributing its 1/k part of the gathered parameters. Cached so that
+    the compiled gather is reused.
+    """
+    shard = layout.mesh.axis_names.index(SHARD_AXIS)
+    devices = np.moveaxis(layout.mesh.devices, shard, -1)
+    lead = devices.shape[:-1]
+    devices = devices.reshape(*lead, layout.world // k, k)
+    names = tuple(a for a in layout.mesh.axis_names if a != SHARD_AXIS)
+    mesh = Mesh(devices, (*names, HPZ_OUTER_AXIS, HPZ_INNER_AXIS),
+                axis_types=layout.mesh.axis_types[:1] * devices.ndim)
+    return dataclasses.replace(
+        layout, mesh=mesh, shard_axes=(HPZ_INNER_AXIS,), rank=layout.rank % k, world=k)
 
 
 def _import(layout: Layout, tensor: torch.Tensor) -> jax.Array:

@@ -60,3 +60,25 @@ def not_fsdp_module(method: str, module) -> str:
         f"{method}: {type(module).__name__} has no fully_shard state; call "
         "torch_frontend.fully_shard on it first."
     )
+
+
+def bad_reshard_after_forward(value) -> str:
+    return (
+        f"fully_shard: reshard_after_forward must be True, False, None or an int group "
+        f"size, got {value!r} ({type(value).__name__})."
+    )
+
+
+def hpz_not_divisor(k: int, world: int) -> str:
+    return (
+        f"fully_shard: reshard_after_forward={k} must divide the shard world size {world} "
+        f"(keep 1/k after forward, re-gather within groups of k ranks); pass one of "
+        f"{[d for d in range(1, world + 1) if world % d == 0]}, or True / False."
+    )
+
+
+def hpz_one() -> str:
+    return (
+        "fully_shard: reshard_after_forward=1 (int) means resharding to groups of one "
+        "rank, i.e. keeping the whole gathered parameters; it behaves as False."
+    )

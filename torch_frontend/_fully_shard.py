@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 from torch import nn
@@ -174,10 +175,8 @@ def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_
             raise ValueError(
                 f"fully_shard: {type(module).__name__} is already fully sharded; call "
                 "fully_shard once per module (list modules to group them).")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(_errors.not_supported_yet(
-            f"reshard_after_forward={reshard_after_forward!r}",
-            "pass True, False or None."))
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(_errors.bad_reshard_after_forward(reshard_after_forward))
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             "fully_shard: mp_policy must be a torch_frontend.MixedPrecisionPolicy, got "
@@ -185,6 +184,18 @@ def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_
     if shard_placement_fn is not None:
         raise NotImplementedError(_errors.not_supported_yet(
             "shard_placement_fn", "parameters are sharded on dim 0 (pass None)."))
+
+
+def _post_forward_world(reshard_after_forward: bool | int | None, layout: _bridge.Layout):
+    """True / False, or the hpZ group size k (1 < k < world), as FSDP2 normalises it."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward is not False
+    k = reshard_after_forward
+    if k < 1 or layout.world % k:
+        raise ValueError(_errors.hpz_not_divisor(k, layout.world))
+    if k == 1:
+        warnings.warn(_errors.hpz_one(), UserWarning, stacklevel=3)
+    return False if k == 1 else True if k == layout.world else k
 
 
 def _param_names(modules: list[nn.Module]) -> dict[int, str]:
@@ -201,7 +212,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh=None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     shard_placement_fn: Callable | None = None,
     offload_policy=None,
@@ -219,9 +230,12 @@ def fully_shard(
     Args:
       module: a module, or a list of modules that form ONE group (tied weights).
       mesh: the mesh from `init_distributed()` (None: that mesh).
-      reshard_after_forward: free the gathered parameters after forward and gather
-        again in backward. None: True, except for the root (the module that runs
-        forward first), which stays gathered.
+      reshard_after_forward: True frees the gathered parameters after forward and
+        gathers again in backward; False keeps them. An int k (a divisor of the shard
+        world size, FSDP2's hpZ) keeps each rank's 1/k of them, so the backward's
+        gather runs within groups of k consecutive ranks only (1 is False, the world
+        size is True). None: True, except for the root (the module that runs forward
+        first), which stays gathered.
       mp_policy: the mixed-precision policy.
       shard_placement_fn: not supported yet (must be None).
       offload_policy: not supported yet (None, or FSDP2's default `OffloadPolicy()`).
@@ -240,6 +254,7 @@ def fully_shard(
     _check_not_yet(offload_policy, dp_mesh_dims)
     ignored = {id(p) for p in ignored_params or ()}
     layout = _bridge.layout_of(_distributed.default_mesh() if mesh is None else mesh)
+    post_forward = _post_forward_world(reshard_after_forward, layout)
     names = _param_names(modules)
     params = []
     for param, uses in module_params(modules, lambda m: state_of(m) is not None):
@@ -248,7 +263,7 @@ def fully_shard(
         owner, attr = uses[0]
         fqn = f"{names[id(owner)]}.{attr}" if names[id(owner)] else attr
         params.append(FSDPParam(param, uses, fqn, layout))
-    group = ParamGroup(params, layout, mp_policy, reshard_after_forward is not False)
+    group = ParamGroup(params, layout, mp_policy, post_forward)
     FSDPState(tuple(modules), group, mp_policy, reshard_after_forward is None)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))

@@ -30,7 +30,7 @@ class ParamGroup:
     """
 
     def __init__(self, params: list[FSDPParam], layout: _bridge.Layout,
-                 mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool):
+                 mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int):
         self.params, self.layout, self.mp_policy = params, layout, mp_policy
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
@@ -39,6 +39,7 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
         self.is_unsharded = False
         self._pending: list | None = None  # a dispatched, not yet bound all-gather
+        self._parts: _bridge.Layout | None = None  # hpZ: the group layout of kept parts
 
     def param_dtype(self, param: FSDPParam) -> torch.dtype:
         return self.mp_policy.param_dtype or param.dtype
@@ -56,7 +57,12 @@ class ParamGroup:
             if not async_op:
                 self.wait_for_unshard()
             return
-        if self.params:
+        if self.params and self._parts is not None:
+            # hpZ: gather the kept parts within the group of k ranks only.
+            blocks = [p.part_block() for p in self.params]
+            self._pending = _bridge.start_all_gather(
+                self._parts, blocks, [p.shape[0] for p in self.params])
+        elif self.params:
             blocks = [p.gather_input(self.layout, self.param_dtype(p)) for p in self.params]
             self._pending = _bridge.start_all_gather(
                 self.layout, blocks, [p.shape[0] for p in self.params])
@@ -73,16 +79,35 @@ class ParamGroup:
         self._pending = None
         for param, full in zip(self.params, fulls):
             param.to_unsharded(full)
+            param.drop_part()
+        self._parts = None
         self.is_unsharded = True
 
     def reshard(self) -> None:
-        """Binds the local shards again and drops the gathered tensors."""
+        """Binds the local shards again and drops the gathered tensors (and hpZ parts)."""
         if self._pending is not None:
             # Its input is the shards' storage, which torch may write next (optimizer).
             _bridge.finish_all_gather(self._pending)
             self._pending = None
         for param in self.params:
             param.to_sharded()
+            param.drop_part()
+        self._parts = None
+        self.is_unsharded = False
+
+    def reshard_to_group(self, k: int) -> None:
+        """Keeps 1/k of each gathered parameter and frees the rest (FSDP2's hpZ).
+
+        The backward's `unshard` then gathers within groups of k consecutive ranks.
+        """
+        self.wait_for_unshard()
+        if not self.is_unsharded:
+            return
+        hpz = _bridge.hpz_layout(self.layout, k)
+        for param in self.params:
+            param.keep_part(self.layout, hpz)
+            param.to_sharded()
+        self._parts = hpz
         self.is_unsharded = False
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -95,8 +120,12 @@ class ParamGroup:
         return args, kwargs
 
     def post_forward(self) -> None:
-        if self.reshard_after_forward:
+        k = self.reshard_after_forward
+        if k is True or k == self.layout.world:
             self.reshard()
+        elif k is not False and k > 1:
+            # Without autograd no backward follows: nothing is worth keeping.
+            self.reshard_to_group(k) if torch.is_grad_enabled() else self.reshard()
         self.training_state = TrainingState.IDLE
 
     def pre_backward(self) -> None:
@@ -130,6 +159,15 @@ class ParamGroup:
         factor = self.gradient_divide_factor or float(self.layout.data_parallel)
         for param, block in zip(with_grad, _bridge.reduce_scatter(self.layout, grads)):
             param.add_sharded_grad(block, factor)
+
+    def drop_stale_parts(self) -> None:
+        """Reshards fully if hpZ parts from an earlier forward are still kept.
+
+        They were copied from the parameters of that forward; a later optimizer step
+        changes the shards, so a new iteration never gathers from them.
+        """
+        if self._parts is not None:
+            self.reshard()
 
     def reset_iter_state(self) -> None:
         """Drops this iteration's unreduced gradients and reshards (after an exception)."""

@@ -38,6 +38,7 @@ class FSDPParam:
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None
         self._gather_input: tuple[torch.Tensor, jax.Array] | None = None
+        self._part: tuple[torch.Tensor, jax.Array] | None = None
         self.to_sharded()
 
     def gather_input(self, layout: _bridge.Layout, dtype: torch.dtype) -> jax.Array:
@@ -60,6 +61,28 @@ class FSDPParam:
         if source is not self.padded:
             source.copy_(self.padded)
         return block
+
+    def keep_part(self, layout: _bridge.Layout, hpz: _bridge.Layout) -> None:
+        """Keeps this rank's part of the gathered parameter for an hpZ re-gather.
+
+        The part is the rank's 1/k of the padded full tensor in the gather dtype (its
+        own buffer, so the full one can be freed); `hpz` is the group layout.
+        """
+        full = self.unsharded.data
+        part_rows = layout.world * layout.padded_rows(self.shape[0]) // hpz.world
+        start = hpz.rank * part_rows
+        stop = min(start + part_rows, self.shape[0])
+        part = full.new_zeros((part_rows, *full.shape[1:]))
+        if stop > start:
+            part[:stop - start].copy_(full[start:stop])
+        self._part = (part, _bridge.global_block(hpz, part))
+
+    def part_block(self) -> jax.Array:
+        """The kept hpZ part as its group's global array: the re-gather's input."""
+        return self._part[1]
+
+    def drop_part(self) -> None:
+        self._part = None
 
     def to_unsharded(self, full: torch.Tensor) -> None:
         """Makes the modules use `full` (a gathered tensor) as the parameter."""

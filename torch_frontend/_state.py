@@ -125,6 +125,8 @@ class FSDPState:
         self.lazy_init()
         if self.ctx.iter_forward_root is None:
             self.ctx.iter_forward_root = self
+            for state in self.ctx.all_states:
+                state.group.drop_stale_parts()
 
     def _complete_unfinished_groups(self, output: Any) -> Any:
         # A grouped state whose modules did not all run forward never reached its
