@@ -81,7 +81,13 @@ def _arrays_and_meta(tree: Any):
 
 
 class PendingSave:
-    """An asynchronous save in flight: `wait()` blocks until it is durable on disk."""
+    """An asynchronous save in flight: `wait()` blocks until it is durable on disk.
+
+    Returned by `save(..., asynchronous=True)`; not constructed directly.
+
+    Attributes:
+      path: the absolute path of the checkpoint being written.
+    """
 
     def __init__(self, checkpointer, path: str):
         self._checkpointer = checkpointer

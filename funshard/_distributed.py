@@ -57,6 +57,7 @@ class Launch:
 
     @property
     def multi_process(self) -> bool:
+        """Whether the job has more than one process."""
         return self.num_processes > 1
 
 

@@ -10,10 +10,16 @@ from funshard import _errors
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Shard a leaf on dimension `dim` (FSDP2's `Shard(dim)` placement).
+    """Places a leaf sharded on dimension `dim` (FSDP2's `Shard(dim)` placement).
 
     Dim 0 is zero-padded to a multiple of the shard count; any other dimension must
     divide evenly.
+
+    Attributes:
+      dim: the dimension split over the shard axes.
+
+    Raises:
+      ValueError: `dim` is not a non-negative int.
     """
 
     dim: int = 0
@@ -25,8 +31,10 @@ class Shard:
 
 @dataclasses.dataclass(frozen=True)
 class Replicate:
-    """Keep a leaf whole on every device (FSDP2's `ignored_params`); its gradient is
-    all-reduced."""
+    """Places a leaf whole on every device (the role of FSDP2's `ignored_params`).
+
+    Its gradient is all-reduced over the data-parallel devices.
+    """
 
 
 Placement = Union[Shard, Replicate]
