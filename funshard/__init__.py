@@ -6,6 +6,8 @@ from funshard._checkpoint import save as save
 from funshard._fully_shard import fully_shard as fully_shard
 from funshard._mesh import make_mesh as make_mesh
 from funshard._optim import init_optimizer as init_optimizer
+from funshard._plan import Plan as Plan
+from funshard._plan import plan as plan
 from funshard._placement import Replicate as Replicate
 from funshard._placement import Shard as Shard
 from funshard._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
@@ -34,6 +36,7 @@ def __getattr__(name):
 
 __all__ = [
     "PendingSave",
+    "Plan",
     "MixedPrecisionPolicy",
     "Replicate",
     "Shard",
@@ -44,6 +47,7 @@ __all__ = [
     "init_optimizer",
     "load_state_dict",
     "make_mesh",
+    "plan",
     "reshard",
     "restore",
     "save",

@@ -824,3 +824,146 @@ def start_unexpected_answer(reply: str) -> str:
         f"initialize: unexpected answer {reply!r} from the coordinator's port; run the "
         "same funshard version in every process and keep other programs off that port."
     )
+
+
+# ---- _plan ----
+
+
+def plan_no_mesh() -> str:
+    return (
+        "plan: params are not sharded, so the mesh to shard them on is needed; pass it "
+        "as fs.plan(params, mesh, ...) (e.g. mesh = fs.make_mesh())."
+    )
+
+
+def plan_other_mesh(state_mesh, mesh) -> str:
+    return (
+        f"plan: the state is sharded on mesh {state_mesh} but mesh={mesh} was passed; "
+        "leave mesh out to plan the state as it is, or pass the unsharded params to plan "
+        "another mesh."
+    )
+
+
+def plan_option_on_sharded(name: str) -> str:
+    return (
+        f"plan: the state is already sharded, so its {name} is read from its fs.Sharded "
+        f"leaves; drop {name}=..., or pass the unsharded params (arrays or "
+        "jax.ShapeDtypeStruct) to plan another layout."
+    )
+
+
+def plan_bad_mp_policy(policy) -> str:
+    return (
+        f"plan: mp_policy must be an fs.MixedPrecisionPolicy or None, got "
+        f"{type(policy).__name__}; build one with fs.MixedPrecisionPolicy(param_dtype=...)."
+    )
+
+
+def plan_microbatches_invalid(value) -> str:
+    return (
+        f"plan: microbatches must be an int >= 1, got {value!r}; pass the value given "
+        "to fs.value_and_grad (1: no accumulation)."
+    )
+
+
+def plan_flag_not_bool(name: str, value) -> str:
+    return f"plan: {name} must be a bool, got {value!r}; pass True or False."
+
+
+def plan_units_type(units) -> str:
+    return (
+        f"plan: units must be a mapping from unit name to key-path prefix, or a list of "
+        f"prefixes, got {type(units).__name__}; e.g. units={{'block0': ('blocks', 0)}} "
+        "or units=['blocks.0', 'blocks.1']."
+    )
+
+
+def plan_unit_name(name) -> str:
+    return (
+        f"plan: unit names must be non-empty strings other than 'root' (the name of the "
+        f"parameters in no unit), got {name!r}; name the unit e.g. 'block0'."
+    )
+
+
+def plan_duplicate_unit(name: str) -> str:
+    return (
+        f"plan: units lists {name!r} twice; list each unit once (a list of prefixes, "
+        "given as a mapping's value, makes one unit of several subtrees)."
+    )
+
+
+def plan_bad_prefix(unit, spec) -> str:
+    return (
+        f"plan: unit {unit!r} selects {spec!r}, which is not a key-path prefix; give a "
+        "tuple of keys such as ('layers', 0), a string such as 'layers.0' or "
+        "\"['layers'][0]\", or a non-empty list of those."
+    )
+
+
+def plan_prefix_not_found(unit: str, prefix: str, at: str, below) -> str:
+    found = ", ".join(repr(k) for k in below[:12]) + (", ..." if len(below) > 12 else "")
+    return (
+        f"plan: unit {unit!r} selects {prefix!r}, which matches no array leaf of params; "
+        f"{at} holds {found or 'no array leaves'}. Give the prefix of the subtree the "
+        "unit is called on."
+    )
+
+
+def plan_leaf_in_two_units(path, first: str, second: str) -> str:
+    return (
+        f"{where('plan', path)} is selected by units {first!r} and {second!r}; a "
+        "parameter belongs to one unit (units do not nest: an outer unit gathers only "
+        "its own parameters). Narrow one of the prefixes."
+    )
+
+
+def plan_unit_not_sharded(unit: str, paths) -> str:
+    listing = ", ".join(leaf_name(p) for p in paths[:6]) + (", ..." if len(paths) > 6 else "")
+    return (
+        f"plan: unit {unit!r} holds no sharded parameter ({listing or 'no array leaves'}: "
+        "0-d or replicated leaves only), and fs.fully_shard refuses such a unit. Leave "
+        "these leaves to the root, or widen the unit's prefix."
+    )
+
+
+def plan_nothing_sharded() -> str:
+    return (
+        "plan: params has no array leaf that fs.shard would shard (only 0-d or "
+        "replicated leaves, or none at all); pass the model's parameter tree."
+    )
+
+
+def plan_mixed_axes(path, these, axes) -> str:
+    return (
+        f"{where('plan', path)} is sharded over {these[1]} (replicated over {these[0]}) "
+        f"but other leaves over {axes[1]} (replicated over {axes[0]}); fs.value_and_grad "
+        "needs one shard_axis/replicate_axis for the whole state."
+    )
+
+
+def plan_reshard_unknown_units(unknown, names) -> str:
+    return (
+        f"plan: reshard_after_forward names {sorted(unknown)}, which are not units "
+        f"(the units are {list(names)}); use the names given in units=."
+    )
+
+
+def plan_hpz_not_divisor(unit: str, k: int, n: int) -> str:
+    return (
+        f"plan: unit {unit!r} has reshard_after_forward={k}, which must divide the "
+        f"number of shards ({n}); use True, False or a divisor of {n}."
+    )
+
+
+def plan_trainable_mismatch(exc: BaseException) -> str:
+    return (
+        "plan: `trainable` must be a pytree prefix of params with a bool at each leaf "
+        f"or subtree ({exc}). E.g. {{'encoder': False, 'head': True}}."
+    )
+
+
+def plan_not_optimizer(optimizer) -> str:
+    return (
+        f"plan: optimizer must be an optax GradientTransformation (with an init "
+        f"method), got {type(optimizer).__name__}; pass e.g. optax.adamw(1e-3)."
+    )

@@ -1,0 +1,527 @@
+"""`plan`: what a training step will hold and move per device, worked out before it runs.
+
+The figures come from the same layout code the step runs (`Sharded` layouts, the units'
+one-buffer packing, the reduce dtypes), applied to abstract values: nothing is compiled
+and nothing is allocated. `docs/planning.md` explains each figure and how it matches the
+compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from funshard import _errors, _gather, _lowering, _mesh, _optim, _plan_units, _policy, _tree
+from funshard._plan_render import render_rich, render_text
+from funshard._policy import MixedPrecisionPolicy
+from funshard._shard import _dtype_problem, shard
+from funshard._sharded import Sharded, is_array, is_key, is_sharded
+
+ROOT = _plan_units.ROOT
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """Bytes of one kind of state: on each device, and as one unsharded copy.
+
+    Attributes:
+      per_device: bytes each device holds (sharded leaves: its padded block; replicated
+        leaves: the whole array).
+      replicated: bytes of the same state unsharded on one device (no padding).
+    """
+
+    per_device: int
+    replicated: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective the step issues, with how often it runs.
+
+    Attributes:
+      kind: "all-gather", "reduce-scatter" or "all-reduce".
+      unit: the unit it belongs to, "root" (the parameters in no unit), "step" (the
+        deferred or postponed reductions after the microbatch loop) or "loss".
+      role: "forward", "backward" (the re-gather of `reshard_after_forward`),
+        "gradients" (reduce-scatter), "replicas" (HSDP all-reduce over the replicate
+        axes), "replicated leaves" (gradients of leaves kept whole) or "loss".
+      dtype: the element type(s) of the values it carries ("+"-joined when mixed).
+      group: devices in each collective group.
+      bytes: one execution's buffer: the gathered output of an all-gather, the full
+        input of a reduce-scatter, the buffer of an all-reduce (as XLA's HLO types them).
+      times: executions per step.
+    """
+
+    kind: str
+    unit: str
+    role: str
+    dtype: str
+    group: int
+    bytes: int
+    times: int
+
+    @property
+    def total_bytes(self) -> int:
+        """`bytes` times `times`: the buffer bytes of this collective per step."""
+        return self.bytes * self.times
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends per step in a ring implementation.
+
+        (G-1)/G of the buffer for all-gather and reduce-scatter, 2(G-1)/G for all-reduce.
+        """
+        g = self.group
+        factor = 2 * (g - 1) / g if self.kind == "all-reduce" else (g - 1) / g
+        return factor * self.total_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitPlan:
+    """One unit's parameters and its collectives' buffers.
+
+    Attributes:
+      name: the unit's name ("root" for the parameters in no unit).
+      leaves: key paths (`jax.tree_util.keystr`) of its leaves.
+      reshard_after_forward: as passed to `fs.fully_shard` (the root: False).
+      param_bytes: bytes of its parameters on each device.
+      replicated_bytes: bytes of its parameters unsharded.
+      gathered_bytes: the buffer of its one all-gather (all devices' blocks in
+        `param_dtype`, padding included); 0 when it has no sharded leaf.
+      reduce_scatter_bytes: the input of its reduce-scatter(s) per microbatch (padded,
+        in `reduce_dtype`); 0 when nothing in it is trained.
+    """
+
+    name: str
+    leaves: tuple[str, ...]
+    reshard_after_forward: bool | int
+    param_bytes: int
+    replicated_bytes: int
+    gathered_bytes: int
+    reduce_scatter_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one training step holds and moves per device (see `funshard.plan`).
+
+    Printing it (`print(plan)`) gives a table; with `rich` installed,
+    `rich.print(plan)` gives the same tables in colour.
+
+    Attributes:
+      mesh_shape: the mesh's axes and sizes, in mesh order.
+      num_shards: devices each parameter is split over.
+      num_replicas: copies of each shard (HSDP; 1 for plain FSDP).
+      microbatches: microbatches per step.
+      params: parameter bytes.
+      grads: gradient bytes (the gradients `fs.value_and_grad` returns: shaped and
+        sharded like the parameters, in their dtype).
+      optimizer: optimizer-state bytes, or None without `optimizer`.
+      accumulators: with `sync_every_microbatch=False`, the full-size unreduced
+        gradients (in `reduce_dtype`) each device accumulates; else None.
+      units: each unit in the order given, then the root if it holds parameters.
+      collectives: every collective of one step.
+    """
+
+    mesh_shape: tuple[tuple[str, int], ...]
+    num_shards: int
+    num_replicas: int
+    microbatches: int
+    params: Footprint
+    grads: Footprint
+    optimizer: Footprint | None
+    accumulators: Footprint | None
+    units: tuple[UnitPlan, ...]
+    collectives: tuple[Collective, ...]
+
+    def _select(self, kind: str | None, unit: str | None) -> list[Collective]:
+        return [
+            c for c in self.collectives
+            if (kind is None or c.kind == kind) and (unit is None or c.unit == unit)
+        ]
+
+    def count(self, kind: str | None = None, unit: str | None = None) -> int:
+        """Collective executions per step (of one `kind`, of one `unit`, or all)."""
+        return sum(c.times for c in self._select(kind, unit))
+
+    def bytes(self, kind: str | None = None, unit: str | None = None) -> int:
+        """Collective buffer bytes per step (see `Collective.bytes`)."""
+        return sum(c.total_bytes for c in self._select(kind, unit))
+
+    def sent_bytes(self, kind: str | None = None, unit: str | None = None) -> float:
+        """Bytes each device sends per step in a ring implementation."""
+        return sum(c.sent_bytes for c in self._select(kind, unit))
+
+    def unit(self, name: str) -> UnitPlan:
+        """The plan of the unit called `name` (KeyError if there is none)."""
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    def __str__(self) -> str:
+        return render_text(self)
+
+    def __rich__(self):
+        return render_rich(self)
+
+
+# ---- the state's layout -----------------------------------------------------------------
+
+
+def _abstract_array(x):
+    """`x` (a concrete or abstract array) as a shape/dtype struct, nothing allocated."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+
+
+def _check_plain(params) -> None:
+    problems = [
+        problem
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)) and not is_key(x)
+        and (problem := _dtype_problem("plan", path, x))
+    ]
+    if problems:
+        raise TypeError(_errors.joined(problems))
+
+
+def _laid_out(params, mesh, mp_policy, shard_options: dict) -> tuple[Any, Mesh]:
+    """The sharded state `params` is or would become (abstract when planned here)."""
+    paths, items, _ = _tree.sharded_leaves(params)
+    state_mesh = _tree.common_mesh("plan", paths, items)
+    if state_mesh is not None:
+        given = {"mp_policy": mp_policy, **shard_options}
+        for name, value in given.items():
+            if value is not None:
+                raise ValueError(_errors.plan_option_on_sharded(name))
+        if mesh is not None and mesh != state_mesh:
+            raise ValueError(_errors.plan_other_mesh(state_mesh, mesh))
+        return params, state_mesh
+    if mesh is None:
+        raise TypeError(_errors.plan_no_mesh())
+    options = {k: v for k, v in shard_options.items() if v is not None}
+    _mesh.resolve_axes("plan", mesh, options.get("shard_axis", _mesh.SHARD_AXIS),
+                       options.get("replicate_axis"))
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(_errors.plan_bad_mp_policy(mp_policy))
+    _check_plain(params)
+    abstract = jax.tree.map(
+        lambda x: _abstract_array(x) if is_array(x) else x, params
+    )
+    return shard(abstract, mesh, mp_policy=mp_policy, **options), mesh
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize if not jax.dtypes.issubdtype(
+        dtype, jax.dtypes.prng_key
+    ) else jax.random.key_data(jax.random.key(0)).nbytes
+
+
+def _device_bytes(x) -> int:
+    """Bytes one device holds of a state leaf (0 for non-array leaves)."""
+    if isinstance(x, Sharded):
+        return math.prod(x.local_shape) * _itemsize(x.dtype)
+    if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
+        return 0
+    sharding = getattr(x, "sharding", None)
+    shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+    return math.prod(shape) * _itemsize(x.dtype)
+
+
+def _full_bytes(x) -> int:
+    """Bytes of a state leaf unsharded (0 for non-array leaves)."""
+    if isinstance(x, Sharded) or is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
+        return math.prod(x.shape) * _itemsize(x.dtype)
+    return 0
+
+
+def _footprint(tree) -> Footprint:
+    leaves = jax.tree.leaves(tree, is_leaf=is_sharded)
+    return Footprint(sum(map(_device_bytes, leaves)), sum(map(_full_bytes, leaves)))
+
+
+def _optimizer_footprint(optimizer, state, mesh) -> Footprint | None:
+    if optimizer is None:
+        return None
+    if not callable(getattr(optimizer, "init", None)):
+        raise TypeError(_errors.plan_not_optimizer(optimizer))
+
+    def abstract(x):
+        if isinstance(x, Sharded):
+            data = jax.ShapeDtypeStruct(x.padded_shape, x.dtype, sharding=x.sharding)
+            return dataclasses.replace(x, data=data)
+        if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_optim.sharding_on(mesh, x))
+        return x
+
+    def unsharded(x):
+        if isinstance(x, Sharded) or is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+
+    sharded_state = _optim.init_optimizer(
+        optimizer, jax.tree.map(abstract, state, is_leaf=is_sharded)
+    )
+    full_state = jax.eval_shape(optimizer.init, jax.tree.map(unsharded, state, is_leaf=is_sharded))
+    return Footprint(_footprint(sharded_state).per_device, _footprint(full_state).replicated)
+
+
+# ---- collectives ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    microbatches: int
+    sync_every_microbatch: bool
+    all_reduce_every_microbatch: bool
+
+
+def _dtype_name(dtypes) -> str:
+    return "+".join(sorted({np.dtype(d).name for d in dtypes}))
+
+
+def _gathered_bytes(leaves: tuple[_gather.LeafLayout, ...], n: int) -> int:
+    """The all-gather output of a unit, exactly as `_lowering` packs it."""
+    if not leaves:
+        return 0
+    structs = [jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in leaves]
+    packing = _lowering.packing_of(structs, [leaf.dim for leaf in leaves])
+    word = np.dtype(packing.carrier).itemsize if packing.carrier is not None else packing.width
+    return n * packing.total * word
+
+
+def _reduced_by_dtype(leaves, n: int) -> dict[np.dtype, int]:
+    """Reduce-scatter input bytes per reduce dtype (one collective per dtype)."""
+    out: dict[np.dtype, int] = {}
+    for leaf in leaves:
+        if leaf.reduced:
+            elements = n * math.prod(leaf.local_shape)
+            out[leaf.reduce_dtype] = out.get(leaf.reduce_dtype, 0) + elements * leaf.reduce_dtype.itemsize
+    return out
+
+
+def _unit_collectives(unit, layout, opts: _Options, dims) -> list[Collective]:
+    """The collectives of one unit (or the root) inside the microbatch loop."""
+    n, replicas = dims
+    k = opts.microbatches
+    out = []
+    gathered = _gathered_bytes(layout.leaves, n) if layout else 0
+    if gathered:
+        dtype = _dtype_name(leaf.gather_dtype for leaf in layout.leaves)
+        keep = unit.reshard_after_forward
+        # A gather tied to the unit's input runs in every microbatch; an untied one (the
+        # root's unshard, a unit that keeps its parameters) is loop-invariant, and XLA
+        # hoists it out of the microbatch loop: it runs once per step.
+        tied = keep is not False  # normalised: False, True or an hpZ group size
+        out.append(Collective("all-gather", unit.name, "forward", dtype, n, gathered,
+                              k if tied else 1))
+        if tied:
+            group = n if keep is True else keep
+            out.append(Collective("all-gather", unit.name, "backward", dtype, group,
+                                  gathered, k))
+    if layout and opts.sync_every_microbatch:
+        for dtype, size in _reduced_by_dtype(layout.leaves, n).items():
+            out.append(Collective("reduce-scatter", unit.name, "gradients", dtype.name, n,
+                                  size, k))
+            if replicas > 1 and opts.all_reduce_every_microbatch:
+                out.append(Collective("all-reduce", unit.name, "replicas", dtype.name,
+                                      replicas, size // n, k))
+    return out
+
+
+def _step_collectives(layouts, opts: _Options, dims) -> list[Collective]:
+    """The reductions after the microbatch loop: deferred reduce-scatters (no sync per
+    microbatch) and postponed HSDP all-reduces (no all-reduce per microbatch)."""
+    n, replicas = dims
+    leaves = [leaf for layout in layouts if layout for leaf in layout.leaves]
+    out = []
+    if not opts.sync_every_microbatch:
+        for dtype, size in _reduced_by_dtype(leaves, n).items():
+            out.append(Collective("reduce-scatter", "step", "gradients", dtype.name, n, size, 1))
+            if replicas > 1 and opts.all_reduce_every_microbatch:
+                out.append(Collective("all-reduce", "step", "replicas", dtype.name,
+                                      replicas, size // n, 1))
+    if replicas > 1 and not opts.all_reduce_every_microbatch:
+        # Postponed gradients are back in the sharded parameters' own dtype.
+        by_dtype: dict[np.dtype, int] = {}
+        for leaf in leaves:
+            if leaf.reduced:
+                size = math.prod(leaf.local_shape) * leaf.dtype.itemsize
+                by_dtype[leaf.dtype] = by_dtype.get(leaf.dtype, 0) + size
+        for dtype, size in by_dtype.items():
+            out.append(Collective("all-reduce", "step", "replicas", dtype.name, replicas,
+                                  size, 1))
+    return out
+
+
+def _replicated_collectives(groups, opts: _Options, world: int) -> list[Collective]:
+    """All-reduces of the trained leaves kept whole (autodiff sums their gradients)."""
+    by_dtype: dict[np.dtype, int] = {}
+    for group in groups:
+        for x, trainable in group.replicated:
+            if trainable and jax.dtypes.issubdtype(x.dtype, np.inexact):
+                dtype = _policy.param_dtype_for(group.policy, np.dtype(x.dtype))
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + _full_bytes(x)
+    return [
+        Collective("all-reduce", "root", "replicated leaves", dtype.name, world, size,
+                   opts.microbatches)
+        for dtype, size in by_dtype.items()
+    ]
+
+
+def _accumulators(groups, opts: _Options) -> Footprint | None:
+    if opts.sync_every_microbatch:
+        return None
+    size = sum(
+        math.prod(leaf.shape) * leaf.reduce_dtype.itemsize
+        for group in groups if group.layout for leaf in group.layout.leaves if leaf.reduced
+    )
+    return Footprint(size, size)
+
+
+def _resharding(name: str, value: bool | int, n: int) -> bool | int:
+    """`reshard_after_forward` with FSDP2's int forms normalised: 1 is False, n is True."""
+    if isinstance(value, bool):
+        return value
+    if n % value:
+        raise ValueError(_errors.plan_hpz_not_divisor(name, value, n))
+    return True if value == n else (False if value == 1 else value)
+
+
+def _unit_plan(group: _plan_units.LeafGroup, n: int) -> UnitPlan:
+    leaves = group.layout.leaves if group.layout else ()
+    sharded = _footprint(list(group.sharded) + [x for x, _ in group.replicated])
+    return UnitPlan(
+        name=group.name,
+        leaves=tuple(jax.tree_util.keystr(tuple(p)) for p in group.paths),
+        reshard_after_forward=_resharding(group.name, group.reshard_after_forward, n),
+        param_bytes=sharded.per_device,
+        replicated_bytes=sharded.replicated,
+        gathered_bytes=_gathered_bytes(leaves, n),
+        reduce_scatter_bytes=sum(_reduced_by_dtype(leaves, n).values()),
+    )
+
+
+# ---- the public function ----------------------------------------------------------------
+
+
+def _check_options(microbatches, sync_every_microbatch, all_reduce_every_microbatch) -> None:
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(_errors.plan_microbatches_invalid(microbatches))
+    for name, value in (("sync_every_microbatch", sync_every_microbatch),
+                        ("all_reduce_every_microbatch", all_reduce_every_microbatch)):
+        if not isinstance(value, bool):
+            raise TypeError(_errors.plan_flag_not_bool(name, value))
+
+
+def plan(
+    params: Any,
+    mesh: Mesh | None = None,
+    *,
+    units: Mapping[str, Any] | Any = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    optimizer: Any = None,
+    reshard_after_forward: bool | int | Mapping[str, bool | int] = True,
+    microbatches: int = 1,
+    sync_every_microbatch: bool = True,
+    all_reduce_every_microbatch: bool = True,
+    trainable: Any = None,
+    shard_axis: str | tuple[str, ...] | None = None,
+    replicate_axis: str | tuple[str, ...] | None = None,
+    placement: Any = None,
+    min_shard_size: int | None = None,
+) -> Plan:
+    """Works out what one training step will hold and move per device, without running it.
+
+    Describes the step `fs.value_and_grad(loss_fn, microbatches=...)` compiles when
+    `loss_fn` calls one `fs.fully_shard` unit per entry of `units` on that part of the
+    state, and gathers everything else (the root) with one `fs.unshard`. Nothing is
+    compiled and nothing is allocated: the figures follow from the layouts alone (the
+    optimizer state from `jax.eval_shape`).
+
+    Args:
+      params: the parameters (arrays or `jax.ShapeDtypeStruct`s), or a state already
+        sharded by `fs.shard` (concrete or abstract), whose layout is then used as is.
+      mesh: the mesh to shard on; for a sharded state, None (or the state's mesh).
+      units: the `fs.fully_shard` units, as a mapping from a unit's name to the part of
+        `params` it is called on: a key-path prefix given as a tuple of keys
+        (`("layers", 0)`), a dotted string (`"layers.0"`), a `keystr` string
+        (`"['layers'][0]"`), or a list of such prefixes for a unit holding several
+        subtrees (FSDP2's `fully_shard([emb, head])`). A plain list of prefixes names
+        each unit after its prefix. Leaves in no unit belong to the root.
+      mp_policy: the policy `fs.shard` would attach (not for a sharded state).
+      optimizer: an optax `GradientTransformation`, to count its state.
+      reshard_after_forward: as in `fs.fully_shard`, for every unit, or a mapping from
+        unit name to its value (units not named: True).
+      microbatches: as in `fs.value_and_grad`.
+      sync_every_microbatch: as in `fs.value_and_grad`.
+      all_reduce_every_microbatch: as in `fs.value_and_grad`.
+      trainable: as in `fs.value_and_grad` (frozen leaves get no gradient collectives).
+      shard_axis: as in `fs.shard` (not for a sharded state).
+      replicate_axis: as in `fs.shard` (not for a sharded state).
+      placement: as in `fs.shard` (not for a sharded state).
+      min_shard_size: as in `fs.shard` (not for a sharded state).
+
+    Returns:
+      A `Plan`: per-device bytes of parameters, gradients and optimizer state next to
+      an unsharded copy, each unit's gathered bytes, and every collective of one step
+      with its bytes and how often it runs. `print(plan)` shows it as tables.
+
+    Raises:
+      TypeError: `mesh` is missing for unsharded params, a leaf has a dtype that cannot
+        be sharded, a unit is given by something that is not a key-path prefix, or
+        `optimizer` has no `init`.
+      ValueError: a unit's prefix matches no leaf, a leaf is in two units, a unit holds
+        no shardable parameter, an option does not fit (e.g. `mp_policy` for a state
+        that is already sharded), or `trainable` does not fit `params`.
+    """
+    _check_options(microbatches, sync_every_microbatch, all_reduce_every_microbatch)
+    shard_options = dict(shard_axis=shard_axis, replicate_axis=replicate_axis,
+                         placement=placement, min_shard_size=min_shard_size)
+    state, mesh = _laid_out(params, mesh, mp_policy, shard_options)
+    specs = _plan_units.unit_specs(units)
+    rf = _plan_units.reshard_by_unit(reshard_after_forward, [name for name, _ in specs])
+    groups = _plan_units.group_leaves(state, specs, rf, _trainable_flags(trainable, state))
+    first = next(x for g in groups for x in g.sharded)
+    n, replicas = first.num_shards, _mesh.axes_size(mesh, first.replicate_axis)
+    opts = _Options(microbatches, sync_every_microbatch, all_reduce_every_microbatch)
+    unit_plans, collectives = [], []
+    for group in groups:
+        unit_plans.append(_unit_plan(group, n))
+        collectives += _unit_collectives(unit_plans[-1], group.layout, opts, (n, replicas))
+    collectives += _step_collectives([g.layout for g in groups], opts, (n, replicas))
+    collectives += _replicated_collectives(groups, opts, n * replicas)
+    # The root averages the loss over every device once per step (one f32 scalar).
+    collectives.append(Collective("all-reduce", "loss", "loss", "float32", n * replicas, 4, 1))
+    params_fp = _footprint(state)
+    return Plan(
+        mesh_shape=tuple((str(a), int(s)) for a, s in mesh.shape.items()),
+        num_shards=n,
+        num_replicas=replicas,
+        microbatches=microbatches,
+        params=params_fp,
+        grads=params_fp,
+        optimizer=_optimizer_footprint(optimizer, state, mesh),
+        accumulators=_accumulators(groups, opts),
+        units=tuple(unit_plans),
+        collectives=tuple(c for c in collectives if c.bytes),
+    )
+
+
+def _trainable_flags(trainable, state) -> list[bool]:
+    """One flag per leaf of `state` (`Sharded` leaves whole), as `value_and_grad` reads it."""
+    if trainable is None:
+        return [True] * len(jax.tree.leaves(state, is_leaf=is_sharded))
+    try:
+        expanded = jax.tree.map(
+            lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub, is_leaf=is_sharded),
+            trainable, state, is_leaf=lambda x: x is None,
+        )
+    except (ValueError, TypeError) as exc:
+        raise ValueError(_errors.plan_trainable_mismatch(exc)) from exc
+    return jax.tree.leaves(expanded, is_leaf=is_sharded)

@@ -1,0 +1,233 @@
+"""How `plan` reads its `units` argument: key-path prefixes, and the leaves each selects.
+
+A unit is named by the part of the parameter tree its `fs.fully_shard` function is
+called on, written as a key-path prefix. Key entries compare by their name as a string
+(a dict key, a sequence index, an attribute name), so `("layers", 0)`, `"layers.0"` and
+`"['layers'][0]"` all select `params["layers"][0]`, and flax nnx state paths (which end
+in `.value`) are selected by the same prefixes as the module tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+from typing import Any, Mapping
+
+import jax
+
+from funshard import _errors, _gather, _tree, _unit
+from funshard._sharded import Sharded, is_array
+
+ROOT = "root"
+
+_KEYSTR_PART = re.compile(r"\[(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\]|\.([^.\[\]]+)")
+
+
+def key_name(entry: Any) -> str:
+    """A key-path entry (`DictKey`, `SequenceKey`, `GetAttrKey`, ...) as a string."""
+    for field in ("key", "idx", "name"):
+        if hasattr(entry, field):
+            return str(getattr(entry, field))
+    return str(entry)
+
+
+def _parse(text: str) -> tuple[str, ...] | None:
+    """`"a.0"` or `"['a'][0]"` as `("a", "0")`; None if it is neither."""
+    if not text.startswith(("[", ".")):
+        parts = tuple(text.split("."))
+        return parts if all(parts) else None
+    parts, pos = [], 0
+    while pos < len(text):
+        m = _KEYSTR_PART.match(text, pos)
+        if not m:
+            return None
+        parts.append(next(g for g in m.groups() if g is not None))
+        pos = m.end()
+    return tuple(parts)
+
+
+def _as_prefix(unit: str, spec: Any) -> tuple[str, ...]:
+    if isinstance(spec, str):
+        parsed = _parse(spec)
+        if parsed is not None:
+            return parsed
+    elif isinstance(spec, tuple) and all(
+        isinstance(k, (str, numbers.Integral)) and not isinstance(k, bool)
+        or hasattr(k, "key") or hasattr(k, "idx") or hasattr(k, "name")
+        for k in spec
+    ):
+        return tuple(key_name(k) for k in spec)
+    raise TypeError(_errors.plan_bad_prefix(unit, spec))
+
+
+def display(prefix: tuple[str, ...]) -> str:
+    """A prefix as the dotted string users may also write it as."""
+    return ".".join(prefix)
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(_errors.plan_unit_name(name))
+    if name == ROOT:
+        raise ValueError(_errors.plan_unit_name(name))
+
+
+def unit_specs(units: Any) -> list[tuple[str, list[tuple[str, ...]]]]:
+    """`units` as `[(name, [prefix, ...]), ...]` in the order given."""
+    if units is None:
+        return []
+    if isinstance(units, Mapping):
+        specs = []
+        for name, spec in units.items():
+            _check_name(name)
+            prefixes = spec if isinstance(spec, list) else [spec]
+            if not prefixes:
+                raise TypeError(_errors.plan_bad_prefix(name, spec))
+            specs.append((name, [_as_prefix(name, p) for p in prefixes]))
+        return specs
+    if isinstance(units, (list, tuple)):
+        specs, seen = [], set()
+        for spec in units:
+            prefix = _as_prefix(str(spec), spec)
+            name = display(prefix)
+            if name in seen:
+                raise ValueError(_errors.plan_duplicate_unit(name))
+            seen.add(name)
+            specs.append((name, [prefix]))
+        return specs
+    raise TypeError(_errors.plan_units_type(units))
+
+
+def reshard_by_unit(value: Any, names: list[str]) -> dict[str, bool | int]:
+    """`reshard_after_forward` (one value, or a mapping by unit name) for each unit."""
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise ValueError(_errors.plan_reshard_unknown_units(unknown, names))
+        for v in value.values():
+            _unit.check_reshard_after_forward("plan", v)
+        return {name: value.get(name, True) for name in names}
+    _unit.check_reshard_after_forward("plan", value)
+    return {name: value for name in names}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafGroup:
+    """One unit's leaves (or the root's), split into sharded and replicated ones.
+
+    Attributes:
+      name: the unit's name, or "root".
+      paths: key paths of every array leaf in it.
+      sharded: its `Sharded` leaves.
+      replicated: `(array, trainable)` for each array leaf kept whole.
+      layout: the gather layout of `sharded` (frozen leaves marked), or None.
+      reshard_after_forward: the unit's value (the root keeps what it gathers: False).
+      policy: the mixed-precision policy of a unit's sharded leaves (None for the root,
+        whose leaves are each gathered in their own policy's dtype).
+    """
+
+    name: str
+    paths: tuple
+    sharded: tuple[Sharded, ...]
+    replicated: tuple
+    layout: _gather.GroupLayout | None
+    reshard_after_forward: bool | int
+    policy: Any
+
+
+def _names(paths) -> list[tuple[str, ...]]:
+    return [tuple(key_name(e) for e in path) for path in paths]
+
+
+def _not_found_hint(prefix, names) -> tuple[str, list[str]]:
+    """The longest part of `prefix` that exists, and the keys found below it."""
+    for depth in range(len(prefix) - 1, -1, -1):
+        head = prefix[:depth]
+        below = sorted({n[depth] for n in names if n[:depth] == head and len(n) > depth},
+                       key=_natural)
+        if below:
+            return ("params" if not head else display(head)), below
+    return "params", []
+
+
+def _natural(key: str):
+    # Sequence indices in numeric order (2 before 10), then names.
+    digits = key.lstrip("-").isdigit()
+    return (not digits, int(key) if digits else 0, key)
+
+
+def _owners(specs, names, paths) -> dict[int, str]:
+    owner: dict[int, str] = {}
+    for name, prefixes in specs:
+        for prefix in prefixes:
+            hits = [i for i, n in enumerate(names) if n[: len(prefix)] == prefix]
+            if not hits:
+                at, below = _not_found_hint(prefix, names)
+                raise ValueError(_errors.plan_prefix_not_found(name, display(prefix), at, below))
+            for i in hits:
+                if owner.get(i, name) != name:
+                    raise ValueError(_errors.plan_leaf_in_two_units(paths[i], owner[i], name))
+                owner[i] = name
+    return owner
+
+
+def _group(name, idx, paths, items, flags, reshard) -> LeafGroup:
+    sharded = [i for i in idx if isinstance(items[i], Sharded)]
+    policy = None
+    layout = None
+    if sharded:
+        if name != ROOT:
+            policy = _unit._policy_of(
+                f"plan: unit {name!r}", [paths[i] for i in sharded], [items[i] for i in sharded]
+            )
+        layout = _gather.layout_of([items[i] for i in sharded], skip_replicate_reduce=False,
+                                   name=name)
+        frozen = tuple(
+            dataclasses.replace(leaf, frozen=not flags[i])
+            for leaf, i in zip(layout.leaves, sharded, strict=True)
+        )
+        layout = dataclasses.replace(layout, leaves=frozen)
+    elif name != ROOT:
+        raise ValueError(_errors.plan_unit_not_sharded(name, [paths[i] for i in idx]))
+    replicated = tuple(
+        (items[i], flags[i]) for i in idx if not isinstance(items[i], Sharded)
+    )
+    return LeafGroup(name, tuple(paths[i] for i in idx), tuple(items[i] for i in sharded),
+                     replicated, layout, reshard, policy)
+
+
+def group_leaves(state: Any, specs, reshard: dict, flags: list[bool]) -> list[LeafGroup]:
+    """The state's array leaves grouped by unit (in `specs` order), then the root's."""
+    paths, items, _ = _tree.sharded_leaves(state)
+    arrays = [i for i, x in enumerate(items) if isinstance(x, Sharded) or _is_value(x)]
+    if not any(isinstance(items[i], Sharded) for i in arrays):
+        raise ValueError(_errors.plan_nothing_sharded())
+    _check_axes(paths, items)
+    names = _names(paths)
+    owner = _owners(specs, [names[i] for i in arrays], [paths[i] for i in arrays])
+    owner = {arrays[j]: name for j, name in owner.items()}
+    groups = [
+        _group(name, [i for i in arrays if owner.get(i) == name], paths, items, flags,
+               reshard[name])
+        for name, _ in specs
+    ]
+    rest = [i for i in arrays if i not in owner]
+    if rest:
+        groups.append(_group(ROOT, rest, paths, items, flags, False))
+    return groups
+
+
+def _is_value(x) -> bool:
+    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _check_axes(paths, items) -> None:
+    """One set of data-parallel axes for the whole state, as `value_and_grad` requires."""
+    axes = None
+    for path, x in zip(paths, items, strict=True):
+        if isinstance(x, Sharded):
+            these = (x.replicate_axis, x.shard_axis)
+            if axes is not None and these != axes:
+                raise ValueError(_errors.plan_mixed_axes(path, these, axes))
+            axes = these
