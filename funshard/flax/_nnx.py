@@ -1,0 +1,203 @@
+"""Flax nnx: FSDP units marked on module instances, and their sharded `nnx.State`.
+
+`fully_shard(module)` swaps the instance's class for `FSDP<Cls>`, a subclass whose
+`__call__` runs the original one as an `fs.fully_shard` unit. The class, and the options
+it carries, is what nnx records in a `GraphDef`, so `nnx.merge` rebuilds marked modules
+with no extra state and `jax.jit` caches per graphdef as usual.
+
+A unit owns the `nnx.Param`s below it that no marked descendant owns (FSDP2's rule).
+When called with sharded parameters it gathers only those: its children's still-sharded
+parameters cross the unit boundary as plain arguments and are gathered by the children
+themselves, so each unit has ONE all-gather (and one re-gather in backward with
+`reshard_after_forward=True`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+import funshard as fs
+from funshard.flax import _errors
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitOptions:
+    """The options of one marked module; hashable, as they live on its class."""
+
+    reshard_after_forward: bool | int = True
+    mp_policy: fs.MixedPrecisionPolicy | None = None
+
+
+def check_options(reshard_after_forward, mp_policy) -> UnitOptions:
+    """The options as a `UnitOptions`, or a TypeError/ValueError saying what is wrong."""
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(_errors.bad_reshard_after_forward(reshard_after_forward))
+    if not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1:
+        raise ValueError(_errors.bad_reshard_after_forward(reshard_after_forward))
+    if mp_policy is not None and not isinstance(mp_policy, fs.MixedPrecisionPolicy):
+        raise TypeError(_errors.bad_mp_policy(mp_policy))
+    return UnitOptions(reshard_after_forward, mp_policy)
+
+
+# One class per (original class, options): graphdefs of equally marked models compare
+# equal, so a jitted step is not retraced for every new model object.
+_UNIT_CLASSES: dict[tuple[type, UnitOptions], type] = {}
+
+
+def is_unit(node: Any) -> bool:
+    """Whether `node` is an nnx module marked by `fully_shard`."""
+    return isinstance(getattr(type(node), "_funshard_options", None), UnitOptions)
+
+
+def _unit_class(cls: type, options: UnitOptions) -> type:
+    key = (cls, options)
+    if key not in _UNIT_CLASSES:
+        namespace = {
+            "__call__": _unit_call,
+            "__module__": cls.__module__,
+            "__qualname__": f"FSDP{cls.__qualname__}",
+            "__doc__": cls.__doc__,
+            "_funshard_options": options,
+            "_funshard_base": cls,
+        }
+        _UNIT_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), namespace)
+    return _UNIT_CLASSES[key]
+
+
+def fully_shard_module(module: nnx.Module, options: UnitOptions) -> nnx.Module:
+    """Marks `module` in place as a unit (see `funshard.flax.fully_shard`)."""
+    if is_unit(module):
+        raise ValueError(_errors.marked_twice(type(module)._funshard_base.__name__))
+    # nnx's __setattr__ would record `__class__` as a module attribute.
+    object.__setattr__(module, "__class__", _unit_class(type(module), options))
+    return module
+
+
+def _under(path: tuple, prefixes) -> bool:
+    return any(path[: len(p)] == p for p in prefixes)
+
+
+def _flat(state) -> dict:
+    return dict(nnx.to_flat_state(state))
+
+
+def _array_ids(variable) -> list[int]:
+    # Identity of the traced arrays: a variable the call did not write keeps them.
+    return [id(x) for x in jax.tree.leaves(variable.get_value())]
+
+
+def _is_sharded(x) -> bool:
+    return isinstance(x, fs.Sharded)
+
+
+def _own_params(module) -> tuple:
+    """(graphdef, this unit's sharded params, everything else) of `module`."""
+    children = [p for p, node in nnx.iter_graph(module) if p and is_unit(node)]
+
+    def own(path, variable):
+        return (
+            isinstance(variable, nnx.Param)
+            and not _under(path, children)
+            and _is_sharded(variable.get_value())
+        )
+
+    return nnx.split(module, own, ...)
+
+
+def _unit_call(self, *args, **kwargs):
+    """`__call__` of a marked module: the original `__call__` as one funshard unit."""
+    cls = type(self)
+    options, base = cls._funshard_options, cls._funshard_base
+    graphdef, params, rest = _own_params(self)
+    if not jax.tree.leaves(params, is_leaf=_is_sharded):
+        # Full parameters (before fs.flax.shard), or a unit owning none: plain call.
+        return base.__call__(self, *args, **kwargs)
+    own_paths = set(_flat(params))
+
+    def body(full, rest, args, kwargs):
+        given = {p: _array_ids(v) for p, v in _flat(rest).items()}
+        module = nnx.merge(graphdef, full, rest)
+        out = base.__call__(module, *args, **kwargs)
+        after = _flat(nnx.state(module, lambda p, v: p not in own_paths))
+        # Written variables (RNG counts, batch statistics) leave the unit as outputs.
+        changed = {p: v.get_value() for p, v in after.items() if _array_ids(v) != given[p]}
+        return out, changed
+
+    unit = fs.fully_shard(
+        body, reshard_after_forward=options.reshard_after_forward, name=base.__name__
+    )
+    out, changed = unit(params, rest, args, kwargs)
+    _write_back(self, base.__name__, changed)
+    return out
+
+
+def _write_back(module, name: str, changed: dict) -> None:
+    if not changed:
+        return
+    variables = _flat(nnx.state(module, lambda p, v: p in changed))
+    stale = [p for p in changed if not variables[p]._can_update]
+    if stale:
+        raise ValueError(_errors.mutated_outside_trace(name, stale))
+    for path, value in changed.items():
+        variables[path].set_value(value)
+
+
+def _owner(path: tuple, units) -> tuple | None:
+    owners = [u for u in units if path[: len(u)] == u]
+    return max(owners, key=len) if owners else None
+
+
+def _group_key(path, variable, units: dict, mp_policy):
+    """Which `fs.shard` call a variable goes to: None (replicated) or its unit's policy."""
+    owner = _owner(path, units) if isinstance(variable, nnx.Param) else None
+    if owner is None:
+        return None
+    policy = units[owner].mp_policy
+    return ("sharded", policy if policy is not None else mp_policy)
+
+
+def _replicate(path, array):
+    return fs.Replicate()
+
+
+def shard(model: nnx.Module, mesh, *filters, mp_policy=None):
+    """See `funshard.flax.shard`."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(_errors.not_nnx_model(model))
+    if mp_policy is not None and not isinstance(mp_policy, fs.MixedPrecisionPolicy):
+        raise TypeError(_errors.bad_mp_policy(mp_policy))
+    units = {p: type(n)._funshard_options for p, n in nnx.iter_graph(model) if is_unit(n)}
+    if not units:
+        raise ValueError(_errors.no_units(type(model).__name__))
+    graphdef, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    groups: dict = {}
+    for path, variable in flat:
+        groups.setdefault(_group_key(path, variable, units, mp_policy), []).append(
+            (path, variable)
+        )
+    placed: dict = {}
+    for key, items in groups.items():
+        options = dict(placement=_replicate) if key is None else dict(mp_policy=key[1])
+        placed.update(nnx.to_flat_state(fs.shard(nnx.from_flat_state(items), mesh, **options)))
+    # The model's own order, whatever the grouping: it is the pytree order of the state.
+    state = nnx.from_flat_state([(path, placed[path]) for path, _ in flat])
+    if filters:
+        return (graphdef, *nnx.split_state(state, *filters))
+    return graphdef, state
+
+
+def merge(graphdef, *states):
+    """See `funshard.flax.merge`."""
+    return nnx.merge(graphdef, *states, copy=True)
+
+
+def trainable(state, wrt=nnx.Param):
+    """See `funshard.flax.trainable`."""
+    predicate = nnx.filterlib.to_predicate(wrt)
+    flat = [(path, predicate(path, v)) for path, v in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
