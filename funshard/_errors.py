@@ -911,16 +911,16 @@ def plan_prefix_not_found(unit: str, prefix: str, at: str, below) -> str:
 
 def plan_leaf_in_two_units(path, first: str, second: str) -> str:
     return (
-        f"{where('plan', path)} is selected by units {first!r} and {second!r}; a "
-        "parameter belongs to one unit (units do not nest: an outer unit gathers only "
-        "its own parameters). Narrow one of the prefixes."
+        f"{where('plan', path)} is selected by units {first!r} and {second!r} through "
+        "the same prefix; a parameter belongs to one unit (the one with the longest "
+        "prefix above it). Give each unit its own prefix."
     )
 
 
 def plan_unit_not_sharded(unit: str, paths) -> str:
     listing = ", ".join(leaf_name(p) for p in paths[:6]) + (", ..." if len(paths) > 6 else "")
     return (
-        f"plan: unit {unit!r} holds no sharded parameter ({listing or 'no array leaves'}: "
+        f"plan: unit {unit!r} holds no sharded parameter ({listing}: "
         "0-d or replicated leaves only), and fs.fully_shard refuses such a unit. Leave "
         "these leaves to the root, or widen the unit's prefix."
     )

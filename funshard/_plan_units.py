@@ -4,7 +4,10 @@ A unit is named by the part of the parameter tree its `fs.fully_shard` function 
 called on, written as a key-path prefix. Key entries compare by their name as a string
 (a dict key, a sequence index, an attribute name), so `("layers", 0)`, `"layers.0"` and
 `"['layers'][0]"` all select `params["layers"][0]`, and flax nnx state paths (which end
-in `.value`) are selected by the same prefixes as the module tree.
+in `.value`) are selected by the same prefixes as the module tree. Prefixes may nest, as
+FSDP2's units do: a leaf belongs to the unit with the longest prefix above it, so
+`{"model": "", "block0": "blocks.0"}` gives the model's unit every parameter outside its
+blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def key_name(entry: Any) -> str:
 
 def _parse(text: str) -> tuple[str, ...] | None:
     """`"a.0"` or `"['a'][0]"` as `("a", "0")`; None if it is neither."""
+    if not text:
+        return ()  # the whole tree: the model's own unit
     if not text.startswith(("[", ".")):
         parts = tuple(text.split("."))
         return parts if all(parts) else None
@@ -158,7 +163,9 @@ def _natural(key: str):
 
 
 def _owners(specs, names, paths) -> dict[int, str]:
-    owner: dict[int, str] = {}
+    """Each selected leaf's unit: the one whose prefix is longest (FSDP2's rule: a unit
+    owns the parameters below it that no nested unit owns)."""
+    owner: dict[int, tuple[int, str]] = {}
     for name, prefixes in specs:
         for prefix in prefixes:
             hits = [i for i, n in enumerate(names) if n[: len(prefix)] == prefix]
@@ -166,10 +173,12 @@ def _owners(specs, names, paths) -> dict[int, str]:
                 at, below = _not_found_hint(prefix, names)
                 raise ValueError(_errors.plan_prefix_not_found(name, display(prefix), at, below))
             for i in hits:
-                if owner.get(i, name) != name:
-                    raise ValueError(_errors.plan_leaf_in_two_units(paths[i], owner[i], name))
-                owner[i] = name
-    return owner
+                depth, other = owner.get(i, (-1, name))
+                if depth == len(prefix) and other != name:
+                    raise ValueError(_errors.plan_leaf_in_two_units(paths[i], other, name))
+                if len(prefix) > depth:
+                    owner[i] = (len(prefix), name)
+    return {i: name for i, (_, name) in owner.items()}
 
 
 def _group(name, idx, paths, items, flags, reshard) -> LeafGroup:
@@ -188,7 +197,7 @@ def _group(name, idx, paths, items, flags, reshard) -> LeafGroup:
             for leaf, i in zip(layout.leaves, sharded, strict=True)
         )
         layout = dataclasses.replace(layout, leaves=frozen)
-    elif name != ROOT:
+    elif name != ROOT and idx:
         raise ValueError(_errors.plan_unit_not_sharded(name, [paths[i] for i in idx]))
     replicated = tuple(
         (items[i], flags[i]) for i in idx if not isinstance(items[i], Sharded)
