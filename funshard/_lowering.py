@@ -376,18 +376,21 @@ def eager_all_gather(
 
 
 @functools.lru_cache(maxsize=None)
-def _eager_reduce_scatter_fn(mesh, shard_axes, replicate_axes, count: int):
+def _eager_reduce_scatter_fn(mesh, shard_axes, replicate_axes, dims: tuple[int, ...],
+                             all_reduce: bool):
     dp_axes = (*replicate_axes, *shard_axes)
+    summed_over = replicate_axes if all_reduce else ()
+    out_axes = shard_axes if all_reduce else dp_axes  # partial sums differ per replica
 
     def body(*stacked):
         fulls = [s.reshape(s.shape[1:]) for s in stacked]
-        return tuple(reduce_scatter_blocks(fulls, shard_axes, replicate_axes))
+        return tuple(reduce_scatter_blocks(fulls, shard_axes, summed_over, dims=dims))
 
     mapped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(_mesh.spec(dp_axes),) * count,
-        out_specs=(_mesh.spec(shard_axes),) * count,
+        in_specs=(_mesh.spec(dp_axes),) * len(dims),
+        out_specs=tuple(_mesh.spec(out_axes, d) for d in dims),
     )
     return jax.jit(mapped)
 
@@ -397,21 +400,32 @@ def eager_reduce_scatter(
     mesh: Mesh,
     shard_axes: tuple[str, ...],
     replicate_axes: tuple[str, ...] = (),
+    dims: Sequence[int] | None = None,
+    all_reduce: bool = True,
 ) -> list[jax.Array]:
     """Reduce-scatters per-device full-size contributions outside a step.
 
     Args:
-      stacked: for each leaf, an array of shape `(W, N * r, ...)` sharded over all
+      stacked: for each leaf, an array of shape `(W, ...)` sharded over all
         data-parallel axes, whose block on device d is that device's padded full-size
-        contribution (e.g. a gradient computed by torch on that rank).
+        contribution (e.g. a gradient computed by torch on that rank), its scattered
+        dimension `N * r` long.
       mesh: the mesh.
       shard_axes: axes to scatter over (N devices).
       replicate_axes: axes to all-reduce over (HSDP).
+      dims: the dimension each leaf is scattered on, in the leaf's own shape
+        (default: all 0).
+      all_reduce: False skips the all-reduce over `replicate_axes` (FSDP2's
+        `set_requires_all_reduce(False)`): each replica keeps its own partial sum.
 
     Returns:
-      For each leaf, the summed padded array `(N * r, ...)` sharded `P(shard_axes)`.
+      For each leaf, the summed padded array sharded over `shard_axes` on its dim
+      (with `all_reduce=False`, over `replicate_axes + shard_axes`: one partial sum
+      per replica).
     """
     if not stacked:
         return []
-    fn = _eager_reduce_scatter_fn(mesh, tuple(shard_axes), tuple(replicate_axes), len(stacked))
+    dims = (0,) * len(stacked) if dims is None else tuple(dims)
+    fn = _eager_reduce_scatter_fn(
+        mesh, tuple(shard_axes), tuple(replicate_axes), dims, bool(all_reduce))
     return list(fn(*stacked))

@@ -122,6 +122,8 @@ class Case:
     fail_at: int | None = None  # this step's forward raises in blocks[1]: reset, skip it
     eval_block: bool = False  # after every step, blocks[0] alone under no_grad
     flat_mesh: bool = False  # a 1-D mesh over every rank, even in an HSDP job
+    frontend_only: bool = False  # FSDP2 refuses it: compared with another case instead
+    sync: str = "set_requires_gradient_sync"  # the method that skips sync on microbatches
 
 
 def _explicit_prefetch(model: nn.Module) -> None:
@@ -135,6 +137,13 @@ def _linears(model: nn.Module) -> list[nn.Module]:
     return [m for m in model if isinstance(m, nn.Linear)]
 
 
+def _shard_columns(param: nn.Parameter):
+    """FSDP2's shard_placement_fn: weights on dim 1, biases on dim 0."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if param.ndim == 2 else None
+
+
 def _blocks(model: nn.Module) -> list[nn.Module]:
     return list(model.blocks)
 
@@ -142,9 +151,16 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 CASES = {
     "seq": Case(lambda: _mlp(16, 15, 8), _linears),
     "uneven": Case(lambda: _mlp(7, 15, 3, 1), _linears),
+    "shard_dim1": Case(lambda: _mlp(16, 14, 8), _linears, {"shard_placement_fn": _shard_columns}),
+    # Uneven columns (16 and 15 over 2 ranks), which FSDP2 refuses: same model as "seq".
+    "shard_dim1_uneven": Case(lambda: _mlp(16, 15, 8), _linears,
+                              {"shard_placement_fn": _shard_columns}, frontend_only=True),
     "blocks_reshard": Case(Stack, _blocks, {"reshard_after_forward": True}),
     "blocks_keep": Case(Stack, _blocks, {"reshard_after_forward": False}),
     "accum": Case(lambda: _mlp(16, 15, 8), _linears, microbatches=MICROBATCHES),
+    # HSDP: reduce-scatter every microbatch, all-reduce over the replicas on the last.
+    "accum_all_reduce": Case(lambda: _mlp(16, 15, 8), _linears, microbatches=MICROBATCHES,
+                             sync="set_requires_all_reduce"),
     "bf16": Case(Stack, _blocks, policy={"param_dtype": torch.bfloat16,
                                          "reduce_dtype": torch.float32}),
     "prefetch": Case(Stack, _blocks, configure=_explicit_prefetch),
@@ -207,7 +223,7 @@ def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
                 model.blocks[1].fail = False
             continue
         for m in range(spec.microbatches):
-            model.set_requires_gradient_sync(m == spec.microbatches - 1)
+            getattr(model, spec.sync)(m == spec.microbatches - 1)
             x, y = data(step, m)
             loss = (model(x).float() - y).pow(2).mean() / spec.microbatches
             loss.backward()
@@ -264,19 +280,26 @@ def main() -> int:
         mesh = torch_frontend.init_distributed(replicate=args.replicate)
         flat_mesh = funshard.make_mesh() if args.replicate else mesh
         gather_worlds: list[int] = []  # the group size of every all-gather, in order
-        start_all_gather = _bridge.start_all_gather
+        all_reduces: list[bool] = []  # whether each reduce-scatter all-reduced (HSDP)
+        start_all_gather, reduce_scatter = _bridge.start_all_gather, _bridge.reduce_scatter
 
-        def recording(layout, blocks, rows):
+        def recording(layout, *args):
             gather_worlds.append(layout.world)
-            return start_all_gather(layout, blocks, rows)
+            return start_all_gather(layout, *args)
 
-        _bridge.start_all_gather = recording
+        def recording_reduce(layout, fulls, dims=None, all_reduce=True):
+            all_reduces.append(all_reduce)
+            return reduce_scatter(layout, fulls, dims, all_reduce)
+
+        _bridge.start_all_gather, _bridge.reduce_scatter = recording, recording_reduce
         for case in cases:
             gather_worlds.clear()
+            all_reduces.clear()
             result = train(case, lambda m, flat=False, **kw: torch_frontend.fully_shard(
                 m, mesh=flat_mesh if flat else mesh, **kw), torch_frontend.MixedPrecisionPolicy, rank)
             np.savez(out / f"{case}-frontend-rank{rank}.npz",
-                     gather_worlds=np.asarray(gather_worlds), **result)
+                     gather_worlds=np.asarray(gather_worlds),
+                     all_reduces=np.asarray(all_reduces), **result)
         if "torch.distributed" in sys.modules:
             import torch.distributed as dist
             assert not dist.is_initialized(), "torch_frontend opened a torch process group"
@@ -293,7 +316,7 @@ def main() -> int:
             mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate),
                                     mesh_dim_names=("replicate", "shard"))
         flat_mesh = init_device_mesh("cpu", (world,)) if args.replicate else mesh
-        for case in cases:
+        for case in (c for c in cases if not CASES[c].frontend_only):
             np.savez(out / f"{case}-fsdp2-rank{rank}.npz",
                      **train(case, lambda m, flat=False, **kw: fully_shard(
                          m, mesh=flat_mesh if flat else mesh, **kw), MixedPrecisionPolicy, rank))

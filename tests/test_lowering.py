@@ -40,3 +40,33 @@ def test_eager_reduce_scatter_sums_per_device_contributions(mesh_name):
     (out,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",), replicate)
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("fsdp")), 2)
     np.testing.assert_allclose(np.asarray(out), contributions.sum(0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_name", ["2", "2x4"])
+def test_eager_reduce_scatter_on_another_dimension(mesh_name):
+    # shard_placement_fn's Shard(1): each leaf is scattered on its own dimension, in ONE
+    # program (one reduce-scatter per dtype).
+    mesh = mesh_for(mesh_name)
+    replicate = ("replicate",) if "replicate" in mesh.axis_names else ()
+    dp = (*replicate, "fsdp")
+    world, n = _mesh.axes_size(mesh, dp), mesh.shape["fsdp"]
+    rng = np.random.default_rng(1)
+    by_dim0 = rng.normal(size=(world, 2 * n, 3)).astype(np.float32)
+    by_dim1 = rng.normal(size=(world, 3, 4 * n)).astype(np.float32)
+    stacked = [jax.device_put(c, NamedSharding(mesh, _mesh.spec(dp))) for c in (by_dim0, by_dim1)]
+    outs = _lowering.eager_reduce_scatter(stacked, mesh, ("fsdp",), replicate, dims=(0, 1))
+    assert outs[1].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(None, "fsdp")), 2)
+    for out, contributions in zip(outs, (by_dim0, by_dim1)):
+        np.testing.assert_allclose(np.asarray(out), contributions.sum(0), rtol=1e-5)
+
+
+def test_eager_reduce_scatter_without_all_reduce_keeps_each_replicas_sum():
+    mesh = mesh_for("2x4")
+    dp = ("replicate", "fsdp")
+    contributions = np.random.default_rng(2).normal(size=(8, 8, 3)).astype(np.float32)
+    stacked = jax.device_put(contributions, NamedSharding(mesh, _mesh.spec(dp)))
+    (out,) = _lowering.eager_reduce_scatter(
+        [stacked], mesh, ("fsdp",), ("replicate",), all_reduce=False)
+    # Replica r's devices sum only their own 4 contributions; blocks stack by replica.
+    want = np.concatenate([contributions[:4].sum(0), contributions[4:].sum(0)])
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5)

@@ -127,16 +127,18 @@ def _import(layout: Layout, tensor: torch.Tensor) -> jax.Array:
     return block
 
 
-def global_block(layout: Layout, padded: torch.Tensor) -> jax.Array:
-    """This rank's padded block as its part of the `P(fsdp)`-sharded global array.
+def global_block(layout: Layout, padded: torch.Tensor, dim: int = 0) -> jax.Array:
+    """This rank's padded block as its part of the global array sharded on `dim`.
 
     The result aliases `padded`'s memory, so a caller may keep it and gather it again
     after torch updated `padded` in place (the optimizer step). The caller must not
     write `padded` while a gather of it is in flight (`finish_all_gather` ends it).
     """
-    sharding = NamedSharding(layout.mesh, _mesh.spec(layout.shard_axes))
-    shape = (layout.world * padded.shape[0], *padded.shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, sharding, [_import(layout, padded)])
+    sharding = NamedSharding(layout.mesh, _mesh.spec(layout.shard_axes, dim))
+    shape = list(padded.shape)
+    shape[dim] *= layout.world
+    return jax.make_array_from_single_device_arrays(
+        tuple(shape), sharding, [_import(layout, padded)])
 
 
 def _export(block: jax.Array) -> torch.Tensor:
@@ -151,13 +153,15 @@ def _export(block: jax.Array) -> torch.Tensor:
 _launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_frontend")
 
 
-def _gather_now(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int]) -> list[jax.Array]:
-    fulls = _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows)
+def _gather_now(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int],
+                dims: Sequence[int] | None) -> list[jax.Array]:
+    fulls = _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows, dims=dims)
     outs = [f.addressable_shards[0].data for f in fulls]
     return jax.block_until_ready(outs)
 
 
-def start_all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int]) -> Future:
+def start_all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int],
+                     dims: Sequence[int] | None = None) -> Future:
     """Starts ONE all-gather of every rank's padded blocks and returns at once.
 
     It runs on the collective thread while torch computes: this is FSDP2's prefetch.
@@ -165,12 +169,13 @@ def start_all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence
     Args:
       layout: this process's place on the mesh.
       blocks: each tensor's global array from `global_block`.
-      rows: each tensor's full dim 0 (the padding is cut off).
+      rows: each tensor's full size on its sharded dimension (the padding is cut off).
+      dims: each tensor's sharded dimension (default: all 0).
 
     Returns:
       A future of the gathered arrays, for `finish_all_gather`.
     """
-    return _launcher.submit(_gather_now, layout, blocks, rows)
+    return _launcher.submit(_gather_now, layout, blocks, rows, dims)
 
 
 def finish_all_gather(pending: Future) -> list[torch.Tensor]:
@@ -182,41 +187,47 @@ def finish_all_gather(pending: Future) -> list[torch.Tensor]:
     return [_export(b) for b in pending.result()]
 
 
-def _stacked_block(layout: Layout, full: torch.Tensor) -> torch.Tensor:
-    """`full` zero-padded to `world * padded_rows` rows, with a leading axis of 1."""
-    padded_rows = layout.world * layout.padded_rows(full.shape[0])
-    if padded_rows == full.shape[0] and full.is_contiguous():
+def _stacked_block(layout: Layout, full: torch.Tensor, dim: int) -> torch.Tensor:
+    """`full` zero-padded to `world * padded_rows` on `dim`, with a leading axis of 1."""
+    padded_rows = layout.world * layout.padded_rows(full.shape[dim])
+    if padded_rows == full.shape[dim] and full.is_contiguous():
         return full.unsqueeze(0)
-    block = full.new_zeros((1, padded_rows, *full.shape[1:]))
-    block[0, :full.shape[0]].copy_(full)
+    shape = list(full.shape)
+    shape[dim] = padded_rows
+    block = full.new_zeros((1, *shape))
+    block[0].narrow(dim, 0, full.shape[dim]).copy_(full)
     return block
 
 
-def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
+                   dims: Sequence[int] | None = None, all_reduce: bool = True) -> list[torch.Tensor]:
     """ONE reduce-scatter (sum) of every rank's full tensors; returns this rank's rows.
 
     Args:
       layout: this process's place on the mesh.
       fulls: this rank's contribution to each tensor (full shape, reduce dtype); on an
         HSDP mesh the scattered sums are also summed over the replicas.
+      dims: each tensor's sharded dimension (default: all 0).
+      all_reduce: False skips the HSDP all-reduce: the result is this replica's sum.
 
     Returns:
-      This rank's `padded_rows` block of each sum (padding rows last), a torch view of
-      JAX's buffer (read-only by contract).
+      This rank's `padded_rows` block of each sum on its dimension (padding last), a
+      torch view of JAX's buffer (read-only by contract).
     """
+    dims = tuple(dims) if dims is not None else (0,) * len(fulls)
     dp_axes = (*layout.replicate_axes, *layout.shard_axes)
     sharding = NamedSharding(layout.mesh, _mesh.spec(dp_axes))
     stacked = []
-    for full in fulls:
-        block = _stacked_block(layout, full)
+    for full, dim in zip(fulls, dims, strict=True):
+        block = _stacked_block(layout, full, dim)
         shape = (layout.data_parallel, *block.shape[1:])
         stacked.append(jax.make_array_from_single_device_arrays(
             shape, sharding, [_import(layout, block)]))
-    blocks = _launcher.submit(_reduce_now, layout, stacked).result()
+    blocks = _launcher.submit(_reduce_now, layout, stacked, dims, all_reduce).result()
     return [_export(b) for b in blocks]
 
 
-def _reduce_now(layout: Layout, stacked: Sequence[jax.Array]) -> list[jax.Array]:
+def _reduce_now(layout: Layout, stacked: Sequence[jax.Array], dims, all_reduce: bool):
     sums = _lowering.eager_reduce_scatter(
-        stacked, layout.mesh, layout.shard_axes, layout.replicate_axes)
+        stacked, layout.mesh, layout.shard_axes, layout.replicate_axes, dims, all_reduce)
     return jax.block_until_ready([s.addressable_shards[0].data for s in sums])

@@ -82,3 +82,24 @@ def hpz_one() -> str:
         "fully_shard: reshard_after_forward=1 (int) means resharding to groups of one "
         "rank, i.e. keeping the whole gathered parameters; it behaves as False."
     )
+
+
+def bad_placement_fn(fn) -> str:
+    return (
+        f"fully_shard: shard_placement_fn must be a callable (param -> Shard(dim) or None), "
+        f"got {type(fn).__name__}."
+    )
+
+
+def bad_placement(fqn: str, placement) -> str:
+    return (
+        f"fully_shard: shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
+        "return torch.distributed.tensor.Shard(dim) to shard it on dim, or None for dim 0."
+    )
+
+
+def placement_out_of_range(fqn: str, dim: int, shape: tuple) -> str:
+    return (
+        f"fully_shard: shard_placement_fn returned Shard({dim}) for parameter {fqn!r} of "
+        f"shape {shape}; the dim must be in [-{len(shape)}, {len(shape)})."
+    )

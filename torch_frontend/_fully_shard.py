@@ -51,9 +51,24 @@ class FSDPModule:
         self._fsdp_state().group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward keeps gradients unsharded and unreduced (gradient accumulation)."""
+        """False: backward keeps gradients unsharded and unreduced (gradient accumulation).
+
+        Also sets `set_requires_all_reduce` to the same value, as FSDP2 does.
+        """
         for state in self._fsdp_states(recurse):
             state.group.reduce_grads = requires_gradient_sync
+            state.group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters gradients within the replica but skips the all-reduce.
+
+        Gradient accumulation with less communication: each backward without it adds
+        this replica's reduce-scattered sum to a pending partial gradient (the
+        parameters' `.grad` is not touched); the next backward with it all-reduces the
+        pending sum together with its own gradients. No effect without a replicate axis.
+        """
+        for state in self._fsdp_states(recurse):
+            state.group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Changes `reshard_after_forward` (a bool) at run time."""
@@ -181,9 +196,22 @@ def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_
         raise TypeError(
             "fully_shard: mp_policy must be a torch_frontend.MixedPrecisionPolicy, got "
             f"{type(mp_policy).__name__}.")
-    if shard_placement_fn is not None:
-        raise NotImplementedError(_errors.not_supported_yet(
-            "shard_placement_fn", "parameters are sharded on dim 0 (pass None)."))
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(_errors.bad_placement_fn(shard_placement_fn))
+
+
+def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
+    """The dimension `shard_placement_fn` shards `param` on (FSDP2's `Shard(dim)`)."""
+    from torch.distributed.tensor import Shard
+
+    placement = None if shard_placement_fn is None else shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise TypeError(_errors.bad_placement(fqn, placement))
+    if not -param.ndim <= placement.dim < param.ndim:
+        raise ValueError(_errors.placement_out_of_range(fqn, placement.dim, tuple(param.shape)))
+    return placement.dim % param.ndim
 
 
 def _post_forward_world(reshard_after_forward: bool | int | None, layout: _bridge.Layout):
@@ -237,7 +265,9 @@ def fully_shard(
         size is True). None: True, except for the root (the module that runs forward
         first), which stays gathered.
       mp_policy: the mixed-precision policy.
-      shard_placement_fn: not supported yet (must be None).
+      shard_placement_fn: called on each parameter; returns
+        `torch.distributed.tensor.Shard(dim)` to shard it on `dim` (this rank keeps
+        `torch.chunk(p, world, dim)[rank]`), or None for dim 0, as in FSDP2.
       offload_policy: not supported yet (None, or FSDP2's default `OffloadPolicy()`).
       ignored_params: parameters to leave alone: not sharded, not gathered, their
         gradients not reduced (as in FSDP2).
@@ -256,13 +286,15 @@ def fully_shard(
     layout = _bridge.layout_of(_distributed.default_mesh() if mesh is None else mesh)
     post_forward = _post_forward_world(reshard_after_forward, layout)
     names = _param_names(modules)
-    params = []
+    placed = []
     for param, uses in module_params(modules, lambda m: state_of(m) is not None):
         if id(param) in ignored:
             continue
         owner, attr = uses[0]
         fqn = f"{names[id(owner)]}.{attr}" if names[id(owner)] else attr
-        params.append(FSDPParam(param, uses, fqn, layout))
+        placed.append((param, uses, fqn, _shard_dim(shard_placement_fn, param, fqn)))
+    # Every placement is checked before any module changes: an error loses nothing.
+    params = [FSDPParam(param, uses, fqn, layout, dim) for param, uses, fqn, dim in placed]
     group = ParamGroup(params, layout, mp_policy, post_forward)
     FSDPState(tuple(modules), group, mp_policy, reshard_after_forward is None)
     for m in modules:

@@ -35,6 +35,7 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.reduce_grads = True
+        self.all_reduce_grads = True  # HSDP: all-reduce over the replicas (FSDP2's flag)
         self.gradient_divide_factor: float | None = None
         self.training_state = TrainingState.IDLE
         self.is_unsharded = False
@@ -61,15 +62,17 @@ class ParamGroup:
             # hpZ: gather the kept parts within the group of k ranks only.
             blocks = [p.part_block() for p in self.params]
             self._pending = _bridge.start_all_gather(
-                self._parts, blocks, [p.shape[0] for p in self.params])
+                self._parts, blocks, *self._rows_and_dims())
         elif self.params:
             blocks = [p.gather_input(self.layout, self.param_dtype(p)) for p in self.params]
-            self._pending = _bridge.start_all_gather(
-                self.layout, blocks, [p.shape[0] for p in self.params])
+            self._pending = _bridge.start_all_gather(self.layout, blocks, *self._rows_and_dims())
         else:
             self.is_unsharded = True
         if not async_op:
             self.wait_for_unshard()
+
+    def _rows_and_dims(self) -> tuple[list[int], list[int]]:
+        return [p.rows for p in self.params], [p.dim for p in self.params]
 
     def wait_for_unshard(self) -> None:
         """Completes a dispatched gather and binds the gathered parameters."""
@@ -147,17 +150,26 @@ class ParamGroup:
                 param.accumulate_unsharded_grad(self.reduce_dtype(param))
             self._reshard_after_backward()
             return
+        all_reduce = self.all_reduce_grads or not self.layout.replicate_axes
         with_grad, grads = [], []
         for param in self.params:
             grad = param.take_unsharded_grad(self.reduce_dtype(param))
+            if all_reduce:
+                grad = param.with_partial_grad(grad, self.reduce_dtype(param), self.layout.rank)
             if grad is not None:
                 with_grad.append(param)
                 grads.append(grad)
         self._reshard_after_backward()
         if not with_grad:
             return
+        blocks = _bridge.reduce_scatter(
+            self.layout, grads, [p.dim for p in with_grad], all_reduce=all_reduce)
+        if not all_reduce:
+            for param, block in zip(with_grad, blocks):
+                param.add_partial_grad(block)
+            return
         factor = self.gradient_divide_factor or float(self.layout.data_parallel)
-        for param, block in zip(with_grad, _bridge.reduce_scatter(self.layout, grads)):
+        for param, block in zip(with_grad, blocks):
             param.add_sharded_grad(block, factor)
 
     def drop_stale_parts(self) -> None:

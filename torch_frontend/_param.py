@@ -25,20 +25,27 @@ class FSDPParam:
     """
 
     def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], fqn: str,
-                 layout: _bridge.Layout):
+                 layout: _bridge.Layout, dim: int = 0):
         if param.ndim == 0:
             raise NotImplementedError(_errors.scalar_param(fqn))
-        self.fqn, self.uses, self.orig_id = fqn, uses, id(param)
+        self.fqn, self.uses, self.orig_id, self.dim = fqn, uses, id(param), dim
         self.shape, self.dtype = tuple(param.shape), param.dtype
-        self.local_rows = layout.local_rows(param.shape[0])
-        self.padded = param.detach().new_zeros((layout.padded_rows(param.shape[0]), *param.shape[1:]))
-        start = layout.rank * self.padded.shape[0]
-        self.padded[:self.local_rows].copy_(param.detach()[start:start + self.local_rows])
-        self.sharded = nn.Parameter(self.padded[:self.local_rows], requires_grad=param.requires_grad)
+        self.rows = param.shape[dim]
+        self.local_rows = layout.local_rows(self.rows)
+        padded_shape = list(param.shape)
+        padded_shape[dim] = layout.padded_rows(self.rows)
+        self.padded = param.detach().new_zeros(padded_shape)
+        start = layout.rank * padded_shape[dim]
+        self._local(self.padded).copy_(param.detach().narrow(dim, start, self.local_rows))
+        # On a dim other than 0 a shard shorter than the padding is a strided view.
+        self.sharded = nn.Parameter(self._local(self.padded), requires_grad=param.requires_grad)
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None
         self._gather_input: tuple[torch.Tensor, jax.Array] | None = None
         self._part: tuple[torch.Tensor, jax.Array] | None = None
+        # HSDP without all-reduce: this replica's reduce-scattered sum, not yet reduced
+        # over the replicas (FSDP2's partial reduce output).
+        self.partial_grad: torch.Tensor | None = None
         self.to_sharded()
 
     def gather_input(self, layout: _bridge.Layout, dtype: torch.dtype) -> jax.Array:
@@ -51,12 +58,12 @@ class FSDPParam:
             # The shard was re-bound (`param.data = ...`, load_state_dict(assign=True)):
             # re-pad it so that the gather sees the new values.
             self.padded = self.padded.new_zeros(self.padded.shape)
-            self.padded[:self.local_rows].copy_(self.sharded.detach())
-            self.sharded.data = self.padded[:self.local_rows]
+            self._local(self.padded).copy_(self.sharded.detach())
+            self.sharded.data = self._local(self.padded)
             self._gather_input = None
         if self._gather_input is None or self._gather_input[0].dtype != dtype:
             source = self.padded if dtype == self.dtype else self.padded.to(dtype)
-            self._gather_input = (source, _bridge.global_block(layout, source))
+            self._gather_input = (source, _bridge.global_block(layout, source, self.dim))
         source, block = self._gather_input
         if source is not self.padded:
             source.copy_(self.padded)
@@ -69,13 +76,15 @@ class FSDPParam:
         own buffer, so the full one can be freed); `hpz` is the group layout.
         """
         full = self.unsharded.data
-        part_rows = layout.world * layout.padded_rows(self.shape[0]) // hpz.world
+        part_rows = layout.world * layout.padded_rows(self.rows) // hpz.world
         start = hpz.rank * part_rows
-        stop = min(start + part_rows, self.shape[0])
-        part = full.new_zeros((part_rows, *full.shape[1:]))
+        stop = min(start + part_rows, self.rows)
+        shape = list(full.shape)
+        shape[self.dim] = part_rows
+        part = full.new_zeros(shape)
         if stop > start:
-            part[:stop - start].copy_(full[start:stop])
-        self._part = (part, _bridge.global_block(hpz, part))
+            part.narrow(self.dim, 0, stop - start).copy_(full.narrow(self.dim, start, stop - start))
+        self._part = (part, _bridge.global_block(hpz, part, self.dim))
 
     def part_block(self) -> jax.Array:
         """The kept hpZ part as its group's global array: the re-gather's input."""
@@ -116,13 +125,35 @@ class FSDPParam:
         """Keeps this backward's gradient (no reduction this time), in `dtype`."""
         self.accumulated_grad = self.take_unsharded_grad(dtype)
 
+    def add_partial_grad(self, block: torch.Tensor) -> None:
+        """Accumulates this replica's reduce-scattered sum (no all-reduce this time)."""
+        self.partial_grad = block.clone() if self.partial_grad is None else self.partial_grad + block
+
+    def with_partial_grad(self, grad: torch.Tensor | None, dtype: torch.dtype, rank: int) -> torch.Tensor | None:
+        """`grad` (full) with the partial sum added at this rank's rows, then forgets it.
+
+        The reduce-scatter sums every rank's contribution to rank r's rows, so a partial
+        added at rank r's own rows of its contribution arrives in r's result exactly once.
+        """
+        if self.partial_grad is None:
+            return grad
+        full = torch.zeros(self.shape, dtype=dtype) if grad is None else grad.clone()
+        start = rank * self.partial_grad.shape[self.dim]
+        full.narrow(self.dim, start, self.local_rows).add_(self._local(self.partial_grad).to(dtype))
+        self.partial_grad = None
+        return full
+
     def add_sharded_grad(self, block: torch.Tensor, divide_factor: float) -> None:
         """Adds this rank's rows of a reduced gradient to the shard's `.grad`."""
-        grad = (block[:self.local_rows] / divide_factor).to(self.dtype)
+        grad = (self._local(block) / divide_factor).to(self.dtype)
         if self.sharded.grad is None:
             self.sharded.grad = grad
         else:
             self.sharded.grad += grad
+
+    def _local(self, padded: torch.Tensor) -> torch.Tensor:
+        """The shard's rows of a padded block (a view)."""
+        return padded.narrow(self.dim, 0, self.local_rows)
 
     def _bind(self, param: nn.Parameter) -> None:
         for module, name in self.uses:
