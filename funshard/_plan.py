@@ -360,18 +360,21 @@ def _step_collectives(layouts, opts: _Options, dims) -> list[Collective]:
 
 
 def _replicated_collectives(groups, opts: _Options, world: int) -> list[Collective]:
-    """All-reduces of the trained leaves kept whole (autodiff sums their gradients)."""
-    by_dtype: dict[np.dtype, int] = {}
+    """All-reduces of the trained leaves kept whole: autodiff sums their gradients over
+    every device, in the dtype the unit computes with (a policy's `param_dtype`)."""
+    out = []
     for group in groups:
+        by_dtype: dict[np.dtype, int] = {}
         for x, trainable in group.replicated:
             if trainable and jax.dtypes.issubdtype(x.dtype, np.inexact):
                 dtype = _policy.param_dtype_for(group.policy, np.dtype(x.dtype))
-                by_dtype[dtype] = by_dtype.get(dtype, 0) + _full_bytes(x)
-    return [
-        Collective("all-reduce", "root", "replicated leaves", dtype.name, world, size,
-                   opts.microbatches)
-        for dtype, size in by_dtype.items()
-    ]
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(x.shape) * dtype.itemsize
+        out += [
+            Collective("all-reduce", group.name, "replicated leaves", dtype.name, world, size,
+                       opts.microbatches)
+            for dtype, size in by_dtype.items()
+        ]
+    return out
 
 
 def _accumulators(groups, opts: _Options) -> Footprint | None:

@@ -59,11 +59,13 @@ def _units(plan: Any) -> tuple[str, list[str], list[list[str]]]:
             human(u.gathered_bytes),
             str(plan.count("all-gather", u.name)),
             human(u.reduce_scatter_bytes),
+            str(plan.count("reduce-scatter", u.name)),
         ]
         for u in plan.units
     ]
-    headers = ["unit", "leaves", "reshard", "params/dev", "gathered", "gathers", "reduced"]
-    return "units", headers, body
+    headers = ["unit", "leaves", "reshard", "params/dev", "gathered", "gathers",
+               "scattered", "scatters"]
+    return "units (bytes of one collective, counts per step)", headers, body
 
 
 def _collectives(plan: Any) -> tuple[str, list[str], list[list[str]]]:

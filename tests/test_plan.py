@@ -3,6 +3,7 @@ HLO) and the bytes the sharded arrays occupy on each device."""
 
 import functools
 import importlib
+import re
 import sys
 from collections import Counter
 
@@ -214,6 +215,32 @@ def test_prefix_forms_select_the_same_unit():
     tied = fs.plan(_params(), mesh, units={"ends": ["embed", "head"]})
     assert tied.unit("ends").gathered_bytes == 8 * (2 * 24 + 3 * 5) * 4
     assert "embed" not in " ".join(tied.unit("root").leaves)
+
+
+def test_leaves_kept_whole_are_all_reduced_in_the_units_dtype():
+    """Leaves kept whole (0-d, or placed fs.Replicate()) get their gradients all-reduced
+    by autodiff, in the dtype their unit computes with. Read from the program funshard
+    emits (StableHLO): XLA CPU widens 16-bit all-reduces to f32 only afterwards."""
+    mesh = mesh_for("8")
+    options = dict(mp_policy=BF16, placement=lambda path, x: fs.Replicate() if x.ndim == 1
+                   else None)
+    state = fs.shard(_params(), mesh, **options)
+    lowered = jax.jit(_step({})).lower(state, BATCH).as_text()
+    measured = Counter()
+    for operands in re.findall(r"stablehlo\.all_reduce.*?\}\) : \(([^)]*)\)", lowered,
+                               re.DOTALL):
+        for dims, dtype in re.findall(r"tensor<((?:\d+x)*)(\w+)>", operands):
+            dtype = {"f32": "float32", "bf16": "bfloat16"}[dtype]
+            size = np.prod([int(d) for d in dims.split("x") if d], dtype=int)
+            measured[dtype] += int(size) * np.dtype(dtype).itemsize
+    planned = fs.plan(_params(), mesh, units=UNITS, **options)
+    by_dtype = Counter()
+    for c in planned.collectives:
+        if c.kind == "all-reduce":
+            by_dtype[c.dtype] += c.total_bytes
+    assert by_dtype == measured
+    # Each layer's bias (24 values) in bf16; the 0-d scale and the loss in f32.
+    assert measured == {"bfloat16": LAYERS * 24 * 2, "float32": 8}
 
 
 def test_nested_prefixes_go_to_the_innermost_unit():
