@@ -142,8 +142,9 @@ def resolve_launch(
       The resolved `Launch`.
 
     Raises:
-      ValueError: the values are inconsistent or a multi-process job has no
-        coordinator address.
+      ValueError: the values are inconsistent (a job size below 1, a rank outside the
+        job) or a multi-process job has no coordinator address.
+      TypeError: `num_processes` or `process_id` is not an int.
     """
     environ = os.environ if environ is None else environ
     launcher, env_coordinator, env_n, env_id, local_rank = _from_environment(environ)
@@ -431,7 +432,7 @@ def shard_batch(
       ValueError: a leaf is a scalar, or its rows do not split evenly over this
         process's devices, or the mesh has no data-parallel axis, or (on every
         process) the processes' batches differ in structure, rows, shapes or dtypes.
-      TypeError: a leaf is not an array.
+      TypeError: `mesh` is not a `jax.sharding.Mesh`, or a leaf is not an array.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(_errors.shard_batch_not_mesh(mesh))

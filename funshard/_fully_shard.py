@@ -43,8 +43,10 @@ def fully_shard(
       to replicated parameters and runs `fn` (e.g. for evaluation).
 
     Raises:
-      TypeError: `reshard_after_forward` is not a bool or int.
-      ValueError: `reshard_after_forward` is an int below 1; the parameters have no
+      TypeError: `reshard_after_forward` is not a bool or int, or `name` is not a
+        non-empty string.
+      ValueError: `reshard_after_forward` is an int below 1 or one that does not
+        divide the shard count (raised when the unit is called); the parameters have no
         `Sharded` leaves, or mix meshes or policies; or units are nested (`fn` is
         already a unit, or a unit is called with parameters another unit gathered).
         Pass an inner unit's sharded parameters as an argument instead: the outer

@@ -187,8 +187,13 @@ def shard(
       over the mesh, and other leaves (None, Python numbers, strings) are unchanged.
 
     Raises:
-      ValueError: an axis is not in the mesh, or a leaf is already `Sharded`.
-      TypeError: a leaf has a non-numeric dtype, or `mp_policy` is not a policy.
+      ValueError: an axis is not in the mesh (or is both a shard and a replicate
+        axis), a leaf is already `Sharded`, `stacked` is combined with `placement`, a
+        placement names a dim the leaf does not have, or it names a dim other than 0
+        whose size the shard count does not divide.
+      TypeError: `mesh` is not a `jax.sharding.Mesh`, a leaf has a non-numeric dtype,
+        `mp_policy` is not a policy, or `placement` returns something other than
+        `Shard`, `Replicate` or None.
     """
     shard_axes, replicate_axes = _mesh.resolve_axes("shard", mesh, shard_axis, replicate_axis)
     if stacked:
@@ -233,7 +238,8 @@ def unshard(tree: Any) -> Any:
       The tree with full arrays in place of the `Sharded` leaves.
 
     Raises:
-      ValueError: the tree has no `Sharded` leaves, or leaves from different meshes.
+      ValueError: the tree has no `Sharded` leaves, has leaves from different meshes,
+        or (inside a step) lives on a mesh other than the step's.
     """
     return unshard_as(tree, "unshard")
 

@@ -411,10 +411,11 @@ def value_and_grad(
       other non-array leaves are carried over unchanged.
 
     Raises:
-      ValueError: the state has no `Sharded` leaves or mixes meshes or axes, the
-        global batch size is not a multiple of the data-parallel world size times
-        `microbatches`, batch leaves have different leading sizes, or `trainable`
-        does not fit the state.
+      ValueError: `microbatches` is not an int >= 1 or `gradient_divide_factor` is
+        not positive (raised at once); the state has no `Sharded` leaves or mixes
+        meshes or axes, the global batch size is not a multiple of the data-parallel
+        world size times `microbatches`, batch leaves have different leading sizes, or
+        `trainable` does not fit the state.
       TypeError: the state has integer or bool leaves (they have no gradient, yet an
         optimizer would change them) that `trainable` does not mark False; the loss
         function's output does not match `has_aux`, its loss is not a floating
