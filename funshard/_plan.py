@@ -22,8 +22,6 @@ from funshard._policy import MixedPrecisionPolicy
 from funshard._shard import _dtype_problem, shard
 from funshard._sharded import Sharded, is_array, is_key, is_sharded
 
-ROOT = _plan_units.ROOT
-
 
 @dataclasses.dataclass(frozen=True)
 class Footprint:
@@ -210,16 +208,15 @@ def _laid_out(params, mesh, mp_policy, shard_options: dict) -> tuple[Any, Mesh]:
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(_errors.plan_bad_mp_policy(mp_policy))
     _check_plain(params)
-    abstract = jax.tree.map(
-        lambda x: _abstract_array(x) if is_array(x) else x, params
-    )
+    abstract = jax.tree.map(lambda x: _abstract_array(x) if is_array(x) else x, params)
     return shard(abstract, mesh, mp_policy=mp_policy, **options), mesh
 
 
 def _itemsize(dtype) -> int:
-    return np.dtype(dtype).itemsize if not jax.dtypes.issubdtype(
-        dtype, jax.dtypes.prng_key
-    ) else jax.random.key_data(jax.random.key(0)).nbytes
+    # Typed PRNG key dtypes are not numpy dtypes, but know their size in bytes.
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return dtype.itemsize
+    return np.dtype(dtype).itemsize
 
 
 def _device_bytes(x) -> int:
@@ -300,8 +297,8 @@ def _reduced_by_dtype(leaves, n: int) -> dict[np.dtype, int]:
     out: dict[np.dtype, int] = {}
     for leaf in leaves:
         if leaf.reduced:
-            elements = n * math.prod(leaf.local_shape)
-            out[leaf.reduce_dtype] = out.get(leaf.reduce_dtype, 0) + elements * leaf.reduce_dtype.itemsize
+            size = n * math.prod(leaf.local_shape) * leaf.reduce_dtype.itemsize
+            out[leaf.reduce_dtype] = out.get(leaf.reduce_dtype, 0) + size
     return out
 
 
@@ -398,13 +395,13 @@ def _resharding(name: str, value: bool | int, n: int) -> bool | int:
 
 def _unit_plan(group: _plan_units.LeafGroup, n: int) -> UnitPlan:
     leaves = group.layout.leaves if group.layout else ()
-    sharded = _footprint(list(group.sharded) + [x for x, _ in group.replicated])
+    footprint = _footprint(list(group.sharded) + [x for x, _ in group.replicated])
     return UnitPlan(
         name=group.name,
         leaves=tuple(jax.tree_util.keystr(tuple(p)) for p in group.paths),
         reshard_after_forward=_resharding(group.name, group.reshard_after_forward, n),
-        param_bytes=sharded.per_device,
-        replicated_bytes=sharded.replicated,
+        param_bytes=footprint.per_device,
+        replicated_bytes=footprint.replicated,
         gathered_bytes=_gathered_bytes(leaves, n),
         reduce_scatter_bytes=sum(_reduced_by_dtype(leaves, n).values()),
     )
@@ -455,8 +452,10 @@ def plan(
         `params` it is called on: a key-path prefix given as a tuple of keys
         (`("layers", 0)`), a dotted string (`"layers.0"`), a `keystr` string
         (`"['layers'][0]"`), or a list of such prefixes for a unit holding several
-        subtrees (FSDP2's `fully_shard([emb, head])`). A plain list of prefixes names
-        each unit after its prefix. Leaves in no unit belong to the root.
+        subtrees (FSDP2's `fully_shard([emb, head])`); `""` is the whole tree. Prefixes
+        may nest: a leaf belongs to the unit with the longest prefix above it (FSDP2's
+        rule, and `fs.flax.fully_shard`'s). A plain list of prefixes names each unit
+        after its prefix. Leaves in no unit belong to the root.
       mp_policy: the policy `fs.shard` would attach (not for a sharded state).
       optimizer: an optax `GradientTransformation`, to count its state.
       reshard_after_forward: as in `fs.fully_shard`, for every unit, or a mapping from
@@ -479,9 +478,9 @@ def plan(
       TypeError: `mesh` is missing for unsharded params, a leaf has a dtype that cannot
         be sharded, a unit is given by something that is not a key-path prefix, or
         `optimizer` has no `init`.
-      ValueError: a unit's prefix matches no leaf, a leaf is in two units, a unit holds
-        no shardable parameter, an option does not fit (e.g. `mp_policy` for a state
-        that is already sharded), or `trainable` does not fit `params`.
+      ValueError: a unit's prefix matches no leaf, two units give the same prefix, a
+        unit holds no shardable parameter, an option does not fit (e.g. `mp_policy` for
+        a state that is already sharded), or `trainable` does not fit `params`.
     """
     _check_options(microbatches, sync_every_microbatch, all_reduce_every_microbatch)
     shard_options = dict(shard_axis=shard_axis, replicate_axis=replicate_axis,
