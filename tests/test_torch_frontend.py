@@ -664,6 +664,48 @@ def test_gradient_divide_factor_replaces_the_world_size():
     np.testing.assert_allclose(model[2].weight.grad, reference[2].weight.grad, atol=1e-7)
 
 
+def test_set_reduce_scatter_divide_factor_is_the_older_name():
+    torch.manual_seed(0)
+    reference = _mlp()
+    model = _shard_mlp(copy.deepcopy(reference))
+    model[2].set_reduce_scatter_divide_factor(2.0)
+    x = torch.randn(3, 16)
+    for m in (model, reference):
+        m(x).pow(2).mean().backward()
+    np.testing.assert_allclose(model[2].weight.grad, reference[2].weight.grad / 2, atol=1e-7)
+
+
+class _Embedder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens))
+
+
+def test_set_unshard_in_backward_false_skips_the_backward_gather(monkeypatch):
+    from torch_frontend import _bridge
+
+    reference = _Embedder()
+    model = copy.deepcopy(reference)
+    fully_shard(model.emb)
+    fully_shard(model)
+    model.emb.set_unshard_in_backward(False)  # the lookup's backward needs the ids only
+    gathers = []
+    real = _bridge.start_all_gather
+    monkeypatch.setattr(_bridge, "start_all_gather",
+                        lambda layout, blocks, *a: gathers.append(len(blocks)) or real(layout, blocks, *a))
+    tokens = torch.tensor([1, 2, 3, 3, 4, 9])
+    for m in (model, reference):
+        m(tokens).pow(2).sum().backward()
+    assert gathers == [2, 1]  # forward only: the root (head), the embedding; none in backward
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        np.testing.assert_allclose(ours.grad, theirs.grad, atol=1e-6)
+
+
 def test_gradients_enter_jax_without_copies_when_rows_divide(monkeypatch):
     from funshard import _lowering
     from torch_frontend._param import FSDPParam

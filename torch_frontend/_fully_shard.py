@@ -100,6 +100,27 @@ class FSDPModule:
         """
         self._fsdp_state().reset_iter_state()
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of `set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: the backward does not gather this module's parameters again.
+
+        For modules whose backward needs no parameters (e.g. an embedding lookup,
+        whose weight gradient needs only the indices); the gradient is still
+        reduce-scattered. With False, a backward that does need them fails in torch.
+        """
+        self._fsdp_state().group.unshard_in_backward = unshard_in_backward
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility: reductions here are always sums.
+
+        The core reduce-scatters with a sum and divides afterwards, which is what
+        this setting asks FSDP2 to do; either value keeps that behaviour.
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms: expected a bool, got {enable!r}.")
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Dispatches these modules' gathers right after this module's own (forward).

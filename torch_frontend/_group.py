@@ -36,6 +36,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.reduce_grads = True
         self.all_reduce_grads = True  # HSDP: all-reduce over the replicas (FSDP2's flag)
+        self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
         self.training_state = TrainingState.IDLE
         self.is_unsharded = False
@@ -135,7 +136,13 @@ class ParamGroup:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
+        if self.unshard_in_backward:
+            self.unshard()
+
+    def prefetch_for_backward(self) -> None:
+        """Dispatches the backward's gather early, unless the backward needs none."""
+        if self.unshard_in_backward:
+            self.unshard(async_op=True)
 
     def post_backward(self) -> None:
         """Reduce-scatters the group's gradients (one collective) into the shards' `.grad`.

@@ -43,6 +43,7 @@ class FSDPParam:
         self.accumulated_grad: torch.Tensor | None = None
         self._gather_input: tuple[torch.Tensor, jax.Array] | None = None
         self._part: tuple[torch.Tensor, jax.Array] | None = None
+        self._freed_data: torch.Tensor | None = None
         # HSDP without all-reduce: this replica's reduce-scattered sum, not yet reduced
         # over the replicas (FSDP2's partial reduce output).
         self.partial_grad: torch.Tensor | None = None
@@ -104,10 +105,18 @@ class FSDPParam:
     def to_sharded(self) -> None:
         """Makes the modules hold the local shard again and frees the gathered tensor."""
         if self.unsharded is not None:
-            # Same dtype, no storage: autograd's saved references stay valid for the
-            # re-gather of the backward pass, which swaps the data in again.
-            self.unsharded.data = self.unsharded.data.new_empty((0,))
+            # Same dtype and shape, no storage (as FSDP2 frees it): autograd's saved
+            # references stay valid for the backward's re-gather, which swaps the data
+            # in again, and a gradient can accumulate into it without one
+            # (`set_unshard_in_backward(False)`).
+            self.unsharded.data = self._freed(self.unsharded.dtype)
         self._bind(self.sharded)
+
+    def _freed(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._freed_data is None or self._freed_data.dtype != dtype:
+            self._freed_data = torch.empty(self.shape, dtype=dtype)
+            self._freed_data.untyped_storage().resize_(0)
+        return self._freed_data
 
     def take_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The gradient accumulated since the last reduction, in `dtype`; clears it."""

@@ -204,7 +204,7 @@ class FSDPState:
         self.group.pre_backward()
         if not already:
             for state in self._backward_prefetch_targets():
-                state.group.unshard(async_op=True)
+                state.group.prefetch_for_backward()
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         """Explicit targets, else the state whose post-forward ran just before ours."""
