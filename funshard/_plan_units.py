@@ -96,6 +96,7 @@ def unit_specs(units: Any) -> list[tuple[str, list[tuple[str, ...]]]]:
         for spec in units:
             prefix = _as_prefix(str(spec), spec)
             name = display(prefix)
+            _check_name(name)  # the whole tree ("") or a key called "root": name it
             if name in seen:
                 raise ValueError(_errors.plan_duplicate_unit(name))
             seen.add(name)

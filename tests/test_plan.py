@@ -349,6 +349,7 @@ def _raises(exc_type, call, *fragments):
     ({"": "layers.0"}, TypeError, ["non-empty strings"]),
     ({"s": "scale"}, ValueError, ["unit 's' holds no sharded parameter", "['scale']"]),
     (["layers.0", "layers.0"], ValueError, ["lists 'layers.0' twice"]),
+    ([""], TypeError, ["non-empty strings", "name the unit"]),
 ])
 def test_bad_units(units, exc_type, fragments):
     _raises(exc_type, lambda: fs.plan(_params(), mesh_for("8"), units=units), *fragments)
