@@ -464,6 +464,31 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
     assert not set(outputs) & set(inputs)
 
 
+def test_default_forward_prefetch_follows_the_last_iterations_order(monkeypatch):
+    from torch_frontend import _bridge
+
+    reference, model = _stack_pair()
+    gathers = []  # the sizes of the gathers started
+    real = _bridge.start_all_gather
+    monkeypatch.setattr(_bridge, "start_all_gather",
+                        lambda layout, blocks, *a: gathers.append(len(blocks)) or real(layout, blocks, *a))
+    entered = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, _: entered.append(len(gathers)))
+    for step in range(2):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+        for m in (model, reference):
+            m(x).pow(2).mean().backward()
+        _assert_same(model, reference)
+    # 7 gathers a step: root, 3 blocks in forward, 3 blocks again in backward. At a
+    # block's entry (after its own pre-forward hook) iteration 1 has started the root's
+    # and that block's own gathers; iteration 2 (order learned) has also started the
+    # next block's, so blocks 1 and 2 find theirs dispatched a block earlier.
+    assert len(gathers) == 14
+    assert entered[:3] == [2, 3, 4]
+    assert [e - 7 for e in entered[3:]] == [3, 4, 4]
+
+
 def test_explicit_prefetch_dispatches_the_next_gathers_early(monkeypatch):
     from torch_frontend import _bridge
 

@@ -125,6 +125,10 @@ class FSDPModule:
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Dispatches these modules' gathers right after this module's own (forward).
 
+        Replaces the default, which from the second iteration on prefetches the module
+        that ran forward right after this one in the last iteration that ran backward
+        (an empty list turns prefetching off for this module).
+
         Args:
           modules: FSDP modules, usually the next one(s) to run forward.
         """

@@ -179,6 +179,12 @@ class ParamGroup:
         for param, block in zip(with_grad, blocks):
             param.add_sharded_grad(block, factor)
 
+    def cancel_prefetch(self) -> None:
+        """Completes and drops a dispatched gather that nothing waited for."""
+        if self._pending is not None:
+            _bridge.finish_all_gather(self._pending)
+            self._pending = None
+
     def drop_stale_parts(self) -> None:
         """Reshards fully if hpZ parts from an earlier forward are still kept.
 

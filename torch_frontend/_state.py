@@ -29,6 +29,11 @@ class IterationContext:
         # States in the order their post-forward ran this iteration (with repeats):
         # the default backward prefetch walks it backwards.
         self.post_forward_order: list[FSDPState] = []
+        # States in the order their pre-forward ran this iteration, and, from the last
+        # iteration that ran backward, the state that ran next after each: the default
+        # forward prefetch.
+        self.pre_forward_order: list[FSDPState] = []
+        self.next_in_forward: dict[FSDPState, FSDPState] = {}
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -47,7 +52,7 @@ class FSDPState:
         self.ctx = IterationContext()
         self.training_state = TrainingState.IDLE
         self.modules_to_run: set[nn.Module] = set()
-        self.forward_prefetch: list[FSDPState] = []
+        self.forward_prefetch: list[FSDPState] | None = None  # None: the default
         self.backward_prefetch: list[FSDPState] | None = None  # None: the default
         self.post_forward_indices: list[int] = []
         self.fqn = type(modules[0]).__name__
@@ -86,10 +91,18 @@ class FSDPState:
             self._root_pre_forward()
         args, kwargs = self.cast_inputs(args, kwargs)
         args, kwargs = self.group.pre_forward(args, kwargs)
-        if first_in_pass:
-            for state in self.forward_prefetch:  # dispatched now, overlapping our compute
-                state.group.unshard(async_op=True)
+        if first_in_pass and torch.is_grad_enabled():
+            self.ctx.pre_forward_order.append(self)
+            for state in self._forward_prefetch_targets():  # dispatched now: they run
+                state.group.unshard(async_op=True)        # while we compute
         return args, kwargs
+
+    def _forward_prefetch_targets(self) -> list[FSDPState]:
+        """Explicit targets, else the state that ran forward after ours last iteration."""
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        after = self.ctx.next_in_forward.get(self)
+        return [after] if after is not None else []
 
     def post_forward(self, output: Any) -> Any:
         """Reshard (per reshard_after_forward), pre-backward hooks, output cast."""
@@ -227,14 +240,26 @@ class FSDPState:
         # here; then every state starts the next iteration idle.
         self.ctx.iter_forward_root = None
         self.ctx.post_forward_order.clear()
+        self._learn_forward_order()
         for state in self.ctx.all_states:
             state.modules_to_run.clear()
             state.post_forward_indices.clear()
             if state.group.training_state != TrainingState.POST_BACKWARD:
                 state.group.post_backward()
+            # A prefetch whose module never ran must not outlive the iteration: the
+            # optimizer writes the shards it reads next.
+            state.group.cancel_prefetch()
             state.group.training_state = TrainingState.IDLE
             state.training_state = TrainingState.IDLE
         self.ctx.final_callback_queued = False
+
+    def _learn_forward_order(self) -> None:
+        order, self.ctx.pre_forward_order = self.ctx.pre_forward_order, []
+        nexts: dict[FSDPState, FSDPState] = {}
+        for before, after in zip(order, order[1:]):
+            if after is not before:
+                nexts.setdefault(before, after)
+        self.ctx.next_in_forward = nexts
 
     def reset_iter_state(self) -> None:
         """Discards a failed iteration: unreduced gradients, gathered parameters, flags.
@@ -245,6 +270,7 @@ class FSDPState:
         if self.is_root is False:
             raise RuntimeError(_errors.reset_on_non_root(self.fqn))
         self.ctx.post_forward_order.clear()
+        self.ctx.pre_forward_order.clear()
         for state in self.ctx.all_states or [self]:
             state.modules_to_run.clear()
             state.post_forward_indices.clear()
