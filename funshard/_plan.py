@@ -165,6 +165,10 @@ class Plan:
     def __str__(self) -> str:
         return render_text(self)
 
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        # IPython / Jupyter show the tables, not the dataclass's field-by-field repr.
+        printer.text(str(self))
+
     def __rich__(self):
         return render_rich(self)
 

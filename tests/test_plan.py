@@ -306,6 +306,10 @@ def test_printing():
     for fragment in ("parameters", "optimizer state", "layer1", "root", "all-gather",
                      "reduce-scatter", "all-reduce", "KiB"):
         assert fragment in text, fragment
+    shown_by_ipython = []
+    printer = type("Printer", (), {"text": lambda self, t: shown_by_ipython.append(t)})()
+    planned._repr_pretty_(printer, False)
+    assert shown_by_ipython == [text]
     rich = pytest.importorskip("rich.console")
     console = rich.Console(record=True, width=120)
     console.print(planned)
