@@ -14,7 +14,7 @@ from _hlo import count_by_kind
 from _util import assert_tree_close
 from conftest import mesh_for
 from flax import nnx
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funshard as fs
@@ -61,9 +61,9 @@ class Block(nnx.Module):
 
 
 class Model(nnx.Module):
-    def __init__(self, rngs, blocks=BLOCKS):
+    def __init__(self, rngs):
         self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
-        self.blocks = nnx.List([Block(rngs) for _ in range(blocks)])
+        self.blocks = nnx.List([Block(rngs) for _ in range(BLOCKS)])
         self.ln_f = nnx.LayerNorm(WIDTH, rngs=rngs)
         self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
 
@@ -91,36 +91,52 @@ def _nnx_loss(graphdef):
     return loss_fn
 
 
-def _nnx_reference(batch):
-    """(loss, grads) of plain `jax.value_and_grad` on the unsharded model, one device."""
+@pytest.fixture(scope="module")
+def nnx_reference():
+    """Plain `jax.value_and_grad` of the unsharded model's loss (one device), jitted."""
     graphdef, params = nnx.split(_nnx_model(mark=False))
-    return jax.jit(jax.value_and_grad(_nnx_loss(graphdef)))(params, batch)
+    return params, jax.jit(jax.value_and_grad(_nnx_loss(graphdef)))
 
 
 def _compiled_step(loss_fn, state, batch):
     exe = jax.jit(fs.value_and_grad(loss_fn)).lower(state, batch).compile()
-    return exe, exe.as_text(), exe(state, batch)
+    return exe, exe.as_text()
 
 
-@pytest.fixture(scope="module", params=[("8", True), ("2x4", True), ("8", False)],
-                ids=["fsdp", "hsdp", "fsdp-keep"])
+# (mesh, reshard_after_forward): FSDP regathering, and HSDP keeping the gathered params.
+CASES = {"fsdp": ("8", True), "hsdp-keep": ("2x4", False)}
+
+
+_NNX_CASES: dict = {}
+
+
+def _nnx_case(name: str) -> dict:
+    """The compiled sharded step of one case, built once per session."""
+    if name not in _NNX_CASES:
+        mesh_name, reshard = CASES[name]
+        graphdef, state = fs.flax.shard(_nnx_model(reshard), mesh_for(mesh_name))
+        exe, text = _compiled_step(_nnx_loss(graphdef), state, _batch())
+        _NNX_CASES[name] = dict(reshard=reshard, graphdef=graphdef, state=state, exe=exe,
+                                text=text)
+    return _NNX_CASES[name]
+
+
+@pytest.fixture(params=list(CASES))
 def nnx_step(request):
-    mesh_name, reshard = request.param
-    graphdef, state = fs.flax.shard(_nnx_model(reshard), mesh_for(mesh_name))
+    return _nnx_case(request.param)
+
+
+def test_nnx_gradients_match_the_unsharded_model(nnx_step, nnx_reference):
     batch = _batch()
-    return dict(reshard=reshard, state=state, batch=batch,
-                compiled=_compiled_step(_nnx_loss(graphdef), state, batch))
-
-
-def test_nnx_gradients_match_the_unsharded_model(nnx_step):
-    _, _, (loss, grads) = nnx_step["compiled"]
-    ref_loss, ref_grads = _nnx_reference(nnx_step["batch"])
+    loss, grads = nnx_step["exe"](nnx_step["state"], batch)
+    params, reference = nnx_reference
+    ref_loss, ref_grads = reference(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)
     assert_tree_close(nnx.to_pure_dict(fs.unshard(grads)), nnx.to_pure_dict(ref_grads))
 
 
 def test_nnx_one_gather_and_one_reduce_scatter_per_unit(nnx_step):
-    counts = count_by_kind(nnx_step["compiled"][1])
+    counts = count_by_kind(nnx_step["text"])
     regathers = UNITS if nnx_step["reshard"] else 0
     assert counts["all-gather"] == UNITS + regathers, counts
     assert counts["reduce-scatter"] == UNITS, counts
@@ -128,10 +144,198 @@ def test_nnx_one_gather_and_one_reduce_scatter_per_unit(nnx_step):
 
 def test_nnx_parameters_sharded_like_fs_shard(nnx_step):
     state = nnx_step["state"]
-    params = nnx.split(_nnx_model(mark=False))[1]
-    want = fs.shard(params, nnx_step["state"]["head"]["kernel"].get_value().mesh)
-    got_leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, fs.Sharded))
-    want_leaves = jax.tree.leaves(want, is_leaf=lambda x: isinstance(x, fs.Sharded))
+    mesh = state["head"]["kernel"].get_value().mesh
+    want = fs.shard(nnx.split(_nnx_model(mark=False))[1], mesh)
+    got_leaves = jax.tree.leaves(state, is_leaf=_is_sharded)
+    want_leaves = jax.tree.leaves(want, is_leaf=_is_sharded)
     assert [x.layout for x in got_leaves] == [x.layout for x in want_leaves]
     for g, w in zip(got_leaves, want_leaves, strict=True):
         np.testing.assert_array_equal(g.data, w.data)
+
+
+def _is_sharded(x):
+    return isinstance(x, fs.Sharded)
+
+
+def _optax_step(opt):
+    @jax.jit
+    def step(grads, opt_state, params):
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+# eps well above float32 noise: Adam divides by sqrt(v), so a gradient that is 0 in one
+# reduction order and 1e-9 in another would otherwise move a weight by the learning rate.
+ADAM = optax.adamw(1e-2, eps=1e-3)
+
+
+def test_nnx_optax_training_matches_plain_optax(nnx_reference):
+    """Three AdamW steps: the compiled sharded step and optax on the sharded state, against
+    optax on the unsharded parameters."""
+    case = _nnx_case("fsdp")
+    state, exe = case["state"], case["exe"]
+    params, reference = nnx_reference
+    opt_state, ref_opt_state = fs.init_optimizer(ADAM, state), ADAM.init(params)
+    step = _optax_step(ADAM)
+    for i in range(3):
+        batch = _batch(i + 10)
+        state, opt_state = step(exe(state, batch)[1], opt_state, state)
+        params, ref_opt_state = step(reference(params, batch)[1], ref_opt_state, params)
+    assert_tree_close(nnx.to_pure_dict(fs.unshard(state)), nnx.to_pure_dict(params))
+
+
+class NoisyBlock(nnx.Module):
+    """A unit that writes state when called: an RNG count (Dropout), batch statistics."""
+
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, axis_name="fsdp", rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.drop(self.norm(self.fc(h)))
+
+
+class NoisyModel(nnx.Module):
+    def __init__(self, rngs):
+        self.block = fs.flax.fully_shard(NoisyBlock(rngs))
+        self.head = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, h):
+        return self.head(self.block(h))
+
+
+def _noisy_batch():
+    x = jax.random.normal(jax.random.key(5), (8, 4))
+    return {"x": x, "y": x.sum(-1, keepdims=True)}
+
+
+def _mse_aux(model, batch):
+    loss = jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+
+def test_nnx_rng_and_batch_statistics_stay_replicated_and_are_written_back():
+    """RNG keys and counts and batch statistics are replicated, never `Sharded`; written
+    inside a unit (Dropout's count, BatchNorm's statistics synced over the shard axis),
+    they come back out of the step as aux. The head belongs to no unit: replicated."""
+    model = NoisyModel(nnx.Rngs(0, dropout=1))
+    graphdef, params, rest = fs.flax.shard(model, mesh_for("8"), nnx.Param, ...)
+    assert not jax.tree.leaves(rest, is_leaf=_is_sharded) == []
+    assert not any(map(_is_sharded, jax.tree.leaves(rest, is_leaf=_is_sharded)))
+    assert not _is_sharded(params["head"]["kernel"].get_value())
+    assert _is_sharded(params["block"]["fc"]["kernel"].get_value())
+    for leaf in jax.tree.leaves(rest):
+        assert leaf.sharding.is_fully_replicated
+
+    def loss_fn(params, batch, rest):
+        return _mse_aux(fs.flax.merge(graphdef, params, rest), batch)
+
+    (_, new_rest), grads = jax.jit(fs.value_and_grad(loss_fn, has_aux=True))(
+        params, _noisy_batch(), rest
+    )
+    assert new_rest["block"]["drop"]["rngs"]["count"].get_value() == 1
+    # BatchNorm's running mean moved by (1 - momentum) * the global batch mean.
+    fc = nnx.merge(graphdef, fs.unshard(params), rest).block.fc
+    batch_mean = fc(_noisy_batch()["x"]).mean(0)
+    np.testing.assert_allclose(new_rest["block"]["norm"]["mean"].get_value(),
+                               0.01 * batch_mean, rtol=1e-4, atol=1e-6)
+    assert _is_sharded(grads["block"]["fc"]["kernel"].get_value())
+
+
+def test_nnx_whole_state_with_trainable_mask_traces():
+    """One state holding RNG state too: `fs.flax.trainable` keeps the root off it."""
+    model = NoisyModel(nnx.Rngs(0, dropout=1))
+    graphdef, state = fs.flax.shard(model, mesh_for("4"))
+    mask = fs.flax.trainable(state)
+    assert mask["block"]["fc"]["kernel"] is True
+    assert mask["block"]["drop"]["rngs"]["key"] is False
+    step = fs.value_and_grad(lambda s, b: _mse_aux(nnx.merge(graphdef, s), b),
+                             has_aux=True, trainable=mask)
+    (_, new_rest), grads = jax.eval_shape(step, state, _noisy_batch())
+    assert new_rest["block"]["drop"]["rngs"]["count"].get_value().shape == ()
+
+
+def test_nnx_write_back_into_uncopied_extra_state_is_a_clear_error():
+    model = NoisyModel(nnx.Rngs(0, dropout=1))
+    graphdef, params, rest = fs.flax.shard(model, mesh_for("4"), nnx.Param, ...)
+    step = fs.value_and_grad(
+        lambda p, b, r: _mse_aux(nnx.merge(graphdef, p, r), b), has_aux=True
+    )
+    with pytest.raises(ValueError, match=r"NoisyBlock\.norm\.mean.*fs\.flax\.merge"):
+        jax.eval_shape(step, params, _noisy_batch(), rest)
+
+
+def test_nnx_unit_policy_overrides_the_shard_policy():
+    bf16 = fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
+    f16 = fs.MixedPrecisionPolicy(param_dtype=jnp.float16)
+    model = Model(nnx.Rngs(0))
+    fs.flax.fully_shard(model.blocks[0], mp_policy=f16)
+    fs.flax.fully_shard(model.blocks[1])
+    fs.flax.fully_shard(model)
+    _, state = fs.flax.shard(model, mesh_for("2"), mp_policy=bf16)
+    assert state["blocks"][0]["fc"]["kernel"].get_value().mp_policy == f16
+    assert state["blocks"][1]["fc"]["kernel"].get_value().mp_policy == bf16
+    assert state["embed"]["embedding"].get_value().mp_policy == bf16
+
+
+@settings(max_examples=5)
+@given(marked=st.lists(st.booleans(), min_size=BLOCKS, max_size=BLOCKS), root=st.booleans())
+def test_nnx_params_under_a_unit_are_sharded_the_rest_replicated(marked, root):
+    """Whatever subset of modules is marked, a parameter is sharded iff a marked module
+    holds it, and the sharded model computes what the unsharded one does."""
+    model = Model(nnx.Rngs(0))
+    want = model(_batch()["x"])
+    for block, mark in zip(model.blocks, marked, strict=True):
+        if mark:
+            fs.flax.fully_shard(block)
+    if root:
+        fs.flax.fully_shard(model)
+    if not (root or any(marked)):
+        with pytest.raises(ValueError, match="no unit marked"):
+            fs.flax.shard(model, mesh_for("2"))
+        return
+    graphdef, state = fs.flax.shard(model, mesh_for("2"))
+    for path, variable in nnx.to_flat_state(state):
+        block = path[1] if path[0] == "blocks" else None
+        owned = root or (block is not None and marked[block])
+        assert _is_sharded(variable.get_value()) == owned, path
+    np.testing.assert_allclose(nnx.merge(graphdef, state)(_batch()["x"]), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+# --- errors --------------------------------------------------------------------------
+
+
+def test_marking_a_module_twice_is_an_error():
+    block = fs.flax.fully_shard(Block(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="Block is already a unit"):
+        fs.flax.fully_shard(block)
+
+
+def test_shard_of_an_unmarked_model_is_an_error():
+    with pytest.raises(ValueError, match=r"Model\) has no unit.*fs\.flax\.fully_shard\(blk\)"):
+        fs.flax.shard(Model(nnx.Rngs(0)), mesh_for("2"))
+
+
+def test_shard_of_a_non_nnx_model_is_an_error():
+    with pytest.raises(TypeError, match="expected an nnx.Module, got dict"):
+        fs.flax.shard({"w": jnp.ones(4)}, mesh_for("2"))
+
+
+def test_fully_shard_of_a_function_is_an_error():
+    with pytest.raises(TypeError, match="expected an nnx.Module instance or a flax.linen"):
+        fs.flax.fully_shard(jnp.tanh)
+
+
+@pytest.mark.parametrize("value,error", [("yes", TypeError), (0, ValueError), (1.0, TypeError)])
+def test_bad_reshard_after_forward_is_an_error(value, error):
+    with pytest.raises(error, match="reshard_after_forward must be True, False or a positive"):
+        fs.flax.fully_shard(Block(nnx.Rngs(0)), reshard_after_forward=value)
+
+
+def test_bad_mp_policy_is_an_error():
+    with pytest.raises(TypeError, match="mp_policy must be an fs.MixedPrecisionPolicy"):
+        fs.flax.fully_shard(Block(nnx.Rngs(0)), mp_policy="bf16")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 
-def module_path(path: Sequence[Any]) -> str:
-    """An nnx graph path as attribute access: `model.blocks[0].fc` (`model` at the root)."""
-    parts = ["model"]
+def module_path(path: Sequence[Any], root: str = "model") -> str:
+    """An nnx graph path as attribute access from `root`: `model.blocks[0].fc`."""
+    parts = [root]
     for key in path:
         parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
     return "".join(parts)
@@ -70,7 +70,7 @@ def not_nnx_model(model: Any) -> str:
 
 
 def mutated_outside_trace(name: str, paths: Sequence[Sequence[Any]]) -> str:
-    listing = ", ".join(module_path(p) for p in paths)
+    listing = ", ".join(module_path(p, root=name) for p in paths)
     return (
         f"fs.flax: the unit {name} changed variables ({listing}) that belong to another "
         "JAX trace, so nnx cannot write them back. This happens when state passed to "

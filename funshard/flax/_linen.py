@@ -1,7 +1,171 @@
-"""Flax linen adapter (placeholder until the linen unit lands)."""
+"""Flax linen: FSDP unit classes over sharded 'params' collections.
 
+`fully_shard(Cls)` returns a subclass whose `__call__`, given sharded parameters, runs
+the original module as a pure `Cls(...).apply` inside an `fs.fully_shard` unit. The
+subclass keeps the name `Cls`, so auto-named submodules (`Block_0`) and therefore the
+variables tree are the same as the unmarked model's.
+
+A unit owns the parameters of its scope that no marked descendant owns. Which
+descendants are units is found by tracing the module once abstractly (`jax.eval_shape`,
+no computation) with every unit recording its scope path instead of gathering; the unit
+then gathers only its own parameters, and the children's still-sharded parameters cross
+the unit boundary as arguments, to be gathered by the children themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import traverse_util
+
+import funshard as fs
 from funshard.flax import _errors
+from funshard.flax._nnx import UnitOptions
+
+# Set while a unit traces its module abstractly to find its descendant units.
+_DISCOVERY: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "funshard_flax_linen_discovery", default=None
+)
+
+_UNIT_CLASSES: dict[tuple[type, UnitOptions], type] = {}
 
 
-def fully_shard_class(module, options):
-    raise TypeError(_errors.not_a_module(module))
+def is_unit_class(cls: Any) -> bool:
+    """Whether `cls` is a linen unit class made by `fully_shard`."""
+    return isinstance(getattr(cls, "_funshard_options", None), UnitOptions)
+
+
+def fully_shard_class(cls: Any, options: UnitOptions) -> type:
+    """The linen unit class of `cls` (see `funshard.flax.fully_shard`)."""
+    if isinstance(cls, nn.Module):
+        raise TypeError(_errors.linen_instance(cls))
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(_errors.not_a_module(cls))
+    if is_unit_class(cls):
+        raise ValueError(_errors.marked_twice(cls._funshard_base.__name__, " (a linen class)"))
+    key = (cls, options)
+    if key not in _UNIT_CLASSES:
+        namespace = {
+            "__call__": _unit_call,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "_funshard_options": options,
+            "_funshard_base": cls,
+        }
+        _UNIT_CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    return _UNIT_CLASSES[key]
+
+
+def _is_sharded(x) -> bool:
+    return isinstance(x, fs.Sharded)
+
+
+def _has_sharded(tree) -> bool:
+    return any(map(_is_sharded, jax.tree.leaves(tree, is_leaf=_is_sharded)))
+
+
+def _plain(module: nn.Module) -> nn.Module:
+    """An unbound instance of the original class with `module`'s fields."""
+    base = type(module)._funshard_base
+    fields = {
+        f.name: getattr(module, f.name)
+        for f in dataclasses.fields(base)
+        if f.init and f.name not in ("parent", "name")
+    }
+    return base(**fields, parent=None)
+
+
+@contextlib.contextmanager
+def _discovering(found: list):
+    token = _DISCOVERY.set(found)
+    try:
+        yield
+    finally:
+        _DISCOVERY.reset(token)
+
+
+def _abstract(tree):
+    """Sharded leaves as abstract full arrays (a discovery trace computes nothing)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_sharded(x) else x,
+        tree,
+        is_leaf=_is_sharded,
+    )
+
+
+def _child_unit_paths(apply, variables, args, kwargs) -> list[tuple]:
+    found: list = []
+    params = _abstract(variables["params"])
+    with _discovering(found):
+        jax.eval_shape(
+            lambda p, rest, a, k: apply({**rest, "params": p}, a, k),
+            params, {c: v for c, v in variables.items() if c != "params"}, args, kwargs,
+        )
+    return found
+
+
+def _split_params(params, children: list[tuple]) -> tuple[dict, dict]:
+    """(this unit's sharded params, everything else), as flat {path: leaf} dicts."""
+    flat = traverse_util.flatten_dict(params)
+    own, rest = {}, {}
+    for path, leaf in flat.items():
+        under_child = any(path[: len(c)] == c for c in children)
+        (rest if under_child or not _is_sharded(leaf) else own)[path] = leaf
+    return own, rest
+
+
+def _with_policy(own: dict, policy) -> dict:
+    if policy is None:
+        return own
+    return {p: dataclasses.replace(x, mp_policy=policy) for p, x in own.items()}
+
+
+def _rngs(module: nn.Module) -> dict:
+    # One key per stream for the unit's pure apply (its submodules derive theirs from it).
+    return {name: module.make_rng(name) for name in module.scope.rngs}
+
+
+def _unit_call(self, *args, **kwargs):
+    """`__call__` of a linen unit: the original module applied inside one funshard unit."""
+    cls = type(self)
+    options, base = cls._funshard_options, cls._funshard_base
+    found = _DISCOVERY.get()
+    if found is not None:
+        found.append(tuple(self.scope.path))
+        return base.__call__(self, *args, **kwargs)
+    variables = self.variables
+    if self.is_initializing() or not _has_sharded(variables.get("params", {})):
+        return base.__call__(self, *args, **kwargs)
+    mutable = [c for c in variables if c != "params" and self.is_mutable_collection(c)]
+    rngs = _rngs(self)
+    plain = _plain(self)
+
+    def apply(variables, args, kwargs):
+        return plain.apply(variables, *args, rngs=rngs, mutable=mutable or False, **kwargs)
+
+    # Discovered paths are relative to this unit: `plain` is applied as a root.
+    children = _child_unit_paths(apply, variables, args, kwargs)
+    own, rest = _split_params(variables["params"], children)
+    others = {c: v for c, v in variables.items() if c != "params"}
+
+    def body(own_full, rest, others, args, kwargs):
+        params = traverse_util.unflatten_dict({**own_full, **rest})
+        return apply({**others, "params": params}, args, kwargs)
+
+    unit = fs.fully_shard(
+        body, reshard_after_forward=options.reshard_after_forward, name=base.__name__
+    )
+    out = unit(_with_policy(own, options.mp_policy), rest, others, args, kwargs)
+    if not mutable:
+        return out
+    out, updates = out
+    for collection, tree in updates.items():
+        for name, value in tree.items():
+            self.put_variable(collection, name, value)
+    return out
