@@ -24,7 +24,7 @@ import jax
 from flax import traverse_util
 
 import funshard as fs
-from funshard.flax import _errors
+from funshard.flax import _errors, _writes
 from funshard.flax._nnx import UnitOptions
 
 # Set while a unit traces its module abstractly to find its descendant units.
@@ -152,11 +152,21 @@ def _unit_call(self, *args, **kwargs):
     # Discovered paths are relative to this unit: `plain` is applied as a root.
     children = _child_unit_paths(apply, variables, args, kwargs)
     own, rest = _split_params(variables["params"], children)
+    if not own:  # every parameter belongs to a descendant unit
+        return base.__call__(self, *args, **kwargs)
     others = {c: v for c, v in variables.items() if c != "params"}
+
+    axes = _writes.step_axes(own)
+    gained: list = []  # set while `body` is traced
 
     def body(own_full, rest, others, args, kwargs):
         params = traverse_util.unflatten_dict({**own_full, **rest})
-        return apply({**others, "params": params}, args, kwargs)
+        out = apply({**others, "params": params}, args, kwargs)
+        if not mutable:
+            return out
+        out, updates = out
+        updates, gained[:] = _writes.widen(updates, axes)
+        return out, updates
 
     unit = fs.fully_shard(
         body, reshard_after_forward=options.reshard_after_forward, name=base.__name__
@@ -165,6 +175,7 @@ def _unit_call(self, *args, **kwargs):
     if not mutable:
         return out
     out, updates = out
+    updates = _writes.narrow(updates, gained)
     for collection, tree in updates.items():
         for name, value in tree.items():
             self.put_variable(collection, name, value)

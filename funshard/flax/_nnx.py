@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 
 import funshard as fs
-from funshard.flax import _errors
+from funshard.flax import _errors, _writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +117,8 @@ def _unit_call(self, *args, **kwargs):
         # Full parameters (before fs.flax.shard), or a unit owning none: plain call.
         return base.__call__(self, *args, **kwargs)
     own_paths = set(_flat(params))
-    axes = _step_axes(params)
-    widened: dict = {}  # path -> the axes a written value was made to vary over
+    axes = _writes.step_axes(params)
+    gained: list = []  # set while `body` is traced
 
     def body(full, rest, args, kwargs):
         given = {p: _array_ids(v) for p, v in _flat(rest).items()}
@@ -127,51 +127,15 @@ def _unit_call(self, *args, **kwargs):
         after = _flat(nnx.state(module, lambda p, v: p not in own_paths))
         # Written variables (RNG counts, batch statistics) leave the unit as outputs.
         changed = {p: v.get_value() for p, v in after.items() if _array_ids(v) != given[p]}
-        return out, {p: _widen(p, x, axes, widened) for p, x in changed.items()}
+        changed, gained[:] = _writes.widen(changed, axes)
+        return out, changed
 
     unit = fs.fully_shard(
         body, reshard_after_forward=options.reshard_after_forward, name=base.__name__
     )
     out, changed = unit(params, rest, args, kwargs)
-    changed = {
-        # State writes carry no gradient (nnx differentiates Params only).
-        p: jax.lax.pmax(jax.lax.stop_gradient(x), widened[p]) if p in widened else x
-        for p, x in changed.items()
-    }
-    _write_back(self, base.__name__, changed)
+    _write_back(self, base.__name__, _writes.narrow(changed, gained))
     return out
-
-
-def _step_axes(params) -> tuple[str, ...]:
-    """The data-parallel axes inside `fs.value_and_grad` (its local blocks vary over
-    them), or () outside a step."""
-    leaf = jax.tree.leaves(params, is_leaf=_is_sharded)[0]
-    if not _varying(leaf.data):
-        return ()
-    return (*leaf.replicate_axis, *leaf.shard_axis)
-
-
-def _varying(x) -> frozenset:
-    return getattr(jax.typeof(x), "manual_axis_type", None) and jax.typeof(
-        x
-    ).manual_axis_type.varying or frozenset()
-
-
-def _widen(path, x, axes, widened: dict):
-    """`x` typed as varying over every step axis, recording the axes it did not vary over.
-
-    A unit's floating outputs must vary over the data-parallel axes inside a step (they
-    cross a fusion boundary typed that way). A value already reduced over them (e.g.
-    BatchNorm statistics synced with `axis_name`) is equal on every device, so the
-    caller recovers it exactly with `pmax` after the unit.
-    """
-    if not axes or not (hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)):
-        return x
-    missing = tuple(a for a in axes if a not in _varying(x))
-    if not missing:
-        return x
-    widened[path] = missing
-    return jax.lax.pcast(x, missing, to="varying")
 
 
 def _write_back(module, name: str, changed: dict) -> None:
