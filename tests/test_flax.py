@@ -5,6 +5,8 @@ fact from it: gradients against plain `jax.grad` of the unsharded Flax model, co
 counts from the compiled HLO, training against plain optax.
 """
 
+import re
+from collections import Counter
 from typing import Any
 
 import flax.linen as nn
@@ -86,6 +88,11 @@ def _nnx_model(reshard_after_forward=True, mark=True):
     return model
 
 
+def _abstract(make):
+    """The model `make()` builds, with abstract arrays: structure-only tests run nothing."""
+    return nnx.eval_shape(make)
+
+
 def _nnx_loss(graphdef):
     def loss_fn(state, batch):
         model = nnx.merge(graphdef, state)
@@ -138,11 +145,19 @@ def test_nnx_gradients_match_the_unsharded_model(nnx_step, nnx_reference):
     assert_tree_close(nnx.to_pure_dict(fs.unshard(grads)), nnx.to_pure_dict(ref_grads))
 
 
+def _gathers_by_unit(hlo_text: str) -> Counter:
+    """All-gathers per unit label (`funshard/<unit>/all_gather` in their metadata)."""
+    names = [re.search(r"funshard/(\w+)/all_gather", line)
+             for line in hlo_text.splitlines() if " all-gather(" in line]
+    return Counter(m.group(1) for m in names if m)
+
+
 def test_nnx_one_gather_and_one_reduce_scatter_per_unit(nnx_step):
     counts = count_by_kind(nnx_step["text"])
-    regathers = UNITS if nnx_step["reshard"] else 0
-    assert counts["all-gather"] == UNITS + regathers, counts
+    per_unit = 2 if nnx_step["reshard"] else 1  # the re-gather in backward
+    assert counts["all-gather"] == per_unit * UNITS, counts
     assert counts["reduce-scatter"] == UNITS, counts
+    assert _gathers_by_unit(nnx_step["text"]) == {"Block": per_unit * BLOCKS, "Model": per_unit}
 
 
 def test_nnx_parameters_sharded_like_fs_shard(nnx_step):
@@ -250,7 +265,7 @@ def test_nnx_rng_and_batch_statistics_stay_replicated_and_are_written_back():
 
 def test_nnx_whole_state_with_trainable_mask_traces():
     """One state holding RNG state too: `fs.flax.trainable` keeps the root off it."""
-    model = NoisyModel(nnx.Rngs(0, dropout=1))
+    model = _abstract(lambda: NoisyModel(nnx.Rngs(0, dropout=1)))
     graphdef, state = fs.flax.shard(model, mesh_for("4"))
     mask = fs.flax.trainable(state)
     assert mask["block"]["fc"]["kernel"] is True
@@ -262,7 +277,7 @@ def test_nnx_whole_state_with_trainable_mask_traces():
 
 
 def test_nnx_write_back_into_uncopied_extra_state_is_a_clear_error():
-    model = NoisyModel(nnx.Rngs(0, dropout=1))
+    model = _abstract(lambda: NoisyModel(nnx.Rngs(0, dropout=1)))
     graphdef, params, rest = fs.flax.shard(model, mesh_for("4"), nnx.Param, ...)
     step = fs.value_and_grad(
         lambda p, b, r: _mse_aux(nnx.merge(graphdef, p, r), b), has_aux=True
@@ -274,7 +289,7 @@ def test_nnx_write_back_into_uncopied_extra_state_is_a_clear_error():
 def test_nnx_unit_policy_overrides_the_shard_policy():
     bf16 = fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
     f16 = fs.MixedPrecisionPolicy(param_dtype=jnp.float16)
-    model = Model(nnx.Rngs(0))
+    model = _abstract(lambda: Model(nnx.Rngs(0)))
     fs.flax.fully_shard(model.blocks[0], mp_policy=f16)
     fs.flax.fully_shard(model.blocks[1])
     fs.flax.fully_shard(model)
@@ -289,7 +304,7 @@ def test_nnx_unit_policy_overrides_the_shard_policy():
 def test_nnx_params_under_a_unit_are_sharded_the_rest_replicated(marked, root):
     """Whatever subset of modules is marked, a parameter is sharded iff a marked module
     holds it, and the sharded model runs (units gather, the rest is replicated)."""
-    model = Model(nnx.Rngs(0))
+    model = _abstract(lambda: Model(nnx.Rngs(0)))
     for block, mark in zip(model.blocks, marked, strict=True):
         if mark:
             fs.flax.fully_shard(block)
@@ -369,6 +384,7 @@ def test_linen_one_gather_and_one_reduce_scatter_per_unit(linen_step):
     counts = count_by_kind(linen_step["text"])
     assert counts["all-gather"] == 2 * UNITS, counts
     assert counts["reduce-scatter"] == UNITS, counts
+    assert _gathers_by_unit(linen_step["text"]) == {"LinenBlock": 2 * BLOCKS, "LinenModel": 2}
 
 
 class LinenNoisyBlock(nn.Module):

@@ -26,7 +26,7 @@ from typing import Any
 from flax import nnx
 
 import funshard as fs
-from funshard.flax import _errors, _nnx
+from funshard.flax import _nnx
 
 
 def fully_shard(

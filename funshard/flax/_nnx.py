@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 import jax
+from flax import errors as flax_errors
 from flax import nnx
 
 import funshard as fs
@@ -142,11 +143,14 @@ def _write_back(module, name: str, changed: dict) -> None:
     if not changed:
         return
     variables = _flat(nnx.state(module, lambda p, v: p in changed))
-    stale = [p for p in changed if not variables[p]._can_update]
+    stale = []
+    for path, value in changed.items():
+        try:
+            variables[path].set_value(value)
+        except flax_errors.TraceContextError:
+            stale.append(path)
     if stale:
         raise ValueError(_errors.mutated_outside_trace(name, stale))
-    for path, value in changed.items():
-        variables[path].set_value(value)
 
 
 def _owner(path: tuple, units) -> tuple | None:
