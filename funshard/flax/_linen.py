@@ -131,6 +131,13 @@ def _rngs(module: nn.Module) -> dict:
     return {name: module.make_rng(name) for name in module.scope.rngs}
 
 
+def _put_updates(module: nn.Module, updates: dict) -> None:
+    """Writes a pure apply's mutable updates (relative to `module`) into its scope."""
+    for collection, tree in updates.items():
+        for name, value in tree.items():
+            module.put_variable(collection, name, value)
+
+
 def _unit_call(self, *args, **kwargs):
     """`__call__` of a linen unit: the original module applied inside one funshard unit."""
     cls = type(self)
@@ -143,25 +150,27 @@ def _unit_call(self, *args, **kwargs):
     if self.is_initializing() or not _has_sharded(variables.get("params", {})):
         return base.__call__(self, *args, **kwargs)
     mutable = [c for c in variables if c != "params" and self.is_mutable_collection(c)]
-    rngs = _rngs(self)
     plain = _plain(self)
 
-    def apply(variables, args, kwargs):
+    def apply(variables, args, kwargs, rngs):
         return plain.apply(variables, *args, rngs=rngs, mutable=mutable or False, **kwargs)
 
-    # Discovered paths are relative to this unit: `plain` is applied as a root.
-    children = _child_unit_paths(apply, variables, args, kwargs)
+    # Discovered paths are relative to this unit: `plain` is applied as a root. The
+    # abstract trace needs the streams' names only, not this unit's keys.
+    dummy_rngs = {name: jax.random.key(0) for name in self.scope.rngs}
+    children = _child_unit_paths(
+        lambda v, a, k: apply(v, a, k, dummy_rngs), variables, args, kwargs
+    )
     own, rest = _split_params(variables["params"], children)
     if not own:  # every parameter belongs to a descendant unit
         return base.__call__(self, *args, **kwargs)
     others = {c: v for c, v in variables.items() if c != "params"}
-
     axes = _writes.step_axes(own)
     gained: list = []  # set while `body` is traced
 
-    def body(own_full, rest, others, args, kwargs):
+    def body(own_full, rest, others, args, kwargs, rngs):
         params = traverse_util.unflatten_dict({**own_full, **rest})
-        out = apply({**others, "params": params}, args, kwargs)
+        out = apply({**others, "params": params}, args, kwargs, rngs)
         if not mutable:
             return out
         out, updates = out
@@ -171,12 +180,10 @@ def _unit_call(self, *args, **kwargs):
     unit = fs.fully_shard(
         body, reshard_after_forward=options.reshard_after_forward, name=base.__name__
     )
-    out = unit(_with_policy(own, options.mp_policy), rest, others, args, kwargs)
+    own = _with_policy(own, options.mp_policy)
+    out = unit(own, rest, others, args, kwargs, _rngs(self))
     if not mutable:
         return out
     out, updates = out
-    updates = _writes.narrow(updates, gained)
-    for collection, tree in updates.items():
-        for name, value in tree.items():
-            self.put_variable(collection, name, value)
+    _put_updates(self, _writes.narrow(updates, gained))
     return out
