@@ -77,6 +77,29 @@ def jaxpr_internals() -> tuple[Any, Any]:
     return core, debugging.debug_callback_p
 
 
+_DLPACK_CPU = 1  # DLDeviceType.kDLCPU
+
+
+def dlpack_import(obj: Any, device: jax.Device) -> jax.Array:
+    """`obj` (any `__dlpack__` producer in host memory) as an array on `device`, no copy.
+
+    `jax.dlpack.from_dlpack` spends ~190 us a call in Python (device lookup, dtype
+    canonicalisation, placement) around the ~30 us import; a torch frontend imports
+    every gradient of every backward. This calls jaxlib's
+    `_jax.dlpack_managed_tensor_to_buffer` directly (its 5-argument form, jaxlib
+    extension version >= 467) for dtypes JAX keeps as they are, and falls back to
+    `from_dlpack` otherwise. Guarded by tests/test_jax_compat.py.
+    """
+    from jax._src.lib import _jax, jaxlib_extension_version
+
+    if jaxlib_extension_version >= 467 and device.platform == "cpu":
+        array = _jax.dlpack_managed_tensor_to_buffer(
+            obj.__dlpack__(), device, None, None, _DLPACK_CPU)
+        if array.dtype == jax.dtypes.canonicalize_dtype(array.dtype):
+            return array
+    return jax.device_put(jax.dlpack.from_dlpack(obj), device)
+
+
 @functools.cache
 def check() -> None:
     """Verifies the assumptions above once; raises naming the one that broke."""

@@ -99,9 +99,25 @@ def dependency_of(tree: Any):
     Any dtype will do (`_lowering.tie_to` reads it as a predicate that is always true),
     so a unit whose only inputs are integer token ids is still tied to them.
     """
-    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and x.size]
-    floating = [x for x in leaves if _tree.is_inexact_array(x)]
-    return (floating or leaves or [None])[0]
+    leaves = jax.tree.leaves(tree)
+    index = _preferred_dependency(leaves, set())
+    return None if index is None else leaves[index]
+
+
+def _preferred_dependency(arrays: list, excluded: set[int]) -> int | None:
+    """The index of the array a unit's forward gather should wait for, or None.
+
+    The gather must wait for something computed from this microbatch, or XLA hoists it
+    out of the microbatch loop (or to the program start): so never another unit's
+    sharded parameters (positions in `excluded`), and values that vary over the mesh
+    axes (the batch) before replicated ones (RNG counters), floating before integer.
+    """
+    candidates = [i for i, x in enumerate(arrays)
+                  if i not in excluded and isinstance(x, jax.Array) and x.size]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda i: (not _jax_compat.varying_axes(arrays[i]),
+                                          not _tree.is_inexact_array(arrays[i])))
 
 
 def check_reshard_after_forward(fn: str, value) -> None:
@@ -182,6 +198,11 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
     record = Residuals()
     # custom_vjp takes and returns arrays only: the other leaves stay static.
     operand_arrays, rebuild_operands = _tree.split_arrays((unit.parts.others, args))
+    # Positions, computed here and now (static ints): identities do not survive traces.
+    in_sharded = {id(x) for leaf in _tree.sharded_leaves(args)[1] if is_sharded(leaf)
+                  for x in jax.tree.leaves(leaf)}
+    dependency_index = _preferred_dependency(
+        operand_arrays, {i for i, x in enumerate(operand_arrays) if id(x) in in_sharded})
 
     def run(fulls, operand_arrays):
         others, call_args = rebuild_operands(operand_arrays)
@@ -197,7 +218,7 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
         return run(_gather.gather_values(datas, layout), operand_arrays)
 
     def call_fwd(datas, accumulators, operand_arrays):
-        dependency = dependency_of(operand_arrays)
+        dependency = None if dependency_index is None else operand_arrays[dependency_index]
         if keep_group is None:
             fulls, source = _gather.gather_values(datas, layout, dependency), datas
         else:

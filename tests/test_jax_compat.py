@@ -36,3 +36,22 @@ def test_varying_axes_reads_the_shard_map_type():
 
     jax.shard_map(body, mesh=mesh, in_specs=jax.sharding.PartitionSpec("d"),
                   out_specs=jax.sharding.PartitionSpec("d"))(jnp.ones(4))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "uint8", "bool", "float64", "int64"])
+def test_dlpack_import_shares_memory_and_keeps_values(dtype):
+    import numpy as np
+
+    # 64-byte aligned, as torch allocates (DLPack imports of unaligned memory copy).
+    values = np.arange(64 * 3).reshape(64, 3).astype(dtype)
+    raw = np.empty(values.nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    host = raw[start:start + values.nbytes].view(values.dtype).reshape(values.shape)
+    host[...] = values
+    device = jax.devices()[3]
+    array = _jax_compat.dlpack_import(host, device)
+    assert array.devices() == {device}
+    np.testing.assert_array_equal(np.asarray(array), host.astype(jax.dtypes.canonicalize_dtype(dtype)))
+    if dtype not in ("float64", "int64"):  # x64 is off: those are converted (a copy)
+        assert array.dtype == host.dtype
+        assert array.unsafe_buffer_pointer() == host.ctypes.data

@@ -386,3 +386,35 @@ def test_bad_inputs():
             "GradientTransformation", "function")
     _raises(ValueError, lambda: fs.plan(params, mesh, trainable={"nope": False}),
             "`trainable` must be a pytree prefix")
+
+
+def test_unit_taking_a_child_units_state_first_still_gathers_every_microbatch():
+    # The forward gather waits for a value of this microbatch, never for another unit's
+    # sharded parameters passed through: either argument order compiles to the same
+    # gathers, and the outer unit gathers in every microbatch (forward and backward).
+    mesh = mesh_for("8")
+    inner = fs.fully_shard(lambda p, h: jnp.tanh(h @ p["w"]), name="inner")
+
+    def outer_child_first(p, child, h):
+        return inner(child, jnp.tanh(h @ p["w"]))
+
+    def outer_child_last(p, h, child):
+        return inner(child, jnp.tanh(h @ p["w"]))
+
+    params = {"outer": {"w": jnp.eye(24) / 2}, "inner": {"w": jnp.eye(24) / 3}}
+    state = fs.shard(params, mesh)
+    batch = (jnp.ones((16, 24)), jnp.zeros((16, 24)))
+    executed = []
+    for body, child_first in ((outer_child_first, True), (outer_child_last, False)):
+        outer = fs.fully_shard(body, name="outer")
+
+        def loss(s, b, outer=outer, child_first=child_first):
+            args = (s["inner"], b[0]) if child_first else (b[0], s["inner"])
+            return jnp.mean((outer(s["outer"], *args) - b[1]) ** 2)
+
+        _, text = compiled(fs.value_and_grad(loss, microbatches=2), state, batch)
+        executed.append(_executed(text)["all-gather"])
+    assert executed[0] == executed[1]
+    # Per microbatch: both forward gathers and the inner re-gather (the outer backward
+    # needs no weights: its input is the batch, so XLA drops that re-gather).
+    assert sum(executed[0].values()) == 6

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
 
-from funshard import _lowering, _mesh
+from funshard import _jax_compat, _lowering, _mesh
 
 SHARD_AXIS = "fsdp"
 REPLICATE_AXIS = "replicate"
@@ -40,7 +40,6 @@ class Layout:
       rank: this device's position along `shard_axes` (its torch.chunk index).
       world: number of shards.
       data_parallel: devices gradients are averaged over (all of the mesh).
-      imports_here: DLPack imports land on `device` (JAX's first local device).
     """
 
     mesh: Mesh
@@ -50,7 +49,6 @@ class Layout:
     rank: int
     world: int
     data_parallel: int
-    imports_here: bool
 
     def padded_rows(self, rows: int) -> int:
         """Rows each rank stores for a dim 0 of `rows` (torch.chunk's chunk size)."""
@@ -92,7 +90,7 @@ def layout_of(mesh: Mesh) -> Layout:
     position = idx[mesh.axis_names.index(SHARD_AXIS)]
     device = mesh.devices[idx]
     return Layout(mesh, device, (SHARD_AXIS,), replicate, int(position),
-                  mesh.shape[SHARD_AXIS], mesh.devices.size, device == jax.local_devices()[0])
+                  mesh.shape[SHARD_AXIS], mesh.devices.size)
 
 
 HPZ_INNER_AXIS = "hpz_inner"
@@ -121,10 +119,7 @@ def hpz_layout(layout: Layout, k: int) -> Layout:
 
 def _import(layout: Layout, tensor: torch.Tensor) -> jax.Array:
     """`tensor` as a single-device jax.Array on this process's device, sharing memory."""
-    block = jax.dlpack.from_dlpack(tensor.detach())
-    if not layout.imports_here:
-        block = jax.device_put(block, layout.device)
-    return block
+    return _jax_compat.dlpack_import(tensor.detach(), layout.device)
 
 
 def global_block(layout: Layout, padded: torch.Tensor, dim: int = 0) -> jax.Array:
