@@ -489,6 +489,31 @@ def test_default_forward_prefetch_follows_the_last_iterations_order(monkeypatch)
     assert [e - 7 for e in entered[3:]] == [3, 4, 4]
 
 
+def test_only_the_last_backward_ends_the_iteration(monkeypatch):
+    # Two microbatches, the first backward marked not last: its gradients add up as in
+    # plain torch, and the forward order is learned once, from one pass (the default
+    # prefetch of the next iteration starts each block's gather one block early).
+    from torch_frontend import _bridge
+
+    reference, model = _stack_pair()
+    gathers = []
+    real = _bridge.start_all_gather
+    monkeypatch.setattr(_bridge, "start_all_gather",
+                        lambda layout, blocks, *a: gathers.append(len(blocks)) or real(layout, blocks, *a))
+    entered = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, _: entered.append(len(gathers)))
+    for step in range(2):
+        for micro in range(2):
+            model.set_is_last_backward(micro == 1)
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+            for m in (model, reference):
+                m(x).pow(2).mean().backward()
+        _assert_same(model, reference)
+    assert len(gathers) == 28  # 7 a microbatch
+    assert [e - 21 for e in entered[9:]] == [3, 4, 4]  # step 2, microbatch 2
+
+
 def test_explicit_prefetch_dispatches_the_next_gathers_early(monkeypatch):
     from torch_frontend import _bridge
 

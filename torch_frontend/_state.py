@@ -32,7 +32,7 @@ class IterationContext:
         # States in the order their pre-forward ran this iteration, and, from the last
         # iteration that ran backward, the state that ran next after each: the default
         # forward prefetch.
-        self.pre_forward_order: list[FSDPState] = []
+        self.pre_forward_order: list[FSDPState | None] = []
         self.next_in_forward: dict[FSDPState, FSDPState] = {}
 
 
@@ -138,6 +138,7 @@ class FSDPState:
         self.lazy_init()
         if self.ctx.iter_forward_root is None:
             self.ctx.iter_forward_root = self
+            self.ctx.pre_forward_order.append(None)
             for state in self.ctx.all_states:
                 state.group.drop_stale_parts()
 
@@ -238,17 +239,23 @@ class FSDPState:
     def _root_post_backward_final_callback(self) -> None:
         # Groups whose backward never ran (inputs without grad, unused modules) reduce
         # here; then every state starts the next iteration idle.
+        # Only the last backward of an iteration (`set_is_last_backward`) ends it: the
+        # forward order, the backward prefetch order and dispatched gathers survive
+        # backward passes that more will follow before the optimizer step.
+        last = self.ctx.is_last_backward
         self.ctx.iter_forward_root = None
-        self.ctx.post_forward_order.clear()
-        self._learn_forward_order()
+        if last:
+            self.ctx.post_forward_order.clear()
+            self._learn_forward_order()
         for state in self.ctx.all_states:
             state.modules_to_run.clear()
-            state.post_forward_indices.clear()
             if state.group.training_state != TrainingState.POST_BACKWARD:
                 state.group.post_backward()
-            # A prefetch whose module never ran must not outlive the iteration: the
-            # optimizer writes the shards it reads next.
-            state.group.cancel_prefetch()
+            if last:
+                state.post_forward_indices.clear()
+                # A prefetch whose module never ran must not outlive the iteration:
+                # the optimizer writes the shards it reads next.
+                state.group.cancel_prefetch()
             state.group.training_state = TrainingState.IDLE
             state.training_state = TrainingState.IDLE
         self.ctx.final_callback_queued = False
@@ -256,8 +263,8 @@ class FSDPState:
     def _learn_forward_order(self) -> None:
         order, self.ctx.pre_forward_order = self.ctx.pre_forward_order, []
         nexts: dict[FSDPState, FSDPState] = {}
-        for before, after in zip(order, order[1:]):
-            if after is not before:
+        for before, after in zip(order, order[1:]):  # None: a new forward pass began
+            if before is not None and after is not None and after is not before:
                 nexts.setdefault(before, after)
         self.ctx.next_in_forward = nexts
 
