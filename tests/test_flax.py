@@ -323,6 +323,32 @@ def test_nnx_params_under_a_unit_are_sharded_the_rest_replicated(marked, root):
     assert out.shape == (ROWS, SEQ, VOCAB)
 
 
+class KeywordBlock(nnx.Module, pytree=False):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, h, *, scale=1.0, mask=None):
+        out = self.fc(h) * scale
+        return (out if mask is None else out * mask), {"label": "fc", "calls": 1}
+
+
+def test_nnx_unit_keywords_static_outputs_and_class_options_pass_through():
+    """Keyword arguments (arrays or not) reach the module, non-array outputs come back
+    unchanged, and the unit class keeps nnx's `pytree=` option of the original class."""
+    block = fs.flax.fully_shard(_abstract(lambda: KeywordBlock(nnx.Rngs(0))))
+    assert type(block).__name__ == "FSDPKeywordBlock"
+    assert not type(block)._pytree__is_pytree
+    graphdef, state = fs.flax.shard(block, mesh_for("4"))
+
+    def loss_fn(state, batch):
+        out, info = nnx.merge(graphdef, state)(batch["x"], scale=2.0, mask=jnp.ones(4))
+        assert info == {"label": "fc", "calls": 1}
+        return jnp.mean(out**2)
+
+    loss, grads = jax.eval_shape(fs.value_and_grad(loss_fn), state, _noisy_batch())
+    assert loss.shape == () and _is_sharded(grads["fc"]["kernel"].get_value())
+
+
 # --- linen ---------------------------------------------------------------------------
 
 

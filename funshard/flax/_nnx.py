@@ -65,7 +65,9 @@ def _unit_class(cls: type, options: UnitOptions) -> type:
             "_funshard_options": options,
             "_funshard_base": cls,
         }
-        _UNIT_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), namespace)
+        # The subclass is a pytree exactly when `cls` is (nnx's `pytree=` class option).
+        pytree = dict(pytree=cls._pytree__is_pytree) if hasattr(cls, "_pytree__is_pytree") else {}
+        _UNIT_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), namespace, **pytree)
     return _UNIT_CLASSES[key]
 
 
