@@ -69,13 +69,13 @@ class ModelConfig:
 class TrainConfig:
     """How the model is trained."""
 
-    steps: int = 500
+    steps: int = 400
     batch: int = 32  # sequences per step, split over all data-parallel devices
-    lr: float = 3e-3
+    lr: float = 5e-3
     warmup: int = 50
     eval_every: int = 100
     eval_batches: int = 4
-    checkpoint_every: int = 250
+    checkpoint_every: int = 200
     seed: int = 0
 
 
@@ -226,6 +226,7 @@ class GPT(nnx.Module):
 
 
 def _is_sharded(x) -> bool:
+    """Keeps `fs.Sharded` whole when flattening a tree (its logical shape is metadata)."""
     return isinstance(x, fs.Sharded)
 
 
@@ -236,27 +237,38 @@ def shard_model(model: GPT, mesh, mp_policy, scan: bool):
     """Marks the FSDP units of `model` and shards its parameters over `mesh`.
 
     Returns:
-      `(graphdef, state)`: `state` is a tuple of `nnx.State`s whose parameters are
-      `fs.Sharded`; `nnx.merge(graphdef, *state)` inside the loss gives the model back.
+      `(graphdef, state)`: `state` is an `nnx.State` whose parameters are `fs.Sharded`;
+      `nnx.merge(graphdef, state)` inside the loss gives the model back, and its units
+      gather their parameters when called.
     """
     if not scan:
-        # FSDP2's recipe: each block a unit, the model the root (embeddings and head).
+        # FSDP2's recipe: each block a unit, then the model (embeddings and head).
         for block in model.blocks:
             fs.flax.fully_shard(block)
         # The root's parameters are needed again as soon as the backward pass starts:
         # FSDP2 does not reshard the root after forward either.
         fs.flax.fully_shard(model, reshard_after_forward=False)
-        graphdef, state = fs.flax.shard(model, mesh, mp_policy=mp_policy)
-        return graphdef, (state,)
-    # The stack is one `fs.scan` unit, sharded per layer (`stacked=True`); the root
-    # cannot be a unit here, since it would gather the whole stack: embeddings and
-    # head are units of their own (FSDP2's `fully_shard(model.embed)`).
+        return fs.flax.shard(model, mesh, mp_policy=mp_policy)
+    # The stack is one `fs.scan` unit, sharded layer by layer (`stacked=True`). The model
+    # cannot be a unit here, since it would gather the whole stack: the embeddings and
+    # the head are units of their own (FSDP2's `fully_shard(model.embed)`).
     fs.flax.fully_shard(model.embed)
     fs.flax.fully_shard(model.head, reshard_after_forward=False)
-    graphdef, stack, rest = fs.flax.shard(model, mesh, nnx.PathContains("blocks"), ...,
-                                          mp_policy=mp_policy)
     stack = fs.shard(nnx.state(model.blocks), mesh, stacked=True, mp_policy=mp_policy)
-    return graphdef, (nnx.State({"blocks": stack}), rest)
+    graphdef, state = fs.flax.shard(model, mesh, mp_policy=mp_policy)  # blocks: replicated
+    stacked = dict(nnx.to_flat_state(nnx.State({"blocks": stack})))
+    return graphdef, nnx.from_flat_state(
+        [(path, stacked.get(path, value)) for path, value in nnx.to_flat_state(state)]
+    )
+
+
+def plan(state, optimizer, depth: int, scan: bool):
+    """`fs.plan` of the step: what each device will hold and send, before compiling."""
+    if scan:
+        return None  # fs.plan does not model `fs.scan` stacks
+    units = {"model": "", **{f"block{i}": f"blocks.{i}" for i in range(depth)}}
+    return fs.plan(state, units=units, optimizer=optimizer,
+                   reshard_after_forward={"model": False})
 
 
 def collectives(compiled_text: str) -> Counter:
@@ -293,7 +305,7 @@ def make_loss(graphdef):
     """The loss `fs.value_and_grad` runs on every device, on its slice of the batch."""
 
     def loss_fn(state, batch):
-        model = nnx.merge(graphdef, *state)
+        model = nnx.merge(graphdef, state)
         logits = model(batch[:, :-1]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
@@ -301,6 +313,11 @@ def make_loss(graphdef):
 
 
 def make_optimizer(train: TrainConfig, steps: int):
+    """AdamW with linear warm-up and cosine decay to a tenth of the peak rate.
+
+    optax sees the sharded state as an ordinary pytree: its moments are sharded like
+    the parameters they follow.
+    """
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, train.lr, min(train.warmup, max(steps - 1, 1)), max(steps, 2), train.lr / 10
     )
@@ -353,6 +370,7 @@ class RunDir:
         return max(found) if found else None
 
     def save(self, step: int, tree) -> fs.PendingSave:
+        """Starts writing `tree` as the checkpoint of `step`, in the background."""
         return fs.save(self.checkpoints / f"step_{step:06d}", tree, asynchronous=True)
 
     def metrics(self, upto: int) -> list[dict]:
@@ -365,11 +383,13 @@ class RunDir:
         return rows
 
     def log(self, row: dict) -> None:
+        """Appends one metrics row (the loss plot of a resumed run draws on them all)."""
         with self.metrics_file.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
 
 def default_run_dir() -> Path:
+    """A fresh folder per run, so that rerunning the command starts over."""
     return Path("runs") / "train_lm" / time.strftime("%Y%m%d-%H%M%S")
 
 
@@ -385,7 +405,7 @@ def generate(graphdef, state, prompt: str, length: int, context: int, temperatur
 
     @jax.jit
     def logits_at(weights, window, position):
-        return nnx.merge(graphdef, *weights)(window[None])[0, position]
+        return nnx.merge(graphdef, weights)(window[None])[0, position]
 
     tokens = list(prompt.encode("utf-8")) or [ord("\n")]
     rng = np.random.default_rng(seed)
@@ -438,9 +458,12 @@ def summary_table(facts: dict) -> Table:
         table.add_row(f"{name} per device", _kib(mine),
                       f"{_kib(full)} replicated (1/{full / mine:.1f})")
     table.add_section()
+    planned = facts["plan"]
     for kind, count in facts["collectives"].items():
-        table.add_row(f"{kind}s per step", str(count), "in the compiled step" if
-                      kind == "all-gather" else "")
+        note = "" if planned is None else f"fs.plan: {planned.count(kind)}"
+        if planned is not None and kind == "all-reduce" and planned.count(kind) != count:
+            note += " (XLA merged some)"
+        table.add_row(f"{kind}s per step", str(count), note)
     table.add_section()
     baseline = facts["baseline"]
     for name in ("train loss", "validation loss"):
@@ -454,6 +477,7 @@ def summary_table(facts: dict) -> Table:
 
 
 def _kib(n: int) -> str:
+    """Bytes as KiB, the scale of this model's per-device state."""
     return f"{n / 1024:,.1f} KiB"
 
 
@@ -505,7 +529,11 @@ def main(argv=None) -> None:
         f"on {len(jax.devices())} {jax.devices()[0].platform} devices"
     )
 
-    # ... the rest of main comes from train_loop / report below.
+    planned = plan(state, optimizer, cfg.depth, args.scan)
+    if planned is None:
+        console.print("(fs.plan does not cover fs.scan stacks: no plan for --scan)")
+    else:
+        console.print(str(planned) + "\n", markup=False, highlight=False)
     loss_fn = make_loss(graphdef)
     place = lambda b: fs.distributed.shard_batch(b, mesh)  # noqa: E731
     first = place(batch_at(train_data, 0, train.batch, cfg.context, train.seed))
@@ -534,7 +562,9 @@ def main(argv=None) -> None:
         "parameters": (device_bytes(state, jax.devices()[0]), replicated_bytes(state)),
         "optimizer state": (device_bytes(opt_state, jax.devices()[0]),
                             replicated_bytes(opt_state)),
+        # Read from the compiled program (XLA may merge all-reduces into tuples).
         "collectives": {k: counts[k] for k in ("all-gather", "reduce-scatter", "all-reduce")},
+        "plan": planned,
         "baseline": baseline,
         "train loss": float(np.mean(train_losses)) if train_losses else float("nan"),
         "validation loss": vals[-1] if vals else float("nan"),
