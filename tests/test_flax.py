@@ -183,25 +183,47 @@ class WideLayer(nnx.Module):
         return jnp.tanh(self.fc(h))
 
 
-def _wide_program(reshard_after_forward: bool):
+class LinenWideLayer(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return jnp.tanh(nn.Dense(128)(h))
+
+
+def _wide_nnx(reshard_after_forward: bool):
     model = nnx.List([WideLayer(nnx.Rngs(i)) for i in range(4)])
     for layer in model:
         fs.flax.fully_shard(layer, reshard_after_forward=reshard_after_forward)
     graphdef, state = fs.flax.shard(model, mesh_for("8"))
 
-    def loss_fn(state, batch):
-        h = batch["x"]
+    def forward(state, h):
         for layer in nnx.merge(graphdef, state):
             h = layer(h)
-        return jnp.mean((h - batch["x"]) ** 2)
+        return h
+
+    return forward, state
+
+
+def _wide_linen(reshard_after_forward: bool):
+    layer = fs.flax.fully_shard(LinenWideLayer, reshard_after_forward=reshard_after_forward)
+    model = nn.Sequential([layer() for _ in range(4)])
+    params = model.init(jax.random.key(0), jnp.ones((1, 128)))["params"]
+    return (lambda state, h: model.apply({"params": state}, h)), fs.shard(params, mesh_for("8"))
+
+
+def _wide_program(build, reshard_after_forward: bool):
+    forward, state = build(reshard_after_forward)
+
+    def loss_fn(state, batch):
+        return jnp.mean((forward(state, batch["x"]) - batch["x"]) ** 2)
 
     return _compiled_step(loss_fn, state, {"x": jnp.ones((128, 128))})[0]
 
 
-def test_nnx_reshard_after_forward_saves_memory_not_flops():
-    """The unit drops its gathered parameters from the saved residuals (re-gathered in
+@pytest.mark.parametrize("build", [_wide_nnx, _wide_linen], ids=["nnx", "linen"])
+def test_reshard_after_forward_saves_memory_not_flops(build):
+    """A unit drops its gathered parameters from the saved residuals (re-gathered in
     backward) and recomputes nothing: less temp memory, the same FLOPs."""
-    regather, keep = _wide_program(True), _wide_program(False)
+    regather, keep = _wide_program(build, True), _wide_program(build, False)
     temp = [exe.memory_analysis().temp_size_in_bytes for exe in (regather, keep)]
     flops = [exe.cost_analysis()["flops"] for exe in (regather, keep)]
     assert temp[0] < 0.75 * temp[1], temp
