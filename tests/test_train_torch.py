@@ -1,0 +1,135 @@
+"""examples/train_torch.py under torchrun (2 processes) and benchmarks/bench_torch.py --quick.
+
+The example runs as a user runs it: `torchrun --nproc-per-node 2 examples/train_torch.py`
+on 127.0.0.1, a few steps of the tiny model, checkpointing; then again with `--resume`
+from an earlier checkpoint, which must redo the later steps with the very same losses.
+The benchmark's smoke run keeps it from rotting. Every job has a timeout, and every
+process it started (torchrun, its workers) is killed on the way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_torch.py"
+BENCH = ROOT / "benchmarks" / "bench_torch.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+JOB_TIMEOUT_S = 120
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS")
+TINY = ["--tiny", "--batch", "8", "--log-every", "3", "--checkpoint-every", "3"]
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (torchrun's store on p, JAX's coordinator on p + 1)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+def clean_env() -> dict:
+    """This environment without launcher variables or simulated-device flags."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8", PYTHONPATH=os.pathsep.join(
+                   [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]))
+    return env
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's workers run in sessions of their own)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            # The fields after the command's closing parenthesis: state, ppid, ...
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in parents.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def run_bounded(command: list[str], cwd: Path, timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
+    """Runs `command`; on the way out kills it and every process it started, by pid."""
+    log = cwd / f"job-{time.monotonic_ns()}.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command, cwd=cwd, env=clean_env(), stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    children: list[int] = []
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = -1
+    finally:
+        children = descendants(proc.pid)
+        for pid in [proc.pid, *children]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    return code, log.read_text()
+
+
+def torchrun(script: Path, *args: str, cwd: Path, processes: int = 2) -> str:
+    command = [*TORCHRUN, f"--nproc-per-node={processes}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port_pair()}", str(script), *args]
+    start = time.monotonic()
+    code, out = run_bounded(command, cwd)
+    assert code == 0, f"{script.name} {args} failed (exit {code}) after " \
+                      f"{time.monotonic() - start:.0f} s:\n{out[-6000:]}"
+    return out
+
+
+def metrics(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def test_train_torch_on_two_processes_checkpoints_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    first = torchrun(EXAMPLE, *TINY, "--steps", "6", "--run-dir", str(run_dir), cwd=tmp_path)
+    assert "2 rank(s)" in first
+    progress = [line for line in first.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in progress] == ["3", "6"], first
+    assert all("tokens/s" in line for line in progress)
+    losses = metrics(run_dir)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(x) for x in losses.values())
+    assert losses[1] > 5.0 and losses[6] < losses[1]  # ln 256 = 5.55 at the start, then learns
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000003", "step_000006"]
+
+    # As if the run had died after step 3's checkpoint: the resumed run redoes 4..6.
+    shutil.rmtree(checkpoints / "step_000006")
+    second = torchrun(EXAMPLE, *TINY, "--steps", "6", "--run-dir", str(run_dir), "--resume",
+                      cwd=tmp_path)
+    assert "resumed at step 3" in second, second
+    resumed = metrics(run_dir)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):  # same batches, same state: the same losses
+        assert math.isclose(resumed[step], losses[step], rel_tol=1e-6, abs_tol=1e-6), \
+            (step, resumed[step], losses[step])
+    assert (checkpoints / "step_000006").is_dir()
