@@ -7,21 +7,33 @@
         fully_shard(block)
     fully_shard(model)
 
+    torch_frontend.save(path, model, opt, step)   # funshard.save's format; fs.restore reads it
+
 See docs/torch.md.
 """
 
+from torch_frontend._checkpoint import restore as restore
+from torch_frontend._checkpoint import save as save
+from torch_frontend._clip import clip_grad_norm_ as clip_grad_norm_
 from torch_frontend._distributed import init_distributed as init_distributed
 from torch_frontend._fully_shard import FSDPModule as FSDPModule
 from torch_frontend._fully_shard import UnshardHandle as UnshardHandle
 from torch_frontend._fully_shard import fully_shard as fully_shard
 from torch_frontend._fully_shard import register_fsdp_forward_method as register_fsdp_forward_method
 from torch_frontend._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
+from torch_frontend._state_dict import full_state_dict as full_state_dict
+from torch_frontend._state_dict import load_full_state_dict as load_full_state_dict
 
 __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "UnshardHandle",
+    "clip_grad_norm_",
+    "full_state_dict",
     "fully_shard",
     "init_distributed",
+    "load_full_state_dict",
     "register_fsdp_forward_method",
+    "restore",
+    "save",
 ]

@@ -103,3 +103,90 @@ def placement_out_of_range(fqn: str, dim: int, shape: tuple) -> str:
         f"fully_shard: shard_placement_fn returned Shard({dim}) for parameter {fqn!r} of "
         f"shape {shape}; the dim must be in [-{len(shape)}, {len(shape)})."
     )
+
+
+def missing_key(key: str) -> str:
+    return f"  missing key {key!r}"
+
+
+def unexpected_key(key: str) -> str:
+    return f"  unexpected key {key!r}"
+
+
+def key_shape(key: str, got, want) -> str:
+    return f"  key {key!r} has shape {tuple(got)}; the module's full tensor has shape {tuple(want)}"
+
+
+def key_not_tensor(key: str, value) -> str:
+    return f"  key {key!r} holds a {type(value).__name__}, not a tensor"
+
+
+def full_state_dict_mismatch(problems) -> str:
+    return (
+        "load_full_state_dict: the state dict does not fit the module:\n" + "\n".join(problems)
+        + "\nPass the full (unsharded) tensors of every key of the module's state_dict(), "
+        "as full_state_dict() or an unsharded copy's state_dict() returns them."
+    )
+
+
+def optimizer_param_not_in_module(group: int, index: int, shape) -> str:
+    return (
+        f"save/restore: parameter {index} of the optimizer's param group {group} (shape "
+        f"{tuple(shape)}) is not a parameter of the module. Build the optimizer from "
+        "module.parameters() after fully_shard, and pass that module."
+    )
+
+
+def optimizer_state_unsupported(fqn: str, name: str, value) -> str:
+    shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+    return (
+        f"save: optimizer state {name!r} of parameter {fqn!r} is a {type(value).__name__}"
+        f"{shape}; only tensors shaped like the parameter's local shard, 0-d tensors and "
+        "Python numbers are supported yet."
+    )
+
+
+def checkpoint_has_optimizer(path: str) -> str:
+    return (
+        f"restore: the checkpoint at {path} holds optimizer state; pass the optimizer "
+        "(restore(path, module, optimizer)) to restore it too."
+    )
+
+
+def checkpoint_lacks_optimizer(path: str) -> str:
+    return (
+        f"restore: the checkpoint at {path} holds no optimizer state; pass optimizer=None, "
+        "or restore from a checkpoint saved with the optimizer."
+    )
+
+
+def checkpoint_optimizer_mismatch(path: str, problems) -> str:
+    return (
+        f"restore: the optimizer state in the checkpoint at {path} does not fit the "
+        "optimizer:\n" + "\n".join(problems)
+        + "\nRestore into an optimizer of the same kind, built over the same parameters."
+    )
+
+
+def checkpoint_module_mismatch(detail: str) -> str:
+    return (
+        f"{detail}\nThe module (and optimizer) must have the keys, shapes and dtypes of "
+        "the saved ones; the checkpoint's paths are ['model'][<state_dict key>], "
+        "['optimizer']['state'][<parameter name>][<state name>], "
+        "['optimizer']['param_groups'][<i>][<option>] and ['step']."
+    )
+
+
+def bad_norm_type(norm_type) -> str:
+    return (
+        f"clip_grad_norm_: norm_type={norm_type!r} is not supported; pass a positive "
+        "number (2.0 is the default) or float('inf')."
+    )
+
+
+def nonfinite_norm(norm_type) -> str:
+    return (
+        f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+        "non-finite, so it cannot be clipped. To scale the gradients by the non-finite "
+        "norm anyway, set error_if_nonfinite=False."
+    )

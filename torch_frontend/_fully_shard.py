@@ -7,7 +7,7 @@ from typing import Callable
 
 from torch import nn
 
-from torch_frontend import _bridge, _distributed, _errors
+from torch_frontend import _bridge, _distributed, _errors, _state_dict
 from torch_frontend._group import ParamGroup, module_params
 from torch_frontend._param import FSDPParam
 from torch_frontend._policy import MixedPrecisionPolicy
@@ -322,6 +322,7 @@ def fully_shard(
     params = [FSDPParam(param, uses, fqn, layout, dim) for param, uses, fqn, dim in placed]
     group = ParamGroup(params, layout, mp_policy, post_forward)
     FSDPState(tuple(modules), group, mp_policy, reshard_after_forward is None)
+    _state_dict.register_hooks(group)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
     return module

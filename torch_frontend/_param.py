@@ -55,13 +55,7 @@ class FSDPParam:
         Imported once and kept: it aliases `padded` (or, for another dtype, a persistent
         cast buffer refreshed here), so each later gather reads the current values.
         """
-        if self.sharded.untyped_storage().data_ptr() != self.padded.untyped_storage().data_ptr():
-            # The shard was re-bound (`param.data = ...`, load_state_dict(assign=True)):
-            # re-pad it so that the gather sees the new values.
-            self.padded = self.padded.new_zeros(self.padded.shape)
-            self._local(self.padded).copy_(self.sharded.detach())
-            self.sharded.data = self._local(self.padded)
-            self._gather_input = None
+        self.sync_padded()
         if self._gather_input is None or self._gather_input[0].dtype != dtype:
             source = self.padded if dtype == self.dtype else self.padded.to(dtype)
             self._gather_input = (source, _bridge.global_block(layout, source, self.dim))
@@ -69,6 +63,20 @@ class FSDPParam:
         if source is not self.padded:
             source.copy_(self.padded)
         return block
+
+    def sync_padded(self) -> torch.Tensor:
+        """`padded`, re-made first if the shard was re-bound to other storage.
+
+        After `param.data = ...` (or `load_state_dict(assign=True)`) the shard no longer
+        views `padded`: its values are copied into fresh padded storage, which the
+        shard views again, so that gathers and checkpoints see them.
+        """
+        if self.sharded.untyped_storage().data_ptr() != self.padded.untyped_storage().data_ptr():
+            self.padded = self.padded.new_zeros(self.padded.shape)
+            self._local(self.padded).copy_(self.sharded.detach())
+            self.sharded.data = self._local(self.padded)
+            self._gather_input = None
+        return self.padded
 
     def keep_part(self, layout: _bridge.Layout, hpz: _bridge.Layout) -> None:
         """Keeps this rank's part of the gathered parameter for an hpZ re-gather.

@@ -1,0 +1,414 @@
+"""torch_frontend's state dicts, checkpoints (shared with JAX) and clip_grad_norm_.
+
+References are independent: plain torch on the unsharded model, numpy, and the JAX core's
+own `fs.save` / `fs.restore`. The multi-process cases run in ONE torchrun job of 2
+processes (`tests/_torch_state_worker.py`); the rest run in this process (world size 1).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _torch_state_worker import CLIPS, LR, STEPS, Net, batch, build, loss_of, shard
+from test_torch_frontend import _env, _free_port_pair, _kill_group
+from torch import nn
+
+import funshard as fs
+import torch_frontend as tf
+from conftest import mesh_for
+
+WORKER = Path(__file__).with_name("_torch_state_worker.py")
+JOB_TIMEOUT_S = 150
+TOLERANCE = 1e-5
+WORLD = 2
+
+
+def _run_torchrun(out: Path, *args: str) -> tuple[int, str]:
+    """Runs the worker under torchrun; kills torchrun and every worker on the way out."""
+    log = out / "torchrun.log"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
+               "--master-addr=127.0.0.1", f"--master-port={_free_port_pair()}", str(WORKER),
+               "--out", str(out), "--deadline", str(JOB_TIMEOUT_S), *args]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        code = proc.wait(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        code = -1
+    finally:
+        _kill_group(proc.pid)
+        for pid_file in out.glob("pid-rank*"):  # workers run in sessions of their own
+            _kill_group(int(pid_file.read_text()))
+        proc.wait()
+    return code, log.read_text()
+
+
+def _numpy_state(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _jax_model(sd: dict[str, np.ndarray], mesh) -> dict:
+    """The JAX `like`/tree of a module's state dict: fs.shard for what it shards, the
+    0-d int64 buffer as numpy (JAX has no int64 without x64)."""
+    shardable = {k: v for k, v in sd.items() if v.ndim and v.dtype.itemsize <= 4}
+    return {**fs.shard(shardable, mesh), **{k: v for k, v in sd.items() if k not in shardable}}
+
+
+def _param_groups(optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if isinstance(v, (bool, int, float, tuple))}
+            for g in optimizer.param_groups]
+
+
+@pytest.fixture(scope="module")
+def jax_params() -> dict[str, np.ndarray]:
+    sd = _numpy_state(build(seed=5))
+    sd["version"] = np.asarray(7, np.int64)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, jax_params) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("torch_state")
+    jax_checkpoint = out / "jax_ckpt"
+    fs.save(jax_checkpoint, {"model": _jax_model(jax_params, mesh_for("8")), "step": 11})
+    start = time.monotonic()
+    code, log = _run_torchrun(out, "--jax-checkpoint", str(jax_checkpoint))
+    assert code == 0, f"torchrun job failed (exit {code}) after {time.monotonic() - start:.0f} s:\n{log[-6000:]}"
+    ranks = []
+    for rank in range(WORLD):
+        with np.load(out / f"rank{rank}.npz") as data:
+            ranks.append(dict(data))
+    return out, ranks
+
+
+def _global_batch(step: int):
+    xs, ys = zip(*(batch(step, r) for r in range(WORLD)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """Plain torch on the unsharded model and the global batch, clipping as the worker."""
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out: dict = {"initial": _numpy_state(model), "loss": []}
+    for step in range(STEPS + 1):
+        loss = loss_of(model, *_global_batch(step))
+        loss.backward()
+        if step == STEPS - 1:
+            out["norms"] = [torch.nn.utils.clip_grad_norm_(model.parameters(), m, p).item()
+                            for m, p in CLIPS]
+            out["grad"] = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        out["loss"].append(loss.item())
+        if step == STEPS - 1:
+            out["full"] = _numpy_state(model)
+            out["opt"] = {n: {k: v.numpy().copy() for k, v in opt.state[p].items()}
+                          for n, p in model.named_parameters()}
+    out["final"] = _numpy_state(model)
+    return out
+
+
+def _dim(key: str) -> int:
+    return 1 if key == "mid.weight" else 0
+
+
+def _chunk(full: np.ndarray, rank: int, dim: int = 0) -> np.ndarray:
+    """`torch.chunk(full, WORLD, dim)[rank]`, empty where torch.chunk has no chunk."""
+    size = math.ceil(full.shape[dim] / WORLD)
+    start = min(rank * size, full.shape[dim])
+    return np.take(full, range(start, min(start + size, full.shape[dim])), axis=dim)
+
+
+def _assert_state(got: dict, want: dict, prefix: str, what: str, atol=TOLERANCE):
+    keys = {k.split("/", 1)[1] for k in got if k.startswith(prefix + "/")}
+    assert keys == set(want), what
+    for key in want:
+        np.testing.assert_allclose(got[f"{prefix}/{key}"], want[key], rtol=0, atol=atol,
+                                   err_msg=f"{what}: {key}")
+
+
+# ---- two processes (one torchrun job) ----
+
+
+def test_two_process_training_with_clipping_matches_plain_torch(job, reference):
+    _, ranks = job
+    np.testing.assert_allclose(np.mean([r["loss"] for r in ranks], axis=0), reference["loss"],
+                               rtol=0, atol=TOLERANCE)
+    for rank, r in enumerate(ranks):
+        np.testing.assert_allclose(r["norms"], reference["norms"], rtol=1e-5)
+        _assert_state(r, reference["full"], "full", "full_state_dict")
+        _assert_state(r, reference["final"], "final", "after one more step")
+        for name, grad in reference["grad"].items():
+            local = r[f"grad/{name}"]
+            np.testing.assert_allclose(local, _chunk(grad, rank, _dim(name)),
+                                       rtol=0, atol=1e-6, err_msg=f"clipped grad {name}")
+
+
+def test_state_dict_after_forward_holds_local_shards(job, reference):
+    # Step 0's forward left `inp` and the root gathered: the state dict still has shards.
+    _, ranks = job
+    params = dict(Net().named_parameters())
+    for rank, r in enumerate(ranks):
+        for key, full in reference["initial"].items():
+            got = r[f"sd_after_forward/{key}"]
+            want = _chunk(full, rank, _dim(key)) if key in params else full
+            np.testing.assert_array_equal(got, want, err_msg=f"rank {rank} {key}")
+    assert ranks[1]["sd_after_forward/out.weight"].shape == (0, 5)  # an empty shard
+
+
+def test_full_state_dict_rank0_only_and_load_full_state_dict_on_two_processes(job, reference):
+    _, ranks = job
+    assert [int(r["rank0_only_keys"]) for r in ranks] == [len(reference["full"]), 0]
+    params = dict(Net().named_parameters())
+    for rank, r in enumerate(ranks):
+        for key, full in reference["full"].items():
+            want = _chunk(full, rank, _dim(key)) if key in params else full
+            np.testing.assert_allclose(r[f"loaded/{key}"], want, rtol=0, atol=TOLERANCE, err_msg=key)
+
+
+def test_checkpoint_resumes_on_the_same_two_processes(job, reference):
+    _, ranks = job
+    for r in ranks:
+        assert int(r["resumed_step"]) == STEPS
+        _assert_state(r, reference["final"], "resumed", "resumed training")
+
+
+def test_jax_checkpoint_restores_into_two_processes(job, jax_params):
+    _, ranks = job
+    for r in ranks:
+        assert int(r["from_jax_step"]) == 11
+        _assert_state(r, jax_params, "from_jax", "restored from JAX", atol=0)
+
+
+def test_torch_checkpoint_resumes_on_one_process(job, reference):
+    out, ranks = job
+    tf.init_distributed()
+    model = shard(build(seed=4), tf.fully_shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert tf.restore(out / "torch_ckpt", model, opt) == STEPS
+    _assert_state(_prefixed(tf.full_state_dict(model), "got"), reference["full"], "got", "restored")
+    for name, param in model.named_parameters():
+        for key, value in opt.state[param].items():
+            local = [r[f"opt/{name}/{key}"] for r in ranks]
+            want = local[0] if key == "step" else np.concatenate(local, axis=_dim(name))
+            np.testing.assert_array_equal(value.numpy(), want, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(value.numpy(), reference["opt"][name][key], rtol=0, atol=TOLERANCE)
+    assert _param_groups(opt) == _param_groups(torch.optim.AdamW(Net().parameters(), lr=LR))
+    loss_of(model, *_global_batch(STEPS)).backward()
+    opt.step()
+    _assert_state(_prefixed(tf.full_state_dict(model), "got"), reference["final"], "got", "resumed")
+
+
+def _prefixed(sd: dict, prefix: str) -> dict:
+    return {f"{prefix}/{k}": v.detach().numpy() for k, v in sd.items()}
+
+
+def _jax_like(mesh) -> dict:
+    template = build()
+    zeros = {k: np.zeros_like(v) for k, v in _numpy_state(template).items()}
+    params = {n: np.zeros(p.shape, np.float32) for n, p in template.named_parameters()}
+    state = {n: {"exp_avg": fs.shard(z, mesh), "exp_avg_sq": fs.shard(z, mesh),
+                 "step": np.zeros((), np.float32)} for n, z in params.items()}
+    groups = _param_groups(torch.optim.AdamW(template.parameters(), lr=LR))
+    return {"model": _jax_model(zeros, mesh), "optimizer": {"state": state, "param_groups": groups},
+            "step": 0}
+
+
+@pytest.mark.parametrize("name", ["torch_ckpt", "torch_ckpt_async"])
+def test_torch_checkpoint_restores_into_jax_on_8_devices(job, reference, name):
+    out, _ = job
+    restored = fs.restore(out / name, _jax_like(mesh_for("8")))
+    assert restored["step"] == STEPS
+    model = fs.state_dict(restored["model"])
+    for key, want in reference["full"].items():
+        np.testing.assert_allclose(model[f"['{key}']"], want, rtol=0, atol=TOLERANCE, err_msg=key)
+    state = fs.state_dict(restored["optimizer"]["state"])
+    for param, values in reference["opt"].items():
+        for key, want in values.items():
+            np.testing.assert_allclose(state[f"['{param}']['{key}']"], want, rtol=0, atol=TOLERANCE)
+    assert restored["optimizer"]["param_groups"][0]["lr"] == LR
+
+
+# ---- one process (world size 1), in this process ----
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 8))
+
+
+def _sharded_mlp(reference: nn.Module, **kwargs) -> nn.Sequential:
+    model = copy.deepcopy(reference)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            tf.fully_shard(layer, **kwargs)
+    return tf.fully_shard(model)
+
+
+def _x():
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+
+
+def test_state_dict_between_forward_and_backward_keeps_training_exact():
+    tf.init_distributed()
+    reference = _mlp()
+    model = _sharded_mlp(reference, reshard_after_forward=False)
+    shards = dict(model.named_parameters())
+    out = model(_x())
+    assert model[0]._parameters["weight"] is not shards["0.weight"]  # the gathered one
+    sd = model.state_dict(keep_vars=True)
+    assert list(sd) == list(reference.state_dict())
+    assert all(sd[k] is shards[k] for k in shards)  # the hooks bound the shards again
+    out.pow(2).sum().backward()
+    reference(_x()).pow(2).sum().backward()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        np.testing.assert_allclose(ours.grad, theirs.grad, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_full_state_dict_loads_into_plain_torch_and_back():
+    tf.init_distributed()
+    reference = _mlp()
+    model = _sharded_mlp(reference)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(_x()).sum().backward()
+    opt.step()
+    plain = _mlp()
+    plain.load_state_dict(tf.full_state_dict(model))  # strict: every key, full shapes
+    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters()):
+        np.testing.assert_array_equal(ours.detach(), theirs.detach(), err_msg=name)
+    fresh = _sharded_mlp(nn.Sequential(nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 8)))
+    shards = list(fresh.parameters())
+    tf.load_full_state_dict(fresh, plain.state_dict())
+    assert all(a is b for a, b in zip(fresh.parameters(), shards))  # loaded in place
+    for ours, theirs in zip(fresh.parameters(), plain.parameters()):
+        np.testing.assert_array_equal(ours.detach(), theirs.detach())
+
+
+def test_load_full_state_dict_names_every_bad_key():
+    tf.init_distributed()
+    model = _sharded_mlp(_mlp())
+    sd = {k: v.clone() for k, v in _mlp().state_dict().items()}
+    del sd["0.bias"]
+    sd["2.weight"] = torch.zeros(8, 14)
+    sd["extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError) as info:
+        tf.load_full_state_dict(model, sd)
+    message = str(info.value)
+    for part in ("missing key '0.bias'", "unexpected key 'extra.weight'",
+                 "key '2.weight' has shape (8, 14); the module's full tensor has shape (8, 15)"):
+        assert part in message
+
+
+def test_sharded_load_state_dict_after_forward_and_with_assign():
+    tf.init_distributed()
+    source = _mlp()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.mul_(-2)
+    want = source.state_dict()
+    for assign in (False, True):
+        model = _sharded_mlp(_mlp(), reshard_after_forward=False)
+        shards = list(model.parameters())
+        model(_x())  # gathered parameters bound: the load goes to the shards all the same
+        model.load_state_dict({k: v.clone() for k, v in want.items()}, assign=assign)
+        assert all(a is b for a, b in zip(model.parameters(), shards))
+        np.testing.assert_allclose(model(_x()).detach(), source(_x()).detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+def test_clip_grad_norm_matches_torch(norm_type):
+    tf.init_distributed()
+    reference = _mlp()
+    model = _sharded_mlp(reference)
+    for m in (model, reference):
+        m(_x()).pow(2).sum().backward()
+    got = tf.clip_grad_norm_(model.parameters(), 0.5, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5, norm_type)
+    assert got.shape == () and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        np.testing.assert_allclose(ours.grad, theirs.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_clip_grad_norm_errors():
+    tf.init_distributed()
+    model = _sharded_mlp(_mlp())
+    with pytest.raises(ValueError, match="norm_type=0.0 is not supported"):
+        tf.clip_grad_norm_(model.parameters(), 1.0, 0)
+    model(_x()).sum().backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        tf.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+
+
+def test_checkpoint_round_trip_in_one_process(tmp_path):
+    tf.init_distributed()
+    model = _sharded_mlp(_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(_x()).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    tf.save(tmp_path / "c", model, opt, step=1)
+    with pytest.raises(FileExistsError):
+        tf.save(tmp_path / "c", model)
+    fresh = _sharded_mlp(nn.Sequential(nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 8)))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    assert tf.restore(tmp_path / "c", fresh, fresh_opt) == 1
+    assert fresh_opt.param_groups[0]["lr"] == 1e-3
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        np.testing.assert_array_equal(a.detach(), b.detach())
+        for key, value in opt.state[a].items():
+            np.testing.assert_array_equal(value, fresh_opt.state[b][key])
+    for a, b in ((model, opt), (fresh, fresh_opt)):  # both train on alike
+        a(_x()).sum().backward()
+        b.step()
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        np.testing.assert_array_equal(a.detach(), b.detach())
+
+
+def test_restore_errors_name_every_offending_path(tmp_path):
+    tf.init_distributed()
+    model = _sharded_mlp(_mlp())
+    opt = torch.optim.AdamW(model.parameters())
+    model(_x()).sum().backward()
+    opt.step()
+    tf.save(tmp_path / "c", model, opt)
+    tf.save(tmp_path / "model_only", model)
+    with pytest.raises(ValueError, match="holds optimizer state; pass the optimizer"):
+        tf.restore(tmp_path / "c", _sharded_mlp(_mlp()))
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        other = _sharded_mlp(_mlp())
+        tf.restore(tmp_path / "model_only", other, torch.optim.AdamW(other.parameters()))
+    wider = _sharded_mlp(nn.Sequential(nn.Linear(16, 14), nn.ReLU(), nn.Linear(14, 8), nn.Linear(8, 2)))
+    with pytest.raises(ValueError) as info:
+        tf.restore(tmp_path / "model_only", wider)
+    message = str(info.value)
+    for key in ("['model']['0.weight']", "['model']['0.bias']", "['model']['2.weight']",
+                "['model']['3.weight']", "['model']['3.bias']"):
+        assert key in message
+    with pytest.raises(FileNotFoundError):
+        tf.restore(tmp_path / "nothing", model)
+
+
+def test_jax_tree_restores_into_a_module_in_one_process(tmp_path):
+    tf.init_distributed()
+    source = _mlp()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1)
+    fs.save(tmp_path / "jax", {"model": _jax_model(_numpy_state(source), mesh_for("2x4"))})
+    model = _sharded_mlp(_mlp())
+    assert tf.restore(tmp_path / "jax", model) is None
+    for a, b in zip(model.parameters(), source.parameters()):
+        np.testing.assert_array_equal(a.detach(), b.detach())

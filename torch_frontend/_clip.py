@@ -1,0 +1,87 @@
+"""`clip_grad_norm_` over the global gradient norm of sharded parameters."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from torch_frontend import _bridge, _errors
+from torch_frontend._state_dict import layout_of_param
+
+
+def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The `norm_type` norm of all of `grads` together (0 without elements), in float32."""
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32)
+             for g in grads if g.numel()]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def _gathered_norms(partials: dict[_bridge.Layout, list[torch.Tensor]],
+                    norm_type: float) -> list[torch.Tensor]:
+    """Each layout's norm over every rank's shards: one row per rank, one all-gather."""
+    pending = []
+    for layout, grads in partials.items():
+        row = _local_norm(grads, norm_type).reshape(1, 1).clone()  # own, aligned storage
+        block = _bridge.global_block(layout, row)
+        pending.append(_bridge.start_all_gather(layout, [block], [layout.world]))
+    return [torch.linalg.vector_norm(_bridge.finish_all_gather(f)[0].reshape(-1), norm_type)
+            for f in pending]
+
+
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """Clips gradients by their global norm, as `torch.nn.utils.clip_grad_norm_` would
+    on the unsharded model.
+
+    Each rank's local shards contribute their norm (padding is not part of a shard);
+    one all-gather per mesh layout brings every rank's norm, over the shard axis only
+    (on an HSDP mesh the replicas hold identical reduced gradients). Parameters that
+    no `fully_shard` manages count once, as replicated. Every process must call it with
+    the same parameters.
+
+    Args:
+      parameters: the local shards (e.g. `model.parameters()`) or one tensor.
+      max_norm: the largest total norm the gradients keep.
+      norm_type: the order of the norm, a positive number or `float("inf")`.
+      error_if_nonfinite: raise if the total norm is nan or infinite.
+      foreach: accepted for torch's signature; the scaling is elementwise either way.
+
+    Returns:
+      The total norm of the gradients before clipping, a 0-d tensor (float32).
+
+    Raises:
+      ValueError: `norm_type` is not positive.
+      RuntimeError: `error_if_nonfinite` and the total norm is not finite.
+    """
+    del foreach
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(_errors.bad_norm_type(norm_type))
+    partials: dict[_bridge.Layout, list[torch.Tensor]] = {}
+    replicated: list[torch.Tensor] = []
+    for param in params:
+        layout = layout_of_param(param)
+        # Every managed layout gathers, with or without gradients: each process runs
+        # the same collectives.
+        grads = replicated if layout is None else partials.setdefault(layout, [])
+        if param.grad is not None:
+            grads.append(param.grad)
+    norms = _gathered_norms(partials, norm_type)
+    if replicated:
+        norms.append(_local_norm(replicated, norm_type))
+    total = (torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms
+             else torch.zeros((), dtype=torch.float32))
+    if error_if_nonfinite and not math.isfinite(total.item()):
+        raise RuntimeError(_errors.nonfinite_norm(norm_type))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for grads in (*partials.values(), replicated):
+            for grad in grads:
+                grad.mul_(coef.to(grad.dtype))
+    return total

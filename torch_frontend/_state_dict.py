@@ -1,0 +1,179 @@
+"""State dicts of fully sharded modules: local shards (as FSDP2) and full tensors.
+
+`module.state_dict()` holds each rank's local shards under the usual names: hooks
+registered by `fully_shard` bind the shards again before a save or a load, as FSDP2's
+do, so a module whose gathered parameters are still bound (`reshard_after_forward=False`
+after a forward) saves and loads its shards all the same. `full_state_dict` gathers the
+unpadded full tensors through the bridge's all-gather (one collective per mesh layout);
+`load_full_state_dict` copies each rank's chunk of full tensors into its shards in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Mapping
+
+import jax
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torch_frontend import _bridge, _errors
+from torch_frontend._group import ParamGroup
+from torch_frontend._param import FSDPParam
+from torch_frontend._state import state_of
+
+# The layout of every managed shard, for functions given parameters only
+# (clip_grad_norm_). Weak keys: the entry goes with the parameter.
+_LAYOUTS = WeakIdKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class Managed:
+    """A managed parameter and the layout of its group."""
+
+    param: FSDPParam
+    layout: _bridge.Layout
+
+    def chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor (`torch.chunk(full, world, dim)[rank]`)."""
+        param, layout = self.param, self.layout
+        start = layout.rank * layout.padded_rows(param.rows) if param.local_rows else 0
+        return full.narrow(param.dim, start, param.local_rows)
+
+
+def register_hooks(group: ParamGroup) -> None:
+    """Installs the state-dict hooks of `group` on every module that holds its parameters."""
+    modules: dict[int, nn.Module] = {}
+    for param in group.params:
+        _LAYOUTS[param.sharded] = group.layout
+        for module, _ in param.uses:
+            modules.setdefault(id(module), module)
+    for module in modules.values():
+        reshard = functools.partial(_reshard, group)
+        module.register_state_dict_pre_hook(reshard)
+        module.register_load_state_dict_pre_hook(reshard)
+        module.register_load_state_dict_post_hook(functools.partial(_adopt_assigned, group))
+
+
+def layout_of_param(param: torch.Tensor) -> _bridge.Layout | None:
+    """The layout of the group managing `param` (a local shard), or None if unmanaged."""
+    return _LAYOUTS.get(param)
+
+
+def _reshard(group: ParamGroup, *_) -> None:
+    # As FSDP2: the state dict holds (and loads into) the shards. A later backward
+    # gathers again if it needs the parameters.
+    group.reshard()
+
+
+def _adopt_assigned(group: ParamGroup, module: nn.Module, _incompatible) -> None:
+    # load_state_dict(assign=True) put new Parameter objects into the module: keep
+    # the shard Parameters (the optimizer holds them) and take over the new data.
+    for param in group.params:
+        for owner, name in param.uses:
+            new = owner._parameters.get(name) if owner is module else None
+            if new is None or new is param.sharded:
+                continue
+            param.sharded.data = new.detach()
+            param.to_sharded()
+
+
+def managed_params(module: nn.Module) -> dict[int, Managed]:
+    """`id` of each local shard managed at or below `module` -> its `Managed`."""
+    managed: dict[int, Managed] = {}
+    for sub in module.modules():
+        state = state_of(sub)
+        if state is not None:
+            for param in state.group.params:
+                managed[id(param.sharded)] = Managed(param, state.group.layout)
+    return managed
+
+
+def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
+    """The full, unpadded tensor of each entry (one all-gather per layout), by shard id.
+
+    Every process must call it with the same entries in the same order.
+    """
+    by_layout: dict[_bridge.Layout, list[FSDPParam]] = {}
+    for entry in entries:
+        params = by_layout.setdefault(entry.layout, [])
+        if all(p is not entry.param for p in params):
+            params.append(entry.param)
+    pending = []
+    for layout, params in by_layout.items():
+        blocks = [_bridge.global_block(layout, p.sync_padded(), p.dim) for p in params]
+        pending.append((params, _bridge.start_all_gather(
+            layout, blocks, [p.rows for p in params], [p.dim for p in params])))
+    fulls: dict[int, torch.Tensor] = {}
+    for params, future in pending:
+        for param, full in zip(params, _bridge.finish_all_gather(future)):
+            fulls[id(param.sharded)] = full.clone()  # JAX's buffer is read-only
+    return fulls
+
+
+def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The module's state dict with full, unpadded tensors, as an unsharded copy holds them.
+
+    Every managed parameter is all-gathered (one collective per mesh layout, over the
+    shard axis only on an HSDP mesh); buffers and unmanaged parameters are copied.
+    Every process must call it (it runs collectives). The result is what
+    `nn.Module.load_state_dict` of the unsharded model accepts.
+
+    Args:
+      module: a module fully sharded with `fully_shard` (or containing such modules).
+      rank0_only: only process 0 returns the tensors; the others return `{}` (they
+        still take part in the gathers).
+
+    Returns:
+      The state dict's keys (the usual names) -> new tensors owned by the caller.
+    """
+    local = module.state_dict(keep_vars=True)
+    managed = managed_params(module)
+    fulls = gather_full([managed[id(t)] for t in local.values() if id(t) in managed])
+    if rank0_only and jax.process_index() != 0:
+        return {}
+    return {key: fulls[id(t)] if id(t) in fulls else t.detach().clone()
+            for key, t in local.items()}
+
+
+def _problems(expected: dict[str, tuple], state_dict: Mapping[str, object]) -> list[str]:
+    problems = [_errors.missing_key(k) for k in expected if k not in state_dict]
+    problems += [_errors.unexpected_key(k) for k in state_dict if k not in expected]
+    for key, shape in expected.items():
+        value = state_dict.get(key)
+        if key not in state_dict:
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.append(_errors.key_not_tensor(key, value))
+        elif tuple(value.shape) != shape:
+            problems.append(_errors.key_shape(key, value.shape, shape))
+    return problems
+
+
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Loads full (unsharded) tensors: each rank copies its chunk into its shards in place.
+
+    The inverse of `full_state_dict`, on any world size: the state dict of an unsharded
+    copy of the model loads as it is. No collectives run; the shards keep their
+    identity (an optimizer built over them stays valid).
+
+    Args:
+      module: a module fully sharded with `fully_shard` (or containing such modules).
+      state_dict: every key of `module.state_dict()`, each a full tensor.
+
+    Raises:
+      ValueError: keys are missing or unexpected, or a value is not a tensor of the
+        full shape; the message names every such key.
+    """
+    local = module.state_dict(keep_vars=True)
+    managed = managed_params(module)
+    expected = {key: managed[id(t)].param.shape if id(t) in managed else tuple(t.shape)
+                for key, t in local.items()}
+    problems = _problems(expected, state_dict)
+    if problems:
+        raise ValueError(_errors.full_state_dict_mismatch(problems))
+    chunks = {key: managed[id(t)].chunk(state_dict[key]) if id(t) in managed else state_dict[key]
+              for key, t in local.items()}
+    module.load_state_dict(chunks)
