@@ -234,9 +234,13 @@ def materialize(tree: Any, axes: tuple[str, ...]) -> Any:
     boundary is again a boundary, so cotangents are materialised too.
     """
     leaves, treedef = jax.tree.flatten(tree)
+    # Only values that differ per device (activations): the conditional's predicate
+    # varies over `axes`, and its branches must type alike. A value already reduced
+    # over the devices (a pmean'd statistic) is small and stays as it is.
     idx = [
         i for i, x in enumerate(leaves)
         if isinstance(x, jax.Array) and is_inexact_array(x) and x.size
+        and set(axes) <= _jax_compat.varying_axes(x)
     ]
     if not idx:
         return tree

@@ -550,3 +550,34 @@ def test_scan_rejects_hpz_clearly():
     with pytest.raises(NotImplementedError, match="reshard_after_forward=2"):
         fs.scan(lambda p, h: h, stacked, jnp.ones(4), reshard_after_forward=2)
 
+
+
+@pytest.mark.parametrize("mesh_name, axes", [("8", "fsdp"), ("2x4", "fsdp"),
+                                              ("2x4", ("replicate", "fsdp"))])
+def test_unit_output_already_reduced_over_devices_trains_like_jax(mesh_name, axes):
+    # A unit returning a statistic it pmean'd itself (e.g. synced batch statistics)
+    # next to its per-device activation: the statistic is not per-device data.
+    mesh = mesh_for(mesh_name)
+    params = {"w": jnp.arange(64, dtype=jnp.float32).reshape(8, 8) / 64}
+    batch = jnp.sin(jnp.arange(16 * 8, dtype=jnp.float32)).reshape(16, 8)
+    unit = fs.fully_shard(lambda p, x: (x @ p["w"], jax.lax.pmean(x.mean(0), axes)))
+
+    def loss(s, b):
+        y, stat = unit(s, b)
+        return jnp.mean(y ** 2) + jnp.sum(stat * jnp.mean(y))
+
+    def reference(p, b):
+        y = b @ p["w"]
+        # The pmean over the devices holding equal row counts is the global mean when
+        # the statistic is reduced over every data axis; over "fsdp" only on 2x4, each
+        # replica's mean of its own half of the batch.
+        halves = b.reshape(2, 8, 8) if mesh_name == "2x4" and axes == "fsdp" else b[None]
+        per_row = jnp.repeat(halves.mean(1), b.shape[0] // halves.shape[0], axis=0)
+        return jnp.mean(jnp.mean(y ** 2, axis=1) + jnp.sum(per_row, axis=1)
+                        * jnp.mean(y.reshape(halves.shape[0], -1), axis=1).repeat(
+                            b.shape[0] // halves.shape[0]))
+
+    got = jax.jit(fs.value_and_grad(loss))(fs.shard(params, mesh), batch)
+    want = jax.value_and_grad(reference)(params, batch)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert_tree_close(fs.unshard(got[1]), want[1], rtol=1e-4, atol=1e-6)
