@@ -1,6 +1,7 @@
 """One torchrun job for tests/test_torch_state.py: state dicts, checkpoints, clipping.
 
     torchrun --nproc-per-node 2 tests/_torch_state_worker.py --out DIR --jax-checkpoint PATH
+    torchrun --nproc-per-node 4 tests/_torch_state_worker.py --out DIR --replicate 2
 
 Each rank trains `Net` (uneven rows, an empty shard, a dim-1 placement, a buffer and a
 0-d int64 buffer) with torch_frontend and AdamW for STEPS steps on per-rank data,
@@ -8,7 +9,8 @@ clipping the last step's gradients (2-norm, then inf-norm); saves a checkpoint (
 and async) with the optimizer; trains one more step; then, on fresh modules, loads the
 full state dict, restores its own checkpoint and resumes, and restores the JAX
 checkpoint the test wrote. Each rank writes `rank{r}.npz` with everything the test
-compares (full tensors, local shards, norms, losses).
+compares (full tensors, local shards, norms, losses). With `--replicate` (HSDP) a rank
+only trains, clips and saves.
 """
 
 from __future__ import annotations
@@ -76,17 +78,17 @@ def _np(tensors: dict, prefix: str) -> dict[str, np.ndarray]:
     return {f"{prefix}/{k}": v.detach().numpy().copy() for k, v in tensors.items()}
 
 
-def run(out: Path, jax_checkpoint: str, rank: int) -> dict[str, np.ndarray]:
-    import torch_frontend as tf
+def train(tf, model, opt, rank: int, record: dict, steps: int, save=None) -> None:
+    """`steps` AdamW steps from step 0, clipping step STEPS - 1's gradients (CLIPS).
 
-    record: dict[str, np.ndarray] = {}
-    model = shard(build(), tf.fully_shard)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    Records the state dict right after step 0's forward, the clipped local gradients,
+    the norms, and after step STEPS - 1 the full state dict and the local optimizer
+    state; `save()` runs before step STEPS.
+    """
     losses, norms = [], []
-    for step in range(STEPS + 1):
-        if step == STEPS:
-            tf.save(out / "torch_ckpt", model, opt, step=STEPS)
-            tf.save(out / "torch_ckpt_async", model, opt, step=STEPS, asynchronous=True).wait()
+    for step in range(steps):
+        if step == STEPS and save is not None:
+            save()
         x, y = batch(step, rank)
         loss = loss_of(model, x, y)
         if step == 0:  # gathered parameters still bound (reshard_after_forward=False)
@@ -99,14 +101,28 @@ def run(out: Path, jax_checkpoint: str, rank: int) -> dict[str, np.ndarray]:
         opt.zero_grad()
         losses.append(loss.item())
         if step == STEPS - 1:
-            full = tf.full_state_dict(model)
-            record.update(_np(full, "full"))
-            record["rank0_only_keys"] = np.asarray(len(tf.full_state_dict(model, rank0_only=True)))
+            record.update(_np(tf.full_state_dict(model), "full"))
             for name, param in model.named_parameters():
                 for key, value in opt.state[param].items():
                     record[f"opt/{name}/{key}"] = value.numpy().copy()
-    record.update(_np(tf.full_state_dict(model), "final"))
     record["loss"], record["norms"] = np.asarray(losses), np.asarray(norms)
+
+
+def run(out: Path, jax_checkpoint: str, rank: int) -> dict[str, np.ndarray]:
+    import torch_frontend as tf
+
+    record: dict[str, np.ndarray] = {}
+    model = shard(build(), tf.fully_shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def save():
+        tf.save(out / "torch_ckpt", model, opt, step=STEPS)
+        tf.save(out / "torch_ckpt_async", model, opt, step=STEPS, asynchronous=True).wait()
+        record["rank0_only_keys"] = np.asarray(len(tf.full_state_dict(model, rank0_only=True)))
+
+    train(tf, model, opt, rank, record, STEPS + 1, save)
+    full = {k.split("/", 1)[1]: torch.from_numpy(v) for k, v in record.items() if k.startswith("full/")}
+    record.update(_np(tf.full_state_dict(model), "final"))
 
     loaded = shard(build(seed=1), tf.fully_shard)
     tf.load_full_state_dict(loaded, full)
@@ -126,10 +142,23 @@ def run(out: Path, jax_checkpoint: str, rank: int) -> dict[str, np.ndarray]:
     return record
 
 
+def run_hsdp(out: Path, rank: int) -> dict[str, np.ndarray]:
+    """HSDP (2 replicas x 2 shards): train with clipping, then save."""
+    import torch_frontend as tf
+
+    record: dict[str, np.ndarray] = {}
+    model = shard(build(), tf.fully_shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    train(tf, model, opt, rank, record, STEPS)
+    tf.save(out / "torch_ckpt_hsdp", model, opt, step=STEPS)
+    return record
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--jax-checkpoint", required=True)
+    ap.add_argument("--jax-checkpoint", default=None)
+    ap.add_argument("--replicate", type=int, default=None, help="HSDP: train and save only")
     ap.add_argument("--deadline", type=float, default=300.0)
     args = ap.parse_args()
     out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
@@ -140,8 +169,12 @@ def main() -> int:
     watchdog.start()
     import torch_frontend
 
-    torch_frontend.init_distributed()
-    np.savez(out / f"rank{rank}.npz", **run(out, args.jax_checkpoint, rank))
+    torch_frontend.init_distributed(replicate=args.replicate)
+    if args.replicate:
+        record = run_hsdp(out, rank)
+    else:
+        record = run(out, args.jax_checkpoint, rank)
+    np.savez(out / f"rank{rank}.npz", **record)
     print(f"rank {rank}: done", flush=True)
     return 0
 

@@ -1,8 +1,9 @@
 """torch_frontend's state dicts, checkpoints (shared with JAX) and clip_grad_norm_.
 
 References are independent: plain torch on the unsharded model, numpy, and the JAX core's
-own `fs.save` / `fs.restore`. The multi-process cases run in ONE torchrun job of 2
-processes (`tests/_torch_state_worker.py`); the rest run in this process (world size 1).
+own `fs.save` / `fs.restore`. The multi-process cases run in two torchrun jobs started
+together (`tests/_torch_state_worker.py`): 2 processes, and HSDP on 4; the rest run in
+this process (world size 1).
 """
 
 from __future__ import annotations
@@ -31,25 +32,56 @@ TOLERANCE = 1e-5
 WORLD = 2
 
 
-def _run_torchrun(out: Path, *args: str) -> tuple[int, str]:
-    """Runs the worker under torchrun; kills torchrun and every worker on the way out."""
-    log = out / "torchrun.log"
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port_pair()}", str(WORKER),
-               "--out", str(out), "--deadline", str(JOB_TIMEOUT_S), *args]
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(command, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        code = proc.wait(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        code = -1
-    finally:
-        _kill_group(proc.pid)
-        for pid_file in out.glob("pid-rank*"):  # workers run in sessions of their own
+class _Job:
+    """A torchrun job of the worker, started at once; `result()` waits for it, bounded.
+
+    torchrun and every worker are killed on the way out of `result()` (or of `kill()`,
+    for a job nobody waited for).
+    """
+
+    def __init__(self, out: Path, processes: int, port: int, *args: str):
+        self.out, self.processes, self.code = out, processes, None
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
+                   "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER),
+                   "--out", str(out), "--deadline", str(JOB_TIMEOUT_S), *args]
+        self.start = time.monotonic()
+        with open(out / "torchrun.log", "w") as sink:
+            self.proc = subprocess.Popen(command, env=_env(), stdout=sink,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill(self) -> None:
+        _kill_group(self.proc.pid)
+        for pid_file in self.out.glob("pid-rank*"):  # workers run in sessions of their own
             _kill_group(int(pid_file.read_text()))
-        proc.wait()
-    return code, log.read_text()
+        self.proc.wait()
+
+    def result(self) -> tuple[Path, list[dict]]:
+        """(output directory, each rank's arrays); fails the test if the job failed."""
+        if self.code is None:
+            try:
+                self.code = self.proc.wait(timeout=max(1.0, self.start + JOB_TIMEOUT_S - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.code = -1
+            finally:
+                self.kill()
+        log = (self.out / "torchrun.log").read_text()
+        took = time.monotonic() - self.start
+        assert self.code == 0, f"torchrun job failed (exit {self.code}) after {took:.0f} s:\n{log[-6000:]}"
+        ranks = []
+        for rank in range(self.processes):
+            with np.load(self.out / f"rank{rank}.npz") as data:
+                ranks.append(dict(data))
+        return self.out, ranks
+
+
+def _port_pairs(count: int) -> list[int]:
+    """`count` ports p, each with p + 1 free too, no two pairs overlapping."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = _free_port_pair()
+        if all(abs(port - other) > 1 for other in ports):
+            ports.append(port)
+    return ports
 
 
 def _numpy_state(model: nn.Module) -> dict[str, np.ndarray]:
@@ -76,33 +108,41 @@ def jax_params() -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory, jax_params) -> tuple[Path, list[dict]]:
-    out = tmp_path_factory.mktemp("torch_state")
+def jobs(tmp_path_factory, jax_params):
+    """Both torchrun jobs, started together: they overlap their start-up on the CPUs."""
+    out, hsdp = tmp_path_factory.mktemp("torch_state"), tmp_path_factory.mktemp("torch_state_hsdp")
     jax_checkpoint = out / "jax_ckpt"
     fs.save(jax_checkpoint, {"model": _jax_model(jax_params, mesh_for("8")), "step": 11})
-    start = time.monotonic()
-    code, log = _run_torchrun(out, "--jax-checkpoint", str(jax_checkpoint))
-    assert code == 0, f"torchrun job failed (exit {code}) after {time.monotonic() - start:.0f} s:\n{log[-6000:]}"
-    ranks = []
-    for rank in range(WORLD):
-        with np.load(out / f"rank{rank}.npz") as data:
-            ranks.append(dict(data))
-    return out, ranks
-
-
-def _global_batch(step: int):
-    xs, ys = zip(*(batch(step, r) for r in range(WORLD)))
-    return torch.cat(xs), torch.cat(ys)
+    ports = _port_pairs(2)
+    started = {"pair": _Job(out, WORLD, ports[0], "--jax-checkpoint", str(jax_checkpoint)),
+               "hsdp": _Job(hsdp, 4, ports[1], "--replicate", "2")}
+    yield started
+    for job in started.values():
+        job.kill()
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def job(jobs) -> tuple[Path, list[dict]]:
+    return jobs["pair"].result()
+
+
+@pytest.fixture(scope="module")
+def hsdp_job(jobs) -> tuple[Path, list[dict]]:
+    return jobs["hsdp"].result()
+
+
+def _global_batch(step: int, world: int = WORLD):
+    xs, ys = zip(*(batch(step, r) for r in range(world)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def _reference(world: int) -> dict:
     """Plain torch on the unsharded model and the global batch, clipping as the worker."""
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out: dict = {"initial": _numpy_state(model), "loss": []}
     for step in range(STEPS + 1):
-        loss = loss_of(model, *_global_batch(step))
+        loss = loss_of(model, *_global_batch(step, world))
         loss.backward()
         if step == STEPS - 1:
             out["norms"] = [torch.nn.utils.clip_grad_norm_(model.parameters(), m, p).item()
@@ -117,6 +157,11 @@ def reference() -> dict:
                           for n, p in model.named_parameters()}
     out["final"] = _numpy_state(model)
     return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return _reference(WORLD)
 
 
 def _dim(key: str) -> int:
@@ -238,6 +283,30 @@ def test_torch_checkpoint_restores_into_jax_on_8_devices(job, reference, name):
         for key, want in values.items():
             np.testing.assert_allclose(state[f"['{param}']['{key}']"], want, rtol=0, atol=TOLERANCE)
     assert restored["optimizer"]["param_groups"][0]["lr"] == LR
+
+
+# ---- HSDP: 2 replicas x 2 shards (the 4-process job) ----
+
+
+def test_hsdp_clip_and_checkpoint_match_plain_torch(hsdp_job):
+    # The norm comes from the shard axis only: summed over the replicas too, it would
+    # be sqrt(2) times torch's and the clipped step would differ.
+    out, ranks = hsdp_job
+    reference = _reference(4)
+    np.testing.assert_allclose(np.mean([r["loss"] for r in ranks], axis=0),
+                               reference["loss"][:STEPS], rtol=0, atol=TOLERANCE)
+    for r in ranks:
+        np.testing.assert_allclose(r["norms"], reference["norms"], rtol=1e-5)
+        _assert_state(r, reference["full"], "full", "HSDP full_state_dict")
+    restored = fs.restore(out / "torch_ckpt_hsdp", _jax_like(mesh_for("2x4")))
+    assert restored["step"] == STEPS
+    model = fs.state_dict(restored["model"])
+    for key, want in reference["full"].items():
+        np.testing.assert_allclose(model[f"['{key}']"], want, rtol=0, atol=TOLERANCE, err_msg=key)
+    state = fs.state_dict(restored["optimizer"]["state"])
+    for param, values in reference["opt"].items():
+        for key, want in values.items():
+            np.testing.assert_allclose(state[f"['{param}']['{key}']"], want, rtol=0, atol=TOLERANCE)
 
 
 # ---- one process (world size 1), in this process ----
@@ -412,3 +481,46 @@ def test_jax_tree_restores_into_a_module_in_one_process(tmp_path):
     assert tf.restore(tmp_path / "jax", model) is None
     for a, b in zip(model.parameters(), source.parameters()):
         np.testing.assert_array_equal(a.detach(), b.detach())
+
+
+class _TiedWithIgnored(nn.Module):
+    """Tied weights in one group, and a parameter no fully_shard manages."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Linear(6, 6, bias=False)
+        self.head = nn.Linear(6, 6)
+        self.head.weight = self.emb.weight
+        self.gain = nn.Parameter(torch.linspace(1.0, 2.0, 6))
+
+    def forward(self, x):
+        return self.head(self.emb(x)) * self.gain
+
+
+def _sharded_tied() -> _TiedWithIgnored:
+    model = _TiedWithIgnored()
+    tf.fully_shard([model.emb, model.head])
+    return tf.fully_shard(model, ignored_params={model.gain})
+
+
+def test_tied_and_unmanaged_parameters_round_trip(tmp_path):
+    tf.init_distributed()
+    model, plain = _sharded_tied(), _TiedWithIgnored()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(3, 6)
+    model(x).sum().backward()
+    opt.step()
+    full = tf.full_state_dict(model)
+    assert list(full) == list(plain.state_dict())  # both names of the tied weight
+    assert full["emb.weight"] is full["head.weight"]
+    plain.load_state_dict(full)
+    tf.save(tmp_path / "c", model, opt, step=2)
+    fresh = _sharded_tied()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert tf.restore(tmp_path / "c", fresh, fresh_opt) == 2
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        np.testing.assert_array_equal(a.detach(), b.detach(), err_msg=name)
+        for key, value in opt.state[a].items():
+            np.testing.assert_array_equal(value, fresh_opt.state[b][key], err_msg=f"{name} {key}")
+    np.testing.assert_array_equal(fresh(x).detach(), plain(x).detach())

@@ -332,9 +332,6 @@ def _like_optimizer(path: str, stored: dict, optimizer, module, managed, base) -
                        for n in records)
         problems += [f"  not a tensor or number: {p}" for p in deeper]
         claimed.update(deeper)
-        have = optimizer.state.get(param) or {}
-        problems += [f"  missing from the checkpoint: state {n!r} of {fqn!r}"
-                     for n in have if n not in records]
         full_shape = managed[id(param)].param.shape if id(param) in managed else param.shape
         likes = {}
         for name, record in records.items():
@@ -363,11 +360,10 @@ def _restore_tree(path: str, like: dict) -> dict:
         raise ValueError(_errors.checkpoint_module_mismatch(str(exc))) from exc
 
 
-def _gather_sharded(pairs: list[tuple[fs.Sharded, Any]], base: _bridge.Layout) -> list[torch.Tensor]:
+def _gather_sharded(leaves: list[fs.Sharded], base: _bridge.Layout) -> list[torch.Tensor]:
     """The full tensors of restored leaves of tensors every rank holds whole (one gather)."""
-    if not pairs:
+    if not leaves:
         return []
-    leaves = [leaf for leaf, _ in pairs]
     future = _bridge.start_all_gather(base, [x.data for x in leaves], [x.shape[0] for x in leaves])
     return [full.clone() for full in _bridge.finish_all_gather(future)]
 
@@ -390,12 +386,16 @@ def _write_model(local, managed, restored: dict, base) -> None:
                 whole.append((value, t))
             else:
                 t.copy_(_torch(value))
-        for (_, t), full in zip(whole, _gather_sharded(whole, base)):
+        for (_, t), full in zip(whole, _gather_sharded([leaf for leaf, _ in whole], base)):
             t.copy_(full)
 
 
 def _write_optimizer(optimizer, module, managed, restored: dict, base) -> None:
+    # As torch's Optimizer.load_state_dict: each parameter's state is replaced whole,
+    # and a parameter without saved state has none afterwards.
     by_name = dict(_optimizer_params(optimizer, _names(module)))
+    for param in by_name.values():
+        optimizer.state.pop(param, None)
     whole = []  # (leaf, state dict, name) of unmanaged parameters' sharded state
     for fqn, values in restored[_STATE].items():
         param = by_name[fqn]
@@ -411,7 +411,7 @@ def _write_optimizer(optimizer, module, managed, restored: dict, base) -> None:
             else:
                 state[name] = value
         optimizer.state[param] = state
-    for (_, state, name), full in zip(whole, _gather_sharded(whole, base)):
+    for (_, state, name), full in zip(whole, _gather_sharded([w[0] for w in whole], base)):
         state[name] = full
     for group, values in zip(optimizer.param_groups, restored.get(_GROUPS, [])):
         for option, value in values.items():
