@@ -111,13 +111,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- data
 
 
-def load_text(path: Path = DATA, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
-    """The text as bytes, split into a training part and a held-out tail."""
-    data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-    split = int(len(data) * (1 - val_fraction))
-    return data[:split], data[split:]
-
-
 def batch_at(data: np.ndarray, index: int, rows: int, context: int, seed: int) -> np.ndarray:
     """Random windows of `context + 1` bytes: inputs and their next-byte targets.
 
@@ -127,6 +120,30 @@ def batch_at(data: np.ndarray, index: int, rows: int, context: int, seed: int) -
     rng = np.random.default_rng([seed, index])
     starts = rng.integers(0, len(data) - context - 1, size=rows)
     return data[starts[:, None] + np.arange(context + 1)].astype(np.int32)
+
+
+class Text:
+    """The text as bytes, split into a training part and a held-out tail, served as batches
+    placed on the mesh (each device receives its rows)."""
+
+    def __init__(self, mesh, rows: int, context: int, seed: int, *, path: Path = DATA,
+                 val_fraction: float = 0.1):
+        data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        split = int(len(data) * (1 - val_fraction))
+        self.train, self.val = data[:split], data[split:]
+        self.mesh, self.rows, self.context, self.seed = mesh, rows, context, seed
+
+    def train_batch(self, step: int):
+        """The batch of training step `step`."""
+        return self._place(batch_at(self.train, step, self.rows, self.context, self.seed))
+
+    def val_batches(self, count: int) -> list:
+        """The same held-out windows at every evaluation (a seed stream of their own)."""
+        return [self._place(batch_at(self.val, i, self.rows, self.context, self.seed + 1))
+                for i in range(count)]
+
+    def _place(self, batch: np.ndarray):
+        return fs.distributed.shard_batch(batch, self.mesh)
 
 
 def unigram_entropy(data: np.ndarray) -> float:
@@ -271,10 +288,14 @@ def plan(state, optimizer, depth: int, scan: bool):
                    reshard_after_forward={"model": False})
 
 
-def collectives(compiled_text: str) -> Counter:
-    """Counts the collectives in a compiled program's HLO text."""
-    ops = re.findall(r"\s(all-gather|reduce-scatter|all-reduce)(?:-start)?\(", compiled_text)
-    return Counter(ops)
+def collectives(compiled_text: str) -> dict[str, int]:
+    """Counts the all-gathers, reduce-scatters and all-reduces in a compiled program's HLO.
+
+    An instruction inside a loop body (`--scan`: the layer loop) is counted once.
+    """
+    ops = Counter(re.findall(r"\s(all-gather|reduce-scatter|all-reduce)(?:-start)?\(",
+                             compiled_text))
+    return {kind: ops[kind] for kind in ("all-gather", "reduce-scatter", "all-reduce")}
 
 
 def device_bytes(tree, device) -> int:
@@ -455,12 +476,14 @@ def summary_table(facts: dict) -> Table:
     table.add_column("compared with")
     for name in ("parameters", "optimizer state"):
         mine, full = facts[name]
-        table.add_row(f"{name} per device", _kib(mine),
-                      f"{_kib(full)} replicated (1/{full / mine:.1f})")
+        table.add_row(f"{name} per device", _size(mine),
+                      f"{_size(full)} replicated (1/{full / mine:.1f})")
     table.add_section()
     planned = facts["plan"]
     for kind, count in facts["collectives"].items():
         note = "" if planned is None else f"fs.plan: {planned.count(kind)}"
+        if facts["scan"]:
+            note = "the layer loop's counted once"
         if planned is not None and kind == "all-reduce" and planned.count(kind) != count:
             note += " (XLA merged some)"
         table.add_row(f"{kind}s per step", str(count), note)
@@ -476,15 +499,48 @@ def summary_table(facts: dict) -> Table:
     return table
 
 
-def _kib(n: int) -> str:
-    """Bytes as KiB, the scale of this model's per-device state."""
-    return f"{n / 1024:,.1f} KiB"
+def _size(n: int) -> str:
+    """Bytes in KiB or MiB, as `fs.plan` writes them."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
 # -------------------------------------------------------------------------- main
 
 
+def policy_for(param_dtype: str) -> fs.MixedPrecisionPolicy | None:
+    """`--param-dtype` as funshard's mixed-precision policy (None: f32 throughout)."""
+    if param_dtype == "f32":
+        return None
+    # Gather in bf16; reduce gradients in f32 so that the f32 master weights see
+    # full-precision sums.
+    return fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+
+
+def resume(console, run: RunDir, state, opt_state) -> tuple[int, object, object]:
+    """`(step, state, opt_state)` of the newest checkpoint in `run`, else of step 0.
+
+    `state` and `opt_state` are the fresh ones: they give the structure and the layout
+    (mesh, policy) the checkpoint is restored onto, whatever mesh wrote it.
+    """
+    latest = run.latest()
+    if latest is None:
+        return 0, state, opt_state
+    start, path = latest
+    tree = fs.restore(path, {"params": state, "opt": opt_state, "step": 0})
+    console.print(f"resumed at step {start} from {path}")
+    return start, tree["params"], tree["opt"]
+
+
+def print_plan(console, planned) -> None:
+    """Prints `fs.plan`'s tables as plain text (their own layout, unwrapped)."""
+    if planned is None:
+        console.print("(fs.plan does not cover fs.scan stacks: no plan for --scan)")
+    else:
+        console.print(str(planned) + "\n", markup=False, highlight=False)
+
+
 def main(argv=None) -> None:
+    """Trains (or resumes), then reports, plots and samples."""
     started = time.perf_counter()
     args = parse_args(argv)
     jax.config.update("jax_num_cpu_devices", args.devices)
@@ -498,73 +554,47 @@ def main(argv=None) -> None:
     run.check_config({**dataclasses.asdict(cfg), "scan": args.scan})
 
     mesh = fs.make_mesh(replicate=args.replicate)
-    policy = None
-    if args.param_dtype == "bf16":
-        # Gather in bf16; reduce gradients in f32 so that the f32 master weights see
-        # full-precision sums.
-        policy = fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
     model = GPT(cfg, scan=args.scan, rngs=nnx.Rngs(train.seed))
-    graphdef, state = shard_model(model, mesh, policy, args.scan)
+    graphdef, state = shard_model(model, mesh, policy_for(args.param_dtype), args.scan)
     del model  # its arrays now live sharded in `state`
     optimizer = make_optimizer(train, train.steps)
-    opt_state = fs.init_optimizer(optimizer, state)
-
-    start = 0
-    latest = run.latest()
-    if latest is not None:
-        start, path = latest
-        like = {"params": state, "opt": opt_state, "step": 0}
-        tree = fs.restore(path, like)
-        state, opt_state = tree["params"], tree["opt"]
-        console.print(f"resumed at step {start} from {path}")
+    start, state, opt_state = resume(console, run, state, fs.init_optimizer(optimizer, state))
     history = run.metrics(upto=start)
     if start >= train.steps:
         console.print(f"already trained to step {start}; pass a larger --steps to go on")
 
-    train_data, val_data = load_text()
-    baseline = unigram_entropy(train_data)
+    text = Text(mesh, train.batch, cfg.context, train.seed)
+    baseline = unigram_entropy(text.train)
     console.print(
-        f"[bold]train_lm[/]: {len(train_data):,} training bytes, {len(val_data):,} held out; "
+        f"[bold]train_lm[/]: {len(text.train):,} training bytes, {len(text.val):,} held out; "
         f"unigram baseline {baseline:.3f} nats/byte; mesh {dict(mesh.shape)} "
         f"on {len(jax.devices())} {jax.devices()[0].platform} devices"
     )
-
     planned = plan(state, optimizer, cfg.depth, args.scan)
-    if planned is None:
-        console.print("(fs.plan does not cover fs.scan stacks: no plan for --scan)")
-    else:
-        console.print(str(planned) + "\n", markup=False, highlight=False)
+    print_plan(console, planned)
+
     loss_fn = make_loss(graphdef)
-    place = lambda b: fs.distributed.shard_batch(b, mesh)  # noqa: E731
-    first = place(batch_at(train_data, 0, train.batch, cfg.context, train.seed))
-    t0 = time.perf_counter()
-    step_fn = compile_train_step(loss_fn, optimizer, state, opt_state, first)
-    compile_s = time.perf_counter() - t0
-    counts = collectives(step_fn.as_text())
-    evaluate = jax.jit(loss_fn)
-    # The same held-out windows at every evaluation (their own seed stream).
-    val_batches = [place(batch_at(val_data, i, train.batch, cfg.context, train.seed + 1))
-                   for i in range(train.eval_batches)]
-
-    def val_loss(state):
-        return float(np.mean([evaluate(state, b) for b in val_batches]))
-
+    compile_s = time.perf_counter()
+    step_fn = compile_train_step(loss_fn, optimizer, state, opt_state, text.train_batch(0))
+    compile_s = time.perf_counter() - compile_s
+    evaluate, val_batches = jax.jit(loss_fn), text.val_batches(train.eval_batches)
     state, opt_state, history, tps = train_loop(
-        console, run, step_fn, val_loss, state, opt_state, start, train, history,
-        lambda i: place(batch_at(train_data, i, train.batch, cfg.context, train.seed)),
+        console, run, step_fn, lambda s: float(np.mean([evaluate(s, b) for b in val_batches])),
+        state, opt_state, start, train, history, text.train_batch,
         tokens_per_step=train.batch * cfg.context,
     )
 
+    plot_losses(history, baseline, run.path / "loss.png")
     train_losses = [r["loss"] for r in history if "loss" in r][-3:]  # the last 30 steps
     vals = [r["val"] for r in history if "val" in r]
-    plot_losses(history, baseline, run.path / "loss.png")
-    facts = {
-        "parameters": (device_bytes(state, jax.devices()[0]), replicated_bytes(state)),
-        "optimizer state": (device_bytes(opt_state, jax.devices()[0]),
-                            replicated_bytes(opt_state)),
+    device = jax.devices()[0]
+    console.print(summary_table({
+        "parameters": (device_bytes(state, device), replicated_bytes(state)),
+        "optimizer state": (device_bytes(opt_state, device), replicated_bytes(opt_state)),
         # Read from the compiled program (XLA may merge all-reduces into tuples).
-        "collectives": {k: counts[k] for k in ("all-gather", "reduce-scatter", "all-reduce")},
+        "collectives": collectives(step_fn.as_text()),
         "plan": planned,
+        "scan": args.scan,
         "baseline": baseline,
         "train loss": float(np.mean(train_losses)) if train_losses else float("nan"),
         "validation loss": vals[-1] if vals else float("nan"),
@@ -572,14 +602,12 @@ def main(argv=None) -> None:
         "tokens": max(train.steps - start, 0) * train.batch * cfg.context,
         "wall": time.perf_counter() - started,
         "compile": compile_s,
-    }
-    console.print(summary_table(facts))
+    }))
     console.print(f"loss curve: {run.path / 'loss.png'}")
     if args.sample:
-        text = generate(graphdef, state, args.sample, args.sample_length, cfg.context,
-                        args.temperature, seed=train.seed)
         console.print("[bold]sample:[/]")
-        console.print(text, markup=False, highlight=False)
+        console.print(generate(graphdef, state, args.sample, args.sample_length, cfg.context,
+                               args.temperature, seed=train.seed), markup=False, highlight=False)
     console.print(f"wall time {time.perf_counter() - started:.1f} s; resume or extend with "
                   f"--run-dir {run.path} --steps N")
 
