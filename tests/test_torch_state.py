@@ -444,6 +444,8 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
         b.step()
     for a, b in zip(model.parameters(), fresh.parameters()):
         np.testing.assert_array_equal(a.detach(), b.detach())
+    tf.save(tmp_path / "c", model, opt, step=2, overwrite=True)
+    assert tf.restore(tmp_path / "c", fresh, fresh_opt) == 2
 
 
 def test_restore_errors_name_every_offending_path(tmp_path):

@@ -77,7 +77,9 @@ def _torch(x) -> torch.Tensor:
 
 
 def _np_dtype(dtype: torch.dtype) -> np.dtype:
-    return np.dtype(jnp.bfloat16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+    if dtype == torch.bfloat16:
+        return np.dtype(jnp.bfloat16)
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def _sharding(layout: _bridge.Layout, dim: int) -> NamedSharding:
