@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -237,28 +236,21 @@ class RunDir:
         found = []
         if self.checkpoints.is_dir():
             for p in self.checkpoints.iterdir():
-                m = re.fullmatch(r"step_(\d+)", p.name)  # partial saves end in ".partial"
+                m = re.fullmatch(r"step_(\d+)", p.name)  # a save in flight has a longer name
                 if m:
                     found.append((int(m.group(1)), p))
         return max(found) if found else None
 
-    def save(self, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> Path:
-        """Checkpoints model and optimizer at `step`; complete once every rank wrote.
+    def save(self, step: int, model: nn.Module, opt: torch.optim.Optimizer):
+        """Starts checkpointing model, optimizer and step; returns the pending save.
 
-        Every rank writes its shards into `step_N.partial`; after a barrier rank 0
-        renames it, so `latest` never sees half a checkpoint.
+        Every rank writes its own shards (funshard's checkpoint format, which JAX reads
+        too); the folder appears under its final name only once complete, so `latest`
+        never sees half a checkpoint. The shards are copied before this returns: the
+        files are written while training goes on.
         """
-        final = self.checkpoints / f"step_{step:06d}"
-        partial = final.with_name(final.name + ".partial")
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        barrier(f"checkpoint {step} folder")
-        save_checkpoint(partial, model, opt, step)
-        barrier(f"checkpoint {step} written")
-        if self.rank == 0:
-            partial.rename(final)
-        return final
+        return torch_frontend.save(self.checkpoints / f"step_{step:06d}", model,
+                                   optimizer=opt, step=step, asynchronous=True)
 
     def metrics(self, upto: int) -> list[dict]:
         """Metrics logged up to step `upto` (later ones belong to steps that will be redone)."""
@@ -274,33 +266,6 @@ class RunDir:
         if self.rank == 0:
             with self.metrics_file.open("a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
-
-
-def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    """Writes this rank's part of the checkpoint into the folder `path`."""
-    if hasattr(torch_frontend, "save"):
-        torch_frontend.save(path, model, optimizer=opt, step=step)
-        return
-    # TEMPORARY until torch_frontend.save lands: this rank's shards, same world only.
-    import jax
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
-               path / f"rank{jax.process_index()}.pt")
-
-
-def restore_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Loads a checkpoint folder into `model` and `opt`; returns its step."""
-    if hasattr(torch_frontend, "restore"):
-        return int(torch_frontend.restore(path, model, optimizer=opt))
-    import jax
-    saved = torch.load(path / f"rank{jax.process_index()}.pt")
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    return int(saved["step"])
-
-
-def barrier(name: str) -> None:
-    """Waits for every rank (a JAX collective: torch opens no process group here)."""
-    multihost_utils.sync_global_devices(name)
 
 
 def global_mean(values: list[float]) -> np.ndarray:
@@ -355,7 +320,7 @@ def main(argv=None) -> None:
         if latest is None:
             say(rank, f"no checkpoint in {run.checkpoints}: starting from step 0")
         else:
-            start = restore_checkpoint(latest[1], model, opt)
+            start = int(torch_frontend.restore(latest[1], model, optimizer=opt))
             say(rank, f"resumed at step {start} from {latest[1]}")
     run.metrics(upto=start)
 
@@ -366,26 +331,32 @@ def main(argv=None) -> None:
               f"in rank 0's shards; {len(train_data):,} training bytes")
     tokens_per_step = train.batch * cfg.context
     pending: list[tuple[int, float]] = []
+    saving = None
     tick, trained_s = time.perf_counter(), 0.0
     for step in range(start, train.steps):
         batch = batch_at(train_data, step, train.batch, cfg.context, train.seed)
         loss = train_step(model, opt, local_rows(batch, rank, world), lr_at(step, train))
-        pending.append((step + 1, loss))
         done = step + 1
+        pending.append((done, loss))
         save = done % train.checkpoint_every == 0 or done == train.steps
         if done % train.log_every and not save:
             continue
         # Per-step losses averaged over the ranks: the global batch's mean loss.
-        losses = global_mean([l for _, l in pending])
+        losses = global_mean([x for _, x in pending])
         elapsed = time.perf_counter() - tick
         trained_s += elapsed
-        run.log([{"step": s, "loss": float(l)} for (s, _), l in zip(pending, losses)])
+        run.log([{"step": s, "loss": float(x)} for (s, _), x in zip(pending, losses)])
         say(rank, f"step {done:5d}  loss {losses.mean():.4f}  "
                   f"{tokens_per_step * len(pending) / elapsed:,.0f} tokens/s")
         pending = []
         if save:
-            say(rank, f"checkpoint {run.save(done, model, opt)}")
+            if saving is not None:
+                saving.wait()
+            saving = run.save(done, model, opt)
+            say(rank, f"checkpoint step {done} -> {run.checkpoints}")
         tick = time.perf_counter()
+    if saving is not None:
+        saving.wait()
     steps_run = max(train.steps - start, 0)
     speed = tokens_per_step * steps_run / trained_s if steps_run else 0.0
     say(rank, f"done: {steps_run} steps in {time.perf_counter() - started:.1f} s "
