@@ -3,7 +3,7 @@
 The main job. A byte-level GPT written in Flax nnx is sharded FSDP2-style through
 `funshard.flax` (every transformer block one unit, the model the root), then trained with
 AdamW on the public-domain text in `examples/data/`. It prints funshard's plan for the
-step, trains under a progress bar with validation every few hundred steps, checkpoints
+step, trains under a progress bar with validation every 100 steps, checkpoints
 into its run folder (and resumes from there when run again with the same `--run-dir`),
 and ends with a summary table (memory per device, collectives per step read from the
 compiled program, losses against the unigram baseline), a loss-curve PNG and a sample of
@@ -333,14 +333,16 @@ def make_loss(graphdef):
     return loss_fn
 
 
-def make_optimizer(train: TrainConfig, steps: int):
+def make_optimizer(train: TrainConfig):
     """AdamW with linear warm-up and cosine decay to a tenth of the peak rate.
 
     optax sees the sharded state as an ordinary pytree: its moments are sharded like
     the parameters they follow.
     """
+    # The clamps keep a valid schedule for runs of a few steps (smoke tests).
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, train.lr, min(train.warmup, max(steps - 1, 1)), max(steps, 2), train.lr / 10
+        0.0, train.lr, min(train.warmup, max(train.steps - 1, 1)), max(train.steps, 2),
+        train.lr / 10,
     )
     return optax.adamw(schedule, b2=0.99, weight_decay=0.1)
 
@@ -557,7 +559,7 @@ def main(argv=None) -> None:
     model = GPT(cfg, scan=args.scan, rngs=nnx.Rngs(train.seed))
     graphdef, state = shard_model(model, mesh, policy_for(args.param_dtype), args.scan)
     del model  # its arrays now live sharded in `state`
-    optimizer = make_optimizer(train, train.steps)
+    optimizer = make_optimizer(train)
     start, state, opt_state = resume(console, run, state, fs.init_optimizer(optimizer, state))
     history = run.metrics(upto=start)
     if start >= train.steps:
