@@ -464,6 +464,26 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
     assert not set(outputs) & set(inputs)
 
 
+@pytest.mark.parametrize("policy", [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16)])
+def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
+    # JAX treats its arrays as immutable: the arrays over the shards (and over their
+    # cast buffers) live only while a gather runs, never across optimizer.step().
+    import jax
+
+    model = _shard_mlp(_mlp(), mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    states = [m._fsdp_state() for m in (model[0], model[2], model)]
+    for _ in range(2):
+        model(torch.randn(2, 16)).pow(2).sum().backward()
+        torch_buffers = {t.untyped_storage().data_ptr() for s in states for p in s.group.params
+                         for t in (p.padded, p._cast) if t is not None}
+        jax_buffers = {shard.data.unsafe_buffer_pointer()
+                       for a in jax.live_arrays() for shard in a.addressable_shards}
+        assert torch_buffers and not torch_buffers & jax_buffers
+        opt.step()
+        opt.zero_grad()
+
+
 def test_default_forward_prefetch_follows_the_last_iterations_order(monkeypatch):
     from torch_frontend import _bridge
 

@@ -41,7 +41,7 @@ class FSDPParam:
         self.sharded = nn.Parameter(self._local(self.padded), requires_grad=param.requires_grad)
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None
-        self._gather_input: tuple[torch.Tensor, jax.Array] | None = None
+        self._cast: torch.Tensor | None = None  # `padded` in another gather dtype
         self._part: tuple[torch.Tensor, jax.Array] | None = None
         self._freed_data: torch.Tensor | None = None
         # HSDP without all-reduce: this replica's reduce-scattered sum, not yet reduced
@@ -52,17 +52,19 @@ class FSDPParam:
     def gather_input(self, layout: _bridge.Layout, dtype: torch.dtype) -> jax.Array:
         """This rank's padded block in `dtype` as a global jax.Array: the gather's input.
 
-        Imported once and kept: it aliases `padded` (or, for another dtype, a persistent
-        cast buffer refreshed here), so each later gather reads the current values.
+        Imported without a copy (DLPack) for this one gather and dropped with it: JAX
+        treats arrays as immutable, and the optimizer updates `padded` in place, so no
+        JAX array may outlive the gather over it. Another dtype goes through a
+        persistent cast buffer, refreshed here (no gather reads it at that moment).
         """
-        self.sync_padded()
-        if self._gather_input is None or self._gather_input[0].dtype != dtype:
-            source = self.padded if dtype == self.dtype else self.padded.to(dtype)
-            self._gather_input = (source, _bridge.global_block(layout, source, self.dim))
-        source, block = self._gather_input
-        if source is not self.padded:
-            source.copy_(self.padded)
-        return block
+        source = self.sync_padded()
+        if dtype != self.dtype:
+            if self._cast is None or self._cast.dtype != dtype:
+                self._cast = source.to(dtype)
+            else:
+                self._cast.copy_(source)
+            source = self._cast
+        return _bridge.global_block(layout, source, self.dim)
 
     def sync_padded(self) -> torch.Tensor:
         """`padded`, re-made first if the shard was re-bound to other storage.
@@ -75,7 +77,6 @@ class FSDPParam:
             self.padded = self.padded.new_zeros(self.padded.shape)
             self._local(self.padded).copy_(self.sharded.detach())
             self.sharded.data = self._local(self.padded)
-            self._gather_input = None
         return self.padded
 
     def keep_part(self, layout: _bridge.Layout, hpz: _bridge.Layout) -> None:
