@@ -1,0 +1,264 @@
+"""Torch benchmark: torch_frontend against PyTorch FSDP2, DDP and funshard's JAX step, in ONE run.
+
+Run from the repository root (2 processes on gloo, this machine's CPUs):
+
+    python benchmarks/bench_torch.py                       # the 4 x 1024 GPT (~10 min, 2 cores)
+    python benchmarks/bench_torch.py --quick               # tiny model, 3 steps (smoke run)
+    python benchmarks/bench_torch.py --out-md result.md --out-json result.json
+
+One torchrun job (`torch_bench/worker.py`, 2 ranks) builds every variant on the same
+model (`torch_bench/model.py`: a 4-block, width-1024 byte-level GPT), the same initial
+weights and the same batches of the bundled corpus, then runs them interleaved (round r
+runs step r of every variant, each after a barrier):
+
+1. torch_frontend, fully_shard per block then the root, reshard_after_forward=True
+2. PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) on gloo, the same, True
+3. / 4. the same two with reshard_after_forward=False
+5. DistributedDataParallel on gloo
+6. funshard's JAX step on the same 2 processes (`fs.distributed` mesh,
+   `fs.value_and_grad`, `fs.fully_shard` per block), the same model in JAX
+7. one process alone: plain torch on rank 0 with the whole global batch
+8. the compute floor: plain torch on one rank's rows, nothing communicated
+
+Every rank computes with one thread (torch and XLA), as 2 ranks share 2 cores. Reported:
+median step time (the slower rank's, over the timed steps) and its ratio to PyTorch
+FSDP2 measured in the same run; bytes each rank sent per step (`/proc/self/io` wchar:
+gloo writes its sockets with writev); per-rank state (parameters + optimizer state) and
+the step's peak resident memory above the resident memory at its start (VmHWM);
+losses, with the frontend's checked against FSDP2's step by step. With
+`--profile-steps N` (default 5) the frontend then runs N more steps with its bridge
+calls timed (`torch_bench/measure.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: torch_bench
+
+from torch_bench import report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "torch_bench" / "worker.py"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, 3 steps: a smoke run")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3)")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="profiled frontend steps after the timed ones (default 5; 0: none)")
+    p.add_argument("--processes", type=int, default=2)
+    for name in ("blocks", "width", "heads", "seq", "batch"):
+        p.add_argument(f"--{name}", type=int, default=None, help="model / global batch")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole job")
+    p.add_argument("--out-json", type=Path, default=None)
+    p.add_argument("--out-md", type=Path, default=None)
+    p.add_argument("--keep", type=Path, default=None,
+                   help="also keep each rank's raw result (rank*.json) in this folder")
+    p.add_argument("--report-only", type=Path, default=None, metavar="DIR",
+                   help="run nothing: report the raw results kept in DIR by --keep")
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 3 if args.quick else 20
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 3
+    if args.profile_steps is None:
+        args.profile_steps = 1 if args.quick else 5
+    return args
+
+
+def _free_port_pair() -> int:
+    """A port p with p + 1 free too (torchrun's store on p, JAX's coordinator on p + 1)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    # One compute thread per rank, in torch and in XLA: the ranks share the cores.
+    flags.append("--xla_cpu_multi_thread_eigen=false")
+    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+                   [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]))
+    return env
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def run_job(args, out: Path) -> int:
+    """Runs the torchrun job; kills torchrun and its workers (by pid) on the way out."""
+    model = [f"--{k}={getattr(args, k)}" for k in ("blocks", "width", "heads", "seq", "batch")
+             if getattr(args, k) is not None]
+    command = [sys.executable, "-m", "torch.distributed.run",
+               f"--nproc-per-node={args.processes}", "--master-addr=127.0.0.1",
+               f"--master-port={_free_port_pair()}", str(WORKER), "--out", str(out),
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--profile-steps", str(args.profile_steps), "--deadline", str(args.timeout),
+               *(["--quick"] if args.quick else []), *model]
+    proc = subprocess.Popen(command, env=_env(), cwd=ROOT, start_new_session=True)
+    try:
+        return proc.wait(timeout=args.timeout)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        return -1
+    finally:
+        _kill(proc.pid)
+        for pid_file in out.glob("pid-rank*"):  # the workers run in sessions of their own
+            _kill(int(pid_file.read_text()))
+        proc.wait()
+
+
+def measure(args) -> list[dict] | None:
+    """Runs the job; returns every rank's raw result (None if the job failed)."""
+    load_start, started = _command("uptime"), time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_torch-") as tmp:
+        out = Path(tmp)
+        code = run_job(args, out)
+        files = sorted(out.glob("rank*.json"))
+        if code != 0 or len(files) != args.processes:
+            print(f"bench_torch: the torchrun job failed (exit {code})", file=sys.stderr)
+            return None
+        ranks = [json.loads(f.read_text()) for f in files]
+    for r in ranks:
+        r["load"] = (load_start, _command("uptime"))
+        r["job_wall_s"] = time.perf_counter() - started
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        for r in ranks:
+            (args.keep / f"rank{r['rank']}.json").write_text(json.dumps(r, indent=1))
+    return ranks
+
+
+def _command(*cmd: str) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine() -> dict:
+    """The machine and the software the numbers were measured on."""
+    import jax
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"platform": platform.platform(), "cpu": cpu, "nproc": _command("nproc"),
+            "free": _command("free", "-h"), "python": platform.python_version(),
+            "torch": torch.__version__, "jax": jax.__version__,
+            "commit": _command("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD")}
+
+
+def markdown(args, m: dict, rows: dict, losses, targets, prof, load, wall: float,
+             cfg: dict, params: int) -> str:
+    lines = [
+        "# torch_frontend benchmark", "",
+        f"- command: `python {shlex.join(sys.argv)}`",
+        f"- machine: {m['cpu']}, `nproc` {m['nproc']}, `{m['platform']}`; Python "
+        f"{m['python']}, torch {m['torch']}, jax {m['jax']}; commit {m['commit']}",
+        f"- load (`uptime`): at the start `{load[0]}`; at the end `{load[1]}`",
+        f"- model: GPT, {cfg['blocks']} blocks, width {cfg['width']}, {cfg['heads']} heads, "
+        f"seq {cfg['seq']}, vocab 256, global batch {cfg['batch']} ({params:,} parameters, "
+        f"{params * 4 / report.MIB:,.0f} MiB f32); AdamW; {args.processes} ranks on gloo, "
+        "one compute thread each",
+        f"- timing: median over {args.steps} steps after {args.warmup} warm-up steps, each "
+        "step the slower rank's; variants interleaved; run wall time "
+        f"{wall:.0f} s", "",
+        "```", m["free"], "```", "",
+    ]
+    lines += report.markdown_table(report.HEADER, report.table_rows(rows))
+    lines += [report.RATIO_NOTE + ". sent: bytes written per step per rank (larger rank). "
+              "state: parameters + optimizer state per rank; step peak: the step's peak "
+              "resident memory above the resident memory at its start.", ""]
+    jax_row = rows.get("funshard JAX step reshard=True")
+    if jax_row and jax_row["facts"]:
+        f = jax_row["facts"]
+        lines += [f"funshard JAX step: compiled in {f['compile_s']:.1f} s; "
+                  f"`memory_analysis()`: temp {report._mib(f['compiled_temp'])} MiB, "
+                  f"arguments {report._mib(f['compiled_arg'])} MiB.", ""]
+    lines += ["## Checks", ""]
+    lines += [f"- losses {c['variant']} vs {c['peer']}: max |diff| over {c['steps']} steps "
+              f"and every rank = {c['max_abs_diff']:.2e} ({'equal' if c['equal'] else 'DIFFER'})"
+              for c in losses]
+    lines += [f"- target {t['variant']} <= {t['limit']:.1f}x {t['peer']}: "
+              f"{t['ratio']:.2f}x, {'met' if t['met'] else 'MISSED'}" for t in targets]
+    lines.append("")
+    if prof:
+        header, prow = report.profile_table(prof)
+        lines += ["## Frontend profile (ms per step inside each bridge call, calls per step)",
+                  ""] + report.markdown_table(header, prow)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.report_only:
+        ranks = [json.loads(f.read_text()) for f in sorted(args.report_only.glob("rank*.json"))]
+        load = tuple(ranks[0].get("load", ("?", "?")))
+    else:
+        ranks = measure(args)
+        if ranks is None:
+            return 1
+        load = tuple(ranks[0]["load"])
+    rows = report.aggregate(ranks)
+    losses, targets = report.loss_checks(rows), report.target_checks(rows)
+    prof = report.profile_rows(ranks)
+    cfg = ranks[0]["config"]
+    from torch_bench.model import Config
+
+    params = Config(**cfg).params()
+    report.print_table(f"torch benchmark: {cfg}, {args.processes} ranks (gloo)",
+                       report.HEADER, report.table_rows(rows))
+    for c in losses:
+        print(f"losses {c['variant']} vs {c['peer']}: max |diff| {c['max_abs_diff']:.2e}")
+    for t in targets:
+        print(f"target {t['variant']} <= {t['limit']}x {t['peer']}: {t['ratio']:.2f}x "
+              f"({'met' if t['met'] else 'MISSED'})")
+    if prof:
+        report.print_table("frontend profile: ms per step (calls per step)",
+                           *report.profile_table(prof))
+    print(f"load: {load[0]} -> {load[1]}")
+    wall = ranks[0].get("job_wall_s", time.perf_counter() - started)
+    m = machine()
+    if args.out_md:
+        args.out_md.write_text(markdown(args, m, rows, losses, targets, prof, load, wall,
+                                        cfg, params) + "\n")
+    if args.out_json:
+        args.out_json.write_text(json.dumps({
+            "machine": m, "load": load, "config": cfg, "wall_s": wall,
+            "variants": list(rows.values()), "loss_checks": losses, "targets": targets,
+            "profile": prof}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

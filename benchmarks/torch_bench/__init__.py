@@ -1,0 +1,15 @@
+"""The torch benchmark as a package; `benchmarks/bench_torch.py` is its entry point.
+
+Modules, one concern each:
+
+* `model`: the GPT (plain PyTorch) and the same model in JAX for funshard's step.
+* `variants`: one builder per way of training it (torch_frontend, PyTorch FSDP2, DDP,
+  funshard's JAX step, one process alone).
+* `measure`: per-step wall time, bytes written to sockets, peak resident memory, and
+  the frontend's profile (time inside its bridge calls).
+* `worker`: one rank of the torchrun job; runs every variant, interleaved.
+* `report`: the table, the Markdown page and the JSON result.
+
+The worker imports nothing from here at module level that starts JAX: torchrun's
+environment has to reach `torch_frontend.init_distributed()` first.
+"""

@@ -1,0 +1,171 @@
+"""One rank of the benchmark's torchrun job (started by `benchmarks/bench_torch.py`).
+
+    torchrun --nproc-per-node 2 benchmarks/torch_bench/worker.py --out DIR [--quick] ...
+
+Starts JAX's runtime (torch_frontend.init_distributed) and a torch gloo process group
+side by side, builds every variant, then runs rounds: round r runs step r of every
+variant in turn (starting at a rotating variant), each after a barrier, so that load on
+the machine hits all variants alike. After the timed rounds come one memory step per
+variant and, with `--profile`, a few profiled steps of the frontend. Writes
+`rank{r}.json` into DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the package
+
+import torch  # noqa: E402
+
+from torch_bench import measure, variants  # noqa: E402
+from torch_bench import model as gpt  # noqa: E402
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, gpt.Config]:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=3600.0)
+    for field in dataclasses.fields(gpt.Config):
+        p.add_argument(f"--{field.name}", type=int, default=None)
+    args = p.parse_args(argv)
+    base = gpt.QUICK if args.quick else gpt.Config()
+    cfg = dataclasses.replace(base, **{f.name: getattr(args, f.name) for f in
+                                       dataclasses.fields(gpt.Config)
+                                       if getattr(args, f.name) is not None})
+    return args, cfg
+
+
+def log(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def build_all(cfg: gpt.Config, rank: int, world: int, mesh) -> list[variants.Variant]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch_mesh = init_device_mesh("cpu", (world,))
+    built = [
+        variants.frontend(cfg, True), variants.fsdp2(cfg, True, torch_mesh),
+        variants.frontend(cfg, False), variants.fsdp2(cfg, False, torch_mesh),
+        variants.ddp(cfg), variants.funshard_jax(cfg, mesh),
+        variants.single_process(cfg, rank, threads=os.cpu_count() or 1),
+        variants.compute_floor(cfg),
+    ]
+    log(rank, "built " + ", ".join(v.name for v in built))
+    return built
+
+
+def run_rounds(vs, cfg, rank, world, rounds: int, warmup: int) -> dict:
+    import torch.distributed as dist
+
+    rows = cfg.batch // world
+    out = {v.name: {"times": [], "losses": [], "sent": []} for v in vs}
+    for r in range(rounds):
+        batch = gpt.batch_at(r, cfg)
+        local = torch.from_numpy(batch[rank * rows:(rank + 1) * rows])
+        shift = r % len(vs)
+        for v in vs[shift:] + vs[:shift]:
+            dist.barrier()  # every rank starts the step together
+            seconds, loss, sent = measure.timed(v.step, local, batch)
+            rec = out[v.name]
+            rec["losses"].append(loss)
+            if r >= warmup:
+                rec["times"].append(seconds)
+                rec["sent"].append(sent)
+        kind = "warm-up" if r < warmup else "timed"
+        log(rank, f"round {r + 1}/{rounds} ({kind}): " + ", ".join(
+            f"{v.name} {out[v.name]['times'][-1] * 1e3:,.0f} ms" if r >= warmup else v.name
+            for v in vs))
+    return out
+
+
+def memory_pass(vs, cfg, rank, world) -> dict:
+    import torch.distributed as dist
+
+    measure.return_freed_memory()
+    rows = cfg.batch // world
+    batch = gpt.batch_at(10_000, cfg)
+    local = torch.from_numpy(batch[rank * rows:(rank + 1) * rows])
+    out = {}
+    for v in vs:
+        dist.barrier()
+        out[v.name] = {**measure.step_memory(v.step, local, batch), "state": v.state_bytes()}
+    return out
+
+
+def profile_pass(vs, cfg, rank, world, steps: int) -> dict:
+    import torch.distributed as dist
+
+    profiler = measure.BridgeProfile()
+    profiler.install()
+    rows = cfg.batch // world
+    out = {}
+    for v in (v for v in vs if v.name.startswith("torch_frontend")):
+        times = []
+        with profiler.recording():
+            for i in range(steps):
+                batch = gpt.batch_at(20_000 + i, cfg)
+                local = torch.from_numpy(batch[rank * rows:(rank + 1) * rows])
+                dist.barrier()
+                times.append(measure.timed(v.step, local, batch)[0])
+        out[v.name] = {"steps": steps, "step_s": times,
+                       "seconds": dict(profiler.seconds), "calls": dict(profiler.calls)}
+    return out
+
+
+def main(argv=None) -> int:
+    args, cfg = parse_args(argv)
+    out = Path(args.out)
+    rank = int(os.environ.get("RANK", "0"))
+    (out / f"pid-rank{rank}").write_text(str(os.getpid()))
+    watchdog = threading.Timer(args.deadline, os._exit, args=(3,))
+    watchdog.daemon = True  # a rank whose peer died, blocked in a collective, ends itself
+    watchdog.start()
+    torch.set_num_threads(1)  # one compute thread per rank: 2 ranks on 2 cores
+
+    import torch.distributed as dist
+
+    import torch_frontend
+
+    started = time.perf_counter()
+    mesh = torch_frontend.init_distributed()
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if cfg.batch % world:
+        raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {world} ranks")
+    log(rank, f"{world} ranks; model {cfg}; {cfg.params():,} parameters")
+    vs = build_all(cfg, rank, world, mesh)
+    build_s = time.perf_counter() - started
+    timing = run_rounds(vs, cfg, rank, world, args.warmup + args.steps, args.warmup)
+    memory = memory_pass(vs, cfg, rank, world)
+    profile = profile_pass(vs, cfg, rank, world, args.profile_steps) if args.profile_steps else {}
+    result = {
+        "rank": rank, "world": world, "config": dataclasses.asdict(cfg),
+        "steps": args.steps, "warmup": args.warmup, "build_s": build_s,
+        "variants": [{"name": v.name, "peer": v.peer, "note": v.note,
+                      "loss_scope": v.loss_scope, "facts": v.facts,
+                      **timing[v.name], "memory": memory[v.name]} for v in vs],
+        "profile": profile,
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    log(rank, "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
