@@ -148,6 +148,15 @@ def _export(block: jax.Array) -> torch.Tensor:
 _launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_frontend")
 
 
+def in_order(fn, *args, **kwargs):
+    """Runs `fn` on the collective thread, after every collective launched before it.
+
+    For work that runs collectives of its own (a checkpoint's barriers and reads):
+    queued behind any prefetched gather, it keeps one launch order on every process.
+    """
+    return _launcher.submit(fn, *args, **kwargs).result()
+
+
 def _gather_now(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int],
                 dims: Sequence[int] | None) -> list[jax.Array]:
     fulls = _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows, dims=dims)

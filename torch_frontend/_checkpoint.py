@@ -42,12 +42,6 @@ _STATE, _GROUPS = "state", "param_groups"
 _SCALARS = {"bool": False, "int": 0, "float": 0.0}
 
 
-def _in_order(fn, *args, **kwargs):
-    # A checkpoint runs collectives of its own (orbax's barriers): on the frontend's
-    # collective thread they queue behind any gather in flight, in one order everywhere.
-    return _bridge._launcher.submit(fn, *args, **kwargs).result()
-
-
 def _base_layout(module: nn.Module) -> _bridge.Layout:
     """The layout of the first fully_shard group at or below `module` (for buffers)."""
     for sub in module.modules():
@@ -257,7 +251,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
         local shard, a 0-d tensor or a Python number.
     """
     tree = checkpoint_tree(module, optimizer, step, copy=asynchronous)
-    return _in_order(fs.save, path, tree, overwrite=overwrite, asynchronous=asynchronous)
+    return _bridge.in_order(fs.save, path, tree, overwrite=overwrite, asynchronous=asynchronous)
 
 
 # ---- restore ----
@@ -357,7 +351,7 @@ def _like_optimizer(path: str, stored: dict, optimizer, module, managed, base) -
 
 def _restore_tree(path: str, like: dict) -> dict:
     try:
-        return _in_order(fs.restore, path, like)
+        return _bridge.in_order(fs.restore, path, like)
     except ValueError as exc:
         raise ValueError(_errors.checkpoint_module_mismatch(str(exc))) from exc
 
