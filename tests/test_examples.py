@@ -4,7 +4,7 @@
 logged losses are finite and fall, the summary's memory and collective counts are those
 of FSDP (or HSDP), a rerun with the same run folder resumes from the last checkpoint,
 the loss plot is a PNG, and a sample continues the prompt. `examples/quickstart.py`
-must train too.
+must train too. (`examples/train_torch.py` needs torchrun: tests/test_train_torch.py.)
 """
 
 import json
@@ -121,3 +121,12 @@ def test_quickstart_learns(tmp_path):
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
     assert re.search(r"per device: [\d,]+ bytes of parameters", out)
+
+
+def test_every_example_is_run_by_a_test():
+    # Here, or in a test file of its own (examples/train_torch.py needs torchrun:
+    # tests/test_train_torch.py). Helper modules (_name.py) are not examples.
+    tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
+    examples = [p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")]
+    assert "train_lm.py" in examples and "quickstart.py" in examples
+    assert [name for name in examples if f'"{name}"' not in tests] == []
