@@ -2,7 +2,7 @@
 
 Run from the repository root (2 processes on gloo, this machine's CPUs):
 
-    python benchmarks/bench_torch.py                       # the 4 x 1024 GPT (~10 min, 2 cores)
+    python benchmarks/bench_torch.py                       # the 4 x 1024 GPT (~15 min on 2 busy cores)
     python benchmarks/bench_torch.py --quick               # tiny model, 3 steps (smoke run)
     python benchmarks/bench_torch.py --out-md result.md --out-json result.json
 
@@ -223,6 +223,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if args.report_only:
         ranks = [json.loads(f.read_text()) for f in sorted(args.report_only.glob("rank*.json"))]
+        if not ranks:
+            print(f"bench_torch: no rank*.json in {args.report_only}", file=sys.stderr)
+            return 1
         load = tuple(ranks[0].get("load", ("?", "?")))
     else:
         ranks = measure(args)

@@ -9,6 +9,8 @@ Modules, one concern each:
   the frontend's profile (time inside its bridge calls).
 * `worker`: one rank of the torchrun job; runs every variant, interleaved.
 * `report`: the table, the Markdown page and the JSON result.
+* `grad_probe`: a torchrun script of its own comparing the frontend's gradients with
+  FSDP2's bit for bit, step by step (with or without the frontend's prefetches).
 
 The worker imports nothing from here at module level that starts JAX: torchrun's
 environment has to reach `torch_frontend.init_distributed()` first.

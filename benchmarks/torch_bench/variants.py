@@ -9,6 +9,7 @@ runs one training step and returns the loss it saw.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 import numpy as np
@@ -121,8 +122,6 @@ def single_process(cfg: gpt.Config, rank: int, threads: int) -> Variant:
 
 def funshard_jax(cfg: gpt.Config, mesh, reshard: bool = True) -> Variant:
     """funshard's JAX step on the same processes: `fs.value_and_grad`, AOT-compiled."""
-    import time
-
     import jax
     import optax
 
