@@ -160,6 +160,18 @@ def test_nnx_one_gather_and_one_reduce_scatter_per_unit(nnx_step):
     assert _gathers_by_unit(nnx_step["text"]) == {"Block": per_unit * BLOCKS, "Model": per_unit}
 
 
+def test_nnx_default_keeps_only_the_outermost_unit_gathered():
+    # reshard_after_forward=None (FSDP2's default): blocks gather again for backward,
+    # the model (the root) keeps its parameters from forward to backward.
+    model = Model(nnx.Rngs(0))
+    for block in model.blocks:
+        fs.flax.fully_shard(block)
+    fs.flax.fully_shard(model)
+    graphdef, state = fs.flax.shard(model, mesh_for("8"))
+    _, text = _compiled_step(_nnx_loss(graphdef), state, _batch())
+    assert _gathers_by_unit(text) == {"Block": 2 * BLOCKS, "Model": 1}
+
+
 def test_nnx_parameters_sharded_like_fs_shard(nnx_step):
     state = nnx_step["state"]
     mesh = state["head"]["kernel"].get_value().mesh
@@ -542,7 +554,7 @@ def test_fully_shard_of_a_function_is_an_error():
 
 @pytest.mark.parametrize("value,error", [("yes", TypeError), (0, ValueError), (1.0, TypeError)])
 def test_bad_reshard_after_forward_is_an_error(value, error):
-    with pytest.raises(error, match="reshard_after_forward must be True, False or a positive"):
+    with pytest.raises(error, match="reshard_after_forward must be None, True, False or a positive"):
         fs.flax.fully_shard(Block(nnx.Rngs(0)), reshard_after_forward=value)
 
 

@@ -32,7 +32,7 @@ from funshard.flax import _nnx
 def fully_shard(
     module: Any,
     *,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: fs.MixedPrecisionPolicy | None = None,
 ) -> Any:
     """Makes a Flax module an FSDP unit, as FSDP2's `fully_shard(module)`.
@@ -52,7 +52,9 @@ def fully_shard(
       module: an `nnx.Module` instance, or a `flax.linen.Module` subclass.
       reshard_after_forward: True frees the gathered parameters after the unit's forward
         and gathers them again for its backward (no recomputation); False keeps them;
-        an int k keeps 1/k of them (hpZ), as for `fs.fully_shard`.
+        an int k keeps 1/k of them (hpZ), as for `fs.fully_shard`. None (the default,
+        as in FSDP2): True for units called inside another unit, False for the
+        outermost one (the root, whose backward follows its forward at once).
       mp_policy: this unit's mixed-precision policy. nnx: its parameters are sharded with
         it by `fs.flax.shard` (None: the policy given there). linen: its parameters'
         floating inputs and outputs are cast as `fs.fully_shard` casts them; the gather

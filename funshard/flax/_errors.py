@@ -41,8 +41,8 @@ def marked_twice(name: str, where: str = "") -> str:
 
 def bad_reshard_after_forward(value: Any) -> str:
     return (
-        f"fs.flax.fully_shard: reshard_after_forward must be True, False or a positive "
-        f"int (hpZ group size), got {value!r}."
+        f"fs.flax.fully_shard: reshard_after_forward must be None, True, False or a "
+        f"positive int (hpZ group size), got {value!r}."
     )
 
 

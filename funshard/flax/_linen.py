@@ -178,7 +178,7 @@ def _unit_call(self, *args, **kwargs):
         return out, updates
 
     unit = fs.fully_shard(
-        body, reshard_after_forward=options.reshard_after_forward, name=base.__name__
+        body, reshard_after_forward=options.resolved_reshard_after_forward(), name=base.__name__
     )
     own = _with_policy(own, options.mp_policy)
     out = unit(own, rest, others, args, kwargs, _rngs(self))

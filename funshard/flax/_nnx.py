@@ -22,6 +22,7 @@ from flax import errors as flax_errors
 from flax import nnx
 
 import funshard as fs
+from funshard import _context
 from funshard.flax import _errors, _writes
 
 
@@ -29,15 +30,25 @@ from funshard.flax import _errors, _writes
 class UnitOptions:
     """The options of one marked module; hashable, as they live on its class."""
 
-    reshard_after_forward: bool | int = True
+    reshard_after_forward: bool | int | None = None
     mp_policy: fs.MixedPrecisionPolicy | None = None
+
+    def resolved_reshard_after_forward(self) -> bool | int:
+        """None (FSDP2's default): True inside another unit, False for the outermost.
+
+        The outermost unit is the root: its backward starts right after its forward,
+        so gathering it again would only cost a collective (FSDP2 keeps the root too).
+        """
+        if self.reshard_after_forward is None:
+            return _context.in_unit()
+        return self.reshard_after_forward
 
 
 def check_options(reshard_after_forward, mp_policy) -> UnitOptions:
     """The options as a `UnitOptions`, or a TypeError/ValueError saying what is wrong."""
-    if not isinstance(reshard_after_forward, int):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise TypeError(_errors.bad_reshard_after_forward(reshard_after_forward))
-    if not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1:
+    if not isinstance(reshard_after_forward, (bool, type(None))) and reshard_after_forward < 1:
         raise ValueError(_errors.bad_reshard_after_forward(reshard_after_forward))
     if mp_policy is not None and not isinstance(mp_policy, fs.MixedPrecisionPolicy):
         raise TypeError(_errors.bad_mp_policy(mp_policy))
@@ -125,7 +136,9 @@ def _unit_call(self, *args, **kwargs):
 
     def body(full, rest, args, kwargs):
         given = {p: _array_ids(v) for p, v in _flat(rest).items()}
-        module = nnx.merge(graphdef, full, rest)
+        # Copies: the variables of `rest` may belong to an outer trace (extra args of
+        # fs.value_and_grad), which nnx refuses to write; writes leave as outputs.
+        module = nnx.merge(graphdef, full, rest, copy=True)
         out = base.__call__(module, *args, **kwargs)
         after = _flat(nnx.state(module, lambda p, v: p not in own_paths))
         # Written variables (RNG counts, batch statistics) leave the unit as outputs.
@@ -134,7 +147,7 @@ def _unit_call(self, *args, **kwargs):
         return out, changed
 
     unit = fs.fully_shard(
-        body, reshard_after_forward=options.reshard_after_forward, name=base.__name__
+        body, reshard_after_forward=options.resolved_reshard_after_forward(), name=base.__name__
     )
     out, changed = unit(params, rest, args, kwargs)
     _write_back(self, base.__name__, _writes.narrow(changed, gained))
