@@ -1,7 +1,8 @@
 """torch_frontend's gradients against FSDP2's, bit for bit, step by step (2 ranks).
 
     torchrun --nproc-per-node 2 benchmarks/torch_bench/grad_probe.py [--steps 12]
-        [--no-prefetch forward|backward|both] [--blocks 4 --width 1024]
+        [--no-prefetch forward|backward|both] [--hold-gradients] [--recheck-outputs]
+        [--blocks 4 --width 1024]
 
 Builds the benchmark's GPT twice from the same weights, shards one with torch_frontend
 and one with `torch.distributed.fsdp.fully_shard` (reshard_after_forward=True, FSDP2's
@@ -10,7 +11,9 @@ backward, every rank compares its local shard gradients and prints the step's lo
 difference and the parameters whose gradients differ (largest difference first). FSDP2
 itself is deterministic here (its losses equal DDP's to the last bit), so any
 difference is the frontend's. `--no-prefetch` turns the frontend's forward and/or
-backward prefetch off (`set_modules_to_*_prefetch([])`), to tell which one matters.
+backward prefetch off (`set_modules_to_*_prefetch([])`); `--hold-gradients` and
+`--recheck-outputs` wrap `torch_frontend._bridge.reduce_scatter` (in this process only) to
+keep its inputs alive until the step ends, or to re-read its results after a pause.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-prefetch", choices=["forward", "backward", "both"], default=None)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--hold-gradients", action="store_true",
+                   help="keep every tensor the frontend reduce-scatters alive until the "
+                        "step ends (tells whether their lifetime matters)")
+    p.add_argument("--recheck-outputs", action="store_true",
+                   help="read every reduce-scatter result again 50 ms after it returned "
+                        "and report results that changed meanwhile")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -63,6 +72,34 @@ def main(argv=None) -> int:
     import torch_frontend
 
     torch_frontend.init_distributed()
+    held: list = []
+    if args.hold_gradients:
+        from torch_frontend import _bridge
+
+        reduce_scatter = _bridge.reduce_scatter
+
+        def holding(layout, fulls, *rest, **kwargs):
+            held.append(list(fulls))
+            return reduce_scatter(layout, fulls, *rest, **kwargs)
+
+        _bridge.reduce_scatter = holding
+    changed: list[str] = []
+    if args.recheck_outputs:
+        import time
+
+        from torch_frontend import _bridge
+
+        scatter = _bridge.reduce_scatter
+
+        def rechecking(layout, fulls, *rest, **kwargs):
+            out = scatter(layout, fulls, *rest, **kwargs)
+            first = [o.clone() for o in out]
+            time.sleep(0.05)
+            changed.extend(f"output {i} ({tuple(o.shape)}): {(o - f).abs().max().item():.1e}"
+                           for i, (o, f) in enumerate(zip(out, first)) if not torch.equal(o, f))
+            return out
+
+        _bridge.reduce_scatter = rechecking
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -84,6 +121,11 @@ def main(argv=None) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses[name] = loss.item()
+        held.clear()
+        if changed:
+            print(f"rank {rank} step {step}: reduce-scatter results changed after returning: "
+                  + "; ".join(changed), flush=True)
+            changed.clear()
         diffs = sorted(((g - grads["fsdp2"][n]).abs().max().item(), n)
                        for n, g in grads["frontend"].items()
                        if not torch.equal(g, grads["fsdp2"][n]))[::-1]
