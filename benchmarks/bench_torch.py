@@ -1,8 +1,8 @@
-"""Torch benchmark: torch_frontend against PyTorch FSDP2, DDP and funshard's JAX step, in ONE run.
+"""Torch benchmark: torch_frontend against FSDP2, DDP and funshard's JAX step, in ONE run.
 
 Run from the repository root (2 processes on gloo, this machine's CPUs):
 
-    python benchmarks/bench_torch.py                       # the 4 x 1024 GPT (~15 min on 2 busy cores)
+    python benchmarks/bench_torch.py                       # the 4 x 1024 GPT (10-15 min here)
     python benchmarks/bench_torch.py --quick               # tiny model, 3 steps (smoke run)
     python benchmarks/bench_torch.py --out-md result.md --out-json result.json
 
