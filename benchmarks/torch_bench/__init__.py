@@ -11,6 +11,8 @@ Modules, one concern each:
 * `report`: the table, the Markdown page and the JSON result.
 * `grad_probe`: a torchrun script of its own comparing the frontend's gradients with
   FSDP2's bit for bit, step by step (with or without the frontend's prefetches).
+* `collective_probe`: funshard's eager reduce-scatter and all-gather alternating on 2
+  ranks, every result checked against numpy (no torch).
 
 The worker imports nothing from here at module level that starts JAX: torchrun's
 environment has to reach `torch_frontend.init_distributed()` first.
