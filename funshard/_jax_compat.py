@@ -77,6 +77,15 @@ def jaxpr_internals() -> tuple[Any, Any]:
     return core, debugging.debug_callback_p
 
 
+def cpu_collectives_over_gloo() -> bool:
+    """Whether CPU collectives run over gloo: `jax.distributed` is initialised and
+    `jax_cpu_collectives_implementation` is "gloo" (its default). Single-process CPU
+    meshes without `jax.distributed` use XLA's in-process collectives instead.
+    """
+    return (coordination_client() is not None
+            and jax.config.jax_cpu_collectives_implementation == "gloo")
+
+
 _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
 
 

@@ -279,6 +279,30 @@ def regather_group(
     return copy_out(gathered.transpose(1, 0, 2).reshape(-1, packing.total), packing, group)
 
 
+def _scatter_sum(slab: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
+    """Row `i` of the sum of every device's `(N, cols)` slab, on device `i`: a reduce-scatter.
+
+    XLA CPU's multi-process collectives (gloo) return wrong values at the end of rank
+    0's reduce-scatter result, intermittently and silently, for results over ~256 KiB
+    (jax-ml/jax#40830; reproduced here by benchmarks/torch_bench/collective_probe.py:
+    1 of 20 reduce-scatters of 64 MiB wrong, 0 of 20 all-reduces). There the sum is an
+    all-reduce and each device keeps its row, as PyTorch's gloo backend does too (twice
+    the bytes of a reduce-scatter); elsewhere it is one reduce-scatter.
+    """
+    def native(x):
+        return jax.lax.psum_scatter(x, shard_axes, scatter_dimension=0, tiled=False)
+
+    if not _jax_compat.cpu_collectives_over_gloo():
+        return native(slab)
+
+    def via_all_reduce(x):
+        total = jax.lax.psum(x, shard_axes)
+        return jax.lax.dynamic_index_in_dim(
+            total, jax.lax.axis_index(shard_axes), axis=0, keepdims=False)
+
+    return jax.lax.platform_dependent(slab, cpu=via_all_reduce, default=native)
+
+
 def reduce_scatter_blocks(
     fulls: Sequence[jax.Array],
     shard_axes: tuple[str, ...],
@@ -313,7 +337,7 @@ def reduce_scatter_blocks(
         if slab.size == 0:
             flat = jnp.zeros((slab.shape[1],), slab.dtype)
         else:
-            flat = jax.lax.psum_scatter(slab, shard_axes, scatter_dimension=0, tiled=False)
+            flat = _scatter_sum(slab, shard_axes)
             if replicate_axes:
                 flat = jax.lax.psum(flat, replicate_axes)
         start = 0

@@ -1,5 +1,7 @@
 """The eager collectives (outside a step): the entry points a torch frontend's hooks call."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +72,48 @@ def test_eager_reduce_scatter_without_all_reduce_keeps_each_replicas_sum():
     # Replica r's devices sum only their own 4 contributions; blocks stack by replica.
     want = np.concatenate([contributions[:4].sum(0), contributions[4:].sum(0)])
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5)
+
+
+_GLOO_CHILD = """
+import socket, sys
+import jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 2)
+from jax.sharding import NamedSharding
+from funshard import _jax_compat, _lowering, _mesh
+import funshard as fs
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
+assert _jax_compat.cpu_collectives_over_gloo()
+mesh = fs.make_mesh()
+rows = np.random.default_rng(0).normal(size=(2, 4, 3)).astype(np.float32)
+stacked = jax.device_put(rows, NamedSharding(mesh, _mesh.spec(("fsdp",))))
+fn = _lowering._eager_reduce_scatter_fn(mesh, ("fsdp",), (), (0,), True)
+text = fn.lower(stacked).compile().as_text()
+print("HLO", "reduce-scatter(" in text, "all-reduce(" in text)
+(out,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",))
+np.testing.assert_allclose(np.asarray(out), rows.sum(0), rtol=1e-6)
+jax.distributed.shutdown()
+"""
+
+
+def test_gloo_reduce_scatter_is_an_all_reduce_and_a_slice():
+    # XLA CPU's gloo reduce-scatter silently corrupts the end of rank 0's result for
+    # results over ~256 KiB (jax-ml/jax#40830; benchmarks/torch_bench/collective_probe.py
+    # reproduces it across 2 processes). With jax.distributed on CPU the library sums
+    # with an all-reduce instead; without it (these tests' 8 devices) it reduce-scatters.
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", _GLOO_CHILD], capture_output=True, text=True,
+                          timeout=120, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    hlo_line = [line for line in done.stdout.splitlines() if line.startswith("HLO ")]
+    assert hlo_line == ["HLO False True"], done.stdout[-2000:]
+    text = _lowering._eager_reduce_scatter_fn(
+        mesh_for("2"), ("fsdp",), (), (0,), True).lower(
+        jax.device_put(np.zeros((2, 4, 3), np.float32),
+                       NamedSharding(mesh_for("2"), _mesh.spec(("fsdp",))))).compile().as_text()
+    assert "reduce-scatter(" in text
