@@ -589,6 +589,15 @@ def test_register_fsdp_forward_method_gathers_for_that_method():
     np.testing.assert_allclose(model.generate(x).detach(), reference.generate(x).detach(), atol=1e-6)
 
 
+def test_register_fsdp_forward_method_as_in_fsdp2():
+    plain = _Generator()
+    torch_frontend.register_fsdp_forward_method(plain, "generate")  # not sharded: a no-op
+    assert "generate" not in vars(plain)
+    model = fully_shard(_Generator())
+    with pytest.raises(ValueError, match="_Generator has no method 'sample'"):
+        torch_frontend.register_fsdp_forward_method(model, "sample")
+
+
 def test_ignored_params_are_left_alone():
     torch.manual_seed(0)
     reference = _mlp()

@@ -35,8 +35,10 @@ def _gathered_norms(partials: dict[_bridge.Layout, list[torch.Tensor]],
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
-    """Clips gradients by their global norm, as `torch.nn.utils.clip_grad_norm_` would
-    on the unsharded model.
+    """Clips gradients by their global norm across ranks, as torch's own on one model.
+
+    `torch.nn.utils.clip_grad_norm_` on the unsharded model gives the same norm and
+    the same clipped gradients.
 
     Each rank's local shards contribute their norm (padding is not part of a shard);
     one all-gather per mesh layout brings every rank's norm, over the shard axis only

@@ -41,6 +41,9 @@ class FSDPModule:
         Args:
           async_op: only dispatch the gather (JAX runs it while torch computes) and
             return a handle whose `wait()` completes it and binds the parameters.
+
+        Returns:
+          An `UnshardHandle` with `async_op=True`, else None.
         """
         group = self._fsdp_state().group
         group.unshard(async_op=async_op)
@@ -160,6 +163,7 @@ class UnshardHandle:
     """Returned by `unshard(async_op=True)`: `wait()` completes the gather."""
 
     def __init__(self, group: ParamGroup | None = None):
+        """Made by `FSDPModule.unshard(async_op=True)`, not by users."""
         self._group = group
 
     def wait(self) -> None:
@@ -173,14 +177,23 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Makes `module.<method_name>(...)` run FSDP's pre- and post-forward like `forward`.
 
     For methods such as `generate` that use the parameters without calling `forward`.
+    As in FSDP2, a module `fully_shard` was not applied to is left alone (so one script
+    runs with and without sharding).
+
+    Args:
+      module: the module `fully_shard` was applied to.
+      method_name: the name of its method to hook.
 
     Raises:
-      ValueError: `module` was not passed to `fully_shard`.
-      AttributeError: `module` has no such method.
+      ValueError: `module` has no method `method_name`.
     """
     state = state_of(module)
     if state is None:
-        raise ValueError(_errors.not_fsdp_module("register_fsdp_forward_method", module))
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} has no method "
+            f"{method_name!r}.")
     method = getattr(module, method_name)  # bound: the original implementation
 
     def wrapped(*args, **kwargs):
@@ -302,7 +315,11 @@ def fully_shard(
       `module`, its class swapped to `FSDP<Cls>` (a subclass of `FSDPModule`).
 
     Raises:
-      TypeError / ValueError / NotImplementedError: for bad or unsupported arguments.
+      TypeError: a bad argument type (not a module, a policy, a placement).
+      ValueError: a module already sharded, an hpZ size that does not divide the
+        world, or a placement out of range.
+      NotImplementedError: an argument not supported yet (`offload_policy` other
+        than None or FSDP2's default, `dp_mesh_dims`, a 0-d parameter).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn)
