@@ -8,11 +8,7 @@ single-process tests (world size 1) run in this process.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from _torch_worker import Stack
+from _torchrun import TORCHRUN, clean_env, free_port_pair, kill_group
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
@@ -29,64 +26,33 @@ from torch.utils.checkpoint import checkpoint
 import torch_frontend
 from torch_frontend import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_torch_worker.py")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command
 JOB_TIMEOUT_S = 180
-CASES = ("seq", "uneven", "shard_dim1", "shard_dim1_uneven", "blocks_reshard", "blocks_keep", "accum", "bf16", "prefetch",
-         "raise_then_reset", "tied_embeddings", "submodule_forward", "checkpointed_blocks")
+CASES = ("seq", "uneven", "shard_dim1", "shard_dim1_uneven", "blocks_reshard", "blocks_keep",
+         "accum", "bf16", "prefetch", "raise_then_reset", "tied_embeddings",
+         "submodule_forward", "checkpointed_blocks")
 HSDP_CASES = ("seq", "uneven", "blocks_reshard")
 FOUR_PROCESS_CASES = (*HSDP_CASES, "accum_all_reduce", "blocks_hpz")  # hpz: a 1-D mesh
 TOLERANCE = 1e-5
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS")
-
-
-def _free_port_pair() -> int:
-    """A port p with p + 1 free too (torchrun's store on p, JAX's coordinator on p + 1)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-                   [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]))
-    return env
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 def _run_torchrun(out: Path, processes: int, *args: str) -> tuple[int, str]:
     """Runs the worker under torchrun; kills torchrun and every worker on the way out."""
     log = out / "torchrun.log"
     command = [*TORCHRUN, f"--nproc-per-node={processes}", "--master-addr=127.0.0.1",
-               f"--master-port={_free_port_pair()}", str(WORKER), "--out", str(out),
+               f"--master-port={free_port_pair()}", str(WORKER), "--out", str(out),
                "--deadline", str(JOB_TIMEOUT_S), *args]
     with open(log, "w") as sink:
-        proc = subprocess.Popen(command, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command, env=clean_env(), stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         code = proc.wait(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         code = -1
     finally:
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         for pid_file in out.glob("pid-rank*"):  # workers run in sessions of their own
-            _kill_group(int(pid_file.read_text()))
+            kill_group(int(pid_file.read_text()))
         proc.wait()
     return code, log.read_text()
 
@@ -337,7 +303,7 @@ def test_policy_validates_its_dtypes():
 
 def test_import_funshard_does_not_import_torch():
     code = "import sys, funshard, funshard.distributed; sys.exit('torch' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], env=_env(), timeout=120,
+    done = subprocess.run([sys.executable, "-c", code], env=clean_env(), timeout=120,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:] or "import funshard imported torch"
 

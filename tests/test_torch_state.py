@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from _torch_state_worker import CLIPS, LR, STEPS, Net, batch, build, loss_of, shard
-from test_torch_frontend import _env, _free_port_pair, _kill_group
+from _torchrun import clean_env, free_port_pair, kill_group
 from torch import nn
 
 import funshard as fs
@@ -46,13 +46,13 @@ class _Job:
                    "--out", str(out), "--deadline", str(JOB_TIMEOUT_S), *args]
         self.start = time.monotonic()
         with open(out / "torchrun.log", "w") as sink:
-            self.proc = subprocess.Popen(command, env=_env(), stdout=sink,
+            self.proc = subprocess.Popen(command, env=clean_env(), stdout=sink,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self) -> None:
-        _kill_group(self.proc.pid)
+        kill_group(self.proc.pid)
         for pid_file in self.out.glob("pid-rank*"):  # workers run in sessions of their own
-            _kill_group(int(pid_file.read_text()))
+            kill_group(int(pid_file.read_text()))
         self.proc.wait()
 
     def result(self) -> tuple[Path, list[dict]]:
@@ -78,7 +78,7 @@ def _port_pairs(count: int) -> list[int]:
     """`count` ports p, each with p + 1 free too, no two pairs overlapping."""
     ports: list[int] = []
     while len(ports) < count:
-        port = _free_port_pair()
+        port = free_port_pair()
         if all(abs(port - other) > 1 for other in ports):
             ports.append(port)
     return ports

@@ -15,44 +15,16 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _torchrun import ROOT, TORCHRUN, clean_env, free_port_pair
 EXAMPLE = ROOT / "examples" / "train_torch.py"
 BENCH = ROOT / "benchmarks" / "bench_torch.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 JOB_TIMEOUT_S = 120
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS")
 TINY = ["--tiny", "--batch", "8", "--log-every", "3", "--checkpoint-every", "3"]
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 free too (torchrun's store on p, JAX's coordinator on p + 1)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
-def clean_env() -> dict:
-    """This environment without launcher variables or simulated-device flags."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8", PYTHONPATH=os.pathsep.join(
-                   [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]))
-    return env
 
 
 def descendants(pid: int) -> list[int]:
