@@ -720,6 +720,20 @@ def test_set_reduce_scatter_divide_factor_is_the_older_name():
     np.testing.assert_allclose(model[2].weight.grad, reference[2].weight.grad / 2, atol=1e-7)
 
 
+def test_set_force_sum_reduction_for_comms_keeps_the_numbers():
+    # Reductions here are always a sum then a division: either value trains the same.
+    torch.manual_seed(0)
+    reference = _mlp()
+    model = _shard_mlp(copy.deepcopy(reference))
+    model.set_force_sum_reduction_for_comms(True)
+    x = torch.randn(3, 16)
+    for m in (model, reference):
+        m(x).pow(2).mean().backward()
+    _assert_same(model, reference)
+    with pytest.raises(TypeError, match="expected a bool, got 'yes'"):
+        model.set_force_sum_reduction_for_comms("yes")
+
+
 class _Embedder(nn.Module):
     def __init__(self):
         super().__init__()
