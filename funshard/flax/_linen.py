@@ -24,7 +24,7 @@ import jax
 from flax import traverse_util
 
 import funshard as fs
-from funshard.flax import _errors, _writes
+from funshard.flax import _errors
 from funshard.flax._nnx import UnitOptions
 
 # Set while a unit traces its module abstractly to find its descendant units.
@@ -165,17 +165,9 @@ def _unit_call(self, *args, **kwargs):
     if not own:  # every parameter belongs to a descendant unit
         return base.__call__(self, *args, **kwargs)
     others = {c: v for c, v in variables.items() if c != "params"}
-    axes = _writes.step_axes(own)
-    gained: list = []  # set while `body` is traced
-
     def body(own_full, rest, others, args, kwargs, rngs):
         params = traverse_util.unflatten_dict({**own_full, **rest})
-        out = apply({**others, "params": params}, args, kwargs, rngs)
-        if not mutable:
-            return out
-        out, updates = out
-        updates, gained[:] = _writes.widen(updates, axes)
-        return out, updates
+        return apply({**others, "params": params}, args, kwargs, rngs)
 
     unit = fs.fully_shard(
         body, reshard_after_forward=options.resolved_reshard_after_forward(), name=base.__name__
@@ -185,5 +177,5 @@ def _unit_call(self, *args, **kwargs):
     if not mutable:
         return out
     out, updates = out
-    _put_updates(self, _writes.narrow(updates, gained))
+    _put_updates(self, updates)
     return out

@@ -23,7 +23,7 @@ from flax import nnx
 
 import funshard as fs
 from funshard import _context
-from funshard.flax import _errors, _writes
+from funshard.flax import _errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +131,6 @@ def _unit_call(self, *args, **kwargs):
         # Full parameters (before fs.flax.shard), or a unit owning none: plain call.
         return base.__call__(self, *args, **kwargs)
     own_paths = set(_flat(params))
-    axes = _writes.step_axes(params)
-    gained: list = []  # set while `body` is traced
-
     def body(full, rest, args, kwargs):
         given = {p: _array_ids(v) for p, v in _flat(rest).items()}
         # Copies: the variables of `rest` may belong to an outer trace (extra args of
@@ -143,14 +140,13 @@ def _unit_call(self, *args, **kwargs):
         after = _flat(nnx.state(module, lambda p, v: p not in own_paths))
         # Written variables (RNG counts, batch statistics) leave the unit as outputs.
         changed = {p: v.get_value() for p, v in after.items() if _array_ids(v) != given[p]}
-        changed, gained[:] = _writes.widen(changed, axes)
         return out, changed
 
     unit = fs.fully_shard(
         body, reshard_after_forward=options.resolved_reshard_after_forward(), name=base.__name__
     )
     out, changed = unit(params, rest, args, kwargs)
-    _write_back(self, base.__name__, _writes.narrow(changed, gained))
+    _write_back(self, base.__name__, changed)
     return out
 
 
