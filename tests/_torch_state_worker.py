@@ -74,8 +74,17 @@ def loss_of(model, x, y) -> torch.Tensor:
     return (model(x) - y).pow(2).mean()
 
 
+def local(tensor: torch.Tensor) -> np.ndarray:
+    """This rank's part of a tensor: a DTensor's local shard, a plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.detach().numpy().copy()
+
+
 def _np(tensors: dict, prefix: str) -> dict[str, np.ndarray]:
-    return {f"{prefix}/{k}": v.detach().numpy().copy() for k, v in tensors.items()}
+    return {f"{prefix}/{k}": local(v) for k, v in tensors.items()}
 
 
 def train(tf, model, opt, rank: int, record: dict, steps: int, save=None) -> None:
@@ -96,7 +105,7 @@ def train(tf, model, opt, rank: int, record: dict, steps: int, save=None) -> Non
         loss.backward()
         if step == STEPS - 1:
             norms += [tf.clip_grad_norm_(model.parameters(), m, p).item() for m, p in CLIPS]
-            record.update({f"grad/{n}": p.grad.numpy().copy() for n, p in model.named_parameters()})
+            record.update({f"grad/{n}": local(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -104,7 +113,7 @@ def train(tf, model, opt, rank: int, record: dict, steps: int, save=None) -> Non
             record.update(_np(tf.full_state_dict(model), "full"))
             for name, param in model.named_parameters():
                 for key, value in opt.state[param].items():
-                    record[f"opt/{name}/{key}"] = value.numpy().copy()
+                    record[f"opt/{name}/{key}"] = local(value)
     record["loss"], record["norms"] = np.asarray(losses), np.asarray(norms)
 
 

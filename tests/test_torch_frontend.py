@@ -20,7 +20,7 @@ import torch
 from _torch_worker import Stack
 from _torchrun import TORCHRUN, clean_env, free_port_pair, kill_group
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 import torch_frontend
@@ -151,6 +151,13 @@ def test_uneven_shards_follow_torch_chunk(parity_dir):
 # ---- one process (world size 1), in this process ----
 
 
+def _full(tensor: torch.Tensor) -> np.ndarray:
+    """A managed parameter or gradient (a DTensor) as the whole array; plain tensors as-is."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().numpy()
+
+
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 8))
@@ -215,7 +222,7 @@ def test_single_process_matches_plain_torch():
     np.testing.assert_allclose(_train(model, batches), _train(reference, batches), atol=1e-6)
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
         assert ours.shape == theirs.shape, name
-        np.testing.assert_allclose(ours.detach(), theirs.detach(), atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(_full(ours), theirs.detach(), atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("fail_in", ["forward", "backward"])
@@ -227,7 +234,7 @@ def test_reset_iter_state_after_an_exception_trains_as_if_the_step_never_ran(fai
     got = _train(model, batches, fail_at=2, fail_in=fail_in)
     np.testing.assert_allclose(got, expected, atol=1e-6)
     for ours, theirs in zip(model.parameters(), reference.parameters()):
-        np.testing.assert_allclose(ours.detach(), theirs.detach(), atol=1e-6)
+        np.testing.assert_allclose(_full(ours), theirs.detach(), atol=1e-6)
 
 
 def test_reshard_after_forward_false_keeps_parameters_gathered():
@@ -265,7 +272,7 @@ def test_parameter_in_two_groups_is_an_error_naming_it():
     fully_shard(model.emb)
     fully_shard(model.head)
     fully_shard(model)
-    with pytest.raises(ValueError, match=r"'head\.weight' is the same tensor as 'emb\.weight'.*fully_shard\(\[module_a, module_b\]\)"):
+    with pytest.raises(ValueError, match=r"'head\.weight' is shared with a parameter already managed by another FSDP group \(as 'emb\.weight'\).*fully_shard\(\[module_a, module_b\]\)"):
         model(torch.randn(2, 4))
 
 
@@ -279,7 +286,7 @@ def test_tied_parameters_grouped_in_one_list_train_like_plain_torch():
     x = torch.randn(3, 4)
     for m in (model, reference):
         m(x).pow(2).sum().backward()
-    np.testing.assert_allclose(next(model.parameters()).grad, reference.emb.weight.grad, atol=1e-6)
+    np.testing.assert_allclose(_full(next(model.parameters()).grad), reference.emb.weight.grad, atol=1e-6)
 
 
 def test_reset_iter_state_on_a_non_root_is_an_error():
@@ -360,7 +367,7 @@ def _stack_pair(cls=Stack, **kwargs):
 def _assert_same(model, reference, what: str = "grad"):
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
         ours, theirs = (ours.grad, theirs.grad) if what == "grad" else (ours, theirs)
-        np.testing.assert_allclose(ours.detach(), theirs.detach(), atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(_full(ours), theirs.detach(), atol=1e-6, err_msg=name)
 
 
 def test_activation_checkpointing_finds_parameters_gathered():
@@ -421,7 +428,7 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
 
     monkeypatch.setattr(_lowering, "eager_all_gather", recording)
     model = _shard_mlp(_mlp(), reshard_after_forward=False)
-    shards = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    shards = [p.to_local().untyped_storage().data_ptr() for p in model.parameters()]
     model(torch.randn(2, 16))
     gathered = [m.weight.data_ptr() for m in (model[0], model[2])]
     gathered += [m.bias.data_ptr() for m in (model[0], model[2])]
@@ -529,7 +536,7 @@ def test_unshard_async_op_returns_a_handle_that_binds_on_wait():
     assert model[0].weight is shard  # dispatched only
     handle.wait()
     full = model[0].weight
-    assert full is not shard and torch.equal(full, shard)
+    assert full is not shard and torch.equal(full, shard.full_tensor())
     model[0].unshard()  # already gathered: nothing happens
     assert model[0].weight is full
     model[0].reshard()
@@ -648,7 +655,7 @@ def test_shard_placement_on_dim_1_trains_like_plain_torch():
     for m in (model, reference):
         (m(torch.randn(2, 16, generator=torch.Generator().manual_seed(0)))).pow(2).sum().backward()
     for ours, theirs in zip(model.parameters(), reference.parameters()):
-        np.testing.assert_allclose(ours.grad, theirs.grad, atol=1e-6)
+        np.testing.assert_allclose(_full(ours.grad), theirs.grad, atol=1e-6)
 
 
 @pytest.mark.parametrize("value, error, match", [
@@ -705,8 +712,8 @@ def test_gradient_divide_factor_replaces_the_world_size():
     x = torch.randn(3, 16)
     for m in (model, reference):
         m(x).pow(2).mean().backward()
-    np.testing.assert_allclose(model[0].weight.grad, reference[0].weight.grad / 4, atol=1e-7)
-    np.testing.assert_allclose(model[2].weight.grad, reference[2].weight.grad, atol=1e-7)
+    np.testing.assert_allclose(_full(model[0].weight.grad), reference[0].weight.grad / 4, atol=1e-7)
+    np.testing.assert_allclose(_full(model[2].weight.grad), reference[2].weight.grad, atol=1e-7)
 
 
 def test_set_reduce_scatter_divide_factor_is_the_older_name():
@@ -717,7 +724,7 @@ def test_set_reduce_scatter_divide_factor_is_the_older_name():
     x = torch.randn(3, 16)
     for m in (model, reference):
         m(x).pow(2).mean().backward()
-    np.testing.assert_allclose(model[2].weight.grad, reference[2].weight.grad / 2, atol=1e-7)
+    np.testing.assert_allclose(_full(model[2].weight.grad), reference[2].weight.grad / 2, atol=1e-7)
 
 
 def test_set_force_sum_reduction_for_comms_keeps_the_numbers():
@@ -762,7 +769,7 @@ def test_set_unshard_in_backward_false_skips_the_backward_gather(monkeypatch):
         m(tokens).pow(2).sum().backward()
     assert gathers == [2, 1]  # forward only: the root (head), the embedding; none in backward
     for ours, theirs in zip(model.parameters(), reference.parameters()):
-        np.testing.assert_allclose(ours.grad, theirs.grad, atol=1e-6)
+        np.testing.assert_allclose(_full(ours.grad), theirs.grad, atol=1e-6)
 
 
 def test_gradients_enter_jax_without_copies_when_rows_divide(monkeypatch):

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import copy
 import math
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from _torch_state_worker import CLIPS, LR, STEPS, Net, batch, build, loss_of, shard
-from _torchrun import clean_env, free_port_pair, kill_group
+from _torch_state_worker import CLIPS, LR, STEPS, Net, batch, build, local, loss_of, shard
+from _torchrun import Job, port_pairs
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import funshard as fs
 import torch_frontend as tf
@@ -30,58 +28,6 @@ WORKER = Path(__file__).with_name("_torch_state_worker.py")
 JOB_TIMEOUT_S = 150
 TOLERANCE = 1e-5
 WORLD = 2
-
-
-class _Job:
-    """A torchrun job of the worker, started at once; `result()` waits for it, bounded.
-
-    torchrun and every worker are killed on the way out of `result()` (or of `kill()`,
-    for a job nobody waited for).
-    """
-
-    def __init__(self, out: Path, processes: int, port: int, *args: str):
-        self.out, self.processes, self.code = out, processes, None
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
-                   "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER),
-                   "--out", str(out), "--deadline", str(JOB_TIMEOUT_S), *args]
-        self.start = time.monotonic()
-        with open(out / "torchrun.log", "w") as sink:
-            self.proc = subprocess.Popen(command, env=clean_env(), stdout=sink,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-
-    def kill(self) -> None:
-        kill_group(self.proc.pid)
-        for pid_file in self.out.glob("pid-rank*"):  # workers run in sessions of their own
-            kill_group(int(pid_file.read_text()))
-        self.proc.wait()
-
-    def result(self) -> tuple[Path, list[dict]]:
-        """(output directory, each rank's arrays); fails the test if the job failed."""
-        if self.code is None:
-            try:
-                self.code = self.proc.wait(timeout=max(1.0, self.start + JOB_TIMEOUT_S - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.code = -1
-            finally:
-                self.kill()
-        log = (self.out / "torchrun.log").read_text()
-        took = time.monotonic() - self.start
-        assert self.code == 0, f"torchrun job failed (exit {self.code}) after {took:.0f} s:\n{log[-6000:]}"
-        ranks = []
-        for rank in range(self.processes):
-            with np.load(self.out / f"rank{rank}.npz") as data:
-                ranks.append(dict(data))
-        return self.out, ranks
-
-
-def _port_pairs(count: int) -> list[int]:
-    """`count` ports p, each with p + 1 free too, no two pairs overlapping."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = free_port_pair()
-        if all(abs(port - other) > 1 for other in ports):
-            ports.append(port)
-    return ports
 
 
 def _numpy_state(model: nn.Module) -> dict[str, np.ndarray]:
@@ -113,9 +59,9 @@ def jobs(tmp_path_factory, jax_params):
     out, hsdp = tmp_path_factory.mktemp("torch_state"), tmp_path_factory.mktemp("torch_state_hsdp")
     jax_checkpoint = out / "jax_ckpt"
     fs.save(jax_checkpoint, {"model": _jax_model(jax_params, mesh_for("8")), "step": 11})
-    ports = _port_pairs(2)
-    started = {"pair": _Job(out, WORLD, ports[0], "--jax-checkpoint", str(jax_checkpoint)),
-               "hsdp": _Job(hsdp, 4, ports[1], "--replicate", "2")}
+    ports = port_pairs(2)
+    started = {"pair": Job(WORKER, out, WORLD, ports[0], JOB_TIMEOUT_S, "--jax-checkpoint", str(jax_checkpoint)),
+               "hsdp": Job(WORKER, hsdp, 4, ports[1], JOB_TIMEOUT_S, "--replicate", "2")}
     yield started
     for job in started.values():
         job.kill()
@@ -245,10 +191,10 @@ def test_torch_checkpoint_resumes_on_one_process(job, reference):
     _assert_state(_prefixed(tf.full_state_dict(model), "got"), reference["full"], "got", "restored")
     for name, param in model.named_parameters():
         for key, value in opt.state[param].items():
-            local = [r[f"opt/{name}/{key}"] for r in ranks]
-            want = local[0] if key == "step" else np.concatenate(local, axis=_dim(name))
-            np.testing.assert_array_equal(value.numpy(), want, err_msg=f"{name} {key}")
-            np.testing.assert_allclose(value.numpy(), reference["opt"][name][key], rtol=0, atol=TOLERANCE)
+            shards = [r[f"opt/{name}/{key}"] for r in ranks]
+            want = shards[0] if key == "step" else np.concatenate(shards, axis=_dim(name))
+            np.testing.assert_array_equal(local(value), want, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(local(value), reference["opt"][name][key], rtol=0, atol=TOLERANCE)
     assert _param_groups(opt) == _param_groups(torch.optim.AdamW(Net().parameters(), lr=LR))
     loss_of(model, *_global_batch(STEPS)).backward()
     opt.step()
@@ -342,7 +288,7 @@ def test_state_dict_between_forward_and_backward_keeps_training_exact():
     out.pow(2).sum().backward()
     reference(_x()).pow(2).sum().backward()
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
-        np.testing.assert_allclose(ours.grad, theirs.grad, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(local(ours.grad), theirs.grad, rtol=0, atol=1e-6, err_msg=name)
 
 
 def test_full_state_dict_loads_into_plain_torch_and_back():
@@ -355,13 +301,13 @@ def test_full_state_dict_loads_into_plain_torch_and_back():
     plain = _mlp()
     plain.load_state_dict(tf.full_state_dict(model))  # strict: every key, full shapes
     for (name, ours), theirs in zip(model.named_parameters(), plain.parameters()):
-        np.testing.assert_array_equal(ours.detach(), theirs.detach(), err_msg=name)
+        np.testing.assert_array_equal(local(ours), theirs.detach(), err_msg=name)
     fresh = _sharded_mlp(nn.Sequential(nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 8)))
     shards = list(fresh.parameters())
     tf.load_full_state_dict(fresh, plain.state_dict())
     assert all(a is b for a, b in zip(fresh.parameters(), shards))  # loaded in place
     for ours, theirs in zip(fresh.parameters(), plain.parameters()):
-        np.testing.assert_array_equal(ours.detach(), theirs.detach())
+        np.testing.assert_array_equal(local(ours), theirs.detach())
 
 
 def test_load_full_state_dict_names_every_bad_key():
@@ -390,9 +336,25 @@ def test_sharded_load_state_dict_after_forward_and_with_assign():
         model = _sharded_mlp(_mlp(), reshard_after_forward=False)
         shards = list(model.parameters())
         model(_x())  # gathered parameters bound: the load goes to the shards all the same
-        model.load_state_dict({k: v.clone() for k, v in want.items()}, assign=assign)
+        # As with FSDP2, a sharded load takes DTensors placed as the module's parameters.
+        sharded = {k: _like(v.clone(), model.state_dict()[k]) for k, v in want.items()}
+        model.load_state_dict(sharded, assign=assign)
         assert all(a is b for a, b in zip(model.parameters(), shards))
         np.testing.assert_allclose(model(_x()).detach(), source(_x()).detach(), rtol=0, atol=1e-6)
+
+
+def _like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`full` placed as `target` (a DTensor), or `full` itself for a plain tensor."""
+    if not isinstance(target, DTensor):
+        return full
+    return distribute_tensor(full, target.device_mesh, target.placements)
+
+
+def test_plain_tensors_into_a_sharded_load_state_dict_are_refused_as_by_fsdp2():
+    tf.init_distributed()
+    model = _sharded_mlp(_mlp())
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        model.load_state_dict(_mlp().state_dict())
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
@@ -407,7 +369,7 @@ def test_clip_grad_norm_matches_torch(norm_type):
     assert got.shape == () and got.dtype == want.dtype
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for ours, theirs in zip(model.parameters(), reference.parameters()):
-        np.testing.assert_allclose(ours.grad, theirs.grad, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(local(ours.grad), theirs.grad, rtol=1e-6, atol=1e-9)
 
 
 def test_clip_grad_norm_errors():
@@ -416,7 +378,7 @@ def test_clip_grad_norm_errors():
     with pytest.raises(ValueError, match="norm_type=0.0 is not supported"):
         tf.clip_grad_norm_(model.parameters(), 1.0, 0)
     model(_x()).sum().backward()
-    model[0].weight.grad[0, 0] = float("nan")
+    model[0].weight.grad.to_local()[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite"):
         tf.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
 
@@ -436,14 +398,14 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
     assert tf.restore(tmp_path / "c", fresh, fresh_opt) == 1
     assert fresh_opt.param_groups[0]["lr"] == 1e-3
     for a, b in zip(model.parameters(), fresh.parameters()):
-        np.testing.assert_array_equal(a.detach(), b.detach())
+        np.testing.assert_array_equal(local(a), local(b))
         for key, value in opt.state[a].items():
-            np.testing.assert_array_equal(value, fresh_opt.state[b][key])
+            np.testing.assert_array_equal(local(value), local(fresh_opt.state[b][key]))
     for a, b in ((model, opt), (fresh, fresh_opt)):  # both train on alike
         a(_x()).sum().backward()
         b.step()
     for a, b in zip(model.parameters(), fresh.parameters()):
-        np.testing.assert_array_equal(a.detach(), b.detach())
+        np.testing.assert_array_equal(local(a), local(b))
     tf.save(tmp_path / "c", model, opt, step=2, overwrite=True)
     assert tf.restore(tmp_path / "c", fresh, fresh_opt) == 2
 
@@ -482,7 +444,7 @@ def test_jax_tree_restores_into_a_module_in_one_process(tmp_path):
     model = _sharded_mlp(_mlp())
     assert tf.restore(tmp_path / "jax", model) is None
     for a, b in zip(model.parameters(), source.parameters()):
-        np.testing.assert_array_equal(a.detach(), b.detach())
+        np.testing.assert_array_equal(local(a), local(b))
 
 
 class _TiedWithIgnored(nn.Module):
@@ -522,7 +484,7 @@ def test_tied_and_unmanaged_parameters_round_trip(tmp_path):
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     assert tf.restore(tmp_path / "c", fresh, fresh_opt) == 2
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
-        np.testing.assert_array_equal(a.detach(), b.detach(), err_msg=name)
+        np.testing.assert_array_equal(local(a), local(b), err_msg=name)
         for key, value in opt.state[a].items():
-            np.testing.assert_array_equal(value, fresh_opt.state[b][key], err_msg=f"{name} {key}")
+            np.testing.assert_array_equal(local(value), local(fresh_opt.state[b][key]), err_msg=f"{name} {key}")
     np.testing.assert_array_equal(fresh(x).detach(), plain(x).detach())

@@ -2,10 +2,11 @@
 
     from torch_frontend import fully_shard, MixedPrecisionPolicy, init_distributed
 
-    mesh = init_distributed()          # torchrun's environment; no environment: 1 process
+    init_distributed()                 # JAX's runtime + torch's default process group
+    mesh = init_device_mesh("cpu", (world,))   # or torch_frontend.device_mesh()
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)      # parameters are DTensors, as with FSDP2
 
     torch_frontend.save(path, model, opt, step)   # funshard.save's format; fs.restore reads it
 
@@ -15,6 +16,7 @@ See docs/torch.md.
 from torch_frontend._checkpoint import restore as restore
 from torch_frontend._checkpoint import save as save
 from torch_frontend._clip import clip_grad_norm_ as clip_grad_norm_
+from torch_frontend._distributed import device_mesh as device_mesh
 from torch_frontend._distributed import init_distributed as init_distributed
 from torch_frontend._fully_shard import FSDPModule as FSDPModule
 from torch_frontend._fully_shard import UnshardHandle as UnshardHandle
@@ -29,6 +31,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "UnshardHandle",
     "clip_grad_norm_",
+    "device_mesh",
     "full_state_dict",
     "fully_shard",
     "init_distributed",

@@ -122,13 +122,33 @@ def _import(layout: Layout, tensor: torch.Tensor) -> jax.Array:
     return _jax_compat.dlpack_import(tensor.detach(), layout.device)
 
 
+def as_words(tensor: torch.Tensor) -> torch.Tensor:
+    """A 64-bit tensor's bits as int32 pairs on a new last axis (a view); others as they are.
+
+    JAX without x64 would narrow 64-bit values to 32 bits on import; a gather moves
+    the pairs exactly, and `from_words` views them back.
+    """
+    if tensor.element_size() != 8:
+        return tensor
+    return tensor.unsqueeze(-1).view(torch.int32)
+
+
+def from_words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `as_words` for a tensor gathered as int32 pairs of `dtype` (a view)."""
+    if dtype.itemsize != 8 or tensor.dtype == dtype:
+        return tensor
+    return tensor.view(dtype).squeeze(-1)
+
+
 def global_block(layout: Layout, padded: torch.Tensor, dim: int = 0) -> jax.Array:
     """This rank's padded block as its part of the global array sharded on `dim`.
 
     The result aliases `padded`'s memory, so a caller may keep it and gather it again
     after torch updated `padded` in place (the optimizer step). The caller must not
     write `padded` while a gather of it is in flight (`finish_all_gather` ends it).
+    A 64-bit block crosses as int32 pairs (`as_words`); `from_words` restores it.
     """
+    padded = as_words(padded)
     sharding = NamedSharding(layout.mesh, _mesh.spec(layout.shard_axes, dim))
     shape = list(padded.shape)
     shape[dim] *= layout.world
@@ -191,16 +211,21 @@ def finish_all_gather(pending: Future) -> list[torch.Tensor]:
     return [_export(b) for b in pending.result()]
 
 
-def _stacked_block(layout: Layout, full: torch.Tensor, dim: int) -> torch.Tensor:
-    """`full` zero-padded to `world * padded_rows` on `dim`, with a leading axis of 1."""
+def padded_full(layout: Layout, full: torch.Tensor, dim: int) -> torch.Tensor:
+    """`full` zero-padded to `world * padded_rows` on `dim`, contiguous (maybe `full`)."""
     padded_rows = layout.world * layout.padded_rows(full.shape[dim])
     if padded_rows == full.shape[dim] and full.is_contiguous():
-        return full.unsqueeze(0)
+        return full
     shape = list(full.shape)
     shape[dim] = padded_rows
-    block = full.new_zeros((1, *shape))
-    block[0].narrow(dim, 0, full.shape[dim]).copy_(full)
+    block = full.new_zeros(shape)
+    block.narrow(dim, 0, full.shape[dim]).copy_(full)
     return block
+
+
+def _stacked_block(layout: Layout, full: torch.Tensor, dim: int) -> torch.Tensor:
+    """`full` zero-padded to `world * padded_rows` on `dim`, with a leading axis of 1."""
+    return padded_full(layout, full, dim).unsqueeze(0)
 
 
 def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],

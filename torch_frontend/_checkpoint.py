@@ -30,6 +30,7 @@ import torch
 from jax.sharding import NamedSharding
 from jax.tree_util import DictKey, keystr
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import funshard as fs
 from funshard import _mesh
@@ -123,6 +124,8 @@ def _model_tree(module: nn.Module, local: dict, managed: dict[int, Managed],
         if entry is not None:
             if id(t) not in leaves:
                 param = entry.param
+                if param.dtype.itemsize == 8:
+                    raise NotImplementedError(_errors.checkpoint_64bit(key, param.dtype))
                 padded = param.sync_padded()
                 # An asynchronous save outlives this call: the optimizer writes `padded`.
                 data = _bridge.global_block(entry.layout, padded.clone() if copy else padded, param.dim)
@@ -161,6 +164,8 @@ def _state_leaf(fqn: str, name: str, value, param: torch.Tensor, entry: Managed 
         return _numpy(value)
     if tuple(value.shape) != tuple(param.shape):
         raise NotImplementedError(_errors.optimizer_state_unsupported(fqn, name, value))
+    if isinstance(value, DTensor):  # a managed parameter's state: its local rows
+        value = value._local_tensor
     if entry is not None:
         return _padded_leaf(entry.layout, value, entry.param.shape, entry.param.dim)
     if _shardable(value):
@@ -377,7 +382,7 @@ def _write_model(local, managed, restored: dict, base) -> None:
             value, entry = restored[key], managed.get(id(t))
             if entry is not None:
                 entry.param.sync_padded()
-                entry.param.sharded.copy_(_local_rows(value, entry.param.local_rows))
+                entry.param.local_shard().copy_(_local_rows(value, entry.param.local_rows))
             elif isinstance(value, fs.Sharded):
                 whole.append((value, t))
             else:
@@ -400,10 +405,13 @@ def _write_optimizer(optimizer, module, managed, restored: dict, base) -> None:
             if isinstance(value, fs.Sharded) and entry is None:
                 whole.append((value, state, name))
             elif isinstance(value, fs.Sharded):
-                state[name] = _local_rows(value, entry.param.local_rows).clone()
+                state[name] = entry.param.to_dtensor(
+                    _local_rows(value, entry.param.local_rows).clone())
             elif isinstance(value, np.ndarray):
                 full = _torch(value)
-                state[name] = entry.chunk(full).clone() if entry is not None and full.ndim else full
+                if entry is not None and full.ndim:
+                    full = entry.param.to_dtensor(entry.chunk(full).clone())
+                state[name] = full
             else:
                 state[name] = value
         optimizer.state[param] = state

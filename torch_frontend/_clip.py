@@ -6,9 +6,15 @@ import math
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from torch_frontend import _bridge, _errors
-from torch_frontend._state_dict import layout_of_param
+from torch_frontend._param import managed
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    # A managed shard's gradient is a DTensor: its local rows are this rank's part.
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -68,12 +74,12 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     partials: dict[_bridge.Layout, list[torch.Tensor]] = {}
     replicated: list[torch.Tensor] = []
     for param in params:
-        layout = layout_of_param(param)
+        owner = managed(param)
         # Every managed layout gathers, with or without gradients: each process runs
         # the same collectives.
-        grads = replicated if layout is None else partials.setdefault(layout, [])
+        grads = replicated if owner is None else partials.setdefault(owner.layout, [])
         if param.grad is not None:
-            grads.append(param.grad)
+            grads.append(_local(param.grad))
     norms = _gathered_norms(partials, norm_type)
     if replicated:
         norms.append(_local_norm(replicated, norm_type))

@@ -1,25 +1,50 @@
-"""torchrun's environment -> JAX's multi-process runtime, and the mesh the frontend uses."""
+"""torchrun's environment -> JAX's runtime and torch's default process group, and meshes.
+
+Two runtimes serve one job. JAX's multi-process runtime runs the hot path (every
+all-gather and reduce-scatter of `fully_shard`), and torch.distributed's default
+process group runs what torch's own tools need: DTensor reductions (the norm in
+`clip_grad_norm_`, `full_tensor()`), `torch.distributed.checkpoint`, and the user's
+own `dist.all_reduce` / `dist.barrier`. Both are started here from torchrun's
+variables, and the same rank is the same process in both.
+"""
 
 from __future__ import annotations
 
 import jax
+import numpy as np
+import torch
+import torch.distributed as dist
 from jax.sharding import Mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 import funshard as fs
 import funshard.distributed
+from torch_frontend import _errors
+
+SHARD_AXIS = "fsdp"
+REPLICATE_AXIS = "replicate"
 
 _mesh: Mesh | None = None
 _replicate: int | None = None
+# jax mesh <-> torch DeviceMesh over the same processes, made once per mesh: a
+# DeviceMesh's sub-groups are made collectively, so every rank makes them in the same
+# order, i.e. at the same fully_shard call.
+_device_meshes: dict[Mesh, DeviceMesh] = {}
+_jax_meshes: dict[DeviceMesh, Mesh] = {}
 
 
 def init_distributed(replicate: int | None = None) -> Mesh:
-    """Starts JAX's runtime from torchrun's environment and returns the frontend's mesh.
+    """Starts JAX's runtime and torch's default process group; returns the frontend's mesh.
 
     Every torch process is one rank that holds one shard, so the mesh has ONE device
     per process (each process's first local device, where DLPack imports land), in
-    process order: rank r is position r of the "fsdp" axis. Without a launcher's
-    environment this is a single process (world size 1), e.g. in a notebook. Torch's
-    own process group is never opened. Calling it again returns the same mesh.
+    process order: rank r is position r of the "fsdp" axis. Torch's default process
+    group is opened too (gloo; "cpu:gloo,cuda:nccl" where CUDA is present) unless the
+    script already opened one, so `dist.get_rank()`, `dist.all_reduce`, DTensor and
+    `torch.distributed.checkpoint` work as with FSDP2. Without a launcher's
+    environment this is a single process (world size 1, still with a process group),
+    e.g. in a notebook. Calling it again returns the same mesh; `device_mesh()` gives
+    the matching torch `DeviceMesh`.
 
     Args:
       replicate: None for FSDP over all processes; k for HSDP, a ("replicate", "fsdp")
@@ -31,21 +56,100 @@ def init_distributed(replicate: int | None = None) -> Mesh:
     Raises:
       ValueError: `replicate` differs from an earlier call, or does not divide the
         number of processes.
+      RuntimeError: torch's process group disagrees with JAX's runtime on this
+        process's rank or on the world size.
     """
     global _mesh, _replicate
     if _mesh is not None:
         if replicate != _replicate:
-            raise ValueError(
-                f"init_distributed: already initialised with replicate={_replicate!r}; "
-                f"replicate={replicate!r} cannot change it in a running process."
-            )
+            raise ValueError(_errors.replicate_changed(_replicate, replicate))
         return _mesh
     fs.distributed.initialize()
+    _init_process_group()
     devices = [jax.local_devices(process_index=p)[0] for p in range(jax.process_count())]
     _mesh, _replicate = fs.make_mesh(replicate, devices=devices), replicate
     return _mesh
 
 
+def _init_process_group() -> None:
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if jax.process_count() == 1:
+            # No launcher: a private in-memory store, no port to find.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend)  # torchrun's MASTER_ADDR / MASTER_PORT
+    if (dist.get_rank(), dist.get_world_size()) != (jax.process_index(), jax.process_count()):
+        raise RuntimeError(_errors.ranks_disagree(
+            dist.get_rank(), dist.get_world_size(), jax.process_index(), jax.process_count()))
+
+
 def default_mesh() -> Mesh:
     """The mesh of `init_distributed()`, starting it (without replication) if needed."""
     return _mesh if _mesh is not None else init_distributed()
+
+
+def _process_grid(mesh: Mesh) -> np.ndarray:
+    return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+
+
+def device_mesh(mesh: Mesh | None = None) -> DeviceMesh:
+    """The torch `DeviceMesh` over the same processes as a frontend mesh.
+
+    Its dimensions are the mesh's axes, with the same names ("fsdp", or ("replicate",
+    "fsdp") for HSDP); the sharded parameters are DTensors on it. Every process must
+    call it for the same meshes in the same order the first time (torch makes the
+    mesh's process groups collectively).
+
+    Args:
+      mesh: a mesh from `init_distributed()` or `funshard.make_mesh` with one device
+        per process (None: `init_distributed()`'s).
+
+    Returns:
+      The DeviceMesh (made once per mesh).
+    """
+    mesh = default_mesh() if mesh is None else mesh
+    if mesh not in _device_meshes:
+        _init_process_group()
+        device_type = "cuda" if mesh.devices.flat[0].platform == "gpu" else "cpu"
+        made = DeviceMesh(device_type, torch.as_tensor(_process_grid(mesh)),
+                          mesh_dim_names=tuple(mesh.axis_names))
+        _device_meshes[mesh], _jax_meshes[made] = made, mesh
+    return _device_meshes[mesh]
+
+
+def jax_mesh(mesh: DeviceMesh) -> Mesh:
+    """The frontend mesh over the processes of a torch `DeviceMesh` (FSDP2's `mesh=`).
+
+    A 1-D mesh becomes the "fsdp" axis; a 2-D one (FSDP2's HSDP mesh, replicas first)
+    becomes ("replicate", "fsdp"). JAX's runtime is started first if needed.
+
+    Raises:
+      ValueError: the mesh has more than two dimensions.
+    """
+    if mesh in _jax_meshes:
+        return _jax_meshes[mesh]
+    if mesh.ndim not in (1, 2):
+        raise ValueError(_errors.device_mesh_rank(mesh.ndim))
+    default_mesh()
+    ranks = mesh.mesh.cpu().reshape(-1).tolist()
+    devices = [jax.local_devices(process_index=r)[0] for r in ranks]
+    made = fs.make_mesh(None if mesh.ndim == 1 else mesh.shape[0], devices=devices)
+    # One way only: the user's DeviceMesh may lack our dimension names, and an equal
+    # jax mesh (the default one) keeps the DeviceMesh `device_mesh()` made for it.
+    _jax_meshes[mesh] = made
+    return made
+
+
+def both_meshes(mesh) -> tuple[Mesh, DeviceMesh]:
+    """(jax mesh, torch DeviceMesh) for `fully_shard(mesh=...)`: None, either kind.
+
+    Raises:
+      TypeError: `mesh` is neither.
+    """
+    if mesh is None or isinstance(mesh, Mesh):
+        made = device_mesh(mesh)
+        return _jax_meshes[made], made
+    if isinstance(mesh, DeviceMesh):
+        return jax_mesh(mesh), mesh
+    raise TypeError(_errors.bad_mesh(mesh))

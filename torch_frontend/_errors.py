@@ -29,10 +29,66 @@ def child_ran_forward_first(name: str, root: str) -> str:
 
 
 def param_in_two_groups(fqn: str, other: str) -> str:
+    # FSDP2's wording ("is shared with a parameter already managed by another FSDP
+    # group"), which PyTorch's own tests match, plus the name of the other user.
     return (
-        f"fully_shard: parameter {fqn!r} is the same tensor as {other!r}, which another "
-        "fully_shard group already manages. Put the modules that share it in one group: "
-        "fully_shard([module_a, module_b])."
+        f"Parameter '{fqn}' is shared with a parameter already managed by another FSDP "
+        f"group (as {other!r}). For shared/tied parameters, use "
+        "fully_shard([module_a, module_b]) to place them in the same FSDP group."
+    )
+
+
+def already_managed(fqn: str) -> str:
+    return (
+        f"fully_shard: parameter {fqn!r} is already managed by another FSDP group (an "
+        "outer module was fully sharded first). Apply fully_shard bottom-up: the inner "
+        "modules (e.g. each block) first, then their parent."
+    )
+
+
+def replicate_changed(before, now) -> str:
+    return (
+        f"init_distributed: already initialised with replicate={before!r}; "
+        f"replicate={now!r} cannot change it in a running process."
+    )
+
+
+def ranks_disagree(rank: int, world: int, jax_rank: int, jax_world: int) -> str:
+    return (
+        f"init_distributed: torch's process group has rank {rank} of {world}, but JAX's "
+        f"runtime has process {jax_rank} of {jax_world}. Open both from the same "
+        "launcher (torchrun), or let init_distributed() open torch's group."
+    )
+
+
+def device_mesh_rank(ndim: int) -> str:
+    return (
+        f"fully_shard: a DeviceMesh with {ndim} dimensions is not supported; pass a 1-D "
+        "mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), as init_device_mesh makes."
+    )
+
+
+def bad_mesh(mesh) -> str:
+    return (
+        f"fully_shard: mesh must be a torch DeviceMesh (init_device_mesh) or the mesh "
+        f"torch_frontend.init_distributed() returns, got {type(mesh).__name__}."
+    )
+
+
+def replaced_param(fqn: str) -> str:
+    return (
+        f"fully_shard: parameter {fqn!r} was replaced after fully_shard (e.g. "
+        "`module.weight = nn.Parameter(...)`); the new tensor is not sharded and would be "
+        "ignored. Assign new values in place instead (`with torch.no_grad(): "
+        "module.weight.copy_(...)`), or replace it before calling fully_shard."
+    )
+
+
+def meta_forward(fqn: str) -> str:
+    return (
+        f"fully_shard: parameter {fqn!r} is still on the meta device. Materialise the "
+        "model after fully_shard with module.to_empty(device=...) and initialise it "
+        "(e.g. reset_parameters()) before the first forward."
     )
 
 
@@ -189,4 +245,12 @@ def nonfinite_norm(norm_type) -> str:
         f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
         "non-finite, so it cannot be clipped. To scale the gradients by the non-finite "
         "norm anyway, set error_if_nonfinite=False."
+    )
+
+
+def checkpoint_64bit(key: str, dtype) -> str:
+    return (
+        f"torch_frontend.save: parameter {key!r} has the 64-bit dtype {dtype}, which "
+        "funshard's JAX format (x64 off) cannot hold exactly. Save this model with "
+        "torch.distributed.checkpoint (dcp.save(get_model_state_dict(model))) instead."
     )

@@ -5,11 +5,13 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from torch_frontend import _bridge, _distributed, _errors, _state_dict
+from torch_frontend import _bridge, _distributed, _errors, _param, _state_dict
 from torch_frontend._group import ParamGroup, module_params
-from torch_frontend._param import FSDPParam
+from torch_frontend._param import FSDPParam, ShardSpec
 from torch_frontend._policy import MixedPrecisionPolicy
 from torch_frontend._state import FSDPState, state_of
 
@@ -52,6 +54,20 @@ class FSDPModule:
     def reshard(self) -> None:
         """Frees the gathered parameters; the module holds its local shards again."""
         self._fsdp_state().group.reshard()
+
+    def _apply(self, *args, **kwargs):
+        # `module.to(dtype / device)`, `to_empty` and `half()` convert the sharded
+        # DTensors: reshard first so that those are what the modules hold, then adopt
+        # the converted local tensors as the padded storage JAX gathers from.
+        state = state_of(self)
+        if state is not None:
+            state.group.reshard()
+        result = super()._apply(*args, **kwargs)
+        if state is not None:
+            with torch.no_grad():
+                for param in state.group.params:
+                    param.reset_sharded_param()
+        return result
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward keeps gradients unsharded and unreduced (gradient accumulation).
@@ -238,6 +254,15 @@ def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_
         raise TypeError(_errors.bad_placement_fn(shard_placement_fn))
 
 
+def _check_unmanaged(param: nn.Parameter, fqn: str) -> None:
+    if _param.managed(param) is not None:
+        raise ValueError(_errors.already_managed(fqn))
+    if isinstance(param, DTensor):
+        raise NotImplementedError(_errors.not_supported_yet(
+            f"the DTensor parameter {fqn!r} (tensor parallelism)",
+            "pass modules with plain tensor parameters."))
+
+
 def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
     """The dimension `shard_placement_fn` shards `param` on (FSDP2's `Shard(dim)`)."""
     from torch.distributed.tensor import Shard
@@ -287,7 +312,8 @@ def fully_shard(
 ):
     """Shards `module`'s parameters over the mesh and installs FSDP2's hooks.
 
-    Each parameter not already managed by an inner `fully_shard` becomes this rank's
+    Each parameter not already managed by an inner `fully_shard` becomes a DTensor
+    (`Shard(0)`, after `Replicate()` on an HSDP mesh) whose local tensor is this rank's
     shard `torch.chunk(p, world, dim=0)[rank]` (possibly empty); the forward gathers
     them (one collective per call of `fully_shard`), the backward reduce-scatters their
     gradients into the shards' `.grad`, averaged over the data-parallel world. Apply it
@@ -295,7 +321,9 @@ def fully_shard(
 
     Args:
       module: a module, or a list of modules that form ONE group (tied weights).
-      mesh: the mesh from `init_distributed()` (None: that mesh).
+      mesh: a torch `DeviceMesh` as FSDP2 takes it (`init_device_mesh("cpu", (n,))`,
+        or 2-D `(replicate, shard)` for HSDP), or the mesh from `init_distributed()`
+        (None: that mesh).
       reshard_after_forward: True frees the gathered parameters after forward and
         gathers again in backward; False keeps them. An int k (a divisor of the shard
         world size, FSDP2's hpZ) keeps each rank's 1/k of them, so the backward's
@@ -325,7 +353,8 @@ def fully_shard(
     _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn)
     _check_not_yet(offload_policy, dp_mesh_dims)
     ignored = {id(p) for p in ignored_params or ()}
-    layout = _bridge.layout_of(_distributed.default_mesh() if mesh is None else mesh)
+    jax_mesh, device_mesh = _distributed.both_meshes(mesh)
+    layout = _bridge.layout_of(jax_mesh)
     post_forward = _post_forward_world(reshard_after_forward, layout)
     names = _param_names(modules)
     placed = []
@@ -334,10 +363,12 @@ def fully_shard(
             continue
         owner, attr = uses[0]
         fqn = f"{names[id(owner)]}.{attr}" if names[id(owner)] else attr
+        _check_unmanaged(param, fqn)
         placed.append((param, uses, fqn, _shard_dim(shard_placement_fn, param, fqn)))
     # Every placement is checked before any module changes: an error loses nothing.
-    params = [FSDPParam(param, uses, fqn, layout, dim) for param, uses, fqn, dim in placed]
-    group = ParamGroup(params, layout, mp_policy, post_forward)
+    spec = ShardSpec(device_mesh)
+    params = [FSDPParam(param, uses, fqn, layout, spec, dim) for param, uses, fqn, dim in placed]
+    group = ParamGroup(params, layout, mp_policy, post_forward, device_mesh)
     FSDPState(tuple(modules), group, mp_policy, reshard_after_forward is None)
     _state_dict.register_hooks(group)
     for m in modules:

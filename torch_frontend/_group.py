@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
 from torch_frontend import _bridge
@@ -22,16 +24,42 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = enum.auto()
 
 
+class ShardedState(enum.Enum):
+    """Which tensors a group's modules hold (FSDP2's `ShardedState`)."""
+
+    SHARDED = enum.auto()  # the local shards (DTensors)
+    SHARDED_POST_FORWARD = enum.auto()  # the shards, and 1/k of the gathered ones (hpZ)
+    UNSHARDED = enum.auto()  # the gathered parameters
+
+
+def divide_factors(reduce_dtype: torch.dtype, factor: float) -> tuple[float | None, float | None]:
+    """(pre, post): FSDP2's division of summed gradients by `factor`, around the sum.
+
+    fp32 and bf16 have the range to sum first and divide once after. Other dtypes
+    (fp16) would overflow or underflow that way: they divide by a power of two near
+    sqrt(factor) before the sum and by the rest after, with FSDP2's exact factors.
+    """
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return None, factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), factor / pre
+
+
 class ParamGroup:
     """The parameters of one `fully_shard` call and their per-iteration lifecycle.
 
     Every transition calls one bridge function: `unshard` is ONE all-gather of all
-    parameters, `post_backward` ONE reduce-scatter of all their gradients.
+    parameters, `post_backward` ONE reduce-scatter of all their gradients (64-bit
+    floating gradients, which JAX cannot sum without x64, reduce in torch's group).
     """
 
     def __init__(self, params: list[FSDPParam], layout: _bridge.Layout,
-                 mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int):
+                 mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int,
+                 device_mesh=None):
         self.params, self.layout, self.mp_policy = params, layout, mp_policy
+        self.device_mesh = device_mesh
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.reduce_grads = True
@@ -39,14 +67,20 @@ class ParamGroup:
         self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
         self.training_state = TrainingState.IDLE
-        self.is_unsharded = False
+        self.sharded_state = ShardedState.SHARDED
         self._pending: list | None = None  # a dispatched, not yet bound all-gather
         self._parts: _bridge.Layout | None = None  # hpZ: the group layout of kept parts
 
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state == ShardedState.UNSHARDED
+
     def param_dtype(self, param: FSDPParam) -> torch.dtype:
-        return self.mp_policy.param_dtype or param.dtype
+        return param.gather_dtype(self.mp_policy.param_dtype)
 
     def reduce_dtype(self, param: FSDPParam) -> torch.dtype:
+        if not param.dtype.is_floating_point:
+            return param.dtype
         return self.mp_policy.reduce_dtype or self.param_dtype(param)
 
     def unshard(self, async_op: bool = False) -> None:
@@ -54,21 +88,28 @@ class ParamGroup:
 
         Args:
           async_op: only dispatch the gather (a prefetch); `wait_for_unshard` binds.
+
+        Raises:
+          ValueError: a parameter was replaced after fully_shard.
+          RuntimeError: a parameter is still on the meta device.
         """
         if self.is_unsharded or self._pending is not None:
             if not async_op:
                 self.wait_for_unshard()
             return
-        if self.params and self._parts is not None:
-            # hpZ: gather the kept parts within the group of k ranks only.
-            blocks = [p.part_block() for p in self.params]
-            self._pending = _bridge.start_all_gather(
-                self._parts, blocks, *self._rows_and_dims())
-        elif self.params:
-            blocks = [p.gather_input(self.layout, self.param_dtype(p)) for p in self.params]
-            self._pending = _bridge.start_all_gather(self.layout, blocks, *self._rows_and_dims())
-        else:
-            self.is_unsharded = True
+        with record_function("FSDP::all_gather"):
+            if self.params and self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+                # hpZ: gather the kept parts within the group of k ranks only.
+                blocks = [p.part_block() for p in self.params]
+                self._pending = _bridge.start_all_gather(
+                    self._parts, blocks, *self._rows_and_dims())
+            elif self.params:
+                for param in self.params:
+                    param.check_bound()
+                blocks = [p.gather_input(self.layout, self.param_dtype(p)) for p in self.params]
+                self._pending = _bridge.start_all_gather(self.layout, blocks, *self._rows_and_dims())
+            else:
+                self.sharded_state = ShardedState.UNSHARDED
         if not async_op:
             self.wait_for_unshard()
 
@@ -79,13 +120,14 @@ class ParamGroup:
         """Completes a dispatched gather and binds the gathered parameters."""
         if self._pending is None:
             return
-        fulls = _bridge.finish_all_gather(self._pending)
-        self._pending = None
-        for param, full in zip(self.params, fulls):
-            param.to_unsharded(full)
-            param.drop_part()
+        with record_function("FSDP::all_gather_copy_out"):
+            fulls = _bridge.finish_all_gather(self._pending)
+            self._pending = None
+            for param, full in zip(self.params, fulls):
+                param.to_unsharded(_bridge.from_words(full, self.param_dtype(param)))
+                param.drop_part()
         self._parts = None
-        self.is_unsharded = True
+        self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
         """Binds the local shards again and drops the gathered tensors (and hpZ parts)."""
@@ -97,7 +139,7 @@ class ParamGroup:
             param.to_sharded()
             param.drop_part()
         self._parts = None
-        self.is_unsharded = False
+        self.sharded_state = ShardedState.SHARDED
 
     def reshard_to_group(self, k: int) -> None:
         """Keeps 1/k of each gathered parameter and frees the rest (FSDP2's hpZ).
@@ -112,7 +154,7 @@ class ParamGroup:
             param.keep_part(self.layout, hpz)
             param.to_sharded()
         self._parts = hpz
-        self.is_unsharded = False
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Unshards; on the first module of the pass, hooks post-backward onto the inputs."""
@@ -152,32 +194,66 @@ class ParamGroup:
         the reduce dtype, until a backward that synchronises.
         """
         self.training_state = TrainingState.POST_BACKWARD
+        with record_function("FSDP::post_backward_reduce"):
+            self._post_backward()
+
+    def _post_backward(self) -> None:
         if not self.reduce_grads:
             for param in self.params:
                 param.accumulate_unsharded_grad(self.reduce_dtype(param))
             self._reshard_after_backward()
             return
         all_reduce = self.all_reduce_grads or not self.layout.replicate_axes
-        with_grad, grads = [], []
+        factor = self.gradient_divide_factor or float(self.layout.data_parallel)
+        with_grad, grads, posts = [], [], []
         for param in self.params:
-            grad = param.take_unsharded_grad(self.reduce_dtype(param))
+            dtype = self.reduce_dtype(param)
+            grad = param.take_unsharded_grad(dtype)
             if all_reduce:
-                grad = param.with_partial_grad(grad, self.reduce_dtype(param), self.layout.rank)
+                grad = param.with_partial_grad(grad, dtype, self.layout.rank)
             if grad is not None:
+                pre, post = divide_factors(dtype, factor)
                 with_grad.append(param)
-                grads.append(grad)
+                grads.append(grad if pre is None else grad / pre)
+                posts.append(post)
         self._reshard_after_backward()
         if not with_grad:
             return
-        blocks = _bridge.reduce_scatter(
-            self.layout, grads, [p.dim for p in with_grad], all_reduce=all_reduce)
+        blocks = self._reduce_scatter(grads, [p.dim for p in with_grad], all_reduce)
         if not all_reduce:
             for param, block in zip(with_grad, blocks):
                 param.add_partial_grad(block)
             return
-        factor = self.gradient_divide_factor or float(self.layout.data_parallel)
-        for param, block in zip(with_grad, blocks):
-            param.add_sharded_grad(block, factor)
+        for param, block, post in zip(with_grad, blocks, posts):
+            param.add_sharded_grad(block, post)
+
+    def _reduce_scatter(self, grads: list[torch.Tensor], dims: list[int],
+                        all_reduce: bool) -> list[torch.Tensor]:
+        wide = [i for i, g in enumerate(grads) if g.element_size() == 8]
+        if not wide:
+            return _bridge.reduce_scatter(self.layout, grads, dims, all_reduce=all_reduce)
+        narrow = [i for i in range(len(grads)) if i not in wide]
+        blocks: list[torch.Tensor | None] = [None] * len(grads)
+        if narrow:
+            reduced = _bridge.reduce_scatter(
+                self.layout, [grads[i] for i in narrow], [dims[i] for i in narrow],
+                all_reduce=all_reduce)
+            for i, block in zip(narrow, reduced):
+                blocks[i] = block
+        for i in wide:
+            blocks[i] = self._torch_reduce_scatter(grads[i], dims[i], all_reduce)
+        return blocks
+
+    def _torch_reduce_scatter(self, grad: torch.Tensor, dim: int, all_reduce: bool) -> torch.Tensor:
+        # JAX without x64 holds no 64-bit float: torch's group sums these exactly in
+        # their own dtype (an all-reduce and this rank's rows, as FSDP2 on gloo).
+        full = _bridge.padded_full(self.layout, grad, dim).clone()
+        mesh = self.device_mesh
+        dist.all_reduce(full, group=mesh.get_group(mesh.ndim - 1))
+        if all_reduce and mesh.ndim > 1:
+            dist.all_reduce(full, group=mesh.get_group(0))
+        rows = self.layout.padded_rows(grad.shape[dim])
+        return full.narrow(dim, self.layout.rank * rows, rows)
 
     def cancel_prefetch(self) -> None:
         """Completes and drops a dispatched gather that nothing waited for."""
@@ -191,7 +267,7 @@ class ParamGroup:
         They were copied from the parameters of that forward; a later optimizer step
         changes the shards, so a new iteration never gathers from them.
         """
-        if self._parts is not None:
+        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
             self.reshard()
 
     def reset_iter_state(self) -> None:

@@ -1,44 +1,107 @@
-"""One managed parameter: its local shard in padded storage and its unsharded twin."""
+"""One managed parameter: a DTensor over its padded local storage, and its unsharded twin."""
 
 from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
 
 import jax
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from torch_frontend import _bridge, _errors
 
+# id() of every tensor a group binds to its modules (local shards and unsharded
+# parameters) -> its FSDPParam. Not a weak reference to the tensor: `module.to()` and
+# `to_empty()` swap a DTensor parameter's contents in place (torch.utils.swap_tensors),
+# which refuses tensors with weak references. A hit counts only if the FSDPParam still
+# holds that very tensor, so an address reused by a later tensor is never mistaken for it.
+_MANAGED: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
+_UID_ATTR = "_torch_frontend_uid"
+_uids = itertools.count()
+
+
+def managed(tensor: torch.Tensor) -> "FSDPParam | None":
+    """The FSDPParam that binds `tensor` (a shard or an unsharded parameter), if any."""
+    owner = _MANAGED.get(id(tensor))
+    if owner is not None and (owner.sharded is tensor or owner.unsharded is tensor):
+        return owner
+    return None
+
+
+def original_uid(param: nn.Parameter) -> int:
+    """A number that names the original parameter object for as long as it lives.
+
+    Stored on the object itself, so parameters that share it (tied weights) share the
+    number and an object made later at the same address (after garbage collection)
+    gets another one: `id()` could not tell these apart.
+    """
+    uid = getattr(param, _UID_ATTR, None)
+    if uid is None:
+        uid = next(_uids)
+        setattr(param, _UID_ATTR, uid)
+    return uid
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How a group's shards are DTensors: the torch mesh and the placement of a dim."""
+
+    device_mesh: DeviceMesh
+
+    def placements(self, dim: int) -> tuple[Placement, ...]:
+        """FSDP2's: `Shard(dim)`, after `Replicate()` on an HSDP mesh."""
+        return (Replicate(),) * (self.device_mesh.ndim - 1) + (Shard(dim),)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
 
 class FSDPParam:
-    """A parameter of a group, held by this rank as `torch.chunk(p, world, dim=0)[rank]`.
+    """A parameter of a group, held by this rank as `torch.chunk(p, world, dim)[rank]`.
 
-    The shard is a view of `padded`, a contiguous buffer of `padded_rows` rows (zero
-    rows after the shard) that JAX reads through DLPack without a copy. The optimizer
-    updates the shard in place, hence `padded` too. `unsharded` is one persistent
-    `nn.Parameter` whose data is swapped for each gathered tensor: autograd's saved
-    tensors and gradient accumulation across microbatches see it as one leaf.
+    The module holds `sharded`, an `nn.Parameter` DTensor (`Shard(dim)`, as FSDP2's)
+    whose local tensor is a view of `padded`: a contiguous buffer of `padded_rows` rows
+    (zero rows after the shard) that JAX reads through DLPack without a copy. The
+    optimizer updates the DTensor in place, hence `padded` too. `unsharded` is one
+    persistent plain `nn.Parameter` whose data is swapped for each gathered tensor:
+    autograd's saved tensors and gradient accumulation across microbatches see it as
+    one leaf.
 
     Attributes:
       fqn: the parameter's name (relative to the fully_shard module, then to the root).
       uses: every (module, attribute name) that holds the parameter (tied weights).
-      orig_id: `id` of the original parameter, to find one managed by two groups.
+      orig_uid: `original_uid` of the original parameter, to find one managed by two
+        groups.
     """
 
     def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], fqn: str,
-                 layout: _bridge.Layout, dim: int = 0):
+                 layout: _bridge.Layout, spec: ShardSpec, dim: int = 0):
         if param.ndim == 0:
             raise NotImplementedError(_errors.scalar_param(fqn))
-        self.fqn, self.uses, self.orig_id, self.dim = fqn, uses, id(param), dim
+        self.fqn, self.uses, self.dim = fqn, uses, dim
+        self.orig_uid = original_uid(param)
+        self.layout, self.spec = layout, spec
         self.shape, self.dtype = tuple(param.shape), param.dtype
         self.rows = param.shape[dim]
         self.local_rows = layout.local_rows(self.rows)
-        padded_shape = list(param.shape)
-        padded_shape[dim] = layout.padded_rows(self.rows)
-        self.padded = param.detach().new_zeros(padded_shape)
-        start = layout.rank * padded_shape[dim]
-        self._local(self.padded).copy_(param.detach().narrow(dim, start, self.local_rows))
+        padded = param.detach().new_zeros(self._padded_shape())
+        start = layout.rank * padded.shape[dim]
+        if not padded.is_meta:
+            self._local(padded).copy_(param.detach().narrow(dim, start, self.local_rows))
+        self.padded = padded
         # On a dim other than 0 a shard shorter than the padding is a strided view.
-        self.sharded = nn.Parameter(self._local(self.padded), requires_grad=param.requires_grad)
+        self.sharded = nn.Parameter(self.to_dtensor(self._local(padded)),
+                                    requires_grad=param.requires_grad)
+        _MANAGED[id(self.sharded)] = self
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None
         self._cast: torch.Tensor | None = None  # `padded` in another gather dtype
@@ -48,6 +111,41 @@ class FSDPParam:
         # over the replicas (FSDP2's partial reduce output).
         self.partial_grad: torch.Tensor | None = None
         self.to_sharded()
+
+    def _padded_shape(self) -> list[int]:
+        shape = list(self.shape)
+        shape[self.dim] = self.layout.padded_rows(self.rows)
+        return shape
+
+    def to_dtensor(self, local: torch.Tensor) -> DTensor:
+        """`local` (this rank's rows) as the DTensor of the full parameter, no copy."""
+        with torch.no_grad():
+            return DTensor.from_local(
+                local, self.spec.device_mesh, self.spec.placements(self.dim), run_check=False,
+                shape=torch.Size(self.shape), stride=_contiguous_strides(self.shape))
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's rows of the parameter (the DTensor's local tensor, a view)."""
+        return self.sharded._local_tensor
+
+    def gather_dtype(self, param_dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype the parameter is gathered and computed in (FSDP2's clamping)."""
+        if param_dtype is None or not self.dtype.is_floating_point:
+            return self.dtype
+        return param_dtype
+
+    def check_bound(self) -> None:
+        """Raises if a module attribute no longer holds the sharded parameter.
+
+        Raises:
+          ValueError: the parameter was replaced after fully_shard.
+          RuntimeError: the parameter is still on the meta device.
+        """
+        for module, name in self.uses:
+            if module._parameters.get(name) is not self.sharded:
+                raise ValueError(_errors.replaced_param(self.fqn))
+        if self.padded.is_meta:
+            raise RuntimeError(_errors.meta_forward(self.fqn))
 
     def gather_input(self, layout: _bridge.Layout, dtype: torch.dtype) -> jax.Array:
         """This rank's padded block in `dtype` as a global jax.Array: the gather's input.
@@ -67,17 +165,43 @@ class FSDPParam:
         return _bridge.global_block(layout, source, self.dim)
 
     def sync_padded(self) -> torch.Tensor:
-        """`padded`, re-made first if the shard was re-bound to other storage.
+        """`padded`, re-made first if the shard no longer views it.
 
-        After `param.data = ...` (or `load_state_dict(assign=True)`) the shard no longer
-        views `padded`: its values are copied into fresh padded storage, which the
-        shard views again, so that gathers and checkpoints see them.
+        After `module.to(...)`, `to_empty`, `param.data = ...` or
+        `load_state_dict(assign=True)` the DTensor's local tensor may be new storage
+        (of a new dtype or device): its values are copied into fresh padded storage,
+        which the local tensor views again, so that gathers and checkpoints see them.
         """
-        if self.sharded.untyped_storage().data_ptr() != self.padded.untyped_storage().data_ptr():
-            self.padded = self.padded.new_zeros(self.padded.shape)
-            self._local(self.padded).copy_(self.sharded.detach())
-            self.sharded.data = self._local(self.padded)
+        local = self.local_shard()
+        if local.is_meta or _same_storage(local, self.padded):
+            return self.padded
+        self.dtype = local.dtype
+        padded = local.new_zeros(self._padded_shape())
+        self._local(padded).copy_(local)
+        self.padded = padded
+        self.sharded._local_tensor = self._local(padded)
+        self._cast = None
+        if self.unsharded is not None and self.unsharded.dtype != self.dtype:
+            self.unsharded = None  # re-made in the new dtype at the next gather
         return self.padded
+
+    def reset_sharded_param(self) -> None:
+        """Adopts what the module now holds after `nn.Module._apply` (`to`, `to_empty`).
+
+        `_apply` may give the module a new DTensor parameter instead of updating ours in
+        place; ours stays the one registered (the optimizer may already hold it) and
+        takes the new local tensor.
+        """
+        module, name = self.uses[0]
+        new = module._parameters.get(name)
+        if new is not None and new is not self.sharded:
+            if not isinstance(new, DTensor) or new.shape != self.sharded.shape:
+                raise ValueError(_errors.replaced_param(self.fqn))
+            with torch.no_grad():
+                self.sharded._local_tensor = new._local_tensor
+            self.sharded.requires_grad_(new.requires_grad)
+        self._bind(self.sharded)
+        self.sync_padded()
 
     def keep_part(self, layout: _bridge.Layout, hpz: _bridge.Layout) -> None:
         """Keeps this rank's part of the gathered parameter for an hpZ re-gather.
@@ -107,6 +231,7 @@ class FSDPParam:
         """Makes the modules use `full` (a gathered tensor) as the parameter."""
         if self.unsharded is None:
             self.unsharded = nn.Parameter(full, requires_grad=self.sharded.requires_grad)
+            _MANAGED[id(self.unsharded)] = self
         else:
             self.unsharded.data = full
         self._bind(self.unsharded)
@@ -161,13 +286,19 @@ class FSDPParam:
         self.partial_grad = None
         return full
 
-    def add_sharded_grad(self, block: torch.Tensor, divide_factor: float) -> None:
-        """Adds this rank's rows of a reduced gradient to the shard's `.grad`."""
-        grad = (self._local(block) / divide_factor).to(self.dtype)
+    def add_sharded_grad(self, block: torch.Tensor, divide_factor: float | None) -> None:
+        """Adds this rank's rows of a reduced gradient to the shard's `.grad` (a DTensor).
+
+        `block` is JAX's read-only buffer: the gradient is always a new tensor.
+        """
+        local = self._local(block)
+        local = local / divide_factor if divide_factor not in (None, 1) else local.clone()
+        local = local.to(self.dtype)
         if self.sharded.grad is None:
-            self.sharded.grad = grad
+            self.sharded.grad = self.to_dtensor(local)
         else:
-            self.sharded.grad += grad
+            grad = self.sharded.grad
+            (grad._local_tensor if isinstance(grad, DTensor) else grad).add_(local)
 
     def _local(self, padded: torch.Tensor) -> torch.Tensor:
         """The shard's rows of a padded block (a view)."""
@@ -176,3 +307,8 @@ class FSDPParam:
     def _bind(self, param: nn.Parameter) -> None:
         for module, name in self.uses:
             module._parameters[name] = param
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.dtype == b.dtype
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
 from torch_frontend import _errors
@@ -68,7 +69,8 @@ class FSDPState:
     def _module_pre_forward(self, module, _module, args, kwargs):
         if len(self.modules) > 1 and not self.modules_to_run:
             self.modules_to_run.update(self.modules)
-        return self.pre_forward(args, kwargs)
+        with record_function(f"FSDP::pre_forward ({self.fqn})"):
+            return self.pre_forward(args, kwargs)
 
     def _module_post_forward(self, module, _module, _args, output):
         if len(self.modules) > 1:
@@ -77,7 +79,8 @@ class FSDPState:
             self.modules_to_run.discard(module)
             if self.modules_to_run:  # the group's post-forward waits for its last module
                 return self.cast_output(output)
-        return self.post_forward(output)
+        with record_function(f"FSDP::post_forward ({self.fqn})"):
+            return self.post_forward(output)
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Root set-up once per pass, input cast, ONE all-gather, post-backward hook."""
@@ -194,9 +197,9 @@ class FSDPState:
         owners: dict[int, str] = {}
         for state in self.ctx.all_states:
             for param in state.group.params:
-                if param.orig_id in owners:
-                    raise ValueError(_errors.param_in_two_groups(param.fqn, owners[param.orig_id]))
-                owners[param.orig_id] = param.fqn
+                if param.orig_uid in owners:
+                    raise ValueError(_errors.param_in_two_groups(param.fqn, owners[param.orig_uid]))
+                owners[param.orig_uid] = param.fqn
 
     # ---- backward ----
 
@@ -212,6 +215,10 @@ class FSDPState:
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
+        with record_function(f"FSDP::pre_backward ({self.fqn})"):
+            self._run_pre_backward()
+
+    def _run_pre_backward(self) -> None:
         already = self.training_state == TrainingState.PRE_BACKWARD
         self.training_state = TrainingState.PRE_BACKWARD
         self._queue_final_callback()
@@ -237,6 +244,10 @@ class FSDPState:
         Variable._execution_engine.queue_callback(root._root_post_backward_final_callback)
 
     def _root_post_backward_final_callback(self) -> None:
+        with record_function("FSDP::root_post_backward_callback"):
+            self._end_backward()
+
+    def _end_backward(self) -> None:
         # Groups whose backward never ran (inputs without grad, unused modules) reduce
         # here; then every state starts the next iteration idle.
         # Only the last backward of an iteration (`set_is_last_backward`) ends it: the

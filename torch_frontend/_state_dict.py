@@ -17,17 +17,11 @@ from typing import Mapping
 import jax
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_frontend import _bridge, _errors
 from torch_frontend._group import ParamGroup
 from torch_frontend._param import FSDPParam
 from torch_frontend._state import state_of
-
-# The layout of every managed shard, for functions given parameters only
-# (clip_grad_norm_). Weak keys: the entry goes with the parameter.
-_LAYOUTS = WeakIdKeyDictionary()
-
 
 @dataclasses.dataclass(frozen=True)
 class Managed:
@@ -47,7 +41,6 @@ def register_hooks(group: ParamGroup) -> None:
     """Installs the state-dict hooks of `group` on every module that holds its parameters."""
     modules: dict[int, nn.Module] = {}
     for param in group.params:
-        _LAYOUTS[param.sharded] = group.layout
         for module, _ in param.uses:
             modules.setdefault(id(module), module)
     for module in modules.values():
@@ -55,11 +48,6 @@ def register_hooks(group: ParamGroup) -> None:
         module.register_state_dict_pre_hook(reshard)
         module.register_load_state_dict_pre_hook(reshard)
         module.register_load_state_dict_post_hook(functools.partial(_adopt_assigned, group))
-
-
-def layout_of_param(param: torch.Tensor) -> _bridge.Layout | None:
-    """The layout of the group managing `param` (a local shard), or None if unmanaged."""
-    return _LAYOUTS.get(param)
 
 
 def _reshard(group: ParamGroup, *_) -> None:
@@ -71,13 +59,10 @@ def _reshard(group: ParamGroup, *_) -> None:
 def _adopt_assigned(group: ParamGroup, module: nn.Module, _incompatible) -> None:
     # load_state_dict(assign=True) put new Parameter objects into the module: keep
     # the shard Parameters (the optimizer holds them) and take over the new data.
-    for param in group.params:
-        for owner, name in param.uses:
-            new = owner._parameters.get(name) if owner is module else None
-            if new is None or new is param.sharded:
-                continue
-            param.sharded.data = new.detach()
-            param.to_sharded()
+    with torch.no_grad():
+        for param in group.params:
+            if any(owner is module for owner, _ in param.uses):
+                param.reset_sharded_param()
 
 
 def managed_params(module: nn.Module) -> dict[int, Managed]:
@@ -109,7 +94,8 @@ def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
     fulls: dict[int, torch.Tensor] = {}
     for params, future in pending:
         for param, full in zip(params, _bridge.finish_all_gather(future)):
-            fulls[id(param.sharded)] = full.clone()  # JAX's buffer is read-only
+            # JAX's buffer is read-only: the caller gets its own copy.
+            fulls[id(param.sharded)] = _bridge.from_words(full, param.dtype).clone()
     return fulls
 
 
@@ -174,6 +160,11 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     problems = _problems(expected, state_dict)
     if problems:
         raise ValueError(_errors.full_state_dict_mismatch(problems))
-    chunks = {key: managed[id(t)].chunk(state_dict[key]) if id(t) in managed else state_dict[key]
+    chunks = {key: _chunk(managed[id(t)], state_dict[key]) if id(t) in managed else state_dict[key]
               for key, t in local.items()}
     module.load_state_dict(chunks)
+
+
+def _chunk(entry: Managed, full: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of `full` as a DTensor like the managed parameter's."""
+    return entry.param.to_dtensor(entry.chunk(full).to(entry.param.dtype))

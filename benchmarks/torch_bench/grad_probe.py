@@ -100,7 +100,6 @@ def main(argv=None) -> int:
             return out
 
         _bridge.reduce_scatter = rechecking
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     cfg = gpt.Config(blocks=args.blocks, width=args.width)

@@ -2,9 +2,9 @@
 
     torchrun --nproc-per-node 2 benchmarks/torch_bench/worker.py --out DIR [--quick] ...
 
-Starts JAX's runtime (torch_frontend.init_distributed) and a torch gloo process group
-side by side, builds every variant, then runs rounds: round r runs step r of every
-variant in turn (starting at a rotating variant), each after a barrier, so that load on
+Starts JAX's runtime and torch's gloo process group (both by
+torch_frontend.init_distributed), builds every variant, then runs rounds: round r runs
+step r of every variant in turn (starting at a rotating variant), each after a barrier, so that load on
 the machine hits all variants alike. After the timed rounds come one memory step per
 variant and, with `--profile`, a few profiled steps of the frontend. Writes
 `rank{r}.json` into DIR.
@@ -141,8 +141,7 @@ def main(argv=None) -> int:
     import torch_frontend
 
     started = time.perf_counter()
-    mesh = torch_frontend.init_distributed()
-    dist.init_process_group("gloo")
+    mesh = torch_frontend.init_distributed()  # JAX's runtime and torch's gloo group
     world = dist.get_world_size()
     if cfg.batch % world:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {world} ranks")
