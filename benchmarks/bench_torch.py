@@ -4,6 +4,8 @@ Run from the repository root (2 processes on gloo, this machine's CPUs):
 
     python benchmarks/bench_torch.py                       # the 4 x 1024 GPT (10-15 min here)
     python benchmarks/bench_torch.py --quick               # tiny model, 3 steps (smoke run)
+    python benchmarks/bench_torch.py --preset nano-10.8m --rss   # nanoGPT's 6 x 384, and
+                                                           # each process's peak RSS
     python benchmarks/bench_torch.py --out-md result.md --out-json result.json
 
 One torchrun job (`torch_bench/worker.py`, 2 ranks) builds every variant on the same
@@ -49,6 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: torch_bench
 
 from torch_bench import report  # noqa: E402
+from torch_bench.model import PRESETS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "torch_bench" / "worker.py"
@@ -64,6 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=None,
                    help="profiled frontend steps after the timed ones (default 5; 0: none)")
     p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="model shape and batch (default gpt-51m; --quick: quick); "
+                        "--blocks etc. override its fields")
+    p.add_argument("--only", default="", help="comma-separated variant keys to build "
+                   "(frontend-True, fsdp2-True, frontend-False, fsdp2-False, ddp, jax, "
+                   "single, floor; default all)")
+    p.add_argument("--rss", action="store_true",
+                   help="also run torch_frontend and FSDP2 (reshard=True) alone, one job "
+                        "each, and report each process's peak resident memory")
     for name in ("blocks", "width", "heads", "seq", "batch"):
         p.add_argument(f"--{name}", type=int, default=None, help="model / global batch")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole job")
@@ -74,6 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report-only", type=Path, default=None, metavar="DIR",
                    help="run nothing: report the raw results kept in DIR by --keep")
     args = p.parse_args(argv)
+    preset = PRESETS[args.preset or ("quick" if args.quick else "gpt-51m")]
+    for name in ("blocks", "width", "heads", "seq", "batch"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
     if args.steps is None:
         args.steps = 3 if args.quick else 20
     if args.warmup is None:
@@ -113,7 +129,7 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def run_job(args, out: Path) -> int:
+def run_job(args, out: Path, only: str) -> int:
     """Runs the torchrun job; kills torchrun and its workers (by pid) on the way out."""
     model = [f"--{k}={getattr(args, k)}" for k in ("blocks", "width", "heads", "seq", "batch")
              if getattr(args, k) is not None]
@@ -122,7 +138,7 @@ def run_job(args, out: Path) -> int:
                f"--master-port={_free_port_pair()}", str(WORKER), "--out", str(out),
                "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--profile-steps", str(args.profile_steps), "--deadline", str(args.timeout),
-               *(["--quick"] if args.quick else []), *model]
+               *(["--only", only] if only else []), *model]
     proc = subprocess.Popen(command, env=_env(), cwd=ROOT, start_new_session=True)
     try:
         return proc.wait(timeout=args.timeout)
@@ -135,12 +151,12 @@ def run_job(args, out: Path) -> int:
         proc.wait()
 
 
-def measure(args) -> list[dict] | None:
+def measure(args, only: str = "") -> list[dict] | None:
     """Runs the job; returns every rank's raw result (None if the job failed)."""
     load_start, started = _command("uptime"), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_torch-") as tmp:
         out = Path(tmp)
-        code = run_job(args, out)
+        code = run_job(args, out, only)
         files = sorted(out.glob("rank*.json"))
         if code != 0 or len(files) != args.processes:
             print(f"bench_torch: the torchrun job failed (exit {code})", file=sys.stderr)
@@ -208,7 +224,7 @@ def markdown(args, m: dict, rows: dict, losses, targets, prof, load, wall: float
     lines += [f"- losses {c['variant']} vs {c['peer']}: max |diff| over {c['steps']} steps "
               f"and every rank = {c['max_abs_diff']:.2e} ({'equal' if c['equal'] else 'DIFFER'})"
               for c in losses]
-    lines += [f"- target {t['variant']} <= {t['limit']:.1f}x {t['peer']}: "
+    lines += [f"- target {t['metric']} {t['variant']} <= {t['limit']:.1f}x {t['peer']}: "
               f"{t['ratio']:.2f}x, {'met' if t['met'] else 'MISSED'}" for t in targets]
     lines.append("")
     if prof:
@@ -216,6 +232,32 @@ def markdown(args, m: dict, rows: dict, losses, targets, prof, load, wall: float
         lines += ["## Frontend profile (ms per step inside each bridge call, calls per step)",
                   ""] + report.markdown_table(header, prow)
     return "\n".join(lines)
+
+
+ALONE = ("frontend-True", "fsdp2-True")
+RSS_NOTE = ("One job per implementation, each building only that variant (the FSDP2 job "
+            "never imports JAX) and running the same steps: `start` is a rank's resident "
+            "memory right after start-up (process group, and JAX's runtime for the "
+            "frontend), `peak` its peak resident memory (VmHWM) over start-up, building "
+            "and the steps; the larger rank's.")
+
+
+def process_memory(args) -> dict | None:
+    """{variant key: {"start", "peak"} bytes (the larger rank's)}, one job each."""
+    out = {}
+    for key in ALONE:
+        ranks = measure(args, key)
+        if ranks is None:
+            return None
+        out[key] = {f: max(r["rss_process"][f] for r in ranks) for f in ("start", "peak")}
+    return out
+
+
+def rss_table(alone: dict) -> tuple[list[str], list[list[str]]]:
+    peer = alone["fsdp2-True"]
+    rows = [[key, f"{v['start'] / report.MIB:,.0f}", f"{v['peak'] / report.MIB:,.0f}",
+             f"{v['peak'] / peer['peak']:.2f}"] for key, v in alone.items()]
+    return ["alone", "start MiB", "peak MiB", "peak / FSDP2"], rows
 
 
 def main(argv=None) -> int:
@@ -228,10 +270,13 @@ def main(argv=None) -> int:
             return 1
         load = tuple(ranks[0].get("load", ("?", "?")))
     else:
-        ranks = measure(args)
+        ranks = measure(args, args.only)
         if ranks is None:
             return 1
         load = tuple(ranks[0]["load"])
+    alone = process_memory(args) if args.rss else None
+    if args.rss and alone is None:
+        return 1
     rows = report.aggregate(ranks)
     losses, targets = report.loss_checks(rows), report.target_checks(rows)
     prof = report.profile_rows(ranks)
@@ -244,22 +289,29 @@ def main(argv=None) -> int:
     for c in losses:
         print(f"losses {c['variant']} vs {c['peer']}: max |diff| {c['max_abs_diff']:.2e}")
     for t in targets:
-        print(f"target {t['variant']} <= {t['limit']}x {t['peer']}: {t['ratio']:.2f}x "
+        print(f"target {t['metric']} {t['variant']} <= {t['limit']}x {t['peer']}: {t['ratio']:.2f}x "
               f"({'met' if t['met'] else 'MISSED'})")
     if prof:
         report.print_table("frontend profile: ms per step (calls per step)",
                            *report.profile_table(prof))
+    if alone:
+        report.print_table("each implementation alone, reshard=True: resident memory per rank",
+                           *rss_table(alone))
     print(f"load: {load[0]} -> {load[1]}")
     wall = ranks[0].get("job_wall_s", time.perf_counter() - started)
     m = machine()
     if args.out_md:
-        args.out_md.write_text(markdown(args, m, rows, losses, targets, prof, load, wall,
-                                        cfg, params) + "\n")
+        text = markdown(args, m, rows, losses, targets, prof, load, wall, cfg, params)
+        if alone:
+            header, rrows = rss_table(alone)
+            text += "\n".join(["", "## Each implementation alone (peak resident memory)", "",
+                               RSS_NOTE, "", *report.markdown_table(header, rrows), ""])
+        args.out_md.write_text(text + "\n")
     if args.out_json:
         args.out_json.write_text(json.dumps({
             "machine": m, "load": load, "config": cfg, "wall_s": wall,
             "variants": list(rows.values()), "loss_checks": losses, "targets": targets,
-            "profile": prof}, indent=1))
+            "profile": prof, "alone": alone}, indent=1))
     return 0
 
 

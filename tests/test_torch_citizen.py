@@ -415,3 +415,22 @@ def test_fully_shard_of_a_child_after_its_parent_is_an_error():
     model = tf.fully_shard(_mlp())
     with pytest.raises(ValueError, match=r"'weight' is already managed by another FSDP group"):
         tf.fully_shard(model[0])
+
+
+def test_torch_compile_per_block_trains_as_fsdp2():
+    # `block.compile()` after fully_shard compiles the module's call, hooks included:
+    # Dynamo must run the frontend's hooks eagerly (FSDP2's default) rather than trace
+    # them into JAX (it failed on an internal NameError). "aot_eager" traces exactly as
+    # Inductor does, without its C++ compile, which takes minutes on these machines.
+    mesh = _mesh1()
+    runs = {}
+    for impl in IMPLS:
+        torch._dynamo.reset()
+        model = _mlp()
+        for layer in (model[0], model[2]):
+            _shard_fn(impl)(layer, mesh=mesh)
+            layer.compile(backend="aot_eager")
+        runs[impl] = _train_mlp(_shard_fn(impl)(model, mesh=mesh), torch.float32)
+    torch._dynamo.reset()
+    assert runs["frontend"] == runs["fsdp2"]
+    np.testing.assert_allclose(runs["frontend"], _train_mlp(_mlp(), torch.float32), rtol=1e-6)

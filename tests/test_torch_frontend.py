@@ -437,6 +437,29 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
     assert not set(outputs) & set(inputs)
 
 
+def test_resharded_modules_keep_no_gathered_bytes_in_autograd():
+    # A linear saves `weight.t()`, a view, for its backward. With reshard_after_forward
+    # the view must hold the parameter's own storage (freed, re-filled by the backward's
+    # gather, as FSDP2's copy-out), never the gather's buffer: else every block's full
+    # weights stay alive from forward to backward (the 2x step peak once measured).
+    model, reference = _shard_mlp(_mlp(), reshard_after_forward=True), _mlp()
+    weights = [model[0], model[2]]
+    saved = []
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(x)
+    shapes = {tuple(m.weight.shape[::-1]) for m in weights}
+    # Sizes only: printing a tensor whose storage is freed would read freed memory.
+    held = [t.untyped_storage().nbytes() for t in saved if tuple(t.shape) in shapes]
+    assert held == [0, 0]
+    out.sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    reference(x_ref).sum().backward()
+    np.testing.assert_allclose(x.grad, x_ref.grad, atol=1e-6)
+    for mine, theirs in zip(weights, [reference[0], reference[2]]):
+        np.testing.assert_allclose(mine.weight.grad.full_tensor(), theirs.weight.grad, atol=1e-6)
+
+
 @pytest.mark.parametrize("policy", [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16)])
 def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
     # JAX treats its arrays as immutable: the arrays over the shards (and over their

@@ -28,6 +28,35 @@ SHARD_AXIS = "fsdp"
 REPLICATE_AXIS = "replicate"
 
 
+class CommContext:
+    """Launches this process's collectives on one thread, in call order.
+
+    JAX's CPU client runs a collective-only program inline (it dispatches only
+    expensive programs asynchronously), so a prefetched gather overlaps torch's compute
+    only from another thread. Every process must launch its collectives in the same
+    order, so ONE context serves all of a process's roots (`init_distributed` makes
+    it and every group's `Layout` carries it): two roots issuing on threads of their
+    own (a GAN's two models, each prefetching) could interleave their collectives
+    differently on different ranks.
+    """
+
+    def __init__(self):
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="torch_frontend")
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        """Queues `fn` behind every collective launched before it; returns its future."""
+        return self._thread.submit(fn, *args, **kwargs)
+
+    def in_order(self, fn, *args, **kwargs):
+        """Runs `fn` on the collective thread, after every collective launched before it.
+
+        For work that runs collectives of its own (a checkpoint's barriers and reads):
+        queued behind any prefetched gather, it keeps one launch order on every process.
+        """
+        return self.submit(fn, *args, **kwargs).result()
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where this process sits on the mesh (static per mesh).
@@ -40,6 +69,7 @@ class Layout:
       rank: this device's position along `shard_axes` (its torch.chunk index).
       world: number of shards.
       data_parallel: devices gradients are averaged over (all of the mesh).
+      comm: the process's collective launcher (not part of the layout's identity).
     """
 
     mesh: Mesh
@@ -49,6 +79,7 @@ class Layout:
     rank: int
     world: int
     data_parallel: int
+    comm: CommContext = dataclasses.field(compare=False, repr=False)
 
     def padded_rows(self, rows: int) -> int:
         """Rows each rank stores for a dim 0 of `rows` (torch.chunk's chunk size)."""
@@ -60,8 +91,8 @@ class Layout:
         return max(0, min(size, rows - self.rank * size))
 
 
-def layout_of(mesh: Mesh) -> Layout:
-    """This process's `Layout` on `mesh`.
+def layout_of(mesh: Mesh, comm: CommContext) -> Layout:
+    """This process's `Layout` on `mesh`, launching its collectives through `comm`.
 
     Raises:
       TypeError: `mesh` is not a jax Mesh.
@@ -90,7 +121,7 @@ def layout_of(mesh: Mesh) -> Layout:
     position = idx[mesh.axis_names.index(SHARD_AXIS)]
     device = mesh.devices[idx]
     return Layout(mesh, device, (SHARD_AXIS,), replicate, int(position),
-                  mesh.shape[SHARD_AXIS], mesh.devices.size)
+                  mesh.shape[SHARD_AXIS], mesh.devices.size, comm)
 
 
 HPZ_INNER_AXIS = "hpz_inner"
@@ -160,23 +191,6 @@ def _export(block: jax.Array) -> torch.Tensor:
     return torch.from_dlpack(block)
 
 
-# One thread launches every collective, in call order: JAX's CPU client runs a
-# collective-only program inline (it dispatches only expensive programs
-# asynchronously), so a prefetched gather overlaps torch's compute only from another
-# thread; and one thread for all of them keeps their launch order the same on every
-# process, as the collectives require.
-_launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_frontend")
-
-
-def in_order(fn, *args, **kwargs):
-    """Runs `fn` on the collective thread, after every collective launched before it.
-
-    For work that runs collectives of its own (a checkpoint's barriers and reads):
-    queued behind any prefetched gather, it keeps one launch order on every process.
-    """
-    return _launcher.submit(fn, *args, **kwargs).result()
-
-
 def _gather_now(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int],
                 dims: Sequence[int] | None) -> list[jax.Array]:
     fulls = _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows, dims=dims)
@@ -199,7 +213,7 @@ def start_all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence
     Returns:
       A future of the gathered arrays, for `finish_all_gather`.
     """
-    return _launcher.submit(_gather_now, layout, blocks, rows, dims)
+    return layout.comm.submit(_gather_now, layout, blocks, rows, dims)
 
 
 def finish_all_gather(pending: Future) -> list[torch.Tensor]:
@@ -252,7 +266,7 @@ def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
         shape = (layout.data_parallel, *block.shape[1:])
         stacked.append(jax.make_array_from_single_device_arrays(
             shape, sharding, [_import(layout, block)]))
-    blocks = _launcher.submit(_reduce_now, layout, stacked, dims, all_reduce).result()
+    blocks = layout.comm.in_order(_reduce_now, layout, stacked, dims, all_reduce)
     return [_export(b) for b in blocks]
 
 

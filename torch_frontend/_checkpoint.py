@@ -256,7 +256,8 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
         local shard, a 0-d tensor or a Python number.
     """
     tree = checkpoint_tree(module, optimizer, step, copy=asynchronous)
-    return _bridge.in_order(fs.save, path, tree, overwrite=overwrite, asynchronous=asynchronous)
+    comm = _base_layout(module).comm
+    return comm.in_order(fs.save, path, tree, overwrite=overwrite, asynchronous=asynchronous)
 
 
 # ---- restore ----
@@ -354,9 +355,9 @@ def _like_optimizer(path: str, stored: dict, optimizer, module, managed, base) -
     return like
 
 
-def _restore_tree(path: str, like: dict) -> dict:
+def _restore_tree(path: str, like: dict, comm: _bridge.CommContext) -> dict:
     try:
-        return _bridge.in_order(fs.restore, path, like)
+        return comm.in_order(fs.restore, path, like)
     except ValueError as exc:
         raise ValueError(_errors.checkpoint_module_mismatch(str(exc))) from exc
 
@@ -470,7 +471,7 @@ def restore(path: str | os.PathLike, module: nn.Module,
     step = stored.get(keystr((DictKey(STEP),)))
     if step is not None:
         like[STEP] = _like_record(step)
-    restored = _restore_tree(path, like)
+    restored = _restore_tree(path, like, base.comm)
     _write_model(local, managed, restored[MODEL], base)
     if OPTIMIZER in like:
         _write_optimizer(optimizer, module, managed, restored[OPTIMIZER], base)

@@ -10,6 +10,8 @@ variables, and the same rank is the same process in both.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import torch
@@ -19,13 +21,28 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import funshard as fs
 import funshard.distributed
-from torch_frontend import _errors
+from torch_frontend import _bridge, _errors
 
 SHARD_AXIS = "fsdp"
 REPLICATE_AXIS = "replicate"
 
-_mesh: Mesh | None = None
-_replicate: int | None = None
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """What `init_distributed` started, once per process.
+
+    Attributes:
+      mesh: the frontend's default mesh (one device per process).
+      replicate: the HSDP replica count it was asked for (None: FSDP).
+      comm: the process's collective launcher, handed to every group's layout.
+    """
+
+    mesh: Mesh
+    replicate: int | None
+    comm: _bridge.CommContext
+
+
+_runtime: Runtime | None = None
 # jax mesh <-> torch DeviceMesh over the same processes, made once per mesh: a
 # DeviceMesh's sub-groups are made collectively, so every rank makes them in the same
 # order, i.e. at the same fully_shard call.
@@ -59,16 +76,16 @@ def init_distributed(replicate: int | None = None) -> Mesh:
       RuntimeError: torch's process group disagrees with JAX's runtime on this
         process's rank or on the world size.
     """
-    global _mesh, _replicate
-    if _mesh is not None:
-        if replicate != _replicate:
-            raise ValueError(_errors.replicate_changed(_replicate, replicate))
-        return _mesh
+    global _runtime
+    if _runtime is not None:
+        if replicate != _runtime.replicate:
+            raise ValueError(_errors.replicate_changed(_runtime.replicate, replicate))
+        return _runtime.mesh
     fs.distributed.initialize()
     _init_process_group()
     devices = [jax.local_devices(process_index=p)[0] for p in range(jax.process_count())]
-    _mesh, _replicate = fs.make_mesh(replicate, devices=devices), replicate
-    return _mesh
+    _runtime = Runtime(fs.make_mesh(replicate, devices=devices), replicate, _bridge.CommContext())
+    return _runtime.mesh
 
 
 def _init_process_group() -> None:
@@ -86,7 +103,13 @@ def _init_process_group() -> None:
 
 def default_mesh() -> Mesh:
     """The mesh of `init_distributed()`, starting it (without replication) if needed."""
-    return _mesh if _mesh is not None else init_distributed()
+    return _runtime.mesh if _runtime is not None else init_distributed()
+
+
+def layout_of(mesh: Mesh) -> _bridge.Layout:
+    """This process's layout on `mesh`, with the runtime's collective launcher."""
+    default_mesh()
+    return _bridge.layout_of(mesh, _runtime.comm)
 
 
 def _process_grid(mesh: Mesh) -> np.ndarray:

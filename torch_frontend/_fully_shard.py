@@ -354,7 +354,7 @@ def fully_shard(
     _check_not_yet(offload_policy, dp_mesh_dims)
     ignored = {id(p) for p in ignored_params or ()}
     jax_mesh, device_mesh = _distributed.both_meshes(mesh)
-    layout = _bridge.layout_of(jax_mesh)
+    layout = _distributed.layout_of(jax_mesh)
     post_forward = _post_forward_world(reshard_after_forward, layout)
     names = _param_names(modules)
     placed = []

@@ -123,8 +123,11 @@ class ParamGroup:
         with record_function("FSDP::all_gather_copy_out"):
             fulls = _bridge.finish_all_gather(self._pending)
             self._pending = None
+            # A group that keeps its parameters from forward to backward can compute in
+            # JAX's buffers; one that reshards must copy into storage it can free.
+            zero_copy = self.reshard_after_forward is False
             for param, full in zip(self.params, fulls):
-                param.to_unsharded(_bridge.from_words(full, self.param_dtype(param)))
+                param.to_unsharded(_bridge.from_words(full, self.param_dtype(param)), zero_copy)
                 param.drop_part()
         self._parts = None
         self.sharded_state = ShardedState.UNSHARDED

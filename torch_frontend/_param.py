@@ -105,8 +105,9 @@ class FSDPParam:
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None
         self._cast: torch.Tensor | None = None  # `padded` in another gather dtype
-        self._part: tuple[torch.Tensor, jax.Array] | None = None
         self._freed_data: torch.Tensor | None = None
+        self._owns_storage = False  # see to_unsharded
+        self._part: tuple[torch.Tensor, jax.Array] | None = None
         # HSDP without all-reduce: this replica's reduce-scattered sum, not yet reduced
         # over the replicas (FSDP2's partial reduce output).
         self.partial_grad: torch.Tensor | None = None
@@ -227,23 +228,50 @@ class FSDPParam:
     def drop_part(self) -> None:
         self._part = None
 
-    def to_unsharded(self, full: torch.Tensor) -> None:
-        """Makes the modules use `full` (a gathered tensor) as the parameter."""
-        if self.unsharded is None:
+    def to_unsharded(self, full: torch.Tensor, zero_copy: bool = False) -> None:
+        """Makes the modules use `full` (a gathered tensor) as the parameter.
+
+        With `zero_copy` (a group that keeps its gathered parameters until backward),
+        the parameter's data is `full` itself, JAX's buffer. Otherwise the unsharded
+        parameter has ONE storage for its life, resized to nothing on reshard and back
+        here, then filled (FSDP2's all-gather copy-out): views of it that autograd
+        saved in forward (a linear's `weight.t()`) hold that storage, not the gather's
+        buffer, so a resharded module keeps no gathered bytes and the backward's
+        re-gather reaches those views. Once a parameter owns its storage it keeps it.
+        """
+        if self.unsharded is None or self.unsharded.dtype != full.dtype:
             self.unsharded = nn.Parameter(full, requires_grad=self.sharded.requires_grad)
             _MANAGED[id(self.unsharded)] = self
-        else:
+            self._owns_storage = False
+            if zero_copy:
+                return self._bind(self.unsharded)
+        if zero_copy and not self._owns_storage:
             self.unsharded.data = full
+            return self._bind(self.unsharded)
+        if not self._owns_storage:
+            self.unsharded.data = torch.empty(self.shape, dtype=full.dtype, device=full.device)
+            self._owns_storage = True
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.unsharded.numel() * self.unsharded.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
+            self.unsharded.copy_(full)
         self._bind(self.unsharded)
 
     def to_sharded(self) -> None:
-        """Makes the modules hold the local shard again and frees the gathered tensor."""
+        """Makes the modules hold the local shard again and frees the gathered values.
+
+        The unsharded parameter keeps its dtype and shape with no storage (as FSDP2
+        frees it): autograd's saved references stay valid for the backward's
+        re-gather, and a gradient can accumulate into it without one
+        (`set_unshard_in_backward(False)`).
+        """
         if self.unsharded is not None:
-            # Same dtype and shape, no storage (as FSDP2 frees it): autograd's saved
-            # references stay valid for the backward's re-gather, which swaps the data
-            # in again, and a gradient can accumulate into it without one
-            # (`set_unshard_in_backward(False)`).
-            self.unsharded.data = self._freed(self.unsharded.dtype)
+            if self._owns_storage:
+                self.unsharded.untyped_storage().resize_(0)
+            else:
+                self.unsharded.data = self._freed(self.unsharded.dtype)
         self._bind(self.sharded)
 
     def _freed(self, dtype: torch.dtype) -> torch.Tensor:

@@ -59,10 +59,14 @@ class FSDPState:
         self.fqn = type(modules[0]).__name__
         for module in modules:
             module.__dict__[STATE_ATTR] = self
+            # Under torch.compile the hooks run eagerly, around the compiled forward (as
+            # FSDP2's, by default): Dynamo must not trace the bridge into JAX.
             module.register_forward_pre_hook(
-                functools.partial(self._module_pre_forward, module), prepend=True, with_kwargs=True)
+                torch.compiler.disable(functools.partial(self._module_pre_forward, module)),
+                prepend=True, with_kwargs=True)
             module.register_forward_hook(
-                functools.partial(self._module_post_forward, module), prepend=False)
+                torch.compiler.disable(functools.partial(self._module_post_forward, module)),
+                prepend=False)
 
     # ---- forward ----
 

@@ -37,6 +37,14 @@ class Config:
 
 
 QUICK = Config(blocks=2, width=64, heads=4, seq=16, batch=4)
+# Shapes of nanoGPT's small character models (`--preset`): 4 x 128 (0.87M parameters
+# here) and shakespeare-char's 6 x 384 (10.9M), at sequence 64 and 8 rows per step.
+PRESETS = {
+    "gpt-51m": Config(),
+    "nano-0.8m": Config(blocks=4, width=128, heads=4, seq=64, batch=8),
+    "nano-10.8m": Config(blocks=6, width=384, heads=6, seq=64, batch=8),
+    "quick": QUICK,
+}
 
 
 class Block(nn.Module):

@@ -38,6 +38,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, gpt.Config]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=0)
     p.add_argument("--deadline", type=float, default=3600.0)
+    p.add_argument("--only", default="", help="comma-separated variant keys (default: all)")
     for field in dataclasses.fields(gpt.Config):
         p.add_argument(f"--{field.name}", type=int, default=None)
     args = p.parse_args(argv)
@@ -48,22 +49,33 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, gpt.Config]:
     return args, cfg
 
 
+TORCH_ONLY = ("fsdp2", "ddp", "single", "floor")  # variant keys that need no JAX
+
+
 def log(rank: int, text: str) -> None:
     if rank == 0:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def build_all(cfg: gpt.Config, rank: int, world: int, mesh) -> list[variants.Variant]:
+def build_all(cfg: gpt.Config, rank: int, world: int, mesh, only: str = "") -> list[variants.Variant]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch_mesh = init_device_mesh("cpu", (world,))
-    built = [
-        variants.frontend(cfg, True), variants.fsdp2(cfg, True, torch_mesh),
-        variants.frontend(cfg, False), variants.fsdp2(cfg, False, torch_mesh),
-        variants.ddp(cfg), variants.funshard_jax(cfg, mesh),
-        variants.single_process(cfg, rank, threads=os.cpu_count() or 1),
-        variants.compute_floor(cfg),
-    ]
+    builders = {
+        "frontend-True": lambda: variants.frontend(cfg, True),
+        "fsdp2-True": lambda: variants.fsdp2(cfg, True, torch_mesh),
+        "frontend-False": lambda: variants.frontend(cfg, False),
+        "fsdp2-False": lambda: variants.fsdp2(cfg, False, torch_mesh),
+        "ddp": lambda: variants.ddp(cfg),
+        "jax": lambda: variants.funshard_jax(cfg, mesh),
+        "single": lambda: variants.single_process(cfg, rank, threads=os.cpu_count() or 1),
+        "floor": lambda: variants.compute_floor(cfg),
+    }
+    keys = only.split(",") if only else list(builders)
+    unknown = [k for k in keys if k not in builders]
+    if unknown:
+        raise SystemExit(f"--only: unknown variants {unknown}; choose from {list(builders)}")
+    built = [builders[k]() for k in keys]
     log(rank, "built " + ", ".join(v.name for v in built))
     return built
 
@@ -138,22 +150,32 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    import torch_frontend
-
     started = time.perf_counter()
-    mesh = torch_frontend.init_distributed()  # JAX's runtime and torch's gloo group
+    if args.only and all(k.split("-")[0] in TORCH_ONLY for k in args.only.split(",")):
+        # torch's variants alone: a process as a plain FSDP2 script has it, no JAX.
+        dist.init_process_group("gloo")
+        mesh = None
+    else:
+        import torch_frontend
+
+        mesh = torch_frontend.init_distributed()  # JAX's runtime and torch's gloo group
+    rss_start = measure.resident_bytes()
     world = dist.get_world_size()
     if cfg.batch % world:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {world} ranks")
     log(rank, f"{world} ranks; model {cfg}; {cfg.params():,} parameters")
-    vs = build_all(cfg, rank, world, mesh)
+    vs = build_all(cfg, rank, world, mesh, args.only)
     build_s = time.perf_counter() - started
     timing = run_rounds(vs, cfg, rank, world, args.warmup + args.steps, args.warmup)
+    # The whole process's peak so far (start-up, build, timed steps), before the memory
+    # pass resets the kernel's counter per step.
+    rss_process = {"start": rss_start, "peak": measure.peak_resident_bytes()}
     memory = memory_pass(vs, cfg, rank, world)
     profile = profile_pass(vs, cfg, rank, world, args.profile_steps) if args.profile_steps else {}
     result = {
         "rank": rank, "world": world, "config": dataclasses.asdict(cfg),
         "steps": args.steps, "warmup": args.warmup, "build_s": build_s,
+        "only": args.only, "rss_process": rss_process,
         "variants": [{"name": v.name, "peer": v.peer, "note": v.note,
                       "loss_scope": v.loss_scope, "facts": v.facts,
                       **timing[v.name], "memory": memory[v.name]} for v in vs],
