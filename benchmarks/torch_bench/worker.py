@@ -147,6 +147,10 @@ def main(argv=None) -> int:
     watchdog.daemon = True  # a rank whose peer died, blocked in a collective, ends itself
     watchdog.start()
     torch.set_num_threads(1)  # one compute thread per rank: 2 ranks on 2 cores
+    # From the start, not just before the memory pass: blocks malloc'd earlier from the
+    # heap and freed stay resident, and would count against whichever variant frees
+    # and re-allocates its buffers in its measured step.
+    measure.return_freed_memory()
 
     import torch.distributed as dist
 
