@@ -281,7 +281,7 @@ def main() -> int:
         flat_mesh = funshard.make_mesh() if args.replicate else mesh
         gather_worlds: list[int] = []  # the group size of every all-gather, in order
         all_reduces: list[bool] = []  # whether each reduce-scatter all-reduced (HSDP)
-        start_all_gather, reduce_scatter = _bridge.start_all_gather, _bridge.reduce_scatter
+        start_all_gather, reduce_scatter = _bridge.start_all_gather, _bridge.start_reduce_scatter
 
         def recording(layout, *args):
             gather_worlds.append(layout.world)
@@ -291,7 +291,7 @@ def main() -> int:
             all_reduces.append(all_reduce)
             return reduce_scatter(layout, fulls, dims, all_reduce)
 
-        _bridge.start_all_gather, _bridge.reduce_scatter = recording, recording_reduce
+        _bridge.start_all_gather, _bridge.start_reduce_scatter = recording, recording_reduce
         for case in cases:
             gather_worlds.clear()
             all_reduces.clear()

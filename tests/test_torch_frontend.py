@@ -437,6 +437,27 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
     assert not set(outputs) & set(inputs)
 
 
+def test_reduce_scatter_overlaps_the_next_groups_backward(monkeypatch):
+    # FSDP2's schedule: a group's reduce-scatter is started at its post-backward and
+    # completed at the next group's (at most one in flight), the last one at the end
+    # of the backward, before the optimizer can read the gradients.
+    from torch_frontend import _bridge
+
+    reference, model = _stack_pair()
+    events = []
+    start, finish = _bridge.start_reduce_scatter, _bridge.finish_reduce_scatter
+    monkeypatch.setattr(_bridge, "start_reduce_scatter",
+                        lambda *a, **k: events.append("start") or start(*a, **k))
+    monkeypatch.setattr(_bridge, "finish_reduce_scatter",
+                        lambda pending: events.append("finish") or finish(pending))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    for m in (model, reference):
+        m(x).pow(2).mean().backward()
+    groups = len(model.blocks) + 1  # the blocks and the root
+    assert events == ["start"] + ["start", "finish"] * (groups - 1) + ["finish"]
+    _assert_same(model, reference)
+
+
 def test_resharded_modules_keep_no_gathered_bytes_in_autograd():
     # A linear saves `weight.t()`, a view, for its backward. With reshard_after_forward
     # the view must hold the parameter's own storage (freed, re-filled by the backward's

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import math
 from concurrent.futures import Future
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -43,6 +43,7 @@ class CommContext:
     def __init__(self):
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="torch_frontend")
+        self._held: tuple[Future | None, Callable[[], None]] | None = None
 
     def submit(self, fn, *args, **kwargs) -> Future:
         """Queues `fn` behind every collective launched before it; returns its future."""
@@ -55,6 +56,32 @@ class CommContext:
         queued behind any prefetched gather, it keeps one launch order on every process.
         """
         return self.submit(fn, *args, **kwargs).result()
+
+    def hold_reduce(self, pending: Future | None, finish: Callable[[], None]) -> None:
+        """Keeps a started reduce-scatter in flight, completing the one held before.
+
+        As FSDP2's, at most one reduce-scatter is in flight: it overlaps the backward
+        of the next group, and the gradients it reads are freed once it completes.
+
+        Args:
+          pending: the started reduce-scatter (None: nothing to wait for).
+          finish: called by `finish_reduce` once `pending` is done (it reads the
+            result and writes the gradients).
+        """
+        self.finish_reduce()
+        self._held = (pending, finish)
+
+    def finish_reduce(self) -> None:
+        """Completes the held reduce-scatter, if any, and writes its gradients."""
+        held, self._held = self._held, None
+        if held is not None:
+            held[1]()
+
+    def drop_reduce(self) -> None:
+        """Waits for the held reduce-scatter, if any, and discards its result."""
+        held, self._held = self._held, None
+        if held is not None and held[0] is not None:
+            concurrent.futures.wait([held[0]])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,9 +269,13 @@ def _stacked_block(layout: Layout, full: torch.Tensor, dim: int) -> torch.Tensor
     return padded_full(layout, full, dim).unsqueeze(0)
 
 
-def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
-                   dims: Sequence[int] | None = None, all_reduce: bool = True) -> list[torch.Tensor]:
-    """ONE reduce-scatter (sum) of every rank's full tensors; returns this rank's rows.
+def start_reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
+                         dims: Sequence[int] | None = None, all_reduce: bool = True) -> Future:
+    """Starts ONE reduce-scatter (sum) of every rank's full tensors and returns at once.
+
+    It runs on the collective thread while torch computes the rest of the backward
+    (FSDP2's asynchronous reduce-scatter). `fulls` must not be written until
+    `finish_reduce_scatter` returns: JAX reads them in place.
 
     Args:
       layout: this process's place on the mesh.
@@ -254,8 +285,7 @@ def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
       all_reduce: False skips the HSDP all-reduce: the result is this replica's sum.
 
     Returns:
-      This rank's `padded_rows` block of each sum on its dimension (padding last), a
-      torch view of JAX's buffer (read-only by contract).
+      A future of this rank's blocks, for `finish_reduce_scatter`.
     """
     dims = tuple(dims) if dims is not None else (0,) * len(fulls)
     dp_axes = (*layout.replicate_axes, *layout.shard_axes)
@@ -266,8 +296,23 @@ def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
         shape = (layout.data_parallel, *block.shape[1:])
         stacked.append(jax.make_array_from_single_device_arrays(
             shape, sharding, [_import(layout, block)]))
-    blocks = layout.comm.in_order(_reduce_now, layout, stacked, dims, all_reduce)
-    return [_export(b) for b in blocks]
+    return layout.comm.submit(_reduce_now, layout, stacked, dims, all_reduce)
+
+
+def finish_reduce_scatter(pending: Future) -> list[torch.Tensor]:
+    """Waits for `start_reduce_scatter`'s result.
+
+    Returns:
+      This rank's `padded_rows` block of each sum on its dimension (padding last), a
+      torch view of JAX's buffer (read-only by contract).
+    """
+    return [_export(b) for b in pending.result()]
+
+
+def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
+                   dims: Sequence[int] | None = None, all_reduce: bool = True) -> list[torch.Tensor]:
+    """`start_reduce_scatter`, then `finish_reduce_scatter`: the blocks, synchronously."""
+    return finish_reduce_scatter(start_reduce_scatter(layout, fulls, dims, all_reduce))
 
 
 def _reduce_now(layout: Layout, stacked: Sequence[jax.Array], dims, all_reduce: bool):

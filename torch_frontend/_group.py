@@ -222,30 +222,41 @@ class ParamGroup:
         self._reshard_after_backward()
         if not with_grad:
             return
-        blocks = self._reduce_scatter(grads, [p.dim for p in with_grad], all_reduce)
-        if not all_reduce:
-            for param, block in zip(with_grad, blocks):
-                param.add_partial_grad(block)
-            return
-        for param, block, post in zip(with_grad, blocks, posts):
-            param.add_sharded_grad(block, post)
+        pending, blocks = self._start_reduce_scatter(grads, [p.dim for p in with_grad], all_reduce)
+        narrow = [i for i, b in enumerate(blocks) if b is None]
 
-    def _reduce_scatter(self, grads: list[torch.Tensor], dims: list[int],
-                        all_reduce: bool) -> list[torch.Tensor]:
-        wide = [i for i, g in enumerate(grads) if g.element_size() == 8]
-        if not wide:
-            return _bridge.reduce_scatter(self.layout, grads, dims, all_reduce=all_reduce)
+        def finish() -> None:  # once the reduce-scatter is done: write the gradients
+            if pending is not None:
+                for i, block in zip(narrow, _bridge.finish_reduce_scatter(pending)):
+                    blocks[i] = block
+            for param, block, post in zip(with_grad, blocks, posts):
+                if all_reduce:
+                    param.add_sharded_grad(block, post)
+                else:
+                    param.add_partial_grad(block)
+
+        # `grads` stay referenced by `pending` (JAX reads them) until it completes.
+        self.layout.comm.hold_reduce(pending, finish)
+
+    def _start_reduce_scatter(self, grads: list[torch.Tensor], dims: list[int],
+                              all_reduce: bool) -> tuple[object, list[torch.Tensor | None]]:
+        """Starts the group's reduce-scatter on JAX; 64-bit gradients reduce now, in torch.
+
+        Returns:
+          (the started reduce-scatter or None, each gradient's block: 64-bit ones
+          filled, the others None until the reduce-scatter finishes).
+        """
+        wide = {i for i, g in enumerate(grads) if g.element_size() == 8}
         narrow = [i for i in range(len(grads)) if i not in wide]
         blocks: list[torch.Tensor | None] = [None] * len(grads)
+        pending = None
         if narrow:
-            reduced = _bridge.reduce_scatter(
+            pending = _bridge.start_reduce_scatter(
                 self.layout, [grads[i] for i in narrow], [dims[i] for i in narrow],
                 all_reduce=all_reduce)
-            for i, block in zip(narrow, reduced):
-                blocks[i] = block
-        for i in wide:
+        for i in sorted(wide):
             blocks[i] = self._torch_reduce_scatter(grads[i], dims[i], all_reduce)
-        return blocks
+        return pending, blocks
 
     def _torch_reduce_scatter(self, grad: torch.Tensor, dim: int, all_reduce: bool) -> torch.Tensor:
         # JAX without x64 holds no 64-bit float: torch's group sums these exactly in

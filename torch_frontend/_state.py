@@ -273,6 +273,9 @@ class FSDPState:
                 state.group.cancel_prefetch()
             state.group.training_state = TrainingState.IDLE
             state.training_state = TrainingState.IDLE
+        # The last reduce-scatter overlapped the end of the backward; the optimizer
+        # (or the next backward's accumulation) reads its gradients.
+        self.group.layout.comm.finish_reduce()
         self.ctx.final_callback_queued = False
 
     def _learn_forward_order(self) -> None:
@@ -293,6 +296,7 @@ class FSDPState:
             raise RuntimeError(_errors.reset_on_non_root(self.fqn))
         self.ctx.post_forward_order.clear()
         self.ctx.pre_forward_order.clear()
+        self.group.layout.comm.drop_reduce()  # the failed iteration's gradients
         for state in self.ctx.all_states or [self]:
             state.modules_to_run.clear()
             state.post_forward_indices.clear()

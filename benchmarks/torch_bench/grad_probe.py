@@ -12,8 +12,8 @@ difference and the parameters whose gradients differ (largest difference first).
 itself is deterministic here (its losses equal DDP's to the last bit), so any
 difference is the frontend's. `--no-prefetch` turns the frontend's forward and/or
 backward prefetch off (`set_modules_to_*_prefetch([])`); `--hold-gradients` and
-`--recheck-outputs` wrap `torch_frontend._bridge.reduce_scatter` (in this process only) to
-keep its inputs alive until the step ends, or to re-read its results after a pause.
+`--recheck-outputs` wrap `torch_frontend._bridge.start_reduce_scatter` /
+`finish_reduce_scatter` (in this process only) to keep its inputs alive until the step ends, or to re-read its results after a pause.
 """
 
 from __future__ import annotations
@@ -76,30 +76,30 @@ def main(argv=None) -> int:
     if args.hold_gradients:
         from torch_frontend import _bridge
 
-        reduce_scatter = _bridge.reduce_scatter
+        reduce_scatter = _bridge.start_reduce_scatter
 
         def holding(layout, fulls, *rest, **kwargs):
             held.append(list(fulls))
             return reduce_scatter(layout, fulls, *rest, **kwargs)
 
-        _bridge.reduce_scatter = holding
+        _bridge.start_reduce_scatter = holding
     changed: list[str] = []
     if args.recheck_outputs:
         import time
 
         from torch_frontend import _bridge
 
-        scatter = _bridge.reduce_scatter
+        scatter = _bridge.finish_reduce_scatter
 
-        def rechecking(layout, fulls, *rest, **kwargs):
-            out = scatter(layout, fulls, *rest, **kwargs)
+        def rechecking(pending):
+            out = scatter(pending)
             first = [o.clone() for o in out]
             time.sleep(0.05)
             changed.extend(f"output {i} ({tuple(o.shape)}): {(o - f).abs().max().item():.1e}"
                            for i, (o, f) in enumerate(zip(out, first)) if not torch.equal(o, f))
             return out
 
-        _bridge.reduce_scatter = rechecking
+        _bridge.finish_reduce_scatter = rechecking
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     cfg = gpt.Config(blocks=args.blocks, width=args.width)

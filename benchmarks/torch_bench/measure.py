@@ -93,7 +93,8 @@ class BridgeProfile:
     `_import` / `_export` are DLPack's share.
     """
 
-    MAIN = ("global_block", "finish_all_gather", "reduce_scatter", "_import", "_export")
+    MAIN = ("global_block", "finish_all_gather", "start_reduce_scatter",
+            "finish_reduce_scatter", "_import", "_export")
     THREAD = ("_gather_now", "_reduce_now")
 
     def __init__(self):
