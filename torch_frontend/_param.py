@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from torch_frontend import _bridge, _errors
 
@@ -93,6 +94,7 @@ class FSDPParam:
         self.shape, self.dtype = tuple(param.shape), param.dtype
         self.rows = param.shape[dim]
         self.local_rows = layout.local_rows(self.rows)
+        self._dtensor_spec: DTensorSpec | None = None
         padded = param.detach().new_zeros(self._padded_shape())
         start = layout.rank * padded.shape[dim]
         if not padded.is_meta:
@@ -119,11 +121,17 @@ class FSDPParam:
         return shape
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        """`local` (this rank's rows) as the DTensor of the full parameter, no copy."""
-        with torch.no_grad():
-            return DTensor.from_local(
-                local, self.spec.device_mesh, self.spec.placements(self.dim), run_check=False,
-                shape=torch.Size(self.shape), stride=_contiguous_strides(self.shape))
+        """`local` (this rank's rows) as the DTensor of the full parameter, no copy.
+
+        Built from a spec made once per dtype, as FSDP2 builds its DTensors:
+        `DTensor.from_local` re-derives it each time, and gradients are wrapped on
+        every backward.
+        """
+        if self._dtensor_spec is None or self._dtensor_spec.tensor_meta.dtype != local.dtype:
+            meta = TensorMeta(torch.Size(self.shape), _contiguous_strides(self.shape), local.dtype)
+            self._dtensor_spec = DTensorSpec(
+                self.spec.device_mesh, self.spec.placements(self.dim), tensor_meta=meta)
+        return DTensor(local.detach(), self._dtensor_spec, requires_grad=False)
 
     def local_shard(self) -> torch.Tensor:
         """This rank's rows of the parameter (the DTensor's local tensor, a view)."""
