@@ -73,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma-separated variant keys to build "
                    "(frontend-True, fsdp2-True, frontend-False, fsdp2-False, ddp, jax, "
                    "single, floor; default all)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run torch_frontend and FSDP2 (reshard=True) with block.compile() "
+                        "per block, one job each with an empty Inductor cache, and report "
+                        "the first step (compilation included) and the median step after")
     p.add_argument("--rss", action="store_true",
                    help="also run torch_frontend and FSDP2 (reshard=True) alone, one job "
                         "each, and report each process's peak resident memory")
@@ -129,7 +133,7 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def run_job(args, out: Path, only: str) -> int:
+def run_job(args, out: Path, only: str, compile_blocks: bool = False) -> int:
     """Runs the torchrun job; kills torchrun and its workers (by pid) on the way out."""
     model = [f"--{k}={getattr(args, k)}" for k in ("blocks", "width", "heads", "seq", "batch")
              if getattr(args, k) is not None]
@@ -138,8 +142,12 @@ def run_job(args, out: Path, only: str) -> int:
                f"--master-port={_free_port_pair()}", str(WORKER), "--out", str(out),
                "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--profile-steps", str(args.profile_steps), "--deadline", str(args.timeout),
-               *(["--only", only] if only else []), *model]
-    proc = subprocess.Popen(command, env=_env(), cwd=ROOT, start_new_session=True)
+               *(["--only", only] if only else []), *(["--compile"] if compile_blocks else []),
+               *model]
+    env = _env()
+    if compile_blocks:  # a cold start for every job: nothing compiled by an earlier one
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(out / "inductor-cache")
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, start_new_session=True)
     try:
         return proc.wait(timeout=args.timeout)
     except (subprocess.TimeoutExpired, KeyboardInterrupt):
@@ -151,12 +159,12 @@ def run_job(args, out: Path, only: str) -> int:
         proc.wait()
 
 
-def measure(args, only: str = "") -> list[dict] | None:
+def measure(args, only: str = "", compile_blocks: bool = False) -> list[dict] | None:
     """Runs the job; returns every rank's raw result (None if the job failed)."""
     load_start, started = _command("uptime"), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_torch-") as tmp:
         out = Path(tmp)
-        code = run_job(args, out, only)
+        code = run_job(args, out, only, compile_blocks)
         files = sorted(out.glob("rank*.json"))
         if code != 0 or len(files) != args.processes:
             print(f"bench_torch: the torchrun job failed (exit {code})", file=sys.stderr)
@@ -253,6 +261,34 @@ def process_memory(args) -> dict | None:
     return out
 
 
+COMPILE_NOTE = ("One job per implementation, each building only that variant with "
+                "`block.compile()` (Inductor) on every block after fully_shard, and an "
+                "empty Inductor cache of its own: `first` is the first step, compilation "
+                "included; `then` the median of the timed steps after the warm-up; the "
+                "slower rank's.")
+
+
+def compile_runs(args) -> dict | None:
+    """{variant key: {"first", "then"} seconds}, one cold-cache job each."""
+    out = {}
+    for key in ALONE:
+        ranks = measure(args, key, compile_blocks=True)
+        if ranks is None:
+            return None
+        per_rank = [r["variants"][0] for r in ranks]
+        steps = [max(ls) for ls in zip(*(v["all_times"] for v in per_rank))]
+        out[key] = {"first": steps[0], "then": sorted(steps[args.warmup:])[
+            (len(steps) - args.warmup) // 2] if len(steps) > args.warmup else float("nan")}
+    return out
+
+
+def compile_table(compiled: dict) -> tuple[list[str], list[list[str]]]:
+    peer = compiled["fsdp2-True"]
+    rows = [[key, f"{v['first']:,.1f}", f"{v['first'] / peer['first']:.2f}",
+             f"{v['then'] * 1e3:,.0f}"] for key, v in compiled.items()]
+    return ["compiled", "first step s", "first / FSDP2", "then ms"], rows
+
+
 def rss_table(alone: dict) -> tuple[list[str], list[list[str]]]:
     peer = alone["fsdp2-True"]
     rows = [[key, f"{v['start'] / report.MIB:,.0f}", f"{v['peak'] / report.MIB:,.0f}",
@@ -277,6 +313,9 @@ def main(argv=None) -> int:
     alone = process_memory(args) if args.rss else None
     if args.rss and alone is None:
         return 1
+    compiled = compile_runs(args) if args.compile else None
+    if args.compile and compiled is None:
+        return 1
     rows = report.aggregate(ranks)
     losses, targets = report.loss_checks(rows), report.target_checks(rows)
     prof = report.profile_rows(ranks)
@@ -297,6 +336,9 @@ def main(argv=None) -> int:
     if alone:
         report.print_table("each implementation alone, reshard=True: resident memory per rank",
                            *rss_table(alone))
+    if compiled:
+        report.print_table("block.compile() per block, reshard=True, cold Inductor cache",
+                           *compile_table(compiled))
     print(f"load: {load[0]} -> {load[1]}")
     wall = ranks[0].get("job_wall_s", time.perf_counter() - started)
     m = machine()
@@ -306,12 +348,16 @@ def main(argv=None) -> int:
             header, rrows = rss_table(alone)
             text += "\n".join(["", "## Each implementation alone (peak resident memory)", "",
                                RSS_NOTE, "", *report.markdown_table(header, rrows), ""])
+        if compiled:
+            header, crows = compile_table(compiled)
+            text += "\n".join(["", "## block.compile() per block (first step)", "",
+                               COMPILE_NOTE, "", *report.markdown_table(header, crows), ""])
         args.out_md.write_text(text + "\n")
     if args.out_json:
         args.out_json.write_text(json.dumps({
             "machine": m, "load": load, "config": cfg, "wall_s": wall,
             "variants": list(rows.values()), "loss_checks": losses, "targets": targets,
-            "profile": prof, "alone": alone}, indent=1))
+            "profile": prof, "alone": alone, "compiled": compiled}, indent=1))
     return 0
 
 

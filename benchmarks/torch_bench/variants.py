@@ -69,26 +69,33 @@ def _torch_variant(name, peer, note, model, threads=None, whole_batch=False, sco
                    lambda: gpt.nbytes(model.parameters()) + gpt.adam_bytes(opt), scope)
 
 
-def frontend(cfg: gpt.Config, reshard: bool) -> Variant:
-    """torch_frontend: fully_shard per block (reshard_after_forward=reshard), then the root."""
+def frontend(cfg: gpt.Config, reshard: bool, compile_blocks: bool = False) -> Variant:
+    """torch_frontend: fully_shard per block (reshard_after_forward=reshard), then the root.
+
+    With `compile_blocks`, each block is `block.compile()`d (Inductor) after fully_shard.
+    """
     from torch_frontend import fully_shard
 
     model = gpt.build(cfg)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard)
+        if compile_blocks:
+            block.compile()
     fully_shard(model)
     return _torch_variant(f"torch_frontend reshard={reshard}", f"FSDP2 reshard={reshard}",
                           "fully_shard per block, then the root; collectives on JAX (gloo)",
                           model)
 
 
-def fsdp2(cfg: gpt.Config, reshard: bool, mesh) -> Variant:
+def fsdp2(cfg: gpt.Config, reshard: bool, mesh, compile_blocks: bool = False) -> Variant:
     """PyTorch FSDP2 on gloo, sharded exactly as `frontend`."""
     from torch.distributed.fsdp import fully_shard
 
     model = gpt.build(cfg)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        if compile_blocks:
+            block.compile()
     fully_shard(model, mesh=mesh)
     return _torch_variant(f"FSDP2 reshard={reshard}", None,
                           "torch.distributed.fsdp.fully_shard per block, then the root; gloo",

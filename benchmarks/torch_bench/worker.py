@@ -39,6 +39,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, gpt.Config]:
     p.add_argument("--profile-steps", type=int, default=0)
     p.add_argument("--deadline", type=float, default=3600.0)
     p.add_argument("--only", default="", help="comma-separated variant keys (default: all)")
+    p.add_argument("--compile", action="store_true", help="block.compile() every block")
     for field in dataclasses.fields(gpt.Config):
         p.add_argument(f"--{field.name}", type=int, default=None)
     args = p.parse_args(argv)
@@ -57,13 +58,14 @@ def log(rank: int, text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def build_all(cfg: gpt.Config, rank: int, world: int, mesh, only: str = "") -> list[variants.Variant]:
+def build_all(cfg: gpt.Config, rank: int, world: int, mesh, only: str = "",
+              compile_blocks: bool = False) -> list[variants.Variant]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch_mesh = init_device_mesh("cpu", (world,))
     builders = {
-        "frontend-True": lambda: variants.frontend(cfg, True),
-        "fsdp2-True": lambda: variants.fsdp2(cfg, True, torch_mesh),
+        "frontend-True": lambda: variants.frontend(cfg, True, compile_blocks),
+        "fsdp2-True": lambda: variants.fsdp2(cfg, True, torch_mesh, compile_blocks),
         "frontend-False": lambda: variants.frontend(cfg, False),
         "fsdp2-False": lambda: variants.fsdp2(cfg, False, torch_mesh),
         "ddp": lambda: variants.ddp(cfg),
@@ -84,7 +86,7 @@ def run_rounds(vs, cfg, rank, world, rounds: int, warmup: int) -> dict:
     import torch.distributed as dist
 
     rows = cfg.batch // world
-    out = {v.name: {"times": [], "losses": [], "sent": []} for v in vs}
+    out = {v.name: {"times": [], "all_times": [], "losses": [], "sent": []} for v in vs}
     for r in range(rounds):
         batch = gpt.batch_at(r, cfg)
         local = torch.from_numpy(batch[rank * rows:(rank + 1) * rows])
@@ -94,6 +96,7 @@ def run_rounds(vs, cfg, rank, world, rounds: int, warmup: int) -> dict:
             seconds, loss, sent = measure.timed(v.step, local, batch)
             rec = out[v.name]
             rec["losses"].append(loss)
+            rec["all_times"].append(seconds)  # warm-up included: the first step compiles
             if r >= warmup:
                 rec["times"].append(seconds)
                 rec["sent"].append(sent)
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
     if cfg.batch % world:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {world} ranks")
     log(rank, f"{world} ranks; model {cfg}; {cfg.params():,} parameters")
-    vs = build_all(cfg, rank, world, mesh, args.only)
+    vs = build_all(cfg, rank, world, mesh, args.only, args.compile)
     build_s = time.perf_counter() - started
     timing = run_rounds(vs, cfg, rank, world, args.warmup + args.steps, args.warmup)
     # The whole process's peak so far (start-up, build, timed steps), before the memory
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
     result = {
         "rank": rank, "world": world, "config": dataclasses.asdict(cfg),
         "steps": args.steps, "warmup": args.warmup, "build_s": build_s,
-        "only": args.only, "rss_process": rss_process,
+        "only": args.only, "rss_process": rss_process, "compile": args.compile,
         "variants": [{"name": v.name, "peer": v.peer, "note": v.note,
                       "loss_scope": v.loss_scope, "facts": v.facts,
                       **timing[v.name], "memory": memory[v.name]} for v in vs],
