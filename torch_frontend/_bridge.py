@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
+from torch.autograd import Variable
 
 from funshard import _jax_compat, _lowering, _mesh
 
@@ -44,6 +45,7 @@ class CommContext:
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="torch_frontend")
         self._held: tuple[Future | None, Callable[[], None]] | None = None
+        self._finish_queued = False
 
     def submit(self, fn, *args, **kwargs) -> Future:
         """Queues `fn` behind every collective launched before it; returns its future."""
@@ -77,8 +79,23 @@ class CommContext:
         if held is not None:
             held[1]()
 
+    def finish_after_backward(self) -> None:
+        """Makes the running backward end with `finish_reduce` (queued once per backward).
+
+        The root's final callback finishes it too, but a group run on its own (one
+        module of a grouped `fully_shard`, whose post-forward never ran) queues none.
+        """
+        if not self._finish_queued:
+            self._finish_queued = True
+            Variable._execution_engine.queue_callback(self._finish_queued_reduce)
+
+    def _finish_queued_reduce(self) -> None:
+        self._finish_queued = False
+        self.finish_reduce()
+
     def drop_reduce(self) -> None:
         """Waits for the held reduce-scatter, if any, and discards its result."""
+        self._finish_queued = False
         held, self._held = self._held, None
         if held is not None and held[0] is not None:
             concurrent.futures.wait([held[0]])

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
-from torch.utils import _pytree as pytree
 
 from torch_frontend import _bridge
 from torch_frontend._param import FSDPParam
 from torch_frontend._policy import MixedPrecisionPolicy
+from torch_frontend._tree import map_tensors, tensors
 
 
 class TrainingState(enum.Enum):
@@ -301,14 +301,11 @@ class ParamGroup:
         # computed, i.e. after the module's backward (parameter gradients accumulate
         # first: AccumulateGrad nodes have the highest priority). Without such inputs,
         # the root's final callback runs post_backward.
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not where or not torch.is_grad_enabled():
+        needing = [t for t in tensors((args, kwargs)) if t.requires_grad]
+        if not needing or not torch.is_grad_enabled():
             return args, kwargs
-        outs = _PostBackward.apply(self, *(leaves[i] for i in where))
-        for i, out in zip(where, outs):
-            leaves[i] = out
-        return pytree.tree_unflatten(leaves, spec)
+        outs = iter(_PostBackward.apply(self, *needing))
+        return map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
 
 
 class _PostBackward(torch.autograd.Function):
@@ -322,6 +319,7 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         ctx.group.post_backward()
+        ctx.group.layout.comm.finish_after_backward()
         return (None, *grads)
 
 

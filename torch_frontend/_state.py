@@ -10,11 +10,10 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
-from torch.utils import _pytree as pytree
-
 from torch_frontend import _errors
 from torch_frontend._group import ParamGroup, TrainingState
 from torch_frontend._policy import MixedPrecisionPolicy, cast_floating
+from torch_frontend._tree import map_tensors, tensors
 
 STATE_ATTR = "_torch_frontend_state"
 
@@ -134,12 +133,12 @@ class FSDPState:
         if not (policy.cast_forward_inputs and policy.param_dtype):
             return args, kwargs
         cast = functools.partial(cast_floating, policy.param_dtype)
-        return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
+        return map_tensors(cast, args), map_tensors(cast, kwargs)
 
     def cast_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is None:
             return output
-        return pytree.tree_map(functools.partial(cast_floating, self.mp_policy.output_dtype), output)
+        return map_tensors(functools.partial(cast_floating, self.mp_policy.output_dtype), output)
 
     def _root_pre_forward(self) -> None:
         self.lazy_init()
@@ -210,8 +209,8 @@ class FSDPState:
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
-        for tensor in pytree.tree_leaves(output):
-            if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
+        for tensor in tensors(output):
+            if not tensor.requires_grad:
                 continue
             if tensor._base is not None:
                 warnings.warn(_errors.view_output(self.fqn), UserWarning, stacklevel=2)
