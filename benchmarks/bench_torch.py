@@ -250,15 +250,21 @@ RSS_NOTE = ("One job per implementation, each building only that variant (the FS
             "and the steps; the larger rank's.")
 
 
-def process_memory(args) -> dict | None:
-    """{variant key: {"start", "peak"} bytes (the larger rank's)}, one job each."""
+def each_alone(args, summary, compile_blocks: bool = False) -> dict | None:
+    """{variant key: summary(its ranks' results)}, one job per key of ALONE."""
     out = {}
     for key in ALONE:
-        ranks = measure(args, key)
+        ranks = measure(args, key, compile_blocks)
         if ranks is None:
             return None
-        out[key] = {f: max(r["rss_process"][f] for r in ranks) for f in ("start", "peak")}
+        out[key] = summary(ranks)
     return out
+
+
+def process_memory(args) -> dict | None:
+    """{variant key: {"start", "peak"} bytes (the larger rank's)}, one job each."""
+    return each_alone(args, lambda ranks: {
+        f: max(r["rss_process"][f] for r in ranks) for f in ("start", "peak")})
 
 
 COMPILE_NOTE = ("One job per implementation, each building only that variant with "
@@ -270,16 +276,13 @@ COMPILE_NOTE = ("One job per implementation, each building only that variant wit
 
 def compile_runs(args) -> dict | None:
     """{variant key: {"first", "then"} seconds}, one cold-cache job each."""
-    out = {}
-    for key in ALONE:
-        ranks = measure(args, key, compile_blocks=True)
-        if ranks is None:
-            return None
+    def summary(ranks):
         per_rank = [r["variants"][0] for r in ranks]
         steps = [max(ls) for ls in zip(*(v["all_times"] for v in per_rank))]
-        out[key] = {"first": steps[0], "then": sorted(steps[args.warmup:])[
-            (len(steps) - args.warmup) // 2] if len(steps) > args.warmup else float("nan")}
-    return out
+        after = sorted(steps[args.warmup:])
+        return {"first": steps[0], "then": after[len(after) // 2] if after else float("nan")}
+
+    return each_alone(args, summary, compile_blocks=True)
 
 
 def compile_table(compiled: dict) -> tuple[list[str], list[list[str]]]:

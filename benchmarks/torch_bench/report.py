@@ -129,8 +129,9 @@ def table_rows(rows: dict) -> list[list[str]]:
     return out
 
 
-PROFILE_KEYS = ("_gather_now", "eager_all_gather", "finish_all_gather", "reduce_scatter",
-                "_reduce_now", "eager_reduce_scatter", "_import", "_export", "global_block")
+PROFILE_KEYS = ("_gather_now", "eager_all_gather", "finish_all_gather", "start_reduce_scatter",
+                "finish_reduce_scatter", "_reduce_now", "eager_reduce_scatter", "_import",
+                "_export", "global_block")
 
 
 def profile_table(prof: list[dict]) -> tuple[list[str], list[list[str]]]:
