@@ -326,12 +326,6 @@ def finish_reduce_scatter(pending: Future) -> list[torch.Tensor]:
     return [_export(b) for b in pending.result()]
 
 
-def reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
-                   dims: Sequence[int] | None = None, all_reduce: bool = True) -> list[torch.Tensor]:
-    """`start_reduce_scatter`, then `finish_reduce_scatter`: the blocks, synchronously."""
-    return finish_reduce_scatter(start_reduce_scatter(layout, fulls, dims, all_reduce))
-
-
 def _reduce_now(layout: Layout, stacked: Sequence[jax.Array], dims, all_reduce: bool):
     sums = _lowering.eager_reduce_scatter(
         stacked, layout.mesh, layout.shard_axes, layout.replicate_axes, dims, all_reduce)
