@@ -316,6 +316,8 @@ def test_import_funshard_does_not_import_torch():
 
 
 def test_one_core_collective_per_group_and_none_without_gradient_sync(monkeypatch):
+    # One collective of ONE operand per group (its parameters in one flat buffer):
+    # over gloo each operand of a collective costs a round of its own.
     from funshard import _lowering
 
     calls = []
@@ -331,11 +333,11 @@ def test_one_core_collective_per_group_and_none_without_gradient_sync(monkeypatc
     model.set_requires_gradient_sync(False)
     model(torch.randn(2, 16)).sum().backward()
     # Forward: one gather per unit; backward: one re-gather per unit, no reduction.
-    assert calls == [("eager_all_gather", 2)] * 4
+    assert calls == [("eager_all_gather", 1)] * 4
     calls.clear()
     model.set_requires_gradient_sync(True)
     model(torch.randn(2, 16)).sum().backward()
-    gather, reduce = ("eager_all_gather", 2), ("eager_reduce_scatter", 2)
+    gather, reduce = ("eager_all_gather", 1), ("eager_reduce_scatter", 1)
     # Backward: each gather is dispatched one unit ahead (the default prefetch: the root
     # prefetches the last unit, which prefetches the first); the last unit reduces when
     # its backward is done, the first (whose input needs no gradient) in the root's
@@ -415,10 +417,14 @@ def test_mixed_precision_gathers_in_param_dtype_and_keeps_fp32_shards():
 
 
 def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch):
+    # As FSDP2's, a group's shards are copied into one flat buffer (copy-in) and the
+    # gathered buffer into the parameters (copy-out); between the two, the buffers
+    # cross to JAX and back through DLPack, without a copy.
     from funshard import _lowering
+    from torch_frontend import _flat
 
-    inputs, outputs = [], []
-    real = _lowering.eager_all_gather
+    inputs, outputs, flats, gathered = [], [], [], []
+    real, copy_in, copy_out = _lowering.eager_all_gather, _flat.copy_in, _flat.copy_out
 
     def recording(datas, *args, **kwargs):
         fulls = real(datas, *args, **kwargs)
@@ -426,14 +432,22 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
         outputs.extend(f.addressable_shards[0].data.unsafe_buffer_pointer() for f in fulls)
         return fulls
 
+    def recording_in(*args):
+        flat = copy_in(*args)
+        flats.append(flat.data_ptr())
+        return flat
+
+    def recording_out(bucket, full, *args):
+        gathered.append(full.data_ptr())
+        return copy_out(bucket, full, *args)
+
     monkeypatch.setattr(_lowering, "eager_all_gather", recording)
+    monkeypatch.setattr(_flat, "copy_in", recording_in)
+    monkeypatch.setattr(_flat, "copy_out", recording_out)
     model = _shard_mlp(_mlp(), reshard_after_forward=False)
-    shards = [p.to_local().untyped_storage().data_ptr() for p in model.parameters()]
     model(torch.randn(2, 16))
-    gathered = [m.weight.data_ptr() for m in (model[0], model[2])]
-    gathered += [m.bias.data_ptr() for m in (model[0], model[2])]
-    assert sorted(inputs) == sorted(shards)  # JAX read the shards' own storage
-    assert sorted(outputs) == sorted(gathered)  # torch computes in JAX's output buffers
+    assert len(inputs) == 2 and inputs == flats  # JAX read torch's flat buffers
+    assert outputs == gathered  # torch copied out of JAX's own output buffers
     assert not set(outputs) & set(inputs)
 
 
@@ -492,8 +506,8 @@ def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
     states = [m._fsdp_state() for m in (model[0], model[2], model)]
     for _ in range(2):
         model(torch.randn(2, 16)).pow(2).sum().backward()
-        torch_buffers = {t.untyped_storage().data_ptr() for s in states for p in s.group.params
-                         for t in (p.padded, p._cast) if t is not None}
+        torch_buffers = {p.padded.untyped_storage().data_ptr()
+                         for s in states for p in s.group.params}
         jax_buffers = {shard.data.unsafe_buffer_pointer()
                        for a in jax.live_arrays() for shard in a.addressable_shards}
         assert torch_buffers and not torch_buffers & jax_buffers
@@ -501,14 +515,22 @@ def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
         opt.zero_grad()
 
 
+def _record_gathers(monkeypatch) -> list[int]:
+    """The number of tensors of every group all-gather started, in order."""
+    from torch_frontend import _flat
+
+    gathers = []
+    real = _flat.copy_in
+    monkeypatch.setattr(_flat, "copy_in", lambda bucket, *a: gathers.append(len(bucket.members))
+                        or real(bucket, *a))
+    return gathers
+
+
 def test_default_forward_prefetch_follows_the_last_iterations_order(monkeypatch):
     from torch_frontend import _bridge
 
     reference, model = _stack_pair()
-    gathers = []  # the sizes of the gathers started
-    real = _bridge.start_all_gather
-    monkeypatch.setattr(_bridge, "start_all_gather",
-                        lambda layout, blocks, *a: gathers.append(len(blocks)) or real(layout, blocks, *a))
+    gathers = _record_gathers(monkeypatch)
     entered = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, _: entered.append(len(gathers)))
@@ -533,10 +555,7 @@ def test_only_the_last_backward_ends_the_iteration(monkeypatch):
     from torch_frontend import _bridge
 
     reference, model = _stack_pair()
-    gathers = []
-    real = _bridge.start_all_gather
-    monkeypatch.setattr(_bridge, "start_all_gather",
-                        lambda layout, blocks, *a: gathers.append(len(blocks)) or real(layout, blocks, *a))
+    gathers = _record_gathers(monkeypatch)
     entered = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, _: entered.append(len(gathers)))
@@ -557,10 +576,7 @@ def test_explicit_prefetch_dispatches_the_next_gathers_early(monkeypatch):
     reference, model = _stack_pair()
     blocks = list(model.blocks)
     blocks[0].set_modules_to_forward_prefetch([blocks[1], blocks[2]])
-    gathers = []  # the gathers started (they run on the collective thread)
-    real = _bridge.start_all_gather
-    monkeypatch.setattr(_bridge, "start_all_gather",
-                        lambda layout, blocks, *a: gathers.append(len(blocks)) or real(layout, blocks, *a))
+    gathers = _record_gathers(monkeypatch)
     entered = []
     for block in blocks:
         block.register_forward_pre_hook(lambda m, _: entered.append(len(gathers)))
@@ -804,10 +820,7 @@ def test_set_unshard_in_backward_false_skips_the_backward_gather(monkeypatch):
     fully_shard(model.emb)
     fully_shard(model)
     model.emb.set_unshard_in_backward(False)  # the lookup's backward needs the ids only
-    gathers = []
-    real = _bridge.start_all_gather
-    monkeypatch.setattr(_bridge, "start_all_gather",
-                        lambda layout, blocks, *a: gathers.append(len(blocks)) or real(layout, blocks, *a))
+    gathers = _record_gathers(monkeypatch)
     tokens = torch.tensor([1, 2, 3, 3, 4, 9])
     for m in (model, reference):
         m(tokens).pow(2).sum().backward()
@@ -816,26 +829,26 @@ def test_set_unshard_in_backward_false_skips_the_backward_gather(monkeypatch):
         np.testing.assert_allclose(_full(ours.grad), theirs.grad, atol=1e-6)
 
 
-def test_gradients_enter_jax_without_copies_when_rows_divide(monkeypatch):
+def test_gradients_enter_jax_in_one_flat_buffer_without_another_copy(monkeypatch):
+    # A group's gradients are packed rank-major into one buffer (FSDP2's chunk-cat),
+    # which JAX reads in place.
     from funshard import _lowering
-    from torch_frontend._param import FSDPParam
+    from torch_frontend import _flat
 
-    grads, inputs = [], []
-    take = FSDPParam.take_unsharded_grad
+    flats, inputs = [], []
+    real, reduce_input = _lowering.eager_reduce_scatter, _flat.reduce_input
 
-    def recording_take(self, dtype):
-        grad = take(self, dtype)
-        grads.append(grad.data_ptr())
-        return grad
-
-    real = _lowering.eager_reduce_scatter
+    def recording_input(*args):
+        flat = reduce_input(*args)
+        flats.append(flat.data_ptr())
+        return flat
 
     def recording_reduce(stacked, *args, **kwargs):
         inputs.extend(s.addressable_shards[0].data.unsafe_buffer_pointer() for s in stacked)
         return real(stacked, *args, **kwargs)
 
-    monkeypatch.setattr(FSDPParam, "take_unsharded_grad", recording_take)
+    monkeypatch.setattr(_flat, "reduce_input", recording_input)
     monkeypatch.setattr(_lowering, "eager_reduce_scatter", recording_reduce)
-    model = _shard_mlp(_mlp())  # one process: every dim 0 divides the world size
+    model = _shard_mlp(_mlp())
     model(torch.randn(2, 16)).sum().backward()
-    assert len(inputs) == 4 and sorted(inputs) == sorted(grads)
+    assert len(inputs) == 2 and inputs == flats

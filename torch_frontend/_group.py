@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from torch_frontend import _bridge
+from torch_frontend import _bridge, _flat
 from torch_frontend._param import FSDPParam
 from torch_frontend._policy import MixedPrecisionPolicy
 from torch_frontend._tree import map_tensors, tensors
@@ -69,6 +69,7 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._pending: list | None = None  # a dispatched, not yet bound all-gather
+        self._buckets: list | None = None  # its flat buffers (None: one per parameter)
         self._parts: _bridge.Layout | None = None  # hpZ: the group layout of kept parts
 
     @property
@@ -104,10 +105,7 @@ class ParamGroup:
                 self._pending = _bridge.start_all_gather(
                     self._parts, blocks, *self._rows_and_dims())
             elif self.params:
-                for param in self.params:
-                    param.check_bound()
-                blocks = [p.gather_input(self.layout, self.param_dtype(p)) for p in self.params]
-                self._pending = _bridge.start_all_gather(self.layout, blocks, *self._rows_and_dims())
+                self._start_flat_gather()
             else:
                 self.sharded_state = ShardedState.UNSHARDED
         if not async_op:
@@ -116,28 +114,57 @@ class ParamGroup:
     def _rows_and_dims(self) -> tuple[list[int], list[int]]:
         return [p.rows for p in self.params], [p.dim for p in self.params]
 
+    def _start_flat_gather(self) -> None:
+        """Starts one all-gather of the group's shards, one flat buffer per dtype."""
+        for param in self.params:
+            param.check_bound()
+        sources = [p.sync_padded() for p in self.params]
+        dtypes = [self.param_dtype(p) for p in self.params]
+        buckets = _flat.buckets(dtypes, [s.shape for s in sources])
+        world = self.layout.world
+        blocks = [_bridge.global_block(self.layout, _flat.copy_in(b, sources, dtypes))
+                  for b in buckets]
+        future = _bridge.start_all_gather(
+            self.layout, blocks, [world * b.total for b in buckets])
+        self._pending = future
+        self._buckets = buckets
+
     def wait_for_unshard(self) -> None:
         """Completes a dispatched gather and binds the gathered parameters."""
         if self._pending is None:
             return
         with record_function("FSDP::all_gather_copy_out"):
             fulls = _bridge.finish_all_gather(self._pending)
-            self._pending = None
-            # A group that keeps its parameters from forward to backward can compute in
-            # JAX's buffers; one that reshards must copy into storage it can free.
-            zero_copy = self.reshard_after_forward is False
-            for param, full in zip(self.params, fulls):
-                param.to_unsharded(_bridge.from_words(full, self.param_dtype(param)), zero_copy)
+            buckets, self._pending, self._buckets = self._buckets, None, None
+            if buckets is None:  # hpZ: one gathered tensor per parameter
+                for param, full in zip(self.params, fulls):
+                    param.to_unsharded(_bridge.from_words(full, self.param_dtype(param)))
+            else:
+                self._copy_out(buckets, fulls)
+            for param in self.params:
                 param.drop_part()
         self._parts = None
         self.sharded_state = ShardedState.UNSHARDED
+
+    def _copy_out(self, buckets: list, fulls: list) -> None:
+        params = self.params
+        targets = [p.unsharded_padded(self.param_dtype(p)) for p in params]
+        unsharded = tuple(p.unsharded for p in params)
+        # Autograd saved views of these parameters in forward; refilling them for the
+        # backward is not the in-place change its version check guards against.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unsharded):
+            for bucket, full in zip(buckets, fulls):
+                _flat.copy_out(bucket, full, targets, [p.shape for p in params],
+                               [p.dim for p in params], self.layout.world)
+        for param in params:
+            param.bind_unsharded()
 
     def reshard(self) -> None:
         """Binds the local shards again and drops the gathered tensors (and hpZ parts)."""
         if self._pending is not None:
             # Its input is the shards' storage, which torch may write next (optimizer).
             _bridge.finish_all_gather(self._pending)
-            self._pending = None
+            self._pending = self._buckets = None
         for param in self.params:
             param.to_sharded()
             param.drop_part()
@@ -222,41 +249,57 @@ class ParamGroup:
         self._reshard_after_backward()
         if not with_grad:
             return
-        pending, blocks = self._start_reduce_scatter(grads, [p.dim for p in with_grad], all_reduce)
-        narrow = [i for i, b in enumerate(blocks) if b is None]
+        dims, shapes = [p.dim for p in with_grad], [g.shape for g in grads]
+        pending, blocks = self._start_reduce_scatter(grads, dims, all_reduce)
 
         def finish() -> None:  # once the reduce-scatter is done: write the gradients
             if pending is not None:
-                for i, block in zip(narrow, _bridge.finish_reduce_scatter(pending)):
-                    blocks[i] = block
+                self._finish_blocks(pending, shapes, dims, blocks)
             for param, block, post in zip(with_grad, blocks, posts):
                 if all_reduce:
                     param.add_sharded_grad(block, post)
                 else:
                     param.add_partial_grad(block)
 
-        # `grads` stay referenced by `pending` (JAX reads them) until it completes.
-        self.layout.comm.hold_reduce(pending, finish)
+        # The flat inputs stay referenced by `pending` (JAX reads them) until it completes.
+        self.layout.comm.hold_reduce(None if pending is None else pending[0], finish)
 
     def _start_reduce_scatter(self, grads: list[torch.Tensor], dims: list[int],
                               all_reduce: bool) -> tuple[object, list[torch.Tensor | None]]:
         """Starts the group's reduce-scatter on JAX; 64-bit gradients reduce now, in torch.
 
+        The others cross as one flat buffer per dtype (`_flat.reduce_input`): one
+        operand each, whatever the number of parameters.
+
         Returns:
           (the started reduce-scatter or None, each gradient's block: 64-bit ones
-          filled, the others None until the reduce-scatter finishes).
+          filled, the others None until `_finish_blocks` fills them).
         """
-        wide = {i for i, g in enumerate(grads) if g.element_size() == 8}
-        narrow = [i for i in range(len(grads)) if i not in wide]
         blocks: list[torch.Tensor | None] = [None] * len(grads)
-        pending = None
-        if narrow:
-            pending = _bridge.start_reduce_scatter(
-                self.layout, [grads[i] for i in narrow], [dims[i] for i in narrow],
-                all_reduce=all_reduce)
-        for i in sorted(wide):
-            blocks[i] = self._torch_reduce_scatter(grads[i], dims[i], all_reduce)
-        return pending, blocks
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, grad in enumerate(grads):
+            if grad.element_size() == 8:
+                blocks[i] = self._torch_reduce_scatter(grad, dims[i], all_reduce)
+            else:
+                by_dtype.setdefault(grad.dtype, []).append(i)
+        if not by_dtype:
+            return None, blocks
+        world = self.layout.world
+        members = list(by_dtype.values())
+        flats = [_flat.reduce_input([grads[i] for i in m], [dims[i] for i in m], world)
+                 for m in members]
+        pending = _bridge.start_reduce_scatter(self.layout, flats, all_reduce=all_reduce)
+        return (pending, members, flats), blocks
+
+    def _finish_blocks(self, pending, shapes: list[torch.Size], dims: list[int],
+                       blocks: list[torch.Tensor | None]) -> None:
+        """Fills `blocks` with this rank's parts of the finished flat reduce-scatter."""
+        future, members, _ = pending
+        for m, reduced in zip(members, _bridge.finish_reduce_scatter(future)):
+            parts = _flat.split_reduced(reduced, [shapes[i] for i in m], [dims[i] for i in m],
+                                        self.layout.world)
+            for i, part in zip(m, parts):
+                blocks[i] = part
 
     def _torch_reduce_scatter(self, grad: torch.Tensor, dim: int, all_reduce: bool) -> torch.Tensor:
         # JAX without x64 holds no 64-bit float: torch's group sums these exactly in
@@ -273,7 +316,7 @@ class ParamGroup:
         """Completes and drops a dispatched gather that nothing waited for."""
         if self._pending is not None:
             _bridge.finish_all_gather(self._pending)
-            self._pending = None
+            self._pending = self._buckets = None
 
     def drop_stale_parts(self) -> None:
         """Reshards fully if hpZ parts from an earlier forward are still kept.

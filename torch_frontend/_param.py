@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import weakref
 
 import jax
@@ -71,11 +72,11 @@ class FSDPParam:
 
     The module holds `sharded`, an `nn.Parameter` DTensor (`Shard(dim)`, as FSDP2's)
     whose local tensor is a view of `padded`: a contiguous buffer of `padded_rows` rows
-    (zero rows after the shard) that JAX reads through DLPack without a copy. The
-    optimizer updates the DTensor in place, hence `padded` too. `unsharded` is one
-    persistent plain `nn.Parameter` whose data is swapped for each gathered tensor:
-    autograd's saved tensors and gradient accumulation across microbatches see it as
-    one leaf.
+    (zero rows after the shard), this rank's block of the group's gathers (copied into
+    the group's flat buffer, `_flat.copy_in`). The optimizer updates the DTensor in
+    place, hence `padded` too. `unsharded` is one persistent plain `nn.Parameter` with
+    one storage, filled by each gather and freed by reshard: autograd's saved tensors
+    and gradient accumulation across microbatches see it as one leaf.
 
     Attributes:
       fqn: the parameter's name (relative to the fully_shard module, then to the root).
@@ -106,9 +107,6 @@ class FSDPParam:
         _MANAGED[id(self.sharded)] = self
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None
-        self._cast: torch.Tensor | None = None  # `padded` in another gather dtype
-        self._freed_data: torch.Tensor | None = None
-        self._owns_storage = False  # see to_unsharded
         self._part: tuple[torch.Tensor, jax.Array] | None = None
         # HSDP without all-reduce: this replica's reduce-scattered sum, not yet reduced
         # over the replicas (FSDP2's partial reduce output).
@@ -156,23 +154,6 @@ class FSDPParam:
         if self.padded.is_meta:
             raise RuntimeError(_errors.meta_forward(self.fqn))
 
-    def gather_input(self, layout: _bridge.Layout, dtype: torch.dtype) -> jax.Array:
-        """This rank's padded block in `dtype` as a global jax.Array: the gather's input.
-
-        Imported without a copy (DLPack) for this one gather and dropped with it: JAX
-        treats arrays as immutable, and the optimizer updates `padded` in place, so no
-        JAX array may outlive the gather over it. Another dtype goes through a
-        persistent cast buffer, refreshed here (no gather reads it at that moment).
-        """
-        source = self.sync_padded()
-        if dtype != self.dtype:
-            if self._cast is None or self._cast.dtype != dtype:
-                self._cast = source.to(dtype)
-            else:
-                self._cast.copy_(source)
-            source = self._cast
-        return _bridge.global_block(layout, source, self.dim)
-
     def sync_padded(self) -> torch.Tensor:
         """`padded`, re-made first if the shard no longer views it.
 
@@ -189,7 +170,6 @@ class FSDPParam:
         self._local(padded).copy_(local)
         self.padded = padded
         self.sharded._local_tensor = self._local(padded)
-        self._cast = None
         if self.unsharded is not None and self.unsharded.dtype != self.dtype:
             self.unsharded = None  # re-made in the new dtype at the next gather
         return self.padded
@@ -236,35 +216,45 @@ class FSDPParam:
     def drop_part(self) -> None:
         self._part = None
 
-    def to_unsharded(self, full: torch.Tensor, zero_copy: bool = False) -> None:
-        """Makes the modules use `full` (a gathered tensor) as the parameter.
+    def unsharded_padded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The unsharded parameter's storage in `dtype`, allocated, as the gather fills it.
 
-        With `zero_copy` (a group that keeps its gathered parameters until backward),
-        the parameter's data is `full` itself, JAX's buffer. Otherwise the unsharded
-        parameter has ONE storage for its life, resized to nothing on reshard and back
-        here, then filled (FSDP2's all-gather copy-out): views of it that autograd
-        saved in forward (a linear's `weight.t()`) hold that storage, not the gather's
-        buffer, so a resharded module keeps no gathered bytes and the backward's
-        re-gather reaches those views. Once a parameter owns its storage it keeps it.
+        The unsharded parameter has ONE storage for its life, resized to nothing on
+        reshard and back here (FSDP2's): views of it that autograd saved in forward (a
+        linear's `weight.t()`) hold that storage, so a resharded module keeps no
+        gathered bytes and the backward's re-gather reaches those views. Sharded on
+        dim 0, the storage has the padding rows after the parameter's, so the result
+        (`world * padded_rows` rows) is what the gather writes in one strided copy;
+        on another dim it is the parameter itself.
+
+        Writing into the result bumps the parameter's version counter: callers keep
+        it (`torch.autograd._unsafe_preserve_version_counter`).
         """
-        if self.unsharded is None or self.unsharded.dtype != full.dtype:
-            self.unsharded = nn.Parameter(full, requires_grad=self.sharded.requires_grad)
+        full_shape = list(self.shape)
+        if self.dim == 0:
+            full_shape[0] = self.layout.world * self.layout.padded_rows(self.rows)
+        if self.unsharded is None or self.unsharded.dtype != dtype:
+            base = torch.empty(full_shape, dtype=dtype, device=self.padded.device)
+            self.unsharded = nn.Parameter(base.narrow(self.dim, 0, self.rows),
+                                          requires_grad=self.sharded.requires_grad)
             _MANAGED[id(self.unsharded)] = self
-            self._owns_storage = False
-            if zero_copy:
-                return self._bind(self.unsharded)
-        if zero_copy and not self._owns_storage:
-            self.unsharded.data = full
-            return self._bind(self.unsharded)
-        if not self._owns_storage:
-            self.unsharded.data = torch.empty(self.shape, dtype=full.dtype, device=full.device)
-            self._owns_storage = True
         storage = self.unsharded.untyped_storage()
-        nbytes = self.unsharded.numel() * self.unsharded.element_size()
+        nbytes = dtype.itemsize * math.prod(full_shape)
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
+        if self.dim != 0:
+            return self.unsharded.detach()
+        return self.unsharded.detach().as_strided(full_shape, _contiguous_strides(full_shape), 0)
+
+    def to_unsharded(self, full: torch.Tensor) -> None:
+        """Makes the modules use a copy of `full` (a gathered tensor) as the parameter."""
+        target = self.unsharded_padded(full.dtype).narrow(self.dim, 0, self.rows)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
-            self.unsharded.copy_(full)
+            target.copy_(full)
+        self.bind_unsharded()
+
+    def bind_unsharded(self) -> None:
+        """Makes the modules hold the unsharded parameter (filled by the caller)."""
         self._bind(self.unsharded)
 
     def to_sharded(self) -> None:
@@ -276,17 +266,8 @@ class FSDPParam:
         (`set_unshard_in_backward(False)`).
         """
         if self.unsharded is not None:
-            if self._owns_storage:
-                self.unsharded.untyped_storage().resize_(0)
-            else:
-                self.unsharded.data = self._freed(self.unsharded.dtype)
+            self.unsharded.untyped_storage().resize_(0)
         self._bind(self.sharded)
-
-    def _freed(self, dtype: torch.dtype) -> torch.Tensor:
-        if self._freed_data is None or self._freed_data.dtype != dtype:
-            self._freed_data = torch.empty(self.shape, dtype=dtype)
-            self._freed_data.untyped_storage().resize_(0)
-        return self._freed_data
 
     def take_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The gradient accumulated since the last reduction, in `dtype`; clears it."""
