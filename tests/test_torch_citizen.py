@@ -395,12 +395,14 @@ def test_layer_by_layer_sharding_with_gc_has_no_false_positive():
     # PyTorch's test_layer_by_layer_shard_no_false_positive: a freed parameter's id()
     # comes back for the next layer's; identity must not be judged by it.
     tf.init_distributed()
-    layers = []
-    for _ in range(24):
+    layers, ids = [], []
+    for _ in range(8):
         layer = nn.Linear(8, 8)
+        ids += [id(p) for p in layer.parameters()]
         tf.fully_shard(layer)
         layers.append(layer)
         gc.collect()
+    assert len(set(ids)) < len(ids)  # a freed parameter's id was reused: the case at hand
     model = tf.fully_shard(nn.Sequential(*layers))
     reference = nn.Sequential(*(nn.Linear(8, 8) for _ in layers))
     reference.load_state_dict(tf.full_state_dict(model))
