@@ -2672,10 +2672,7 @@ def raise_scalar_and_noncontiguous_parameter(t: T, impl: Impl):
             impl.fully_shard(conv2d)
 
 
-@case("init", "TestFullyShardLazyInit::test_reset_sharded_param_in_lazy_init",
-      xfail={"frontend": "a parameter replaced after fully_shard but before the first forward is"
-                         " refused at that forward (ValueError: parameter 'weight_norm' was"
-                         " replaced after fully_shard); FSDP2 shards the new one at lazy init"})
+@case("init", "TestFullyShardLazyInit::test_reset_sharded_param_in_lazy_init")
 def reset_sharded_param_in_lazy_init(t: T, impl: Impl):
     class MyModel(nn.Module):
         def __init__(self):
@@ -2788,11 +2785,7 @@ def invalid_meta_device_init(t: T, impl: Impl):
 
 
 @case("init", "TestFullyShardMetaDeviceInit::test_rank0_broadcast_meta_device_init",
-      note="world 2 (upstream: 4 threads)",
-      xfail={"frontend": "only the device check: after load_state_dict(sd, assign=True) on the"
-                         " meta-device model every parameter (a DTensor) still reports device"
-                         " 'meta' (is_meta True) while its local tensor is on the CPU; values,"
-                         " loss and gradients match"})
+      note="world 2 (upstream: 4 threads)")
 def rank0_broadcast_meta_device_init(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor

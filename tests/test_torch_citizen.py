@@ -373,6 +373,53 @@ def test_meta_device_init_recipe_matches_fsdp2():
         torch.testing.assert_close(results["frontend"][2][key], value, rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support")
+def test_fully_shard_first_called_under_the_meta_device_context(monkeypatch):
+    # FSDP2's recipe may call fully_shard (mesh=None) for the first time inside
+    # `with torch.device("meta")`, where the default torch mesh is made: it failed
+    # with "Cannot copy out of meta tensor" unless an earlier call had made it.
+    from torch_frontend import _distributed
+
+    tf.init_distributed()
+    monkeypatch.setattr(_distributed, "_device_meshes", {})
+    monkeypatch.setattr(_distributed, "_jax_meshes", {})
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+        tf.fully_shard(model[0])
+        tf.fully_shard(model)
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+
+
+def test_load_state_dict_assign_on_a_meta_model_adopts_the_new_dtensors():
+    # FSDP2's rank-0 broadcast recipe: a sharded state dict of DTensors loaded with
+    # assign=True into a meta-device model. The parameters must become those DTensors
+    # (device cpu, not meta, as FSDP2's), and train as the plain model.
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = _mesh1()
+    torch.manual_seed(0)
+    reference = _mlp()
+    with torch.device("meta"):
+        model = _mlp()
+    tf.fully_shard(model, mesh=mesh)
+    sharded = {name: nn.Parameter(distribute_tensor(value.detach().clone(), mesh, [Shard(0)]))
+               for name, value in reference.state_dict().items()}
+    model.load_state_dict(sharded, assign=True)
+    for name, param in model.named_parameters():
+        assert param is sharded[name] and param.device.type == "cpu", name
+    x = torch.randn(3, 6)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad.full_tensor(), theirs.grad, rtol=0, atol=0,
+                                   msg=name)
+
+
 def test_forward_on_meta_parameters_is_a_clear_error():
     tf.init_distributed()
     with torch.device("meta"):

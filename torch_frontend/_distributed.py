@@ -135,7 +135,9 @@ def device_mesh(mesh: Mesh | None = None) -> DeviceMesh:
     if mesh not in _device_meshes:
         _init_process_group()
         device_type = "cuda" if mesh.devices.flat[0].platform == "gpu" else "cpu"
-        made = DeviceMesh(device_type, torch.as_tensor(_process_grid(mesh)),
+        # On the CPU whatever the default device: fully_shard may first run under
+        # `with torch.device("meta")` (FSDP2's init recipe).
+        made = DeviceMesh(device_type, torch.as_tensor(_process_grid(mesh), device="cpu"),
                           mesh_dim_names=tuple(mesh.axis_names))
         _device_meshes[mesh], _jax_meshes[made] = made, mesh
     return _device_meshes[mesh]

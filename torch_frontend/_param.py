@@ -175,20 +175,25 @@ class FSDPParam:
         return self.padded
 
     def reset_sharded_param(self) -> None:
-        """Adopts what the module now holds after `nn.Module._apply` (`to`, `to_empty`).
+        """Adopts the DTensor the module now holds (`load_state_dict(assign=True)`, `_apply`).
 
-        `_apply` may give the module a new DTensor parameter instead of updating ours in
-        place; ours stays the one registered (the optimizer may already hold it) and
-        takes the new local tensor.
+        As FSDP2's: a new DTensor parameter of the same shape becomes the sharded
+        parameter (every module holding the old one gets it), and its local tensor is
+        padded again; anything else is a replacement fully_shard cannot shard.
         """
         module, name = self.uses[0]
         new = module._parameters.get(name)
         if new is not None and new is not self.sharded:
-            if not isinstance(new, DTensor) or new.shape != self.sharded.shape:
+            if (not isinstance(new, DTensor) or new.shape != self.sharded.shape
+                    or new.device_mesh != self.spec.device_mesh
+                    or tuple(new.placements) != self.spec.placements(self.dim)):
                 raise ValueError(_errors.replaced_param(self.fqn))
-            with torch.no_grad():
-                self.sharded._local_tensor = new._local_tensor
-            self.sharded.requires_grad_(new.requires_grad)
+            _MANAGED.pop(id(self.sharded), None)
+            self.sharded = new
+            _MANAGED[id(new)] = self
+            self._dtensor_spec = None
+            if self.unsharded is not None:
+                self.unsharded.requires_grad_(new.requires_grad)
         self._bind(self.sharded)
         self.sync_padded()
 

@@ -190,6 +190,12 @@ class FSDPState:
         if self.auto_reshard_after_forward:
             # The root's parameters would be gathered again at once for the backward pass.
             self.group.reshard_after_forward = False
+        # As FSDP2's lazy init: a parameter replaced since fully_shard by a DTensor of
+        # the same sharding (computed from other sharded parameters, e.g. DoRA's
+        # magnitudes) becomes the managed one.
+        for state in self.ctx.all_states:
+            for param in state.group.params:
+                param.reset_sharded_param()
         self._name_params(root)
 
     def _name_params(self, root: nn.Module) -> None:
