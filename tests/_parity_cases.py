@@ -2760,9 +2760,7 @@ def meta_device_1d_init(t: T, impl: Impl):
 
 
 @case("init", "TestFullyShardMetaDeviceInit::test_invalid_meta_device_init",
-      note="world 2 (upstream: 4 threads)",
-      xfail={"frontend": "the RuntimeError has its own message, naming the first parameter still"
-                         " on meta ('0.in_proj.weight'), not FSDP2's list of all four"})
+      note="world 2 (upstream: 4 threads)")
 def invalid_meta_device_init(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 

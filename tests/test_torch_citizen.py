@@ -425,7 +425,7 @@ def test_forward_on_meta_parameters_is_a_clear_error():
     with torch.device("meta"):
         model = nn.Linear(4, 3)
     tf.fully_shard(model)
-    with pytest.raises(RuntimeError, match="'weight' is still on the meta device"):
+    with pytest.raises(RuntimeError, match=r"still on meta device: \['weight', 'bias'\]"):
         model(torch.ones(2, 4))
 
 

@@ -84,11 +84,12 @@ def replaced_param(fqn: str) -> str:
     )
 
 
-def meta_forward(fqn: str) -> str:
+def meta_forward(fqns: list[str]) -> str:
     return (
-        f"fully_shard: parameter {fqn!r} is still on the meta device. Materialise the "
-        "model after fully_shard with module.to_empty(device=...) and initialise it "
-        "(e.g. reset_parameters()) before the first forward."
+        "FSDP parameters should be materialized from meta device before training, but the "
+        f"following were still on meta device: {fqns}\nMaterialise the model after "
+        "fully_shard with module.to_empty(device=...) and initialise it (e.g. "
+        "reset_parameters() on each module) before the first forward."
     )
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from torch_frontend import _bridge, _flat
+from torch_frontend import _bridge, _errors, _flat
 from torch_frontend._param import FSDPParam
 from torch_frontend._policy import MixedPrecisionPolicy
 from torch_frontend._tree import map_tensors, tensors
@@ -92,7 +92,7 @@ class ParamGroup:
 
         Raises:
           ValueError: a parameter was replaced after fully_shard.
-          RuntimeError: a parameter is still on the meta device.
+          RuntimeError: parameters are still on the meta device (all are named).
         """
         if self.is_unsharded or self._pending is not None:
             if not async_op:
@@ -119,6 +119,9 @@ class ParamGroup:
         for param in self.params:
             param.check_bound()
         sources = [p.sync_padded() for p in self.params]
+        on_meta = [p.fqn for p, source in zip(self.params, sources) if source.is_meta]
+        if on_meta:
+            raise RuntimeError(_errors.meta_forward(on_meta))
         dtypes = [self.param_dtype(p) for p in self.params]
         buckets = _flat.buckets(dtypes, [s.shape for s in sources])
         world = self.layout.world

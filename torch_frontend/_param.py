@@ -146,13 +146,10 @@ class FSDPParam:
 
         Raises:
           ValueError: the parameter was replaced after fully_shard.
-          RuntimeError: the parameter is still on the meta device.
         """
         for module, name in self.uses:
             if module._parameters.get(name) is not self.sharded:
                 raise ValueError(_errors.replaced_param(self.fqn))
-        if self.padded.is_meta:
-            raise RuntimeError(_errors.meta_forward(self.fqn))
 
     def sync_padded(self) -> torch.Tensor:
         """`padded`, re-made first if the shard no longer views it.
