@@ -2637,10 +2637,7 @@ def _check_1d_sharded_parameters(t: T, orig_params, sharded_params) -> None:
         t.assertEqual(sharded._local_tensor, torch.chunk(orig, t.world_size, dim=0)[t.rank])
 
 
-@case("init", "TestFullyShardShardedParameterTensor::test_shard_tensor_parameters",
-      xfail={"frontend": "only the mesh check: with mesh=None the parameters' DeviceMesh has the"
-                         " dim name 'fsdp' and so differs from init_device_mesh('cpu', (2,)),"
-                         " FSDP2's default mesh; sizes, strides, placements and chunks match"})
+@case("init", "TestFullyShardShardedParameterTensor::test_shard_tensor_parameters")
 def shard_tensor_parameters(t: T, impl: Impl):
     model = nn.Sequential(*[U.MLP(3, dim_multiplier=3) for _ in range(3)])  # odd: uneven shards
     orig_params = [p.detach().clone() for p in model.parameters()]
@@ -2655,9 +2652,8 @@ def shard_tensor_parameters(t: T, impl: Impl):
 
 @case("init", "TestFullyShardShardedParameterTensor::test_raise_scalar_parameter"
       " + test_raise_noncontiguous_parameter",
-      xfail={"frontend": "a 0-d parameter raises NotImplementedError with its own message (FSDP2:"
-                         " ValueError 'Change scalar_p to a 1D tensor ...'); a channels_last"
-                         " (non-contiguous) parameter is accepted (FSDP2: NotImplementedError)"})
+      xfail={"frontend": "a channels_last (non-contiguous) parameter is accepted and sharded"
+                         " (FSDP2: NotImplementedError); the 0-d part passes"})
 def raise_scalar_and_noncontiguous_parameter(t: T, impl: Impl):
     with t.part("scalar"):
         model = nn.Sequential(*[U.MLP(3, dim_multiplier=3) for _ in range(3)])

@@ -238,7 +238,8 @@ def test_init_distributed_opens_torch_default_process_group():
     dist.barrier()
     assert total.item() == 3.0
     mesh = tf.device_mesh()
-    assert mesh.mesh_dim_names == ("fsdp",) and mesh.size() == 1
+    # Equal to FSDP2's default mesh (no dim names), so DTensors of the two compare equal.
+    assert mesh == init_device_mesh("cpu", (1,)) and mesh.size() == 1
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -418,6 +419,14 @@ def test_load_state_dict_assign_on_a_meta_model_adopts_the_new_dtensors():
     for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(mine.grad.full_tensor(), theirs.grad, rtol=0, atol=0,
                                    msg=name)
+
+
+def test_a_0d_parameter_is_a_value_error_in_fsdp2s_words():
+    tf.init_distributed()
+    model = nn.Linear(2, 2)
+    model.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(ValueError, match="Change scale to a 1D tensor with numel equal to 1"):
+        tf.fully_shard(model)
 
 
 def test_forward_on_meta_parameters_is_a_clear_error():

@@ -119,8 +119,9 @@ def _process_grid(mesh: Mesh) -> np.ndarray:
 def device_mesh(mesh: Mesh | None = None) -> DeviceMesh:
     """The torch `DeviceMesh` over the same processes as a frontend mesh.
 
-    Its dimensions are the mesh's axes, with the same names ("fsdp", or ("replicate",
-    "fsdp") for HSDP); the sharded parameters are DTensors on it. Every process must
+    Its dimensions are the mesh's axes: 1-D without dimension names (equal to FSDP2's
+    default mesh, `init_device_mesh(type, (world,))`), or ("replicate", "fsdp") for
+    HSDP; the sharded parameters are DTensors on it. Every process must
     call it for the same meshes in the same order the first time (torch makes the
     mesh's process groups collectively).
 
@@ -137,8 +138,11 @@ def device_mesh(mesh: Mesh | None = None) -> DeviceMesh:
         device_type = "cuda" if mesh.devices.flat[0].platform == "gpu" else "cpu"
         # On the CPU whatever the default device: fully_shard may first run under
         # `with torch.device("meta")` (FSDP2's init recipe).
+        # A 1-D mesh without dim names, as FSDP2's default `init_device_mesh(type, (n,))`,
+        # so that the two compare equal; HSDP's dims keep their names.
+        names = tuple(mesh.axis_names) if len(mesh.axis_names) > 1 else None
         made = DeviceMesh(device_type, torch.as_tensor(_process_grid(mesh), device="cpu"),
-                          mesh_dim_names=tuple(mesh.axis_names))
+                          mesh_dim_names=names)
         _device_meshes[mesh], _jax_meshes[made] = made, mesh
     return _device_meshes[mesh]
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 
 def scalar_param(fqn: str) -> str:
+    # FSDP2's sentence first: code written for FSDP2 may match it.
     return (
-        f"fully_shard: parameter {fqn!r} is 0-dimensional; sharding it on dim 0 is not "
-        "supported yet. Store it with shape (1,) or keep it out of the sharded module "
-        "(e.g. as a buffer)."
+        f"fully_shard: parameter {fqn!r} is 0-dimensional, and FSDP shards on dim 0. "
+        f"Change {fqn} to a 1D tensor with numel equal to 1 (or keep it out of the "
+        "sharded module, e.g. as a buffer)."
     )
 
 

@@ -345,9 +345,9 @@ def fully_shard(
     Raises:
       TypeError: a bad argument type (not a module, a policy, a placement).
       ValueError: a module already sharded, an hpZ size that does not divide the
-        world, or a placement out of range.
+        world, a placement out of range, or a 0-d parameter (as FSDP2).
       NotImplementedError: an argument not supported yet (`offload_policy` other
-        than None or FSDP2's default, `dp_mesh_dims`, a 0-d parameter).
+        than None or FSDP2's default, `dp_mesh_dims`).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn)

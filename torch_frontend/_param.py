@@ -88,7 +88,7 @@ class FSDPParam:
     def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], fqn: str,
                  layout: _bridge.Layout, spec: ShardSpec, dim: int = 0):
         if param.ndim == 0:
-            raise NotImplementedError(_errors.scalar_param(fqn))
+            raise ValueError(_errors.scalar_param(fqn))
         self.fqn, self.uses, self.dim = fqn, uses, dim
         self.orig_uid = original_uid(param)
         self.layout, self.spec = layout, spec
