@@ -2,21 +2,27 @@
 
 The main job. A byte-level GPT written in Flax nnx is sharded FSDP2-style through
 `funshard.flax` (every transformer block one unit, the model the root), then trained with
-AdamW on the public-domain text in `examples/data/`. It prints funshard's plan for the
-step, trains under a progress bar with validation every 100 steps, checkpoints
-into its run folder (and resumes from there when run again with the same `--run-dir`),
-and ends with a summary table (memory per device, collectives per step read from the
-compiled program, losses against the unigram baseline), a loss-curve PNG and a sample of
-generated text.
+AdamW on the public-domain text in `examples/data/`. It checks every flag before anything
+is compiled, prints funshard's plan for the step, trains under a progress bar (loss, step
+time, tokens/s, MFU, gradient norm, learning rate, peak memory per device) with validation
+every 100 steps, checkpoints into its run folder together with the run's settings (and
+resumes from there when run again with the same `--run-dir`), and ends with a summary
+table (memory per device, collectives per step read from the compiled program, losses
+against the unigram baseline, speed), a loss-curve PNG and a sample of generated text.
 
 Run: python examples/train_lm.py [--steps N] [--devices 8] [--replicate K]
-         [--param-dtype bf16] [--scan] [--run-dir DIR] [--sample PROMPT]
+         [--batch B] [--lr LR] [--warmup W] [--clip NORM] [--seed S]
+         [--param-dtype bf16] [--scan] [--run-dir DIR] [--override]
+         [--peak-tflops T] [--profile DIR] [--tensorboard] [--sample PROMPT]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -44,12 +50,16 @@ from rich.progress import (  # noqa: E402
     TimeRemainingColumn,
 )
 from rich.table import Table  # noqa: E402
+from rich.text import Text as RichText  # noqa: E402
 
 import funshard as fs  # noqa: E402
 import funshard.flax  # noqa: E402,F401  (fs.flax)
 
 DATA = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 VOCAB = 256  # byte-level tokens: no tokenizer to ship or download
+PROMPT = "ROMEO:"  # the default --sample, as docs/getting-started.md states it
+LOG_EVERY = 10  # steps per logged row (plus the first step, evaluations and checkpoints)
+PROFILED_STEPS = 3
 
 
 # --------------------------------------------------------------------------- config
@@ -65,47 +75,242 @@ class ModelConfig:
     context: int = 64
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """How the model is trained."""
+TINY = ModelConfig(width=32, depth=2, heads=2, context=32)
+EVAL_BATCHES = 4
 
-    steps: int = 400
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The run's settings: kept in the run folder's `config.json`, checked on resume.
+
+    Each field is the flag of the same name (`param_dtype` is `--param-dtype`). A resume
+    takes every setting not given on the command line from the run folder; see `FIXED`,
+    `MATCHED` and `FREE` for what a resume may change.
+    """
+
+    tiny: bool = False
+    scan: bool = False
     batch: int = 32  # sequences per step, split over all data-parallel devices
     lr: float = 5e-3
-    warmup: int = 50
-    eval_every: int = 100
-    eval_batches: int = 4
-    checkpoint_every: int = 200
     seed: int = 0
+    warmup: int = 50
+    clip: float = 0.0  # 0: no gradient clipping
+    steps: int = 400
+    devices: int = 8
+    replicate: int = 1  # 1: plain FSDP
+    param_dtype: str = "f32"
+    eval_every: int = 100
+    checkpoint_every: int = 200
+
+    @property
+    def model(self) -> ModelConfig:
+        """The model shape `--tiny` selects."""
+        return TINY if self.tiny else ModelConfig()
 
 
-TINY = ModelConfig(width=32, depth=2, heads=2, context=32)
+# The checkpoints' shapes depend on these: no resume can change them.
+FIXED = ("tiny", "scan")
+# These change what the run computes: a resume refuses a change unless --override.
+MATCHED = ("batch", "lr", "seed", "warmup", "clip")
+# Layout, length and bookkeeping: a resume may change them (checkpoints are resharded on
+# load; a larger --steps extends the run, and the cosine schedule with it).
+FREE = ("steps", "devices", "replicate", "param_dtype", "eval_every", "checkpoint_every")
+DEFAULTS = Settings()
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """Reads the command line."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
-    p.add_argument("--replicate", type=int, default=None,
-                   help="HSDP: replicate over K groups, shard within each (fs.make_mesh)")
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--batch", type=int, default=TrainConfig.batch)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
-    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
-    p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every)
-    p.add_argument("--param-dtype", choices=["f32", "bf16"], default="f32",
-                   help="dtype of the all-gathered parameters (master weights stay f32)")
-    p.add_argument("--scan", action="store_true",
-                   help="stack the blocks and run them with fs.scan")
-    p.add_argument("--tiny", action="store_true", help="a tiny model, for smoke tests")
+def default_warmup(steps: int) -> int:
+    """`--warmup`'s default: 50 steps, an eighth of the run for runs under 400 steps."""
+    return max(0, min(DEFAULTS.warmup, steps // 8))
+
+
+def flag(name: str) -> str:
+    """The command-line flag of the setting `name`."""
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line. Run settings default to "not given" so a resume can inherit them."""
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="A run folder keeps the run settings in config.json. Rerunning a folder "
+               "takes every setting not given from there; --steps, --devices, --replicate, "
+               "--param-dtype, --eval-every and --checkpoint-every may change on resume, "
+               "--batch, --lr, --seed, --warmup and --clip only with --override, --tiny "
+               "and --scan never.",
+    )
+    run = p.add_argument_group("run settings (kept in the run folder)")
+    unset = argparse.SUPPRESS  # absent from the namespace unless given
+    run.add_argument("--tiny", action="store_true", default=unset,
+                     help="a tiny model, for smoke tests")
+    run.add_argument("--scan", action="store_true", default=unset,
+                     help="stack the blocks and run them with fs.scan")
+    run.add_argument("--steps", type=int, default=unset,
+                     help=f"train to step N (default {DEFAULTS.steps})")
+    run.add_argument("--batch", type=int, default=unset,
+                     help=f"sequences per step, split over all devices (default {DEFAULTS.batch})")
+    run.add_argument("--lr", type=float, default=unset,
+                     help=f"peak learning rate (default {DEFAULTS.lr})")
+    run.add_argument("--warmup", type=int, default=unset,
+                     help="linear warm-up steps before the cosine decay to lr/10 "
+                          f"(default {DEFAULTS.warmup}, at most steps/8)")
+    run.add_argument("--clip", type=float, default=unset, metavar="NORM",
+                     help="clip gradients to this global norm (default 0: no clipping)")
+    run.add_argument("--seed", type=int, default=unset,
+                     help=f"initialisation, batches and sampling (default {DEFAULTS.seed})")
+    run.add_argument("--devices", type=int, default=unset,
+                     help=f"simulated CPU devices (default {DEFAULTS.devices})")
+    run.add_argument("--replicate", type=int, default=unset, metavar="K",
+                     help="HSDP: replicate over K groups, shard within each "
+                          "(fs.make_mesh; default 1: plain FSDP)")
+    run.add_argument("--param-dtype", choices=["f32", "bf16"], default=unset,
+                     help="dtype of the all-gathered parameters (master weights stay f32)")
+    run.add_argument("--eval-every", type=int, default=unset,
+                     help=f"steps between validations (default {DEFAULTS.eval_every})")
+    run.add_argument("--checkpoint-every", type=int, default=unset,
+                     help=f"steps between checkpoints (default {DEFAULTS.checkpoint_every})")
     p.add_argument("--run-dir", type=Path, default=None,
-                   help="checkpoints, metrics and the loss plot; rerun with the same "
-                        "folder to resume (default: a fresh runs/train_lm/<time>)")
-    p.add_argument("--sample", metavar="PROMPT", default="ROMEO:\n",
-                   help="prompt to continue after training ('' for none)")
+                   help="checkpoints, settings, metrics and the loss plot; rerun with the "
+                        "same folder to resume (default: a fresh runs/train_lm/<time>)")
+    p.add_argument("--override", action="store_true",
+                   help="resume even though --batch, --lr, --seed, --warmup or --clip "
+                        "differ from the run folder's")
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                   help="peak dense TFLOP/s of one device, for MFU (default: MFU not shown)")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help=f"write a jax.profiler trace of {PROFILED_STEPS} training steps to DIR")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write the metrics as TensorBoard scalars into the run folder "
+                        "(needs tensorboardX, or tensorboard for torch.utils.tensorboard)")
+    p.add_argument("--sample", metavar="PROMPT", default=PROMPT,
+                   help=f"prompt to continue after training (default {PROMPT!r}; '' for none)")
     p.add_argument("--sample-length", type=int, default=300)
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    return p.parse_args(argv)
+    return p
+
+
+def resolve_settings(parser, args, saved: dict | None) -> tuple[Settings, list[str]]:
+    """The run's settings: the command line's, else the run folder's, else the defaults.
+
+    Returns:
+      The settings, and the changes a resume accepted as `(name, old, new)`.
+
+    Raises:
+      SystemExit: (through `parser.error`) a resume changes a FIXED setting, or a MATCHED
+        one without `--override`.
+    """
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)
+             if hasattr(args, f.name)}
+    values = {**dataclasses.asdict(DEFAULTS), **(saved or {}), **given}
+    if "warmup" not in given and "warmup" not in (saved or {}):
+        values["warmup"] = default_warmup(values["steps"])
+    changed = [(name, saved[name], value) for name, value in given.items()
+               if saved is not None and name in saved and saved[name] != value]
+    refused = [c for c in changed if c[0] in FIXED or (c[0] in MATCHED and not args.override)]
+    if refused:
+        parser.error(resume_conflict(refused, args.override))
+    return Settings(**values), changed
+
+
+def resume_conflict(refused: list[tuple[str, object, object]], override: bool) -> str:
+    """The error for settings a resume may not change, with what to do instead."""
+    lines = ["this run folder was trained with other settings:"]
+    for name, old, new in refused:
+        lines.append(f"  {flag(name)}: {_shown(old)} in the run folder, {_shown(new)} now")
+    if any(name in FIXED for name, _, _ in refused):
+        lines.append("--tiny and --scan fix the shape of the checkpoints: leave them as they "
+                     "were, or pass another --run-dir.")
+    if not override and any(name in MATCHED for name, _, _ in refused):
+        lines.append("Leave those flags out to keep the run's values, pass --override to "
+                     "change them from here on, or pass another --run-dir.")
+    return "\n".join(lines)
+
+
+def _change(name: str, old, new) -> str:
+    """A setting's change as a line: `--lr 0.5 (was 0.005)`."""
+    return f"{flag(name)} {_shown(new)} (was {_shown(old)})"
+
+
+def _shown(value) -> str:
+    """A setting's value as a user would type it (booleans as given / not given)."""
+    if isinstance(value, bool):
+        return "given" if value else "not given"
+    return str(value)
+
+
+def check_settings(parser, settings: Settings, args) -> None:
+    """Refuses every bad flag at once, before JAX starts, naming the flag and the fix."""
+    problems = [p for p in (*_setting_problems(settings), *_invocation_problems(args)) if p]
+    if problems:
+        parser.error("\n".join(problems))
+
+
+def _setting_problems(s: Settings) -> list[str | None]:
+    batch_split = s.devices >= 1 and s.batch >= 1 and s.batch % s.devices
+    lower = s.batch // s.devices * s.devices if s.devices >= 1 else 0
+    return [
+        _at_least("steps", s.steps, 1, "the step to train to"),
+        _at_least("batch", s.batch, 1, "sequences per step"),
+        None if s.lr > 0 and math.isfinite(s.lr) else
+        f"--lr {s.lr}: the learning rate must be a positive number, e.g. --lr {DEFAULTS.lr}",
+        _at_least("seed", s.seed, 0, "a seed for numpy and nnx.Rngs"),
+        _at_least("warmup", s.warmup, 0, "warm-up steps"),
+        None if s.warmup < s.steps or s.steps < 1 else
+        f"--warmup {s.warmup} must be below --steps {s.steps} (the warm-up is part of "
+        "the schedule): pass a smaller --warmup or a larger --steps",
+        None if s.clip >= 0 and math.isfinite(s.clip) else
+        f"--clip {s.clip}: the gradient-norm limit must be positive (or 0: no clipping)",
+        _at_least("devices", s.devices, 1, "devices"),
+        _at_least("replicate", s.replicate, 1, "replica groups (1: plain FSDP)"),
+        None if s.replicate < 1 or s.devices < 1 or s.devices % s.replicate == 0 else
+        f"--replicate {s.replicate} does not divide --devices {s.devices}: HSDP needs "
+        f"{s.devices} devices to form {s.replicate} equal groups",
+        None if not batch_split else
+        f"--batch {s.batch} is not divisible by --devices {s.devices}'s data-parallel size "
+        f"{s.devices} (every device trains on an equal share of the batch): pass "
+        + (f"--batch {lower} or " if lower else "") + f"--batch {lower + s.devices}, "
+        f"or a --devices that divides {s.batch}",
+        _at_least("eval_every", s.eval_every, 1, "steps between validations"),
+        _at_least("checkpoint_every", s.checkpoint_every, 1, "steps between checkpoints"),
+    ]
+
+
+def _invocation_problems(args) -> list[str | None]:
+    peak = args.peak_tflops
+    return [
+        _at_least("sample_length", args.sample_length, 0, "bytes to generate"),
+        None if args.temperature >= 0 else
+        f"--temperature {args.temperature}: must be >= 0 (0 for greedy decoding)",
+        None if peak is None or (peak > 0 and math.isfinite(peak)) else
+        f"--peak-tflops {peak}: must be the device's positive peak TFLOP/s, e.g. 989 for "
+        "an H100's dense bf16",
+        None if args.run_dir is None or not args.run_dir.is_file() else
+        f"--run-dir {args.run_dir} is a file: pass a folder (new or a run's)",
+        None if args.profile is None or not args.profile.is_file() else
+        f"--profile {args.profile} is a file: pass a folder for the trace",
+        None if not args.tensorboard or summary_writer_class() is not None else
+        "--tensorboard needs a TensorBoard writer: pip install tensorboardX (or tensorboard, "
+        "for torch.utils.tensorboard), or leave --tensorboard out",
+    ]
+
+
+def _at_least(name: str, value: int, least: int, what: str) -> str | None:
+    if value >= least:
+        return None
+    return f"{flag(name)} {value}: must be at least {least} ({what})"
+
+
+def summary_writer_class():
+    """TensorBoard's `SummaryWriter` (tensorboardX's, else torch's), or None if absent."""
+    # torch's writer needs the tensorboard package: look for it before importing torch.
+    for module, package in (("tensorboardX", "tensorboardX"),
+                            ("torch.utils.tensorboard", "tensorboard")):
+        if sys.modules.get(package) is None and importlib.util.find_spec(package) is None:
+            continue
+        try:
+            return importlib.import_module(module).SummaryWriter
+        except ImportError:
+            continue
+    return None
 
 
 # ----------------------------------------------------------------------------- data
@@ -333,53 +538,190 @@ def make_loss(graphdef):
     return loss_fn
 
 
-def make_optimizer(train: TrainConfig):
-    """AdamW with linear warm-up and cosine decay to a tenth of the peak rate.
+def make_schedule(settings: Settings):
+    """Linear warm-up from 0 over `--warmup` steps, then cosine decay to a tenth of `--lr`
+    at `--steps`. Update `k` (0-based) uses `schedule(k)`, as optax counts."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, settings.lr, settings.warmup, settings.steps, settings.lr / 10
+    )
+
+
+def make_optimizer(settings: Settings):
+    """AdamW on the schedule, after clipping the gradients' global norm if `--clip` is set.
 
     optax sees the sharded state as an ordinary pytree: its moments are sharded like
     the parameters they follow.
     """
-    # The clamps keep a valid schedule for runs of a few steps (smoke tests).
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, train.lr, min(train.warmup, max(train.steps - 1, 1)), max(train.steps, 2),
-        train.lr / 10,
-    )
-    return optax.adamw(schedule, b2=0.99, weight_decay=0.1)
+    adamw = optax.adamw(make_schedule(settings), b2=0.99, weight_decay=0.1)
+    if settings.clip == 0:
+        return adamw
+    clip = optax.clip_by_global_norm(settings.clip)
+
+    def update(grads, state, params=None):
+        grads, _ = clip.update(grads, clip.init(params), params)
+        return adamw.update(grads, state, params)
+
+    # Not `optax.chain`: the clip keeps no state, and leaving the optimizer state AdamW's
+    # alone lets a resume turn clipping on or off and restore checkpoints written without.
+    return optax.GradientTransformation(adamw.init, update)
 
 
 def compile_train_step(loss_fn, optimizer, state, opt_state, batch):
-    """Compiles the step once, ahead of time; the state and optimizer state are donated."""
+    """Compiles the step once, ahead of time; the state and optimizer state are donated.
+
+    The step returns the new state, optimizer state and `{"loss", "grad_norm"}`: the
+    global-mean loss and the global norm of the gradients before any clipping.
+    """
 
     def train_step(state, opt_state, batch):
         loss, grads = fs.value_and_grad(loss_fn)(state, batch)
         updates, opt_state = optimizer.update(grads, opt_state, state)
-        return optax.apply_updates(state, updates), opt_state, loss
+        # The sharded gradients' padding rows are zeros, so the norm over the padded
+        # arrays is the full gradient's norm.
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return optax.apply_updates(state, updates), opt_state, metrics
 
     return jax.jit(train_step, donate_argnums=(0, 1)).lower(state, opt_state, batch).compile()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """What one compiled training step costs each device, read from the compiled program.
+
+    Attributes:
+      flops: XLA's count for one step on one device (forward, backward, optimizer), or
+        None when XLA cannot count it: with `--scan` its cost analysis counts the layer
+        loop's body once, not once per layer.
+      memory_bytes: the step's arguments, outputs and temporaries on one device, less the
+        donated buffers it reuses (`memory_analysis()`), or None if unknown.
+    """
+
+    flops: float | None
+    memory_bytes: int | None
+
+    @classmethod
+    def of(cls, compiled, scan: bool) -> StepCost:
+        """The cost of `compiled`, the step from `compile_train_step`."""
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: a list
+        flops = None if scan or not cost else cost.get("flops")
+        memory = compiled.memory_analysis()
+        memory_bytes = None if memory is None else (
+            memory.argument_size_in_bytes + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes - memory.alias_size_in_bytes
+        )
+        return cls(flops=flops, memory_bytes=memory_bytes)
+
+
+def peak_memory(devices, cost: StepCost) -> tuple[int | None, str]:
+    """The peak bytes in use on the busiest device, and where the figure comes from.
+
+    Accelerators report it (`memory_stats()["peak_bytes_in_use"]`); the CPU backend
+    does not, so the compiled step's own footprint stands in for it.
+    """
+    stats = [d.memory_stats() for d in devices]
+    peaks = [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
+    if peaks and len(peaks) == len(stats):
+        return max(peaks), "memory_stats"
+    return cost.memory_bytes, "compiled step"
+
+
+@dataclasses.dataclass(frozen=True)
+class Meter:
+    """Turns a logging window's time and metrics into a row's readouts."""
+
+    cost: StepCost
+    tokens_per_step: int
+    schedule: object  # step -> learning rate
+    peak_tflops: float | None
+
+    def row(self, done: int, window: list[dict], seconds: float) -> dict:
+        """The metrics row of the `len(window)` steps ending at step `done`."""
+        host = jax.device_get(window)
+        step_time = seconds / len(window)
+        memory, source = peak_memory(jax.local_devices(), self.cost)
+        row = {
+            "step": done,
+            "loss": float(np.mean([m["loss"] for m in host])),
+            "window": len(window),
+            "grad_norm": float(host[-1]["grad_norm"]),
+            "lr": float(self.schedule(done - 1)),  # what the window's last update used
+            "step_time_s": step_time,
+            "tokens_per_s": self.tokens_per_step / step_time,
+        }
+        if self.cost.flops is not None:
+            row["tflops_per_device"] = self.cost.flops / step_time / 1e12
+            if self.peak_tflops is not None:
+                row["mfu_percent"] = 100 * row["tflops_per_device"] / self.peak_tflops
+        if memory is not None:
+            row["peak_memory_bytes"], row["peak_memory_source"] = memory, source
+        return row
+
+
+def readout(row: dict, platform: str) -> str:
+    """The progress line's speed, optimizer and memory figures of a metrics row."""
+    parts = [f"{1000 * row['step_time_s']:.1f} ms/step", f"{row['tokens_per_s']:,.0f} tok/s"]
+    if "tflops_per_device" in row:
+        parts.append(f"{row['tflops_per_device']:.3g} TFLOP/s/device")
+    if "mfu_percent" in row:
+        note = " (indicative on CPU)" if platform == "cpu" else ""
+        parts.append(f"MFU {row['mfu_percent']:.2f}%{note}")
+    parts += [f"gnorm {row['grad_norm']:.3f}", f"lr {row['lr']:.2e}"]
+    if "peak_memory_bytes" in row:
+        parts.append(f"peak mem {_size(row['peak_memory_bytes'])}/device")
+    return "  ".join(parts)
 
 
 # ------------------------------------------------------------------- run folder
 
 
 class RunDir:
-    """Checkpoints, metrics and the loss plot of one run; reopening it resumes the run."""
+    """Checkpoints, settings, metrics and the loss plot of one run; reopening it resumes."""
 
     def __init__(self, path: Path):
         self.path = path
         self.checkpoints = path / "checkpoints"
         self.metrics_file = path / "metrics.jsonl"
+        self.config_file = path / "config.json"
+        self.scalars = None  # a TensorBoard SummaryWriter, once `write_tensorboard` is called
 
-    def check_config(self, config: dict) -> None:
-        """Writes the model config, or checks it against the one already there."""
+    def saved_settings(self) -> dict | None:
+        """The settings the run folder was trained with, or None for a new folder.
+
+        A folder written before the settings were kept holds only the model's shape and
+        `scan`: the other settings are then taken as given.
+
+        Raises:
+          SystemExit: the folder holds a model this script does not build.
+        """
+        if not self.config_file.exists():
+            return None
+        saved = json.loads(self.config_file.read_text())
+        if "settings" in saved:
+            return saved["settings"]
+        shape = {k: saved.get(k) for k in ("width", "depth", "heads", "context")}
+        for tiny, model in ((True, TINY), (False, ModelConfig())):
+            if shape == dataclasses.asdict(model):
+                return {"tiny": tiny, "scan": bool(saved.get("scan", False))}
+        raise SystemExit(f"{self.path} holds a run of another model ({saved}); "
+                         "pass another --run-dir.")
+
+    def save_settings(self, settings: Settings, step: int, changes: list[tuple]) -> None:
+        """Writes `config.json`: the settings, the model's shape, and a line per change.
+
+        Args:
+          settings: the settings this invocation trains with.
+          step: the step it resumes from.
+          changes: `(name, old, new)` for each setting it changes, from `resolve_settings`.
+        """
         self.path.mkdir(parents=True, exist_ok=True)
-        saved = self.path / "config.json"
-        if saved.exists():
-            before = json.loads(saved.read_text())
-            if before != config:
-                sys.exit(f"{self.path} holds a run of another model ({before}); this one is "
-                         f"{config}. Pass another --run-dir.")
-        else:
-            saved.write_text(json.dumps(config, indent=1) + "\n")
+        history = []
+        if self.config_file.exists():
+            history = json.loads(self.config_file.read_text()).get("changes", [])
+        history += [{"step": step, "change": _change(*c)} for c in changes]
+        config = {"settings": dataclasses.asdict(settings),
+                  "model": dataclasses.asdict(settings.model), "changes": history}
+        self.config_file.write_text(json.dumps(config, indent=1) + "\n")
 
     def latest(self) -> tuple[int, Path] | None:
         """The step and path of the newest complete checkpoint, if any."""
@@ -405,15 +747,84 @@ class RunDir:
         self.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return rows
 
+    def write_tensorboard(self, writer_class) -> None:
+        """Also writes every logged number as a TensorBoard scalar, into `tensorboard/`."""
+        self.scalars = writer_class(str(self.path / "tensorboard"))
+
     def log(self, row: dict) -> None:
         """Appends one metrics row (the loss plot of a resumed run draws on them all)."""
         with self.metrics_file.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.scalars is not None:
+            for name, value in row.items():
+                if name != "step" and isinstance(value, (int, float)):
+                    self.scalars.add_scalar(f"train_lm/{name}", value, row["step"])
+            self.scalars.flush()
+
+    def close(self) -> None:
+        """Closes the TensorBoard writer, if any."""
+        if self.scalars is not None:
+            self.scalars.close()
 
 
 def default_run_dir() -> Path:
     """A fresh folder per run, so that rerunning the command starts over."""
     return Path("runs") / "train_lm" / time.strftime("%Y%m%d-%H%M%S")
+
+
+class Profiler:
+    """`--profile DIR`: a `jax.profiler` trace of a few steps, and the step's HLO beside it.
+
+    The trace starts at the second step of this invocation (the first may still be
+    warming up) and covers `PROFILED_STEPS` steps.
+    """
+
+    def __init__(self, directory: Path | None, start: int, steps: int, hlo_text: str):
+        self.directory, self.hlo_text = directory, hlo_text
+        self.first = start + 1 if steps - start > 1 else start
+        self.last = min(self.first + PROFILED_STEPS, steps) - 1
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            # On CPU the trace names HLO instructions (`all_gather.48`); their metadata
+            # here gives each one's scope (`funshard/Block/all_gather`).
+            (directory / "train_step.hlo.txt").write_text(hlo_text)
+
+    def before(self, step: int) -> float:
+        """Starts the trace before the first profiled step; returns the seconds it took."""
+        if self.directory is None or step != self.first:
+            return 0.0
+        starting = time.perf_counter()
+        jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+        return time.perf_counter() - starting
+
+    def after(self, step: int, outputs) -> float:
+        """Ends the trace after the last profiled step; returns the seconds spent writing it."""
+        if self.directory is None or step != self.last:
+            return 0.0
+        jax.block_until_ready(outputs)
+        writing = time.perf_counter()
+        jax.profiler.stop_trace()
+        return time.perf_counter() - writing
+
+    def unit_times(self, devices: int) -> dict[str, float]:
+        """Milliseconds per step and device in each funshard scope, read from the trace.
+
+        Keys are `<unit>/<collective>` (`Block/all_gather`); empty if the trace names no
+        instruction of the step (another backend's trace layout).
+        """
+        traces = sorted(self.directory.glob("plugins/profile/*/perfetto_trace.json.gz"),
+                        key=lambda p: p.stat().st_mtime)
+        if not traces:
+            return {}
+        scopes = dict(re.findall(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?op_name="[^"]*?'
+                                 r'funshard/(\w+/\w+)', self.hlo_text, re.M))
+        totals = Counter()
+        for event in json.loads(gzip.decompress(traces[-1].read_bytes()))["traceEvents"]:
+            scope = scopes.get(event.get("args", {}).get("hlo_op"))
+            if scope is not None and "dur" in event:
+                totals[scope] += event["dur"] / 1000  # microseconds
+        steps = self.last - self.first + 1
+        return {scope: ms / steps / devices for scope, ms in sorted(totals.items())}
 
 
 # --------------------------------------------------------------------- sampling
@@ -480,6 +891,11 @@ def summary_table(facts: dict) -> Table:
         mine, full = facts[name]
         table.add_row(f"{name} per device", _size(mine),
                       f"{_size(full)} replicated (1/{full / mine:.1f})")
+    memory, source = facts["peak memory"]
+    if memory is not None:
+        table.add_row("peak memory per device", _size(memory),
+                      "compiled step's buffers" if source == "compiled step"
+                      else "memory_stats() peak")
     table.add_section()
     planned = facts["plan"]
     for kind, count in facts["collectives"].items():
@@ -491,14 +907,34 @@ def summary_table(facts: dict) -> Table:
         table.add_row(f"{kind}s per step", str(count), note)
     table.add_section()
     baseline = facts["baseline"]
-    for name in ("train loss", "validation loss"):
-        table.add_row(f"{name} (nats/byte)", f"{facts[name]:.3f}",
-                      f"unigram baseline {baseline:.3f}")
+    loss, window = facts["train loss"]
+    table.add_row(f"train loss, last {window} steps", f"{loss:.3f}",
+                  f"unigram baseline {baseline:.3f}")
+    table.add_row("validation loss", f"{facts['validation loss']:.3f}",
+                  f"unigram baseline {baseline:.3f}")
     table.add_section()
     table.add_row("throughput", f"{facts['tokens/s']:,.0f} tokens/s",
                   f"{facts['tokens']:,} tokens trained")
+    flops, step_time = facts["flops"], facts["step time"]
+    table.add_row("step time", f"{1000 * step_time:.1f} ms",
+                  "FLOPs n/a with --scan" if flops is None
+                  else f"{flops / step_time / 1e12:.3g} TFLOP/s per device")
+    table.add_row("MFU", *_mfu_cells(facts))
     table.add_row("wall time", f"{facts['wall']:.1f} s", f"compile {facts['compile']:.1f} s")
     return table
+
+
+def _mfu_cells(facts: dict) -> tuple[str, str]:
+    """The MFU row: the figure, and what it rests on."""
+    flops, peak = facts["flops"], facts["peak tflops"]
+    if flops is None:
+        return "n/a", "no FLOPs count with --scan"
+    if peak is None:
+        return "-", "pass --peak-tflops"
+    mfu = f"{100 * flops / facts['step time'] / 1e12 / peak:.2f}%"
+    if facts["platform"] == "cpu":
+        return mfu, f"vs {peak:g} TFLOP/s; indicative"
+    return mfu, f"vs {peak:g} TFLOP/s peak"
 
 
 def _size(n: int) -> str:
@@ -541,119 +977,243 @@ def print_plan(console, planned) -> None:
         console.print(str(planned) + "\n", markup=False, highlight=False)
 
 
-def main(argv=None) -> None:
-    """Trains (or resumes), then reports, plots and samples."""
-    started = time.perf_counter()
-    args = parse_args(argv)
-    jax.config.update("jax_num_cpu_devices", args.devices)
-    console = Console(soft_wrap=True)  # long paths stay on one line for copy-paste
-    cfg = TINY if args.tiny else ModelConfig()
-    train = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr,
-                        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
-    run = RunDir(args.run_dir or default_run_dir())
-    # The mesh and the mixed-precision policy may change on resume (checkpoints are
-    # resharded on load); the model's shape and its stacking may not.
-    run.check_config({**dataclasses.asdict(cfg), "scan": args.scan})
+def start_devices(parser, count: int) -> None:
+    """Asks for `count` simulated CPU devices and checks that JAX has that many."""
+    jax.config.update("jax_num_cpu_devices", count)
+    found = jax.devices()
+    if len(found) != count:  # another platform (JAX_PLATFORMS) has its own device count
+        parser.error(f"--devices {count}: JAX runs on {len(found)} {found[0].platform} "
+                     f"devices here; pass --devices {len(found)}")
 
-    mesh = fs.make_mesh(replicate=args.replicate)
-    model = GPT(cfg, scan=args.scan, rngs=nnx.Rngs(train.seed))
-    graphdef, state = shard_model(model, mesh, policy_for(args.param_dtype), args.scan)
+
+def print_changes(console, changes, settings: Settings, start: int) -> None:
+    """Says which settings this resume changes, and what a new --steps does to the lr."""
+    for name, old, new in changes:
+        console.print(f"resuming with {_change(name, old, new)}")
+        if name == "steps":
+            before = make_schedule(dataclasses.replace(settings, steps=old))(start)
+            console.print(f"  the cosine schedule now ends at step {new}: the learning rate "
+                          f"of step {start + 1} is {float(make_schedule(settings)(start)):.2e}"
+                          f" (was {float(before):.2e})")
+
+
+def print_mfu_basis(console, cost: StepCost, peak_tflops, platform: str) -> None:
+    """Says what the FLOPs and MFU readouts rest on, once, before training."""
+    if cost.flops is None:
+        console.print("FLOPs and MFU: n/a with --scan (XLA's cost analysis counts the "
+                      "layer loop's body once, not once per layer)")
+        return
+    basis = f"{cost.flops:,.0f} FLOPs per step per device (XLA's count of the compiled step)"
+    if peak_tflops is None:
+        console.print(f"{basis}; pass --peak-tflops for MFU")
+    elif platform == "cpu":
+        console.print(f"{basis}; MFU against --peak-tflops {peak_tflops:g} is indicative on "
+                      "CPU (the simulated devices share the host's cores)")
+    else:
+        console.print(f"{basis}; MFU against --peak-tflops {peak_tflops:g}")
+
+
+def print_profile(console, directory: Path, unit_times: dict[str, float]) -> None:
+    """Says where the trace is and how long each unit's collectives took in it."""
+    console.print(f"profile: {directory} (tensorboard --logdir {directory}, or "
+                  "plugins/profile/*/perfetto_trace.json.gz in ui.perfetto.dev)")
+    if unit_times:
+        times = "  ".join(f"{scope} {ms:.2f}" for scope, ms in unit_times.items())
+        console.print(f"  each unit's collectives, ms per step and device (waits included): "
+                      f"{times}")
+
+
+def main(argv=None) -> None:
+    """Checks the flags, trains (or resumes), then reports, plots and samples."""
+    started = time.perf_counter()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = RunDir(args.run_dir or default_run_dir())
+    settings, changes = resolve_settings(parser, args, run.saved_settings())
+    check_settings(parser, settings, args)
+    console = Console(soft_wrap=True)  # long paths stay on one line for copy-paste
+    latest = run.latest()
+    done_before = latest[0] if latest else 0
+    if done_before >= settings.steps:
+        console.print(f"{run.path} is finished: trained to step {done_before} of --steps "
+                      f"{settings.steps}. Pass a larger --steps to train on, or another "
+                      "--run-dir to start afresh.")
+        return
+    start_devices(parser, settings.devices)
+    run.save_settings(settings, done_before, changes)
+    print_changes(console, changes, settings, done_before)
+    train(console, run, settings, args, started)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """What the report needs from a finished training invocation."""
+
+    graphdef: object
+    state: object
+    opt_state: object
+    history: list
+    start: int  # the step this invocation resumed from
+    step_fn: object  # the compiled step
+    cost: StepCost
+    planned: object  # fs.plan's Plan, or None with --scan
+    baseline: float
+    compile_s: float
+
+
+def train(console, run: RunDir, settings: Settings, args, started: float) -> None:
+    """Builds, shards, compiles and trains the model; then reports."""
+    cfg = settings.model
+    mesh = fs.make_mesh(replicate=None if settings.replicate == 1 else settings.replicate)
+    model = GPT(cfg, scan=settings.scan, rngs=nnx.Rngs(settings.seed))
+    graphdef, state = shard_model(model, mesh, policy_for(settings.param_dtype), settings.scan)
     del model  # its arrays now live sharded in `state`
-    optimizer = make_optimizer(train)
+    optimizer = make_optimizer(settings)
     start, state, opt_state = resume(console, run, state, fs.init_optimizer(optimizer, state))
     history = run.metrics(upto=start)
-    if start >= train.steps:
-        console.print(f"already trained to step {start}; pass a larger --steps to go on")
 
-    text = Text(mesh, train.batch, cfg.context, train.seed)
+    text = Text(mesh, settings.batch, cfg.context, settings.seed)
     baseline = unigram_entropy(text.train)
     console.print(
         f"[bold]train_lm[/]: {len(text.train):,} training bytes, {len(text.val):,} held out; "
         f"unigram baseline {baseline:.3f} nats/byte; mesh {dict(mesh.shape)} "
         f"on {len(jax.devices())} {jax.devices()[0].platform} devices"
     )
-    planned = plan(state, optimizer, cfg.depth, args.scan)
+    planned = plan(state, optimizer, cfg.depth, settings.scan)
     print_plan(console, planned)
 
     loss_fn = make_loss(graphdef)
     compile_s = time.perf_counter()
     step_fn = compile_train_step(loss_fn, optimizer, state, opt_state, text.train_batch(0))
     compile_s = time.perf_counter() - compile_s
-    evaluate, val_batches = jax.jit(loss_fn), text.val_batches(train.eval_batches)
-    state, opt_state, history, tps = train_loop(
+    cost = StepCost.of(step_fn, settings.scan)
+    print_mfu_basis(console, cost, args.peak_tflops, jax.devices()[0].platform)
+    meter = Meter(cost, settings.batch * cfg.context, make_schedule(settings), args.peak_tflops)
+    profiler = Profiler(args.profile, start, settings.steps, step_fn.as_text())
+    if args.tensorboard:
+        run.write_tensorboard(summary_writer_class())
+    evaluate, val_batches = jax.jit(loss_fn), text.val_batches(EVAL_BATCHES)
+    state, opt_state, history = train_loop(
         console, run, step_fn, lambda s: float(np.mean([evaluate(s, b) for b in val_batches])),
-        state, opt_state, start, train, history, text.train_batch,
-        tokens_per_step=train.batch * cfg.context,
+        meter, profiler, state, opt_state, start, settings, history, text.train_batch,
     )
+    run.close()
+    if args.profile is not None:
+        print_profile(console, args.profile, profiler.unit_times(len(jax.devices())))
+    report(console, run, settings, args, started, Trained(
+        graphdef, state, opt_state, history, start, step_fn, cost, planned, baseline, compile_s))
 
-    plot_losses(history, baseline, run.path / "loss.png")
-    train_losses = [r["loss"] for r in history if "loss" in r][-3:]  # the last 30 steps
-    vals = [r["val"] for r in history if "val" in r]
+
+def report(console, run: RunDir, settings: Settings, args, started: float, t: Trained) -> None:
+    """The loss plot, the summary table and the sample."""
+    plot_losses(t.history, t.baseline, run.path / "loss.png")
+    last = next(r for r in reversed(t.history) if "loss" in r)
     device = jax.devices()[0]
+    tokens_per_step = settings.batch * settings.model.context
+    step_time = steady_step_time([r for r in t.history if "window" in r and r["step"] > t.start])
     console.print(summary_table({
-        "parameters": (device_bytes(state, device), replicated_bytes(state)),
-        "optimizer state": (device_bytes(opt_state, device), replicated_bytes(opt_state)),
+        "parameters": (device_bytes(t.state, device), replicated_bytes(t.state)),
+        "optimizer state": (device_bytes(t.opt_state, device), replicated_bytes(t.opt_state)),
+        "peak memory": (last.get("peak_memory_bytes"), last.get("peak_memory_source")),
         # Read from the compiled program (XLA may merge all-reduces into tuples).
-        "collectives": collectives(step_fn.as_text()),
-        "plan": planned,
-        "scan": args.scan,
-        "baseline": baseline,
-        "train loss": float(np.mean(train_losses)) if train_losses else float("nan"),
-        "validation loss": vals[-1] if vals else float("nan"),
-        "tokens/s": tps,
-        "tokens": max(train.steps - start, 0) * train.batch * cfg.context,
+        "collectives": collectives(t.step_fn.as_text()),
+        "plan": t.planned,
+        "scan": settings.scan,
+        "baseline": t.baseline,
+        # The progress bar's last loss: the same rows, the same average.
+        "train loss": (last["loss"], last["window"]),
+        "validation loss": next(r["val"] for r in reversed(t.history) if "val" in r),
+        "tokens/s": tokens_per_step / step_time,
+        "tokens": (settings.steps - t.start) * tokens_per_step,
+        "step time": step_time,
+        "flops": t.cost.flops,
+        "peak tflops": args.peak_tflops,
+        "platform": device.platform,
         "wall": time.perf_counter() - started,
-        "compile": compile_s,
+        "compile": t.compile_s,
     }))
     console.print(f"loss curve: {run.path / 'loss.png'}")
     if args.sample:
         console.print("[bold]sample:[/]")
-        console.print(generate(graphdef, state, args.sample, args.sample_length, cfg.context,
-                               args.temperature, seed=train.seed), markup=False, highlight=False)
+        console.print(generate(t.graphdef, t.state, args.sample, args.sample_length,
+                               settings.model.context, args.temperature, seed=settings.seed),
+                      markup=False, highlight=False)
     console.print(f"wall time {time.perf_counter() - started:.1f} s; resume or extend with "
                   f"--run-dir {run.path} --steps N")
 
 
-def train_loop(console, run, step_fn, val_loss, state, opt_state, start, train, history,
-               batch_for, tokens_per_step):
-    """Runs steps `start..train.steps`: logs, evaluates and checkpoints as it goes.
+def steady_step_time(rows: list[dict]) -> float:
+    """Mean seconds per step over `rows`, leaving out the first row (the first step also
+    warms up: allocations, first transfers) unless it is the only one."""
+    rows = rows[1:] or rows
+    return sum(r["step_time_s"] * r["window"] for r in rows) / sum(r["window"] for r in rows)
+
+
+class TrainingProgress(Progress):
+    """rich's progress bar, with the latest readouts on a line of their own below it."""
+
+    readouts = ""
+
+    def get_renderables(self):
+        """The bar, then the readouts line."""
+        yield from super().get_renderables()
+        if self.readouts:
+            # Wrapped, not cropped: a soft-wrapping console leaves long lines to the
+            # live display, which cuts them at the terminal's width.
+            yield RichText(self.readouts, no_wrap=False, overflow="fold")
+
+
+def train_loop(console, run, step_fn, val_loss, meter, profiler, state, opt_state, start,
+               settings, history, batch_for):
+    """Runs steps `start..settings.steps`: logs, evaluates and checkpoints as it goes.
+
+    A row is logged after the first step, every `LOG_EVERY` steps, and at every
+    evaluation and checkpoint; its loss is the mean over the steps since the last row.
+
+    A row's step time leaves out evaluation, checkpoints and starting or writing the
+    profile.
 
     Returns:
-      The final state and optimizer state, the metrics history, and the training
-      throughput in tokens per second (evaluation and checkpoint time excluded).
+      The final state and optimizer state, and the metrics history.
     """
     columns = (
         TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"), TextColumn("val {task.fields[val]}"),
-        TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
+        TimeElapsedColumn(), TimeRemainingColumn(),
     )
     last_val = next((r["val"] for r in reversed(history) if "val" in r), None)
-    pending, losses, trained_s = None, [], 0.0
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=train.steps, completed=start, loss="-",
-                                 val="-" if last_val is None else f"{last_val:.3f}", tps="-")
+    platform = jax.devices()[0].platform
+    pending, window, excluded = None, [], 0.0
+    with TrainingProgress(*columns, console=console) as progress:
+        task = progress.add_task("train", total=settings.steps, completed=start, loss="-",
+                                 val="-" if last_val is None else f"{last_val:.3f}")
         tick = time.perf_counter()
-        for step in range(start, train.steps):
-            state, opt_state, loss = step_fn(state, opt_state, batch_for(step))
-            losses.append(loss)  # a device array: reading it now would stall the pipeline
+        for step in range(start, settings.steps):
+            excluded += profiler.before(step)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+                state, opt_state, metrics = step_fn(state, opt_state, batch_for(step))
+            excluded += profiler.after(step, metrics)
+            window.append(metrics)  # device arrays: reading them now would stall the pipeline
             done = step + 1
-            evaluate = done % train.eval_every == 0 or done == train.steps
-            save = done % train.checkpoint_every == 0 or done == train.steps
-            if done % 10 and not (evaluate or save):
+            evaluate = done % settings.eval_every == 0 or done == settings.steps
+            save = done % settings.checkpoint_every == 0 or done == settings.steps
+            if done != start + 1 and done % LOG_EVERY and not (evaluate or save):
                 continue
-            mean = float(np.mean([float(x) for x in losses]))
-            trained_s += time.perf_counter() - tick
-            history.append({"step": done, "loss": mean})
-            run.log(history[-1])
-            losses = []
-            tps = tokens_per_step * (done - start) / trained_s
-            progress.update(task, completed=done, loss=f"{mean:.3f}", tps=f"{tps:,.0f}")
+            jax.block_until_ready(window)
+            seconds = time.perf_counter() - tick - excluded
+            row = meter.row(done, window, seconds)
+            history.append(row)
+            run.log(row)
+            window, excluded = [], 0.0
+            progress.readouts = readout(row, platform)
+            progress.update(task, completed=done, loss=f"{row['loss']:.3f}")
             if evaluate:
                 val = val_loss(state)
                 history.append({"step": done, "val": val})
                 run.log(history[-1])
                 progress.update(task, val=f"{val:.3f}")
-                progress.console.print(f"step {done:5d}  train {mean:.3f}  val {val:.3f}")
+                progress.console.print(f"step {done:5d}  train {row['loss']:.3f}  "
+                                       f"val {val:.3f}  {progress.readouts}")
             if save:
                 if pending is not None:
                     pending.wait()
@@ -663,8 +1223,7 @@ def train_loop(console, run, step_fn, val_loss, state, opt_state, start, train, 
             tick = time.perf_counter()
     if pending is not None:
         pending.wait()
-    steps_run = train.steps - start
-    return state, opt_state, history, tokens_per_step * steps_run / trained_s if steps_run else 0.0
+    return state, opt_state, history
 
 
 if __name__ == "__main__":

@@ -2,11 +2,17 @@
 
 `examples/train_lm.py` (the main job) is checked on what it prints and writes: the
 logged losses are finite and fall, the summary's memory and collective counts are those
-of FSDP (or HSDP), a rerun with the same run folder resumes from the last checkpoint,
-the loss plot is a PNG, and a sample continues the prompt. `examples/quickstart.py`
-must train too. (`examples/train_torch.py` needs torchrun: tests/test_train_torch.py.)
+of FSDP (or HSDP), a rerun with the same run folder resumes from the last checkpoint
+with the run's own settings, the loss plot is a PNG, and a sample continues the prompt.
+Its readouts are checked too: the JSONL rows' step time, tokens/s, MFU, learning rate
+(against the schedule written out here), gradient norm (against plain JAX on one
+device) and peak memory, the progress line, and the `--profile` trace.
+`examples/quickstart.py` must train too. (`examples/train_torch.py` needs torchrun:
+tests/test_train_torch.py. train_lm.py's flag checks and run-folder rules run
+in-process in tests/test_train_lm.py.)
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -15,12 +21,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
+import optax
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TIMEOUT_S = 300
-LOGGED = re.compile(r"^step\s+(\d+)\s+train (\S+)\s+val (\S+)$", re.M)
+LOGGED = re.compile(r"^step\s+(\d+)\s+train (\S+)\s+val (\S+)", re.M)
 TINY_DEPTH = 2  # train_lm.py's --tiny model
+BATCH = 24  # divides over 8 devices and over 3
 
 
 def run_example(script: str, *args: str, cwd: Path) -> str:
@@ -57,21 +67,39 @@ def assert_png(path: Path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-TINY = ["--tiny", "--eval-every", "4", "--checkpoint-every", "4"]
+TINY = ["--tiny", "--eval-every", "4", "--checkpoint-every", "4", "--batch", str(BATCH)]
+PEAK_TFLOPS = 0.5
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """8 steps of FSDP on 8 devices; then the same run folder again, to step 12, on an
-    HSDP mesh with bf16 all-gathers (the checkpoint is resharded on load), with a sample."""
+    """8 steps of FSDP on 8 devices with warm-up, clipping, MFU against a peak and a
+    profile; then the same run folder again, to step 12, on an HSDP mesh with bf16
+    all-gathers (the checkpoint is resharded on load, the other settings are the run
+    folder's), with a sample."""
     cwd = tmp_path_factory.mktemp("train_lm")
     run_dir = cwd / "run"
-    first = run_example("train_lm.py", *TINY, "--steps", "8", "--sample", "",
-                        "--run-dir", str(run_dir), cwd=cwd)
-    second = run_example("train_lm.py", *TINY, "--steps", "12", "--replicate", "2",
+    first = run_example("train_lm.py", *TINY, "--steps", "8", "--warmup", "2", "--clip", "1",
+                        "--peak-tflops", str(PEAK_TFLOPS), "--profile", str(cwd / "profile"),
+                        "--sample", "", "--run-dir", str(run_dir), cwd=cwd)
+    second = run_example("train_lm.py", "--steps", "12", "--replicate", "2",
                          "--param-dtype", "bf16", "--sample", "ROMEO:",
                          "--sample-length", "40", "--run-dir", str(run_dir), cwd=cwd)
     return first, second, run_dir
+
+
+@pytest.fixture(scope="module")
+def scan_run(tmp_path_factory):
+    """8 steps with `--scan` on 3 devices (every leaf padded) and another seed."""
+    cwd = tmp_path_factory.mktemp("train_lm_scan")
+    out = run_example("train_lm.py", *TINY, "--steps", "8", "--scan", "--devices", "3",
+                      "--seed", "1", "--sample", "", "--run-dir", str(cwd / "run"), cwd=cwd)
+    return out, cwd / "run"
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run folder's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_train_lm_fsdp_learns_and_reports(fsdp_run):
@@ -81,7 +109,8 @@ def test_train_lm_fsdp_learns_and_reports(fsdp_run):
     assert summary_value(out, "parameters per device").endswith("KiB")
     assert "(1/8.0)" in out  # 8 shards of every parameter and moment
     # Each block is a unit: gathered for forward and again for backward; the root
-    # (embeddings, head) once; one reduce-scatter per unit; the loss's all-reduce.
+    # (embeddings, head) once; one reduce-scatter per unit; the loss's all-reduce
+    # (XLA folds the gradient norm's into it).
     assert summary_value(out, "all-gathers per step") == str(1 + 2 * TINY_DEPTH)
     assert summary_value(out, "reduce-scatters per step") == str(1 + TINY_DEPTH)
     assert summary_value(out, "all-reduces per step") == "1"
@@ -94,8 +123,10 @@ def test_train_lm_resumes_on_another_mesh_and_samples(fsdp_run):
     first, second, run_dir = fsdp_run
     assert re.search(r"resumed at step 8 from \S+step_000008$", second, re.M)
     assert "mesh {'replicate': 2, 'fsdp': 4}" in second
+    for change in ("--steps 12 (was 8)", "--replicate 2 (was 1)", "--param-dtype bf16 (was f32)"):
+        assert f"resuming with {change}" in second
     assert [s for s, _, _ in logged(second)] == [12]  # steps 9..12 only
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(run_dir)
     assert [r["step"] for r in rows if "val" in r] == [4, 8, 12]
     assert rows[-1]["val"] < logged(first)[0][2]
     assert (run_dir / "checkpoints" / "step_000012").is_dir()
@@ -104,15 +135,154 @@ def test_train_lm_resumes_on_another_mesh_and_samples(fsdp_run):
     assert int(summary_value(second, "all-reduces per step")) > 1
     sample = second.split("sample:\n", 1)[1].split("\nwall time", 1)[0]
     assert sample.startswith("ROMEO:") and len(sample) > len("ROMEO:") + 10
+    # The settings not given again are the run folder's, not the defaults.
+    config = json.loads((run_dir / "config.json").read_text())["settings"]
+    assert (config["batch"], config["warmup"], config["clip"], config["steps"]) == (BATCH, 2, 1, 12)
 
 
-def test_train_lm_scan(tmp_path):
-    out = run_example("train_lm.py", *TINY, "--steps", "8", "--scan", "--sample", "",
-                      "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+def cosine_lr(update: int, *, peak: float, warmup: int, steps: int) -> float:
+    """Linear warm-up from 0, then cosine decay to peak / 10 at `steps` (update 0-based)."""
+    if update < warmup:
+        return peak * update / warmup
+    progress = (update - warmup) / (steps - warmup)
+    return peak / 10 + (peak - peak / 10) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def test_train_lm_logs_the_schedules_learning_rate(fsdp_run):
+    rows = [r for r in metrics(fsdp_run[2]) if "loss" in r]
+    # Logged: the first step of each invocation, every 10th, evaluations, checkpoints.
+    assert [r["step"] for r in rows] == [1, 4, 8, 9, 10, 12]
+    for r in rows:
+        steps = 8 if r["step"] <= 8 else 12  # the resume stretched the schedule to 12
+        expected = cosine_lr(r["step"] - 1, peak=5e-3, warmup=2, steps=steps)
+        assert r["lr"] == pytest.approx(expected, rel=1e-5, abs=1e-9), r
+    assert "the cosine schedule now ends at step 12" in fsdp_run[1]
+
+
+def test_train_lm_reports_speed_mfu_and_memory(fsdp_run):
+    out, _, run_dir = fsdp_run
+    flops = float(re.search(r"^([\d,]+) FLOPs per step per device", out, re.M)
+                  .group(1).replace(",", ""))
+    # XLA's count for one device's share, not the whole mesh's: about 6 FLOPs per
+    # parameter per token (forward and backward), BATCH * 32 / 8 tokens per device.
+    params = 8 * 1024 * float(summary_value(out, "parameters per device").split()[0]) / 4
+    assert 0.5 < flops / (6 * params * BATCH * 32 / 8) < 2
+    state_bytes = sum(1024 * float(summary_value(out, f"{n} per device").split()[0])
+                      for n in ("parameters", "optimizer state"))
+    rows = [r for r in metrics(run_dir) if "loss" in r and r["step"] <= 8]
+    assert sum(r["window"] for r in rows) == 8
+    wall = float(summary_value(out, "wall time").split()[0])
+    assert 0 < sum(r["step_time_s"] * r["window"] for r in rows) < wall
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(BATCH * 32 / r["step_time_s"])
+        assert r["tflops_per_device"] == pytest.approx(flops / r["step_time_s"] / 1e12)
+        assert r["mfu_percent"] == pytest.approx(100 * r["tflops_per_device"] / PEAK_TFLOPS)
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+        # CPU devices report no memory_stats(): the compiled step's own footprint.
+        assert r["peak_memory_source"] == "compiled step"
+        assert r["peak_memory_bytes"] > state_bytes
+    # The progress bar's readouts, also printed at each evaluation:
+    line = re.search(r"^step +8  train \S+  val \S+  [\d.]+ ms/step  [\d,]+ tok/s  \S+ "
+                     r"TFLOP/s/device  MFU [\d.]+% \(indicative on CPU\)  gnorm [\d.]+  "
+                     r"lr \S+  peak mem [\d.]+ [KM]iB/device$", out, re.M)
+    assert line, out
+    assert summary_value(out, "MFU").endswith("%")
+
+
+def test_train_lm_bar_and_table_show_the_same_loss(fsdp_run):
+    out, _, run_dir = fsdp_run
+    bar = re.search(r"^training .* 8/8 loss (\S+) val", out, re.M).group(1)
+    last = [r for r in metrics(run_dir) if "loss" in r and r["step"] == 8][0]
+    table = re.search(r"train loss, last (\d+) steps\s*│\s*(\S+)", out)
+    assert bar == table.group(2) == f"{last['loss']:.3f}"
+    assert int(table.group(1)) == last["window"] == 4  # steps 5..8
+
+
+def test_train_lm_profile_shows_the_units(fsdp_run):
+    profile = fsdp_run[2].parent / "profile"
+    traces = list(profile.glob("plugins/profile/*/*.xplane.pb"))
+    assert len(traces) == 1
+    assert list(traces[0].parent.glob("perfetto_trace.json.gz"))
+    # The trace carries the step's HLO, whose instructions are named by unit.
+    trace = traces[0].read_bytes()
+    for unit in ("Block", "GPT"):
+        assert f"funshard/{unit}/all_gather".encode() in trace
+        assert f"funshard/{unit}/reduce_scatter".encode() in trace
+    assert "funshard/Block/all_gather" in (profile / "train_step.hlo.txt").read_text()
+    # ... and the script adds up the trace's time per unit and collective.
+    line = fsdp_run[0].split("ms per step and device")[1].splitlines()[0]
+    times = dict(re.findall(r"(\w+/\w+) ([\d.]+)", line))
+    assert set(times) == {f"{unit}/{collective}" for unit in ("Block", "GPT")
+                          for collective in ("all_gather", "reduce_scatter")}
+    assert all(float(ms) > 0 for ms in times.values())
+
+
+def _load_train_lm():
+    if "train_lm" not in sys.modules:  # tests/test_train_lm.py may have loaded it
+        spec = importlib.util.spec_from_file_location("train_lm", EXAMPLES / "train_lm.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["train_lm"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["train_lm"]
+
+
+def plain_first_step(seeds) -> list[tuple[float, float]]:
+    """(loss, gradient norm) of train_lm's first step per seed, in plain JAX on one device:
+    the unsharded tiny GPT from the same initialisation, on the same first batch."""
+    from flax import nnx
+
+    train_lm = _load_train_lm()
+
+    @jax.jit
+    def first_step(key, batch):
+        graphdef, params = nnx.split(train_lm.GPT(train_lm.TINY, rngs=nnx.Rngs(key)))
+
+        def loss(params):
+            logits = nnx.merge(graphdef, params)(batch[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return value, global_norm(grads)
+
+    data = np.frombuffer(train_lm.DATA.read_bytes(), np.uint8)
+    text = data[: int(len(data) * 0.9)]
+    results = []
+    with jax.default_device(jax.devices()[0]):
+        for seed in seeds:
+            batch = train_lm.batch_at(text, 0, BATCH, train_lm.TINY.context, seed)
+            results.append(tuple(float(x) for x in first_step(jax.random.key(seed), batch)))
+    return results
+
+
+def global_norm(tree):
+    """The global L2 norm, written out (not optax's, which train_lm.py uses)."""
+    return jax.numpy.sqrt(sum(jax.numpy.sum(jax.numpy.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def test_train_lm_gradient_norm_is_the_full_gradients(fsdp_run, scan_run):
+    # Step 1 of the 8-device run (seed 0) and of the 3-device --scan run (seed 1, every
+    # leaf padded) against the unsharded model.
+    logged = [next(r for r in metrics(run_dir) if r["step"] == 1)
+              for run_dir in (fsdp_run[2], scan_run[1])]
+    for row, (loss, norm) in zip(logged, plain_first_step([0, 1])):
+        assert row["window"] == 1
+        assert row["loss"] == pytest.approx(loss, rel=1e-5)
+        assert row["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert logged[0]["loss"] != pytest.approx(logged[1]["loss"], rel=1e-3)  # --seed
+
+
+def test_train_lm_scan(scan_run):
+    out, run_dir = scan_run
+    assert "mesh {'fsdp': 3}" in out
     assert_learns(logged(out), [4, 8])
-    assert "(1/8.0)" in out
+    # 3 shards, padded: a little more than a third of each replicated size per device.
+    shares = [float(x) for x in re.findall(r"replicated \(1/([\d.]+)\)", out)]
+    assert len(shares) == 2 and all(2.5 < x < 3 for x in shares)
     assert int(summary_value(out, "reduce-scatters per step")) >= 1
-    assert_png(tmp_path / "run" / "loss.png")
+    # XLA counts the layer loop's body once: no FLOPs, so no MFU, rather than a wrong one.
+    assert "FLOPs and MFU: n/a with --scan" in out
+    assert all("mfu_percent" not in r for r in metrics(run_dir))
+    assert_png(run_dir / "loss.png")
 
 
 def test_quickstart_learns(tmp_path):

@@ -1,0 +1,300 @@
+"""`examples/train_lm.py` in-process: its flag checks, its run-folder settings, its optimizer.
+
+Nothing here compiles a training step: bad flags must be refused before JAX starts, so
+each case stops `main` where it would start the devices. What needs a real run (the
+readouts, the profile, the gradient norm against plain JAX) is in tests/test_examples.py.
+"""
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _load_train_lm():
+    spec = importlib.util.spec_from_file_location("train_lm", EXAMPLES / "train_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_lm"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+train_lm = _load_train_lm()
+
+
+class Started(Exception):
+    """Raised where `main` would start JAX's devices: every check has passed by then."""
+
+
+@pytest.fixture
+def no_jax(monkeypatch):
+    """Stops `main` before it starts JAX's devices; records the settings it got to."""
+    reached = []
+
+    def start_devices(parser, count):
+        reached.append(count)
+        raise Started
+
+    monkeypatch.setattr(train_lm, "start_devices", start_devices)
+    monkeypatch.setattr(train_lm, "train", lambda *a: pytest.fail("train() was reached"))
+    return reached
+
+
+def refused(argv, capsys) -> str:
+    """Runs `main(argv)`, which must exit as argparse does on a bad flag; returns stderr."""
+    with pytest.raises(SystemExit) as exit_:
+        train_lm.main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+BAD_FLAGS = [
+    (["--steps", "-1"], ["--steps -1: must be at least 1"]),
+    (["--steps", "0"], ["--steps 0: must be at least 1"]),
+    (["--devices", "3"],
+     ["--batch 32 is not divisible by --devices 3", "--batch 30 or --batch 33"]),
+    (["--devices", "3", "--batch", "8"], ["--batch 8 is not divisible", "--batch 6 or --batch 9"]),
+    (["--devices", "16", "--batch", "8"], ["pass --batch 16, or a --devices that divides 8"]),
+    (["--replicate", "3"], ["--replicate 3 does not divide --devices 8"]),
+    (["--replicate", "0"], ["--replicate 0: must be at least 1"]),
+    (["--devices", "0"], ["--devices 0: must be at least 1"]),
+    (["--batch", "0"], ["--batch 0: must be at least 1"]),
+    (["--lr", "0"], ["--lr 0.0: the learning rate must be a positive number"]),
+    (["--lr", "nan"], ["--lr nan"]),
+    (["--warmup", "8", "--steps", "8"], ["--warmup 8 must be below --steps 8"]),
+    (["--warmup", "-1"], ["--warmup -1: must be at least 0"]),
+    (["--clip", "-1"], ["--clip -1.0"]),
+    (["--seed", "-1"], ["--seed -1: must be at least 0"]),
+    (["--eval-every", "0"], ["--eval-every 0: must be at least 1"]),
+    (["--checkpoint-every", "0"], ["--checkpoint-every 0: must be at least 1"]),
+    (["--sample-length", "-1"], ["--sample-length -1: must be at least 0"]),
+    (["--temperature", "-0.5"], ["--temperature -0.5: must be >= 0"]),
+    (["--peak-tflops", "0"], ["--peak-tflops 0.0: must be the device's positive peak"]),
+    # Every problem at once, not one per attempt.
+    (["--steps", "0", "--lr", "-1"], ["--steps 0", "--lr -1.0"]),
+]
+
+
+@pytest.mark.parametrize("argv, messages", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_bad_flags_are_refused_before_jax_starts(argv, messages, tmp_path, capsys, no_jax):
+    err = refused([*argv, "--run-dir", str(tmp_path / "run")], capsys)
+    for message in messages:
+        assert message in err
+    assert no_jax == [] and not (tmp_path / "run").exists()
+
+
+def test_good_flags_reach_the_devices(tmp_path, no_jax):
+    with pytest.raises(Started):
+        train_lm.main(["--tiny", "--devices", "4", "--batch", "8", "--replicate", "2",
+                       "--run-dir", str(tmp_path / "run")])
+    assert no_jax == [4]
+
+
+@pytest.mark.parametrize("name", ["--profile", "--run-dir"])
+def test_folders_must_be_folders(tmp_path, capsys, no_jax, name):
+    (tmp_path / "file").write_text("")
+    argv = ["--run-dir", str(tmp_path / "run"), name, str(tmp_path / "file")]
+    assert f"{name} {tmp_path / 'file'} is a file" in refused(argv, capsys)
+
+
+# ------------------------------------------------------------------ run-folder settings
+
+
+def saved_run(path: Path, **settings) -> "train_lm.RunDir":
+    """A run folder whose config.json holds `settings` (the rest at their defaults)."""
+    settings.setdefault("warmup", train_lm.default_warmup(settings.get("steps", 400)))
+    run = train_lm.RunDir(path)
+    run.save_settings(train_lm.Settings(**settings), 0, [])
+    return run
+
+
+@pytest.fixture
+def trained_with(monkeypatch):
+    """Replaces `main`'s training by a record of the settings it would train with."""
+    got = []
+    monkeypatch.setattr(train_lm, "start_devices", lambda parser, count: None)
+    monkeypatch.setattr(train_lm, "train", lambda console, run, settings, *a: got.append(settings))
+    return got
+
+
+def test_every_setting_has_a_resume_rule():
+    names = [f.name for f in train_lm.dataclasses.fields(train_lm.Settings)]
+    rules = [*train_lm.FIXED, *train_lm.MATCHED, *train_lm.FREE]
+    assert sorted(rules) == sorted(names)
+    parser_flags = {a.dest for a in train_lm.build_parser()._actions}
+    assert set(names) <= parser_flags  # each setting is a flag of the same name
+
+
+def test_a_new_run_folder_keeps_every_setting(tmp_path, trained_with):
+    train_lm.main(["--tiny", "--steps", "20", "--lr", "0.01", "--clip", "0.5", "--seed", "3",
+                   "--run-dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["settings"] == {
+        "tiny": True, "scan": False, "batch": 32, "lr": 0.01, "seed": 3,
+        "warmup": 2,  # the default: an eighth of a short run
+        "clip": 0.5, "steps": 20, "devices": 8, "replicate": 1, "param_dtype": "f32",
+        "eval_every": 100, "checkpoint_every": 200,
+    }
+    assert saved["model"] == {"width": 32, "depth": 2, "heads": 2, "context": 32}
+    assert trained_with[0] == train_lm.Settings(**saved["settings"])
+
+
+def test_resume_refuses_changed_settings(tmp_path, capsys, no_jax):
+    saved_run(tmp_path, tiny=True, lr=5e-3, batch=32)
+    err = refused(["--lr", "0.5", "--batch", "16", "--run-dir", str(tmp_path)], capsys)
+    assert "--lr: 0.005 in the run folder, 0.5 now" in err
+    assert "--batch: 32 in the run folder, 16 now" in err
+    assert "--override" in err
+    assert json.loads((tmp_path / "config.json").read_text())["settings"]["lr"] == 5e-3
+
+
+def test_resume_takes_unset_flags_from_the_run_folder(tmp_path, trained_with):
+    saved_run(tmp_path, tiny=True, lr=3e-3, batch=16, warmup=7, clip=1.0, seed=2, steps=50)
+    # The same values again, and settings a resume may change: accepted.
+    train_lm.main(["--lr", "0.003", "--steps", "80", "--devices", "4", "--replicate", "2",
+                   "--param-dtype", "bf16", "--run-dir", str(tmp_path)])
+    got = trained_with[0]
+    assert (got.tiny, got.lr, got.batch, got.warmup, got.clip, got.seed) == (
+        True, 3e-3, 16, 7, 1.0, 2)
+    assert (got.steps, got.devices, got.replicate, got.param_dtype) == (80, 4, 2, "bf16")
+    changes = json.loads((tmp_path / "config.json").read_text())["changes"]
+    assert {c["change"] for c in changes} >= {"--steps 80 (was 50)", "--devices 4 (was 8)"}
+
+
+def test_override_changes_a_setting_and_records_it(tmp_path, trained_with, capsys):
+    saved_run(tmp_path, tiny=True, lr=5e-3)
+    train_lm.main(["--lr", "0.5", "--override", "--run-dir", str(tmp_path)])
+    assert trained_with[0].lr == 0.5
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["settings"]["lr"] == 0.5
+    assert saved["changes"] == [{"step": 0, "change": "--lr 0.5 (was 0.005)"}]
+    assert "resuming with --lr 0.5 (was 0.005)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--scan"], ["--scan", "--override"]])
+def test_the_model_shape_never_changes_on_resume(tmp_path, capsys, no_jax, argv):
+    saved_run(tmp_path, tiny=True)
+    err = refused([*argv, "--run-dir", str(tmp_path)], capsys)
+    assert "--scan: not given in the run folder, given now" in err
+    assert "fix the shape of the checkpoints" in err
+
+
+def test_an_old_run_folder_keeps_its_model(tmp_path, trained_with):
+    # Written before the settings were kept: the model's shape and --scan only.
+    shape = {"width": 32, "depth": 2, "heads": 2, "context": 32, "scan": False}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    train_lm.main(["--steps", "10", "--run-dir", str(tmp_path)])
+    assert trained_with[0].tiny and not trained_with[0].scan
+
+
+def test_a_finished_run_folder_says_so_at_once(tmp_path, capsys, no_jax):
+    saved_run(tmp_path, tiny=True, steps=12)
+    (tmp_path / "checkpoints" / "step_000012").mkdir(parents=True)
+    train_lm.main(["--run-dir", str(tmp_path)])
+    assert "is finished: trained to step 12 of --steps 12" in capsys.readouterr().out
+    assert no_jax == []  # returned before starting JAX, let alone compiling
+
+
+# ---------------------------------------------------------------------- small parts
+
+
+def test_the_default_sample_prompt_is_the_documented_one():
+    documented = __import__("re").search(r"`--sample`, default `([^`]*)`",
+                                         (DOCS / "getting-started.md").read_text())
+    assert documented, "docs/getting-started.md no longer states --sample's default"
+    assert train_lm.build_parser().parse_args([]).sample == documented.group(1)
+
+
+def _updates(optimizer, params):
+    """A compiled function: the updates `optimizer` makes from each gradient in turn."""
+
+    @jax.jit
+    def run(grads_seq):
+        state, out = optimizer.init(params), []
+        for grads in grads_seq:
+            updates, state = optimizer.update(grads, state, params)
+            out.append(updates)
+        return out
+
+    return run
+
+
+def test_clip_limits_the_global_norm_before_adamw():
+    params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+    big = {"w": jnp.full((3, 2), 4.0), "b": jnp.array([3.0, -2.0])}  # norm > 1
+    small = {"w": jnp.full((3, 2), 0.1), "b": jnp.array([0.05, 0.2])}  # norm < 1
+    clipped = _updates(train_lm.make_optimizer(
+        train_lm.Settings(steps=10, warmup=0, clip=1.0)), params)([big, small])
+    plain = _updates(train_lm.make_optimizer(
+        train_lm.Settings(steps=10, warmup=0, clip=0.0)), params)
+    scale = 1.0 / float(np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(big))))
+    by_hand = plain([jax.tree.map(lambda g: g * scale, big), small])
+    unclipped = plain([big, small])
+    # Adam's moments remember the clipped first gradient: the second update shows it.
+    for a, b in zip(jax.tree.leaves(clipped[1]), jax.tree.leaves(by_hand[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert not np.allclose(clipped[1]["w"], unclipped[1]["w"], rtol=1e-3)
+    # The same optimizer state either way: a checkpoint restores whatever --clip was.
+    states = [train_lm.make_optimizer(train_lm.Settings(clip=c)).init(params) for c in (0, 1)]
+    assert jax.tree.structure(states[0]) == jax.tree.structure(states[1])
+
+
+# ---------------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_without_a_writer_is_refused(tmp_path, capsys, no_jax, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    err = refused(["--tensorboard", "--run-dir", str(tmp_path)], capsys)
+    assert "--tensorboard needs a TensorBoard writer: pip install tensorboardX" in err
+
+
+class FakeWriter:
+    """Stands in for `tensorboardX.SummaryWriter`, recording what it is given."""
+
+    def __init__(self, logdir):
+        self.logdir, self.scalars, self.closed = logdir, [], False
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_tensorboard_scalars_follow_the_metrics_log(tmp_path, monkeypatch):
+    fake = types.SimpleNamespace(SummaryWriter=FakeWriter)
+    monkeypatch.setitem(sys.modules, "tensorboardX", fake)
+    assert train_lm.summary_writer_class() is FakeWriter
+    run = train_lm.RunDir(tmp_path)
+    run.write_tensorboard(train_lm.summary_writer_class())
+    run.log({"step": 10, "loss": 2.5, "grad_norm": 0.75, "peak_memory_source": "compiled step"})
+    run.log({"step": 10, "val": 2.25})
+    run.close()
+    assert run.scalars.logdir == str(tmp_path / "tensorboard") and run.scalars.closed
+    assert run.scalars.scalars == [("train_lm/loss", 2.5, 10), ("train_lm/grad_norm", 0.75, 10),
+                                   ("train_lm/val", 2.25, 10)]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_tensorboard_writes_event_files(tmp_path):
+    writer_class = train_lm.summary_writer_class()
+    if writer_class is None:
+        pytest.skip("neither tensorboardX nor tensorboard is installed")
+    run = train_lm.RunDir(tmp_path)
+    run.write_tensorboard(writer_class)
+    run.log({"step": 1, "loss": 5.5})
+    run.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
