@@ -77,36 +77,90 @@ def jaxpr_internals() -> tuple[Any, Any]:
     return core, debugging.debug_callback_p
 
 
-def cpu_collectives_over_gloo() -> bool:
-    """Whether CPU collectives run over gloo: `jax.distributed` is initialised and
-    `jax_cpu_collectives_implementation` is "gloo" (its default). Single-process CPU
-    meshes without `jax.distributed` use XLA's in-process collectives instead.
+def collectives_over_gloo(platform: str, *, distributed: bool, cpu_implementation: str) -> bool:
+    """Whether the collectives of a program lowered for `platform` run over gloo.
+
+    Only XLA CPU's cross-process collectives use gloo, and only once `jax.distributed`
+    is initialised with `jax_cpu_collectives_implementation` "gloo" (its default):
+    single-process CPU meshes use XLA's in-process collectives, and GPU programs
+    ("cuda", "rocm") use NCCL / RCCL whatever the CPU setting says.
+
+    Args:
+      platform: the lowering platform ("cpu", "cuda", "rocm", ...).
+      distributed: whether `jax.distributed` is initialised in this process.
+      cpu_implementation: the value of `jax_cpu_collectives_implementation`.
     """
-    return (coordination_client() is not None
-            and jax.config.jax_cpu_collectives_implementation == "gloo")
+    return platform == "cpu" and distributed and cpu_implementation == "gloo"
+
+
+def cpu_collectives_over_gloo() -> bool:
+    """Whether this process's CPU programs run their collectives over gloo (see
+    `collectives_over_gloo`). Guarded by tests/test_cuda_paths.py.
+    """
+    return collectives_over_gloo(
+        "cpu", distributed=coordination_client() is not None,
+        cpu_implementation=jax.config.jax_cpu_collectives_implementation)
 
 
 _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
+_DLPACK_GPU = (2, 10)  # DLDeviceType.kDLCUDA, kDLROCM
 
 
 def dlpack_import(obj: Any, device: jax.Device) -> jax.Array:
-    """`obj` (any `__dlpack__` producer in host memory) as an array on `device`, no copy.
+    """`obj` (a `__dlpack__` producer in `device`'s memory) as an array on `device`, no copy.
+
+    For a CPU `device` the producer must be in host memory, for a GPU `device` on that
+    same GPU (a DLPack import never moves data between devices here: the result must
+    alias `obj`, which its callers rely on).
 
     `jax.dlpack.from_dlpack` spends ~190 us a call in Python (device lookup, dtype
     canonicalisation, placement) around the ~30 us import; a torch frontend imports
     every gradient of every backward. This calls jaxlib's
     `_jax.dlpack_managed_tensor_to_buffer` directly (its 5-argument form, jaxlib
     extension version >= 467) for dtypes JAX keeps as they are, and falls back to
-    `from_dlpack` otherwise. Guarded by tests/test_jax_compat.py.
+    `from_dlpack` otherwise. On a GPU the import is ordered after the producer's
+    pending work the way `from_dlpack` orders it (see `_gpu_import`). Guarded by
+    tests/test_jax_compat.py (CPU), tests/test_cuda_paths.py (the GPU arguments, with
+    a fake device) and tests/test_gpu.py (on a GPU).
+
+    Raises:
+      ValueError: for a GPU `device`, `obj` is not on that GPU.
     """
     from jax._src.lib import _jax, jaxlib_extension_version
 
-    if jaxlib_extension_version >= 467 and device.platform == "cpu":
-        array = _jax.dlpack_managed_tensor_to_buffer(
-            obj.__dlpack__(), device, None, None, _DLPACK_CPU)
+    if jaxlib_extension_version >= 467 and device.platform in ("cpu", "gpu"):
+        if device.platform == "cpu":
+            array = _jax.dlpack_managed_tensor_to_buffer(
+                obj.__dlpack__(), device, None, None, _DLPACK_CPU)
+        else:
+            array = _gpu_import(_jax, obj, device)
         if array.dtype == jax.dtypes.canonicalize_dtype(array.dtype):
             return array
     return jax.device_put(jax.dlpack.from_dlpack(obj), device)
+
+
+def _gpu_import(jax_lib: Any, obj: Any, device: jax.Device) -> jax.Array:
+    """The GPU branch of `dlpack_import`: `obj` on `device`'s GPU, stream-ordered.
+
+    DLPack's stream argument orders the producer's writes before JAX's reads:
+    `obj.__dlpack__(stream=s)` is given `s`, the device's stream for external ready
+    events, and the producer makes `s` wait for its own current stream (torch records
+    an event on its current stream and has `s` wait on it, torch/_tensor.py
+    `__dlpack__`). The buffer is then created as defined on `s`, so every JAX program
+    that reads it waits for that stream first. No host synchronisation is involved.
+    Relies on `Device.get_stream_for_external_ready_events` and the 5-argument
+    `dlpack_managed_tensor_to_buffer(capsule, device, stream, copy, dl_device_type)`,
+    as `jax.dlpack.from_dlpack` calls them in jax 0.10.
+    """
+    kind, index = obj.__dlpack_device__()
+    if int(kind) not in _DLPACK_GPU or index != device.local_hardware_id:
+        raise ValueError(
+            f"dlpack_import: the array is on DLPack device ({int(kind)}, {index}) but "
+            f"the target is {device} (GPU {device.local_hardware_id}); a zero-copy import "
+            "needs the array on that same GPU. Move it there first.")
+    stream = device.get_stream_for_external_ready_events()
+    capsule = obj.__dlpack__(stream=stream)
+    return jax_lib.dlpack_managed_tensor_to_buffer(capsule, device, stream, None, int(kind))
 
 
 @functools.cache

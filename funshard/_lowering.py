@@ -288,6 +288,11 @@ def _scatter_sum(slab: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
     1 of 20 reduce-scatters of 64 MiB wrong, 0 of 20 all-reduces). There the sum is an
     all-reduce and each device keeps its row, as PyTorch's gloo backend does too (twice
     the bytes of a reduce-scatter); elsewhere it is one reduce-scatter.
+
+    "There" (`_jax_compat.collectives_over_gloo`) is decided at trace time (a
+    multi-process job whose CPU collectives are gloo) and again per lowering platform
+    (`platform_dependent`): only a CPU lowering takes the all-reduce, so a GPU program
+    (NCCL) keeps its reduce-scatter even in a job whose CPU collectives are gloo.
     """
     def native(x):
         return jax.lax.psum_scatter(x, shard_axes, scatter_dimension=0, tiled=False)

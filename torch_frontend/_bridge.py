@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from torch.autograd import Variable
 
 from funshard import _jax_compat, _lowering, _mesh
+from torch_frontend import _cuda
 
 SHARD_AXIS = "fsdp"
 REPLICATE_AXIS = "replicate"
@@ -193,8 +194,21 @@ def hpz_layout(layout: Layout, k: int) -> Layout:
 
 
 def _import(layout: Layout, tensor: torch.Tensor) -> jax.Array:
-    """`tensor` as a single-device jax.Array on this process's device, sharing memory."""
-    return _jax_compat.dlpack_import(tensor.detach(), layout.device)
+    """`tensor` as a single-device jax.Array on this process's device, sharing memory.
+
+    A CUDA tensor must be on this process's GPU; JAX's reads wait for torch's current
+    stream (DLPack's stream argument, in `_jax_compat.dlpack_import`).
+
+    Raises:
+      ValueError: `tensor` is on another device than this process's JAX device.
+    """
+    tensor = tensor.detach()
+    if not tensor.is_cuda:
+        return _jax_compat.dlpack_import(tensor, layout.device)
+    _cuda.check_same_device(tensor, layout.device)
+    _cuda.RETIREMENT.release_finished()
+    with _cuda.importing(tensor):
+        return _jax_compat.dlpack_import(tensor, layout.device)
 
 
 def as_words(tensor: torch.Tensor) -> torch.Tensor:
@@ -232,7 +246,8 @@ def global_block(layout: Layout, padded: torch.Tensor, dim: int = 0) -> jax.Arra
 
 
 def _export(block: jax.Array) -> torch.Tensor:
-    return torch.from_dlpack(block)
+    """JAX's buffer `block` as a torch view; on a GPU stream-ordered (`_cuda.export`)."""
+    return _cuda.export(block)
 
 
 def _gather_now(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int],

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import funshard as fs
 import funshard.distributed
-from torch_frontend import _bridge, _errors
+from torch_frontend import _bridge, _cuda, _errors
 
 SHARD_AXIS = "fsdp"
 REPLICATE_AXIS = "replicate"
@@ -81,7 +81,9 @@ def init_distributed(replicate: int | None = None) -> Mesh:
         if replicate != _runtime.replicate:
             raise ValueError(_errors.replicate_changed(_runtime.replicate, replicate))
         return _runtime.mesh
+    _cuda.configure_allocator()  # first: JAX's GPU allocator reads it when it starts
     fs.distributed.initialize()
+    _cuda.set_torch_device(jax.local_devices()[0])  # torch's current GPU is JAX's
     _init_process_group()
     devices = [jax.local_devices(process_index=p)[0] for p in range(jax.process_count())]
     _runtime = Runtime(fs.make_mesh(replicate, devices=devices), replicate, _bridge.CommContext())
@@ -90,7 +92,7 @@ def init_distributed(replicate: int | None = None) -> Mesh:
 
 def _init_process_group() -> None:
     if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        backend = _cuda.torch_backend(_cuda.device_type(jax.local_devices()[0]))
         if jax.process_count() == 1:
             # No launcher: a private in-memory store, no port to find.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -135,7 +137,7 @@ def device_mesh(mesh: Mesh | None = None) -> DeviceMesh:
     mesh = default_mesh() if mesh is None else mesh
     if mesh not in _device_meshes:
         _init_process_group()
-        device_type = "cuda" if mesh.devices.flat[0].platform == "gpu" else "cpu"
+        device_type = _cuda.device_type(mesh.devices.flat[0])
         # On the CPU whatever the default device: fully_shard may first run under
         # `with torch.device("meta")` (FSDP2's init recipe).
         # A 1-D mesh without dim names, as FSDP2's default `init_device_mesh(type, (n,))`,
