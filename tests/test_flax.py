@@ -160,16 +160,37 @@ def test_nnx_one_gather_and_one_reduce_scatter_per_unit(nnx_step):
     assert _gathers_by_unit(nnx_step["text"]) == {"Block": per_unit * BLOCKS, "Model": per_unit}
 
 
-def test_nnx_default_keeps_only_the_outermost_unit_gathered():
-    # reshard_after_forward=None (FSDP2's default): blocks gather again for backward,
-    # the model (the root) keeps its parameters from forward to backward.
+@pytest.fixture(scope="module")
+def nnx_default_step():
+    """The model marked with FSDP2's default `reshard_after_forward=None`, compiled."""
     model = Model(nnx.Rngs(0))
     for block in model.blocks:
         fs.flax.fully_shard(block)
     fs.flax.fully_shard(model)
     graphdef, state = fs.flax.shard(model, mesh_for("8"))
     _, text = _compiled_step(_nnx_loss(graphdef), state, _batch())
+    return model, text
+
+
+def test_nnx_default_keeps_only_the_outermost_unit_gathered(nnx_default_step):
+    # reshard_after_forward=None (FSDP2's default): blocks gather again for backward,
+    # the model (the root) keeps its parameters from forward to backward.
+    _, text = nnx_default_step
     assert _gathers_by_unit(text) == {"Block": 2 * BLOCKS, "Model": 1}
+
+
+def test_flax_plan_of_an_nnx_model_predicts_the_compiled_step(nnx_default_step):
+    """`fs.flax.plan` reads the units and their resolved `reshard_after_forward` from
+    the model (the root keeps its gathered parameters: 5 all-gathers, not 6)."""
+    model, text = nnx_default_step
+    plan = fs.flax.plan(model, mesh_for("8"), optimizer=ADAM)
+    counts = count_by_kind(text)
+    assert plan.count("all-gather") == counts["all-gather"] == 2 * BLOCKS + 1
+    assert plan.count("reduce-scatter") == counts["reduce-scatter"] == UNITS
+    assert {u.name: u.reshard_after_forward for u in plan.units} == {
+        "blocks.0": True, "blocks.1": True, "Model": False}
+    assert plan.params.replicated == sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def test_nnx_parameters_sharded_like_fs_shard(nnx_step):
@@ -330,17 +351,169 @@ def test_nnx_rng_and_batch_statistics_stay_replicated_and_are_written_back():
     assert _is_sharded(grads["block"]["fc"]["kernel"].get_value())
 
 
-def test_nnx_whole_state_with_trainable_mask_traces():
-    """One state holding RNG state too: `fs.flax.trainable` keeps the root off it."""
-    model = _abstract(lambda: NoisyModel(nnx.Rngs(0, dropout=1)))
-    graphdef, state = fs.flax.shard(model, mesh_for("4"))
+class DropoutModel(nnx.Module):
+    """Dropout inside the model's unit: streams given at construction (miniGPT's way), or
+    an `nnx.Rngs` passed to the call (the MNIST tutorial's way)."""
+
+    def __init__(self, rngs, streams_at_init=True, deterministic=False):
+        self.fc = nnx.Linear(4, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, deterministic=deterministic,
+                                rngs=rngs if streams_at_init else None)
+        self.head = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        h = self.drop(jnp.tanh(self.fc(x)), rngs=rngs)
+        return self.head(h), h != 0
+
+
+def _dropout_batch(i):
+    x = jax.random.normal(jax.random.key(20 + i), (ROWS, 4))
+    return {"x": x, "y": jnp.sin(x).sum(-1, keepdims=True)}
+
+
+def _one_state_run(model, steps=3, call_rngs=False):
+    """docs/flax.md's one-state recipe, the whole loop: (state, losses, kept masks)."""
+    fs.flax.fully_shard(model)
+    graphdef, state = fs.flax.shard(model, mesh_for("8"))
     mask = fs.flax.trainable(state)
-    assert mask["block"]["fc"]["kernel"] is True
-    assert mask["block"]["drop"]["rngs"]["key"] is False
-    step = fs.value_and_grad(lambda s, b: _mse_aux(nnx.merge(graphdef, s), b),
-                             has_aux=True, trainable=mask)
-    (_, new_rest), grads = jax.eval_shape(step, state, _noisy_batch())
-    assert new_rest["block"]["drop"]["rngs"]["count"].get_value().shape == ()
+    opt = optax.masked(ADAM, mask)
+
+    def loss_fn(state, batch, key):
+        model = nnx.merge(graphdef, state)
+        out, kept = model(batch["x"], nnx.Rngs(dropout=key) if call_rngs else None)
+        loss = jnp.mean((out - batch["y"]) ** 2)
+        return loss, (nnx.state(model, nnx.Not(nnx.Param)), kept)
+
+    step = fs.value_and_grad(loss_fn, has_aux=True, trainable=mask)
+
+    @jax.jit
+    def train_step(state, opt_state, batch, key):
+        (loss, (written, kept)), grads = step(state, batch, key)
+        updates, opt_state = opt.update(grads, opt_state, state)
+        return fs.flax.apply_updates(state, updates, written), opt_state, loss, kept
+
+    opt_state, losses, masks = fs.init_optimizer(opt, state), [], []
+    for i in range(steps):
+        state, opt_state, loss, kept = train_step(state, opt_state, _dropout_batch(i),
+                                                  jax.random.key(i))
+        losses.append(loss)
+        masks.append(np.asarray(kept))
+    return state, losses, masks
+
+
+def test_nnx_one_state_recipe_with_dropout_matches_the_unsharded_model():
+    """fs.flax.shard(model, mesh) + nnx.merge on a model with Dropout streams: the whole
+    documented loop (trainable mask, optax.masked, fs.flax.apply_updates) runs, and with
+    dropout off it trains exactly as optax on one device."""
+    state, losses, _ = _one_state_run(DropoutModel(nnx.Rngs(0), deterministic=True))
+    graphdef, params, rest = nnx.split(DropoutModel(nnx.Rngs(0), deterministic=True),
+                                       nnx.Param, ...)
+    opt_state, step = ADAM.init(params), _optax_step(ADAM)
+
+    def loss_fn(params, batch):
+        out, _ = nnx.merge(graphdef, params, rest)(batch["x"])
+        return jnp.mean((out - batch["y"]) ** 2)
+
+    reference = jax.jit(jax.value_and_grad(loss_fn))
+    for i in range(3):
+        loss, grads = reference(params, _dropout_batch(i))
+        np.testing.assert_allclose(losses[i], loss, rtol=1e-5)
+        params, opt_state = step(grads, opt_state, params)
+    got = nnx.filter_state(fs.unshard(state), nnx.Param)
+    assert_tree_close(nnx.to_pure_dict(got), nnx.to_pure_dict(params))
+
+
+@pytest.mark.parametrize("call_rngs", [False, True], ids=["streams", "rngs-argument"])
+def test_nnx_dropout_masks_differ_per_step_and_per_device(call_rngs):
+    """With dropout on, the RNG count comes back advanced every step, each step draws a
+    new mask, and each device draws its own (its index is folded into the key), for
+    streams held by the model and for an `nnx.Rngs` passed to the call alike."""
+    model = DropoutModel(nnx.Rngs(0, dropout=1), streams_at_init=not call_rngs)
+    state, losses, masks = _one_state_run(model, steps=2, call_rngs=call_rngs)
+    assert np.all(np.isfinite(losses))
+    if not call_rngs:
+        assert state["drop"]["rngs"]["count"].get_value() == 2
+    assert not np.array_equal(masks[0], masks[1])
+    per_device = masks[0].reshape(8, ROWS // 8, -1)
+    assert len({d.tobytes() for d in per_device}) == 8, per_device
+    assert 0.2 < masks[0].mean() < 0.8
+
+
+class BatchNormModel(nnx.Module):
+    """BatchNorm as Flax's examples write it: no `axis_name`."""
+
+    def __init__(self, rngs):
+        self.fc = fs.flax.fully_shard(nnx.Linear(4, 8, rngs=rngs))
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.head = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.norm(self.fc(x))))
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+def test_nnx_batch_norm_statistics_are_those_of_the_global_batch(mesh_name):
+    """BatchNorm without `axis_name` inside a unit averages its moments over every data
+    axis (SyncBatchNorm): two steps train as the unsharded model on the whole batch, and
+    the running averages match (they used to come back stacked per device)."""
+    model = fs.flax.fully_shard(BatchNormModel(nnx.Rngs(0)))
+    graphdef, params, rest = fs.flax.shard(model, mesh_for(mesh_name), nnx.Param, ...)
+
+    def loss_fn(params, batch, rest):
+        model = fs.flax.merge(graphdef, params, rest)
+        loss = jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+        return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+    ref_graphdef, ref_params, ref_rest = nnx.split(BatchNormModel(nnx.Rngs(0)), nnx.Param, ...)
+
+    def ref_loss(params, batch, rest):
+        model = nnx.merge(ref_graphdef, params, rest, copy=True)
+        loss = jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+        return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+    sharded = jax.jit(fs.value_and_grad(loss_fn, has_aux=True))
+    reference = jax.jit(jax.value_and_grad(ref_loss, has_aux=True))
+    opt_state, ref_opt_state = fs.init_optimizer(ADAM, params), ADAM.init(ref_params)
+    step = _optax_step(ADAM)
+    for i in range(2):
+        batch = _dropout_batch(i)
+        (loss, rest), grads = sharded(params, batch, rest)
+        (ref, ref_rest), ref_grads = reference(ref_params, batch, ref_rest)
+        np.testing.assert_allclose(loss, ref, rtol=1e-5)
+        params, opt_state = step(grads, opt_state, params)
+        ref_params, ref_opt_state = step(ref_grads, ref_opt_state, ref_params)
+    assert_tree_close(nnx.to_pure_dict(fs.unshard(params)), nnx.to_pure_dict(ref_params))
+    assert_tree_close(nnx.to_pure_dict(rest), nnx.to_pure_dict(ref_rest))
+
+
+def test_nnx_batch_norm_outside_every_unit_is_an_error():
+    model = _abstract(lambda: BatchNormModel(nnx.Rngs(0)))  # only `fc` is a unit
+    with pytest.raises(ValueError, match=r"model\.norm \(BatchNorm\) is in no unit.*"
+                                         r"fs\.flax\.fully_shard\(model\)"):
+        fs.flax.shard(model, mesh_for("2"))
+
+
+def test_apply_updates_with_written_state_it_does_not_hold_is_an_error():
+    model = fs.flax.fully_shard(_abstract(lambda: DropoutModel(nnx.Rngs(0))))
+    _, state = fs.flax.shard(model, mesh_for("2"))
+    written = nnx.State({"other": {"count": nnx.BatchStat(jnp.zeros(()))}})
+    with pytest.raises(ValueError, match=r"does not hold: state\.other\.count"):
+        fs.flax.apply_updates(state, jax.tree.map(jnp.zeros_like, state), written)
+
+
+def test_a_leftover_set_mesh_is_named():
+    """Flax's tutorials call `jax.set_mesh`; another mesh left set is a clear error, not
+    JAX's mesh mismatch inside the step. The state's own mesh may be set."""
+    model = fs.flax.fully_shard(_abstract(lambda: DropoutModel(nnx.Rngs(0))))
+    tutorial_mesh = jax.make_mesh((8,), ("data",))
+    with jax.set_mesh(tutorial_mesh):
+        with pytest.raises(ValueError, match=r"jax\.set_mesh \(axes data=8\).*remove the "
+                                             r"jax\.set_mesh call"):
+            fs.flax.shard(model, mesh_for("8"))
+        with pytest.raises(ValueError, match=r"fs\.flax\.plan: a mesh is set with jax\.set_mesh"):
+            fs.flax.plan(model, mesh_for("8"))
+    with jax.set_mesh(mesh_for("8")):
+        fs.flax.shard(model, mesh_for("8"))
 
 
 def test_nnx_write_back_into_uncopied_extra_state_is_a_clear_error():
@@ -519,6 +692,101 @@ def test_linen_mutable_collections_and_rngs_inside_a_unit():
     )
 
 
+def test_flax_plan_of_a_linen_model_predicts_the_compiled_step(linen_step):
+    model = _linen_marked()
+    plan = fs.flax.plan(model, variables=linen_step["state"], args=(_batch()["x"],))
+    counts = count_by_kind(linen_step["text"])
+    assert plan.count("all-gather") == counts["all-gather"] == 2 * UNITS
+    assert plan.count("reduce-scatter") == counts["reduce-scatter"] == UNITS
+    assert [u.name for u in plan.units] == ["LinenModel", "LinenBlock_0", "LinenBlock_1"]
+
+
+class LinenTrainBlock(nn.Module):
+    """A block taking `train: bool`, as Flax's examples write them (BatchNorm without
+    `axis_name`)."""
+
+    @nn.compact
+    def __call__(self, h, train: bool):
+        h = nn.Dense(8)(h)
+        return jnp.tanh(nn.BatchNorm(use_running_average=not train, momentum=0.9)(h))
+
+
+class LinenTrainModel(nn.Module):
+    block: Any = LinenTrainBlock
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        return nn.Dense(1)(self.block()(x, train=train))
+
+
+def _linen_train_loss(model, train):
+    def loss_fn(params, batch, batch_stats):
+        out, updates = model.apply({"params": params, "batch_stats": batch_stats},
+                                   batch["x"], train, mutable=["batch_stats"])
+        return jnp.mean((out - batch["y"]) ** 2), updates["batch_stats"]
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_linen_static_train_argument_and_batch_norm_without_axis_name(train):
+    """`train: bool` reaches every unit as a Python bool (static, as nn.remat's
+    static_argnums); in training BatchNorm's statistics are the global batch's."""
+    model = fs.flax.fully_shard(LinenTrainModel)(block=fs.flax.fully_shard(LinenTrainBlock))
+    batch = _dropout_batch(0)
+    variables = LinenTrainModel().init(jax.random.key(0), batch["x"], False)
+    params = fs.shard(variables["params"], mesh_for("2x4"))
+    (loss, stats), grads = jax.jit(fs.value_and_grad(_linen_train_loss(model, train),
+                                                     has_aux=True))(
+        params, batch, variables["batch_stats"])
+    (ref, ref_stats), ref_grads = jax.jit(jax.value_and_grad(
+        _linen_train_loss(LinenTrainModel(), train), has_aux=True))(
+        variables["params"], batch, variables["batch_stats"])
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    assert_tree_close(fs.unshard(grads), ref_grads)
+    assert_tree_close(stats, ref_stats)
+
+
+class BoxedBlock(nn.Module):
+    """Parameters boxed by `nn.with_logical_partitioning`, as MaxText-style code does."""
+
+    @nn.compact
+    def __call__(self, h):
+        dense = nn.Dense(
+            8, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                        ("embed", "mlp")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)))
+        return jnp.tanh(dense(h))
+
+
+class BoxedModel(nn.Module):
+    block: Any = BoxedBlock
+
+    @nn.compact
+    def __call__(self, x):
+        kernel_init = nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                   ("mlp", "vocab"))
+        return nn.Dense(1, kernel_init=kernel_init)(self.block()(x))
+
+
+def test_linen_boxed_parameters_are_unboxed_by_the_units():
+    model = fs.flax.fully_shard(BoxedModel)(block=fs.flax.fully_shard(BoxedBlock))
+    batch = _dropout_batch(0)
+    params = BoxedModel().init(jax.random.key(0), batch["x"])["params"]
+    assert isinstance(params["BoxedBlock_0"]["Dense_0"]["kernel"], nn.LogicallyPartitioned)
+
+    def loss_fn(model):
+        return lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    loss, grads = jax.jit(fs.value_and_grad(loss_fn(model)))(
+        fs.shard(params, mesh_for("8")), batch)
+    ref, ref_grads = jax.jit(jax.value_and_grad(loss_fn(BoxedModel())))(params, batch)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    # The gradients keep the boxes: optax updates the boxed tree as it is.
+    assert isinstance(grads["BoxedBlock_0"]["Dense_0"]["kernel"], nn.LogicallyPartitioned)
+    assert_tree_close(nn.unbox(fs.unshard(grads)), nn.unbox(ref_grads))
+
+
 def test_linen_unit_policy_casts_its_computation():
     bf16 = fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
     block = fs.flax.fully_shard(LinenBlock, mp_policy=bf16)()
@@ -571,3 +839,11 @@ def test_linen_instance_is_an_error():
 def test_marking_a_linen_class_twice_is_an_error():
     with pytest.raises(ValueError, match="LinenBlock \\(a linen class\\) is already a unit"):
         fs.flax.fully_shard(fs.flax.fully_shard(LinenBlock))
+
+
+def test_flax_plan_takes_its_units_from_the_model():
+    model = fs.flax.fully_shard(_abstract(lambda: DropoutModel(nnx.Rngs(0))))
+    with pytest.raises(TypeError, match="reshard_after_forward come from the model"):
+        fs.flax.plan(model, mesh_for("2"), reshard_after_forward=False)
+    with pytest.raises(TypeError, match="expected an nnx.Module marked"):
+        fs.flax.plan({"w": jnp.ones(4)}, mesh_for("2"))

@@ -8,15 +8,21 @@ for blk in model.blocks:
     fs.flax.fully_shard(blk)           # units bottom-up, as in FSDP2
 fs.flax.fully_shard(model)
 graphdef, state = fs.flax.shard(model, mesh)
+mask = fs.flax.trainable(state)        # parameters only: RNG state, statistics frozen
 
 def loss_fn(state, batch):
     model = nnx.merge(graphdef, state)  # marked modules gather on call
-    return mean_loss(model(batch["x"]), batch["y"])
+    loss = mean_loss(model(batch["x"]), batch["y"])
+    return loss, nnx.state(model, nnx.Not(nnx.Param))   # RNG counts, batch statistics
 
-loss, grads = jax.jit(fs.value_and_grad(loss_fn))(state, batch)
+(loss, written), grads = fs.value_and_grad(loss_fn, has_aux=True, trainable=mask)(state, batch)
+updates, opt_state = optax.masked(opt, mask).update(grads, opt_state, state)
+state = fs.flax.apply_updates(state, updates, written)
 ```
 
-See docs/flax.md for what is sharded, what stays replicated, and the linen form.
+Inside a step, units compute BatchNorm statistics over the global batch (SyncBatchNorm)
+and draw RNG keys per device. See docs/flax.md for what is sharded, what stays
+replicated, the linen form and `fs.flax.plan`.
 """
 
 from __future__ import annotations
@@ -44,9 +50,15 @@ def fully_shard(
     `fs.value_and_grad`, after `nnx.merge(graphdef, state)`) it all-gathers only those,
     in ONE collective, and reduce-scatters their gradients in the backward pass.
 
-    linen: takes a `flax.linen.Module` subclass and returns the unit class `FSDP<Cls>`,
-    whose parameters are sharded in the variables tree and gathered when it is applied
-    (see docs/flax.md).
+    linen: takes a `flax.linen.Module` subclass (or a `functools.partial` of one) and
+    returns the unit class (or the same partial of it), whose parameters are sharded in
+    the variables tree and gathered when it is applied (see docs/flax.md).
+
+    Arguments of the call that are not arrays (`train: bool`, strings, None) reach the
+    module unchanged, as static values; arrays are traced. Inside `fs.value_and_grad` a
+    unit's BatchNorms average their statistics over the data-parallel axes (equal to
+    the unsharded model on the global batch), and the outermost unit folds the device's
+    index into the RNG keys it reads, so dropout masks differ per device.
 
     Args:
       module: an `nnx.Module` instance, or a `flax.linen.Module` subclass.
@@ -105,8 +117,10 @@ def shard(
 
     Raises:
       TypeError: `model` is not an nnx module, or `mp_policy` is not a policy.
-      ValueError: no module of `model` is marked, or `fs.shard` rejects a value (e.g.
-        parameters that are already sharded).
+      ValueError: no module of `model` is marked; a BatchNorm that computes statistics
+        is in no unit (so nothing would average them over the devices); a mesh other
+        than `mesh` is set with `jax.set_mesh` (the step would fail on it); or
+        `fs.shard` rejects a value (e.g. parameters that are already sharded).
     """
     return _nnx.shard(model, mesh, *filters, mp_policy=mp_policy)
 
@@ -148,4 +162,84 @@ def trainable(state, wrt: Any = nnx.Param):
     return _nnx.trainable(state, wrt)
 
 
-__all__ = ["fully_shard", "merge", "shard", "trainable"]
+def apply_updates(state, updates, written=None, wrt: Any = nnx.Param):
+    """Applies optimizer updates to the trainable variables of an nnx state.
+
+    The single-state loop's last line. `optax.apply_updates` adds an update to every
+    leaf, which a typed RNG key cannot take (and an RNG count or a batch statistic must
+    not); this adds the updates of the variables `wrt` selects, as
+    `optax.apply_updates` does, and takes every other variable from `written` (what the
+    loss returned as `nnx.state(model, nnx.Not(nnx.Param))`: advanced RNG counts, new
+    batch statistics), or keeps it as it was.
+
+    Args:
+      state: the state (e.g. from `fs.flax.shard(model, mesh)`).
+      updates: the optimizer's updates, with the structure of `state` (e.g. from
+        `optax.masked(opt, fs.flax.trainable(state)).update(grads, opt_state, state)`).
+      written: an nnx state of variables of `state` that the step wrote, or None.
+      wrt: the nnx filter of the trainable variables (default `nnx.Param`).
+
+    Returns:
+      The new state: trainable variables plus their updates (in their own dtype),
+      written variables replaced, the rest unchanged.
+
+    Raises:
+      ValueError: `written` holds a variable that `state` does not.
+    """
+    return _nnx.apply_updates(state, updates, written, wrt)
+
+
+def plan(
+    model: Any,
+    mesh=None,
+    *,
+    variables: Any = None,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    mp_policy: fs.MixedPrecisionPolicy | None = None,
+    wrt: Any = nnx.Param,
+    **options,
+) -> fs.Plan:
+    """Works out what one training step of a marked Flax model holds and moves per device.
+
+    `fs.plan` with the units read from the model itself: one unit per module marked by
+    `fs.flax.fully_shard` (named by its module path, the model's own unit by its class
+    name), each owning the parameters below it that no nested unit owns, and each with
+    the `reshard_after_forward` it runs with: its own, or for None (FSDP2's default)
+    False for a unit inside no other unit and True for the others. Parameters in no
+    unit are replicated, as `fs.flax.shard` places them. Nothing is computed: the
+    model's arrays are only read for their shapes.
+
+    Args:
+      model: an nnx model marked with `fs.flax.fully_shard`, or a linen model instance
+        built from unit classes.
+      mesh: the mesh the model will be sharded on (not needed for linen variables
+        already sharded with `fs.shard`).
+      variables: linen only: the model's variables (`model.init(...)`, or its
+        'params' collection; abstract, full or already sharded).
+      args: linen only: the positional arguments of one call of the model, as for
+        `model.init` (arrays or `jax.ShapeDtypeStruct`s); the units are found by
+        tracing this call abstractly.
+      kwargs: linen only: its keyword arguments (e.g. `{"train": False}`).
+      mp_policy: the policy of units marked without one, as for `fs.flax.shard`.
+      wrt: nnx only: the filter of the variables the step differentiates (default
+        `nnx.Param`; the other variables are not parameters and are not planned).
+      **options: the step's options, as for `fs.plan`: `optimizer`, `microbatches`,
+        `sync_every_microbatch`, `all_reduce_every_microbatch`, `trainable`.
+
+    Returns:
+      The `fs.Plan` of the step.
+
+    Raises:
+      TypeError: `model` is not an nnx or linen module, `mesh` is missing, or a linen
+        model comes without `variables`.
+      ValueError: no module of the model is marked, a mesh other than `mesh` is set
+        with `jax.set_mesh`, or `fs.plan` rejects an option.
+    """
+    from funshard.flax import _plan
+
+    return _plan.plan(model, mesh, variables=variables, args=args, kwargs=kwargs, wrt=wrt,
+                      mp_policy=mp_policy, options=options)
+
+
+__all__ = ["apply_updates", "fully_shard", "merge", "plan", "shard", "trainable"]

@@ -85,3 +85,79 @@ def linen_unit_arguments(name: str) -> str:
         "collection; it found none sharded. Initialise the model with model.init(...) and "
         "shard its variables with fs.shard before applying it inside fs.value_and_grad."
     )
+
+
+def other_mesh_set(fn: str, context, mesh) -> str:
+    return (
+        f"{fn}: a mesh is set with jax.set_mesh ({_mesh_text(context)}) that is not the "
+        f"mesh of the sharded state ({_mesh_text(mesh)}), so JAX would refuse the step's "
+        "shard_map with a mesh-mismatch error. funshard places every array itself: remove "
+        "the jax.set_mesh call (Flax's tutorials set one for automatic sharding), or set "
+        "this mesh instead (`with jax.set_mesh(mesh): ...`)."
+    )
+
+
+def _mesh_text(mesh) -> str:
+    axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    return f"axes {axes}" if axes else "no axes"
+
+
+def batch_norm_outside_units(paths: Sequence[Sequence[Any]]) -> str:
+    listing = ", ".join(module_path(p) for p in paths)
+    return (
+        f"fs.flax.shard: {listing} (BatchNorm) is in no unit and its axis_name names no "
+        "axis of the mesh, so inside fs.value_and_grad "
+        "it would compute its statistics from each device's slice of the batch alone and "
+        "every device would keep different running averages. Units average them over the "
+        "data-parallel axes (SyncBatchNorm, equal to the unsharded model): mark a module "
+        "above it, usually the model itself (`fs.flax.fully_shard(model)`), or give it "
+        "`use_running_average=True` if it only evaluates."
+    )
+
+
+def unknown_written(paths: Sequence[str]) -> str:
+    return (
+        f"fs.flax.apply_updates: `written` has variables the state does not hold: "
+        f"{', '.join(paths)}. Pass what the loss returned as "
+        "`nnx.state(model, nnx.Not(nnx.Param))` for the same model."
+    )
+
+
+def plan_not_a_model(model: Any) -> str:
+    return (
+        f"fs.flax.plan: expected an nnx.Module marked with fs.flax.fully_shard, or a "
+        f"flax.linen.Module instance, got {type(model).__name__}. For a plain parameter "
+        "tree use fs.plan."
+    )
+
+
+def plan_linen_needs_inputs(name: str) -> str:
+    return (
+        f"fs.flax.plan: {name} is a linen module; pass its variables (or the 'params' "
+        "collection) and the arguments of one call, as for model.init: "
+        "`fs.flax.plan(model, mesh, variables=variables, args=(x,))`."
+    )
+
+
+def plan_no_mesh(name: str) -> str:
+    return (
+        f"fs.flax.plan: pass the mesh {name} will be sharded on "
+        "(`fs.flax.plan(model, fs.make_mesh(), ...)`); only a linen state already sharded "
+        "with fs.shard carries its own."
+    )
+
+
+def plan_no_units(name: str) -> str:
+    return (
+        f"fs.flax.plan: no unit of {name} was called (no class marked with "
+        "fs.flax.fully_shard among the modules applied). Mark the blocks' class and the "
+        "model's: `Block = fs.flax.fully_shard(Block)`."
+    )
+
+
+def plan_option_from_model(names: Sequence[str]) -> str:
+    return (
+        f"fs.flax.plan: {', '.join(names)} come from the model (its marked modules and "
+        "the options given to fs.flax.fully_shard); mark the modules instead, or plan a "
+        "hand-written unit map with fs.plan."
+    )

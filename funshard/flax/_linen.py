@@ -10,6 +10,12 @@ descendants are units is found by tracing the module once abstractly (`jax.eval_
 no computation) with every unit recording its scope path instead of gathering; the unit
 then gathers only its own parameters, and the children's still-sharded parameters cross
 the unit boundary as arguments, to be gathered by the children themselves.
+
+Only arrays are traced, in the discovery trace as in the unit: Python arguments
+(`train: bool`) stay static. Parameters boxed with Flax's partitioning metadata
+(`nn.with_logical_partitioning`) are unboxed before the module sees them. Inside a step
+BatchNorm is synced through a method interceptor and the outermost unit folds the
+device index into its RNG keys (see `funshard.flax._data_parallel`).
 """
 
 from __future__ import annotations
@@ -17,17 +23,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import traverse_util
+from flax.core import meta
 
 import funshard as fs
-from funshard.flax import _errors
+from funshard.flax import _data_parallel, _errors
 from funshard.flax._nnx import UnitOptions
 
-# Set while a unit traces its module abstractly to find its descendant units.
+# Set while a unit traces its module abstractly to find its descendant units: the
+# (scope path, options) of every unit called.
 _DISCOVERY: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "funshard_flax_linen_discovery", default=None
 )
@@ -42,6 +52,9 @@ def is_unit_class(cls: Any) -> bool:
 
 def fully_shard_class(cls: Any, options: UnitOptions) -> type:
     """The linen unit class of `cls` (see `funshard.flax.fully_shard`)."""
+    if isinstance(cls, functools.partial):
+        # `ResNet18 = partial(ResNet, stage_sizes=...)`: the same partial of the unit class.
+        return functools.partial(fully_shard_class(cls.func, options), *cls.args, **cls.keywords)
     if isinstance(cls, nn.Module):
         raise TypeError(_errors.linen_instance(cls))
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -99,15 +112,73 @@ def _abstract(tree):
     )
 
 
-def _child_unit_paths(apply, variables, args, kwargs) -> list[tuple]:
+def _static_split(tree) -> tuple[list, Any]:
+    """The array leaves of `tree`, and a function putting values back in their place.
+
+    Only arrays are traced: Python values among a unit's arguments (`train: bool`,
+    strings, None) stay static, as they are for the unit itself.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def rebuild(values):
+        out = list(leaves)
+        for i, v in zip(arrays, values, strict=True):
+            out[i] = v
+        return jax.tree.unflatten(treedef, out)
+
+    return [leaves[i] for i in arrays], rebuild
+
+
+def _is_array(x) -> bool:
+    if isinstance(x, (str, bytes)):  # np.str_ / np.bytes_ are np.generic too
+        return False
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _child_unit_paths(apply, variables, args, kwargs, dp_axes) -> list[tuple]:
     found: list = []
     params = _abstract(variables["params"])
-    with _discovering(found):
+    arrays, rebuild = _static_split((args, kwargs))
+    with _discovering(found), nn.intercept_methods(_sync_batch_norm(dp_axes)):
         jax.eval_shape(
-            lambda p, rest, a, k: apply({**rest, "params": p}, a, k),
-            params, {c: v for c, v in variables.items() if c != "params"}, args, kwargs,
+            lambda p, rest, arrays: apply({**rest, "params": p}, *rebuild(arrays)),
+            params, {c: v for c, v in variables.items() if c != "params"}, arrays,
         )
-    return found
+    return [path for path, _ in found]
+
+
+def unit_scopes(model: nn.Module, variables: dict, args, kwargs) -> dict:
+    """{scope path: options} of every unit `model.apply(variables, *args)` calls.
+
+    One abstract trace (nothing is computed) in which every unit records its path.
+    """
+    found: list = []
+    key = jax.random.key(0)
+    arrays, rebuild = _static_split((args, kwargs))
+
+    def apply(variables, arrays):
+        a, k = rebuild(arrays)
+        return model.apply(variables, *a, rngs={"params": key, "dropout": key},
+                           mutable=True, **k)
+
+    with _discovering(found), nn.intercept_methods(_sync_batch_norm(None)):
+        jax.eval_shape(apply, variables, arrays)
+    return {path: options for path, options in found}
+
+
+def unbox(tree):
+    """`tree` with Flax's metadata boxes (`nn.with_logical_partitioning`,
+    `nn.with_partitioning`) replaced by their values; no sharding constraint applied."""
+    def open_box(x):
+        if not isinstance(x, meta.AxisMetadata):
+            return x
+        try:
+            return x.unbox(apply_constraint=False)
+        except TypeError:  # boxes of other kinds take no argument
+            return x.unbox()
+
+    return jax.tree.map(open_box, tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
 
 
 def _split_params(params, children: list[tuple]) -> tuple[dict, dict]:
@@ -131,6 +202,33 @@ def _rngs(module: nn.Module) -> dict:
     return {name: module.make_rng(name) for name in module.scope.rngs}
 
 
+def _per_device(rngs: dict, dp_axes) -> dict:
+    index = _data_parallel.device_index(dp_axes)
+    return {name: _data_parallel.fold_in(key, index) for name, key in rngs.items()}
+
+
+def _sync_batch_norm(dp_axes):
+    """A method interceptor: BatchNorm averages its statistics over the data axes.
+
+    With `dp_axes` None (an abstract trace outside a step) it only drops axis names
+    nothing binds, so that the trace does not fail on them.
+    """
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if not (isinstance(module, nn.BatchNorm) and context.method_name == "__call__"):
+            return next_fun(*args, **kwargs)
+        own = module.axis_name
+        # The module is this apply's own bound instance; its field is restored after.
+        object.__setattr__(module, "axis_name", _data_parallel.batch_axis_name(own, dp_axes))
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            object.__setattr__(module, "axis_name", own)
+
+    return interceptor
+
+
 def _put_updates(module: nn.Module, updates: dict) -> None:
     """Writes a pure apply's mutable updates (relative to `module`) into its scope."""
     for collection, tree in updates.items():
@@ -144,13 +242,15 @@ def _unit_call(self, *args, **kwargs):
     options, base = cls._funshard_options, cls._funshard_base
     found = _DISCOVERY.get()
     if found is not None:
-        found.append(tuple(self.scope.path))
+        found.append((tuple(self.scope.path), options))
         return base.__call__(self, *args, **kwargs)
-    variables = self.variables
+    variables = dict(self.variables)
     if self.is_initializing() or not _has_sharded(variables.get("params", {})):
         return base.__call__(self, *args, **kwargs)
+    variables["params"] = unbox(variables["params"])
     mutable = [c for c in variables if c != "params" and self.is_mutable_collection(c)]
     plain = _plain(self)
+    dp_axes, outermost = _data_parallel.step_axes(), _data_parallel.is_outermost()
 
     def apply(variables, args, kwargs, rngs):
         return plain.apply(variables, *args, rngs=rngs, mutable=mutable or False, **kwargs)
@@ -159,21 +259,28 @@ def _unit_call(self, *args, **kwargs):
     # abstract trace needs the streams' names only, not this unit's keys.
     dummy_rngs = {name: jax.random.key(0) for name in self.scope.rngs}
     children = _child_unit_paths(
-        lambda v, a, k: apply(v, a, k, dummy_rngs), variables, args, kwargs
+        lambda v, a, k: apply(v, a, k, dummy_rngs), variables, args, kwargs, dp_axes
     )
     own, rest = _split_params(variables["params"], children)
     if not own:  # every parameter belongs to a descendant unit
         return base.__call__(self, *args, **kwargs)
     others = {c: v for c, v in variables.items() if c != "params"}
-    def body(own_full, rest, others, args, kwargs, rngs):
+
+    def body(own_full, args, kwargs, rest, others, rngs):
         params = traverse_util.unflatten_dict({**own_full, **rest})
-        return apply({**others, "params": params}, args, kwargs, rngs)
+        if outermost:
+            rngs = _per_device(rngs, dp_axes)
+        if dp_axes is None:
+            return apply({**others, "params": params}, args, kwargs, rngs)
+        with nn.intercept_methods(_sync_batch_norm(dp_axes)):
+            return apply({**others, "params": params}, args, kwargs, rngs)
 
     unit = fs.fully_shard(
         body, reshard_after_forward=options.resolved_reshard_after_forward(), name=base.__name__
     )
     own = _with_policy(own, options.mp_policy)
-    out = unit(own, rest, others, args, kwargs, _rngs(self))
+    # The call's inputs first: the unit's gather waits for its first varying array.
+    out = unit(own, args, kwargs, rest, others, _rngs(self))
     if not mutable:
         return out
     out, updates = out

@@ -10,6 +10,9 @@ When called with sharded parameters it gathers only those: its children's still-
 parameters cross the unit boundary as plain arguments and are gathered by the children
 themselves, so each unit has ONE all-gather (and one re-gather in backward with
 `reshard_after_forward=True`).
+
+Inside a step a unit also syncs its BatchNorms and, when outermost, folds the device
+index into the RNG keys it reads (`funshard.flax._data_parallel` says why).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from flax import nnx
 
 import funshard as fs
 from funshard import _context
-from funshard.flax import _errors
+from funshard.flax import _data_parallel, _errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +134,23 @@ def _unit_call(self, *args, **kwargs):
         # Full parameters (before fs.flax.shard), or a unit owning none: plain call.
         return base.__call__(self, *args, **kwargs)
     own_paths = set(_flat(params))
-    def body(full, rest, args, kwargs):
+    dp_axes, outermost = _data_parallel.step_axes(), _data_parallel.is_outermost()
+
+    def body(full, args, kwargs, rest):
+        if outermost:
+            rest = _per_device_keys(rest, dp_axes)
         given = {p: _array_ids(v) for p, v in _flat(rest).items()}
         # Copies: the variables of `rest` may belong to an outer trace (extra args of
         # fs.value_and_grad), which nnx refuses to write; writes leave as outputs.
         module = nnx.merge(graphdef, full, rest, copy=True)
-        out = base.__call__(module, *args, **kwargs)
+        if dp_axes is not None:
+            _sync_batch_norms(module, dp_axes)
+        restore = _fold_argument_keys((args, kwargs), dp_axes) if outermost else None
+        try:
+            out = base.__call__(module, *args, **kwargs)
+        finally:
+            if restore is not None:
+                restore()
         after = _flat(nnx.state(module, lambda p, v: p not in own_paths))
         # Written variables (RNG counts, batch statistics) leave the unit as outputs.
         changed = {p: v.get_value() for p, v in after.items() if _array_ids(v) != given[p]}
@@ -145,9 +159,53 @@ def _unit_call(self, *args, **kwargs):
     unit = fs.fully_shard(
         body, reshard_after_forward=options.resolved_reshard_after_forward(), name=base.__name__
     )
-    out, changed = unit(params, rest, args, kwargs)
+    # The call's inputs come before the module's other state: the unit's gather waits
+    # for its first array that varies over the devices, which should be the input.
+    out, changed = unit(params, args, kwargs, rest)
     _write_back(self, base.__name__, changed)
     return out
+
+
+def _per_device_keys(state, dp_axes):
+    """`state` with this device's index folded into each RNG key (see `_data_parallel`)."""
+    index = _data_parallel.device_index(dp_axes)
+
+    def fold(variable):
+        if isinstance(variable, nnx.RngKey):
+            return variable.replace(_data_parallel.fold_in(variable.get_value(), index))
+        return variable
+
+    return nnx.from_flat_state([(p, fold(v)) for p, v in nnx.to_flat_state(state)])
+
+
+def _fold_argument_keys(tree, dp_axes):
+    """Folds this device's index into the keys of `nnx.Rngs` passed as arguments.
+
+    The streams are the caller's objects (their counts advance as nnx's reference
+    semantics say), so the keys are folded for the call only: the returned function
+    puts the caller's keys back.
+    """
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    keys = [x for x in leaves if isinstance(x, nnx.RngKey)]
+    if not keys:
+        return None
+    index = _data_parallel.device_index(dp_axes)
+    originals = [k.get_value() for k in keys]
+    for k, value in zip(keys, originals, strict=True):
+        k.set_value(_data_parallel.fold_in(value, index))
+
+    def restore():
+        for k, value in zip(keys, originals, strict=True):
+            k.set_value(value)
+
+    return restore
+
+
+def _sync_batch_norms(module, dp_axes) -> None:
+    """BatchNorms of `module` (a copy made for this call) average over the data axes."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.BatchNorm):
+            node.axis_name = _data_parallel.batch_axis_name(node.axis_name, dp_axes)
 
 
 def _write_back(module, name: str, changed: dict) -> None:
@@ -178,6 +236,27 @@ def _group_key(path, variable, units: dict, mp_policy):
     return ("sharded", policy if policy is not None else mp_policy)
 
 
+def unit_options(model: nnx.Module) -> dict:
+    """{module path: its `UnitOptions`} of every unit of `model`, or a ValueError."""
+    units = {p: type(n)._funshard_options for p, n in nnx.iter_graph(model) if is_unit(n)}
+    if not units:
+        raise ValueError(_errors.no_units(type(model).__name__))
+    return units
+
+
+def _check_batch_norms(model, units, mesh) -> None:
+    """BatchNorms that compute statistics must run inside a unit (which syncs them),
+    unless they average over axes of the mesh themselves."""
+    outside = [
+        path for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.BatchNorm) and node.use_running_average is not True
+        and not _data_parallel.names_axes_of(node.axis_name, mesh)
+        and _owner(path, units) is None
+    ]
+    if outside:
+        raise ValueError(_errors.batch_norm_outside_units(outside))
+
+
 def _replicate(path, array):
     return fs.Replicate()
 
@@ -188,9 +267,9 @@ def shard(model: nnx.Module, mesh, *filters, mp_policy=None):
         raise TypeError(_errors.not_nnx_model(model))
     if mp_policy is not None and not isinstance(mp_policy, fs.MixedPrecisionPolicy):
         raise TypeError(_errors.bad_mp_policy(mp_policy))
-    units = {p: type(n)._funshard_options for p, n in nnx.iter_graph(model) if is_unit(n)}
-    if not units:
-        raise ValueError(_errors.no_units(type(model).__name__))
+    _data_parallel.check_no_other_mesh("fs.flax.shard", mesh)
+    units = unit_options(model)
+    _check_batch_norms(model, units, mesh)
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     groups: dict = {}
@@ -219,3 +298,29 @@ def trainable(state, wrt=nnx.Param):
     predicate = nnx.filterlib.to_predicate(wrt)
     flat = [(path, predicate(path, v)) for path, v in nnx.to_flat_state(state)]
     return nnx.from_flat_state(flat)
+
+
+def _add(value, update):
+    # As optax.apply_updates: the sum in the parameter's own dtype (Sharded: its data).
+    return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), value, update)
+
+
+def apply_updates(state, updates, written=None, wrt=nnx.Param):
+    """See `funshard.flax.apply_updates`."""
+    predicate = nnx.filterlib.to_predicate(wrt)
+    new = dict(nnx.to_flat_state(written)) if written is not None else {}
+    flat = list(nnx.to_flat_state(state))
+    unknown = set(new) - {path for path, _ in flat}
+    if unknown:
+        raise ValueError(_errors.unknown_written(
+            sorted(_errors.module_path(p, root="state") for p in unknown)))
+    updated = dict(nnx.to_flat_state(updates))
+    out = []
+    for path, variable in flat:
+        if predicate(path, variable):
+            value = _add(variable.get_value(), updated[path].get_value())
+            variable = variable.replace(value)
+        elif path in new:
+            variable = variable.replace(new[path].get_value())
+        out.append((path, variable))
+    return nnx.from_flat_state(out)

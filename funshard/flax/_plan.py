@@ -1,0 +1,126 @@
+"""`fs.flax.plan`: `fs.plan` of a marked Flax model, its units read from the model.
+
+`fs.plan` needs the units as key-path prefixes and each unit's `reshard_after_forward`.
+A marked model knows both: nnx marks module instances (their graph paths are the state's
+paths), linen marks classes (their scope paths, found by one abstract trace with every
+unit recording its path, are the 'params' paths). `reshard_after_forward=None` resolves
+as it does when the model runs: False for a unit inside no other unit (the root keeps
+its parameters from forward to backward), True for the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx, traverse_util
+
+import funshard as fs
+from funshard.flax import _data_parallel, _errors, _nnx
+
+
+def _is_sharded(x) -> bool:
+    return isinstance(x, fs.Sharded)
+
+
+def _abstract(tree):
+    """Every array (and `Sharded` leaf, whole) as an abstract array of its full shape."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x,
+        tree, is_leaf=_is_sharded,
+    )
+
+
+def _resolved(options_by_path: dict) -> dict:
+    """{path: reshard_after_forward} with None read as the running model reads it."""
+    out = {}
+    for path, options in options_by_path.items():
+        if options.reshard_after_forward is not None:
+            out[path] = options.reshard_after_forward
+        else:
+            out[path] = any(p != path and path[: len(p)] == p for p in options_by_path)
+    return out
+
+
+def _names(paths, root_name: str) -> dict:
+    """A unit name per path: the dotted module path, the class name for the root."""
+    names = {}
+    for path in paths:
+        name = ".".join(str(k) for k in path) or root_name
+        names[path] = name if name != "root" else "root_unit"
+    return names
+
+
+def nnx_plan(model: nnx.Module, mesh, wrt, mp_policy, options: dict) -> fs.Plan:
+    """See `funshard.flax.plan` (nnx)."""
+    if mesh is None:
+        raise TypeError(_errors.plan_no_mesh(type(model).__name__))
+    _data_parallel.check_no_other_mesh("fs.flax.plan", mesh)
+    units = _nnx.unit_options(model)
+    graphdef, state = nnx.split(model)
+    abstract = nnx.merge(graphdef, _abstract(state))
+    _, params, _ = _nnx.shard(abstract, mesh, wrt, ..., mp_policy=mp_policy)
+    cls = type(model)
+    return _plan(params, units, getattr(cls, "_funshard_base", cls).__name__, options)
+
+
+def _plan(state, units: dict, root_name: str, options: dict) -> fs.Plan:
+    names = _names(units, root_name)
+    reshard = _resolved(units)
+    return fs.plan(
+        state,
+        units={names[p]: tuple(str(k) for k in p) for p in units},
+        reshard_after_forward={names[p]: reshard[p] for p in units},
+        **options,
+    )
+
+
+def linen_plan(model: nn.Module, mesh, variables, args, kwargs, mp_policy, options) -> fs.Plan:
+    """See `funshard.flax.plan` (linen)."""
+    from funshard.flax import _linen
+
+    if variables is None:
+        raise TypeError(_errors.plan_linen_needs_inputs(type(model).__name__))
+    others = {c: v for c, v in variables.items() if c != "params"} if "params" in variables else {}
+    params = _linen.unbox(variables["params"] if "params" in variables else variables)
+    sharded = [x for x in jax.tree.leaves(params, is_leaf=_is_sharded) if _is_sharded(x)]
+    if sharded:
+        state, mesh = params, sharded[0].mesh
+    else:
+        if mesh is None:
+            raise TypeError(_errors.plan_no_mesh(type(model).__name__))
+        state = fs.shard(_abstract(params), mesh, mp_policy=mp_policy)
+    _data_parallel.check_no_other_mesh("fs.flax.plan", mesh)
+    units = _linen.unit_scopes(model, {**_abstract(others), "params": _abstract(params)},
+                               args, kwargs or {})
+    if not units:
+        raise ValueError(_errors.plan_no_units(type(model).__name__))
+    state = _with_unit_policies(state, units)
+    return _plan(state, units, type(model).__name__, options)
+
+
+def _with_unit_policies(state, units: dict):
+    """The sharded params with each unit's own `mp_policy` on the leaves it owns."""
+    flat = traverse_util.flatten_dict(state)
+    for path, leaf in flat.items():
+        owners = [u for u in units if path[: len(u)] == u]
+        if not owners or not isinstance(leaf, fs.Sharded):
+            continue
+        policy = units[max(owners, key=len)].mp_policy
+        if policy is not None:
+            flat[path] = dataclasses.replace(leaf, mp_policy=policy)
+    return traverse_util.unflatten_dict(flat)
+
+
+def plan(model: Any, mesh, *, variables, args, kwargs, wrt, mp_policy, options) -> fs.Plan:
+    """Dispatches on the kind of model (see `funshard.flax.plan`)."""
+    given = [name for name in ("units", "reshard_after_forward") if name in options]
+    if given:
+        raise TypeError(_errors.plan_option_from_model(given))
+    if isinstance(model, nnx.Module):
+        return nnx_plan(model, mesh, wrt, mp_policy, options)
+    if isinstance(model, nn.Module):
+        return linen_plan(model, mesh, variables, args, kwargs, mp_policy, options)
+    raise TypeError(_errors.plan_not_a_model(model))
