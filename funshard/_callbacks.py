@@ -13,16 +13,22 @@ and one check at the end of the step (after the last collective, data-dependent 
 results) raises the first recorded exception: a `JaxRuntimeError` carrying the
 callback's message, with the caller's arrays untouched. Programs without callbacks are
 not changed at all.
+
+A callback in the jitted step but outside the loss function is beyond the root's reach
+(XLA offers no way to defer it from there): one traced before the root gets a
+RuntimeWarning at trace time (`warn_outer_callbacks`), naming where it was called.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
+import weakref
 from typing import Any, Callable
 
 import jax
 
-from funshard import _jax_compat
+from funshard import _errors, _jax_compat
 
 # Exceptions recorded by wrapped callbacks, waiting for the step's check. A process-wide
 # list: every device of the process runs its callbacks on its own thread.
@@ -39,7 +45,12 @@ def _deferring(callback: Callable) -> Callable:
                 _PENDING.append(exc)
             return None
 
+    run.funshard_deferred = True  # one of the root's own: see `outer_callbacks`
     return run
+
+
+def _ours(callback: Callable) -> bool:
+    return getattr(callback, "funshard_deferred", False)
 
 
 def _raise_pending(*_) -> None:
@@ -110,3 +121,67 @@ def raise_pending(results: Any) -> None:
     """
     anchors = [x.reshape(-1)[:1] for x in jax.tree.leaves(results) if getattr(x, "size", 0)]
     jax.debug.callback(_raise_pending, *anchors)
+
+
+def _callback_in(value: Any) -> bool:
+    """Whether a jaxpr parameter (or tuple of them) runs a user's debug callback that
+    no root defers (a root's own program holds `_deferring` wrappers: skipped whole)."""
+    core, callback_p = _jax_compat.jaxpr_internals()
+    if isinstance(value, core.ClosedJaxpr):
+        value = value.jaxpr
+    if isinstance(value, core.Jaxpr):
+        if any(e.primitive is callback_p and _ours(e.params["callback"]) for e in value.eqns):
+            return False
+        return any(_user_callback(eqn) for eqn in value.eqns)
+    if isinstance(value, tuple):
+        return any(_callback_in(v) for v in value)
+    return False
+
+
+def _user_callback(eqn) -> bool:
+    _, callback_p = _jax_compat.jaxpr_internals()
+    if eqn.primitive is callback_p:
+        return not _ours(eqn.params["callback"])
+    return any(_callback_in(v) for v in eqn.params.values())
+
+
+def outer_callbacks() -> list[str]:
+    """Where the user's step called `jax.debug.callback` before this root, outside it.
+
+    Reads the equations the enclosing traces (the user's `jax.jit`, `vmap`, ...) have
+    recorded so far: `jax._src.core.trace_ctx.trace`, each trace's `parent_trace`, and a
+    `DynamicJaxprTrace`'s `frame.tracing_eqns` (TracingEqn, or weak references to them)
+    with their `primitive`, `params` and `source_info` (jax 0.10). Callbacks recorded
+    after the root returns are out of its sight. Guarded by tests/test_hardening.py.
+
+    Returns:
+      One "file:line (function)" per such callback, innermost trace first ([] if none, or if
+      these internals are not there).
+    """
+    try:
+        from jax._src import core, source_info_util
+    except ImportError:
+        return []
+    found, trace, seen = [], core.trace_ctx.trace, set()
+    while trace is not None and id(trace) not in seen:
+        seen.add(id(trace))
+        frame = getattr(trace, "frame", None)
+        for entry in getattr(frame, "tracing_eqns", ()):
+            eqn = entry() if isinstance(entry, weakref.ReferenceType) else entry
+            if eqn is not None and _user_callback(eqn):
+                found.append(source_info_util.summarize(eqn.source_info))
+        trace = getattr(trace, "parent_trace", None)
+    return found
+
+
+def warn_outer_callbacks(fn: str) -> None:
+    """Warns, at trace time, of host callbacks the step runs before the root `fn`.
+
+    Inside the loss a raising callback ends the step with its exception; outside, the
+    device that raised leaves the program and the others wait for it at the root's
+    first collective until XLA CPU aborts the process (rendezvous termination timeout,
+    40 s by default). XLA gives no way to defer them from here, so say so first.
+    """
+    found = outer_callbacks()
+    if found:
+        warnings.warn(_errors.callbacks_outside_root(fn, found), RuntimeWarning, stacklevel=3)

@@ -18,8 +18,11 @@ large for one device is restored without first materialising an initial state.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import shutil
+import traceback
+import warnings
 from typing import Any
 
 import jax
@@ -232,7 +235,30 @@ def _read(path: str, what: str, args):
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             return checkpointer.restore(path, args=args)
     except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
-        raise ValueError(_errors.checkpoint_corrupt(path, what, exc)) from exc
+        failure = exc
+    _drop_abandoned_coroutines(failure)
+    raise ValueError(_errors.checkpoint_corrupt(path, what, failure)) from failure
+
+
+def _drop_abandoned_coroutines(failure: BaseException) -> None:
+    """Collects the coroutines a failed orbax read left behind, now and silently.
+
+    orbax reads a checkpoint's files with `asyncio.gather` on an event loop it closes as
+    soon as the first read fails: the other reads' coroutines never start. Left to the
+    garbage collector they would warn "coroutine ... was never awaited" at some later,
+    unrelated moment (an error under `-W error`, blamed on whatever runs then). The
+    failure's frames hold them; clearing the frames' variables keeps the traceback
+    printable and frees them.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+        seen = set()
+        while failure is not None and id(failure) not in seen:
+            seen.add(id(failure))
+            traceback.clear_frames(failure.__traceback__)
+            failure = failure.__cause__ or failure.__context__
+        gc.collect()
 
 
 def restore(path: str | os.PathLike, like: Any) -> Any:

@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
 
-from funshard import _errors, _jax_compat, _mesh, _rendezvous
+from funshard import _departure, _errors, _jax_compat, _mesh, _rendezvous
+from funshard._departure import DEPARTURE_TIMEOUT as DEPARTURE_TIMEOUT
+from funshard._departure import DEPARTURE_TIMEOUT_ENV as DEPARTURE_TIMEOUT_ENV
 from funshard._rendezvous import INITIALIZATION_TIMEOUT as INITIALIZATION_TIMEOUT
 from funshard._rendezvous import INITIALIZATION_TIMEOUT_ENV as INITIALIZATION_TIMEOUT_ENV
 
@@ -196,6 +199,7 @@ def initialize(
     heartbeat_timeout: int = HEARTBEAT_TIMEOUT,
     shutdown_timeout: int = SHUTDOWN_TIMEOUT,
     fail_fast: bool = True,
+    departure_timeout: float | None = None,
 ) -> Mesh:
     """Starts JAX's multi-process runtime from the launcher's environment; returns the mesh.
 
@@ -230,13 +234,20 @@ def initialize(
         process where it can, then exit at once with status 1, skipping JAX's
         shutdown barrier (which would wait for the dead process up to
         `heartbeat_timeout`, and keep the other processes blocked meanwhile).
+      departure_timeout: seconds a process waits, without progress, for a process
+        that has left the job (returned from its script early, or ended on an
+        exception) before it gives up: it prints who left after how many steps and
+        exits with status 1 (a torch_frontend collective raises a RuntimeError
+        instead). None: the environment variable FUNSHARD_DEPARTURE_TIMEOUT, else 30;
+        `math.inf` never gives up. See docs/distributed.md.
 
     Returns:
       The global mesh, devices ordered by (process index, local device order).
 
     Raises:
       ValueError: inconsistent rank / world size, no coordinator for several
-        processes, a coordinator host that does not resolve, a bad timeout, or
+        processes, a coordinator host that does not resolve, a bad timeout (or
+        departure timeout), or
         `replicate` does not divide the global device count.
       TimeoutError: within `initialization_timeout`, some processes never arrived
         (named by rank) or process 0's coordinator was not reached.
@@ -245,10 +256,13 @@ def initialize(
         (another job size, a rank taken twice).
     """
     timeout = _rendezvous.initialization_timeout(initialization_timeout, os.environ)
+    departure = _departure.departure_timeout(departure_timeout, os.environ)
     launch = resolve_launch(coordinator_address, num_processes, process_id, local_device_ids)
     if launch.multi_process and not jax.distributed.is_initialized():
         source = _address_source(coordinator_address, launch, os.environ)
         _start(launch, source, timeout, heartbeat_timeout, shutdown_timeout)
+        _departure.start(_jax_compat.coordination_client(), launch.process_id,
+                         launch.num_processes, departure, shutdown_timeout)
         if fail_fast:
             hosts = _exchange_hosts(launch, timeout)
             sys.excepthook = _fail_fast_hook(sys.excepthook, launch, hosts)
@@ -341,16 +355,24 @@ def _dead_peer(message: str, launch: Launch, hosts: dict[int, str]) -> str | Non
     return f"the process at {where}"
 
 
-def failure_summary(exc: BaseException, launch: Launch, hosts: dict[int, str]) -> str:
-    """The one-paragraph explanation `fail_fast` prints after the traceback."""
+def failure_summary(exc: BaseException, launch: Launch, hosts: dict[int, str],
+                    departed: Mapping[int, Any] | None = None) -> str:
+    """The one-paragraph explanation `fail_fast` prints after the traceback.
+
+    `departed` holds the notes of the processes that said they left the job
+    (`_departure.departed()`): they name the process behind a lost connection.
+    """
     me = f"funshard.distributed: process {launch.process_id} of {launch.num_processes}"
     text = str(exc)
     if _LOST.search(text):
-        who = _dead_peer(text, launch, hosts) or "another process"
+        if departed:
+            why = "; ".join(_errors.departure(n) for _, n in sorted(departed.items()))
+        else:
+            who = _dead_peer(text, launch, hosts) or "another process"
+            why = f"{who} is gone (it exited or crashed; its own log says why)"
         return (
-            f"{me} stops: a collective failed because {who} is gone (it exited or "
-            "crashed; its own log says why). Exiting now with status 1 instead of "
-            "waiting for it in JAX's shutdown barrier."
+            f"{me} stops: a collective failed because {why}. Exiting now with status 1 "
+            "instead of waiting for it in JAX's shutdown barrier."
         )
     return (
         f"{me} stops on an uncaught {type(exc).__name__}. Exiting now with status 1, "
@@ -363,7 +385,8 @@ def _fail_fast_hook(previous, launch: Launch, hosts: dict[int, str]):
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
         try:
-            print(failure_summary(exc, launch, hosts), file=sys.stderr)
+            _departure.post_leaving(f"raised {exc_type.__name__}")
+            print(failure_summary(exc, launch, hosts, _departure.departed()), file=sys.stderr)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -433,9 +456,12 @@ def shard_batch(
         process's devices, or the mesh has no data-parallel axis, or (on every
         process) the processes' batches differ in structure, rows, shapes or dtypes.
       TypeError: `mesh` is not a `jax.sharding.Mesh`, or a leaf is not an array.
+      RuntimeError: (with `check`) another process left the job after fewer
+        `shard_batch` calls than this one has made: it will never join this step.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(_errors.shard_batch_not_mesh(mesh))
+    _departure.count_step("shard_batch call")
     axes = data_axes(mesh) if axes is None else _mesh._as_axes(axes)
     if not axes or any(a not in mesh.axis_names for a in axes):
         raise ValueError(_errors.shard_batch_no_data_axes(mesh.axis_names, axes))
@@ -512,10 +538,20 @@ def _check_same_batch(signature: list, wait_s: float) -> None:
 
 
 def _wait_for(client, key: str, wait_s: float) -> str | None:
-    try:
-        return client.blocking_key_value_get(key, int(wait_s * 1000))
-    except Exception:  # noqa: BLE001 -- a late or dead process: see _check_same_batch
-        return None
+    """`key`'s value within `wait_s` (else None), in short slices: a process that left
+    before this step will never post it, and that is an error at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return client.blocking_key_value_get(key, max(1, int(min(left, 0.5) * 1000)))
+        except Exception:  # noqa: BLE001 -- a late or dead process: see _check_same_batch
+            pass
+        error = _departure.left_before_this_step()
+        if error is not None:
+            raise RuntimeError(error)
+        if time.monotonic() >= deadline:
+            return None
 
 
 def _all_signatures(client, root: str, text: str, wait_s: float) -> dict:

@@ -967,3 +967,128 @@ def plan_not_optimizer(optimizer) -> str:
         f"plan: optimizer must be an optax GradientTransformation (with an init "
         f"method), got {type(optimizer).__name__}; pass e.g. optax.adamw(1e-3)."
     )
+
+
+# ---- hardening: donated state, departed peers, empty stacks, callbacks ----
+
+
+def sharded_deleted(shape, dtype) -> str:
+    return (
+        f"Array has been deleted: fs.Sharded leaf of shape {tuple(shape)} and dtype "
+        f"{dtype} was donated to a jitted call (donate_argnums) or deleted, so its "
+        "buffers are gone. Use the state that call returned (state, ... = step(state, "
+        "...)), or do not donate a state you still need."
+    )
+
+
+def _layer_axes(counts) -> str:
+    return ", ".join(f"{leaf_name(path)} {shape}" for path, shape in counts)
+
+
+def scan_no_layers(fn_name: str, counts) -> str:
+    return (
+        f"scan: the stack given to fs.scan({fn_name}, ...) holds no layers: its layer axis "
+        f"(dim 0) has size 0 ({_layer_axes(counts)}). Stack at least one layer, or skip "
+        "the fs.scan call for a model without such layers."
+    )
+
+
+def scan_layer_counts(fn_name: str, counts) -> str:
+    return (
+        f"scan: the leaves of the stack given to fs.scan({fn_name}, ...) disagree on the "
+        f"number of layers (dim 0): {_layer_axes(counts)}. Stack every leaf over the same "
+        "layers."
+    )
+
+
+def callbacks_outside_root(fn: str, places) -> str:
+    listed = "; ".join(places)
+    return (
+        f"{fn}: the jitted step runs jax.debug.callback before {fn}, outside the loss "
+        f"function (at {listed}). If such a callback raises on some devices only (a NaN "
+        "check of one device's rows), the other devices wait for them at the step's first "
+        "collective and XLA CPU aborts the process (rendezvous termination timeout, 40 s "
+        "by default), losing the training state. Inside the loss function funshard raises "
+        "a callback's exception cleanly at the end of the step: move the callback there "
+        "(or run the check outside the jitted step). A callback that never raises is safe; "
+        "silence this with warnings.filterwarnings('ignore', message='.*before "
+        f"{fn}, outside the loss function')."
+    )
+
+
+def departure_timeout_invalid(source: str, value) -> str:
+    return (
+        f"initialize: {source}={value!r} is not a positive number of seconds; pass e.g. "
+        "departure_timeout=30 (or FUNSHARD_DEPARTURE_TIMEOUT=30), or inf to wait forever."
+    )
+
+
+def departure(note) -> str:
+    """ "process 1 returned normally and left the job after 2 steps (shard_batch calls)"."""
+    text = f"process {note.rank} {note.how} and left the job"
+    return text if note.kind == "step" else f"{text} after {_steps(note.step, note.kind)}"
+
+
+def _steps(count: int, kind: str) -> str:
+    """ "3 steps (shard_batch calls)": a step count and what funshard counted as a step."""
+    return f"{count} step{'' if count == 1 else 's'} ({kind}{'es' if kind.endswith('s') else 's'})"
+
+
+def _last_common_step(step: int, kind: str, notes) -> str:
+    counted = [n.step for n in notes if n.kind != "step"] + ([step] if kind != "step" else [])
+    if not counted:
+        return (
+            "funshard names steps by counting calls of fs.distributed.shard_batch (or a "
+            "torch_frontend model's backward passes); this job made none, so it cannot "
+            "name the last step both reached."
+        )
+    return f"The last step both reached is step {min(counted)}."
+
+
+def _same_steps_hint(timeout: float | None) -> str:
+    text = (
+        "Every process must run the same steps, with the same collectives in the same "
+        "order; one that stops early (fewer steps, or an exception it caught before "
+        "returning) leaves the others waiting."
+    )
+    if timeout is not None:
+        text += (f" Gave up after departure_timeout={timeout:g} s (an argument of "
+                 "funshard.distributed.initialize, or FUNSHARD_DEPARTURE_TIMEOUT).")
+    return text
+
+
+def _at_step(step: int, kind: str) -> str:
+    return "" if kind == "step" else f", at step {step},"
+
+
+def peer_left(rank: int, count: int, notes, step: int, kind: str, waited_s: float,
+              what: str, timeout: float) -> str:
+    who = ", ".join(str(n.rank) for n in notes)
+    return (
+        f"funshard.distributed: process {rank} of {count} gives up: "
+        f"{'; '.join(departure(n) for n in notes)}, and {what} of this "
+        f"process{_at_step(step, kind)} has made no progress for {waited_s:.0f} s since: "
+        f"it is waiting in a collective that process{'es' if len(notes) > 1 else ''} "
+        f"{who} will never join. {_last_common_step(step, kind, notes)} "
+        f"{_same_steps_hint(timeout)}"
+    )
+
+
+def batch_peer_left(rank: int, count: int, notes, step: int, kind: str) -> str:
+    return (
+        f"shard_batch: process {rank} of {count}, at step {step}: "
+        f"{'; '.join(departure(n) for n in notes)}, so this step's batch (and its "
+        f"collectives) will never be complete. {_last_common_step(step, kind, notes)} "
+        f"{_same_steps_hint(None)}"
+    )
+
+
+def local_block_read(shape, local_shape) -> str:
+    return (
+        f"`.data` of a sharded parameter of shape {tuple(shape)} read inside a funshard "
+        f"step: there it is only this device's local block, of shape {tuple(local_shape)} "
+        "(its rows of the padded array), not the parameter. Call fs.unshard(state) (or use "
+        "an fs.fully_shard unit) for the full array. To compute on the local block on "
+        "purpose (e.g. a sum of squares followed by jax.lax.psum), take it as the leaf's "
+        "pytree child: jax.tree.leaves(leaf)[0]."
+    )

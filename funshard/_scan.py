@@ -32,6 +32,20 @@ def _check_stacked(paths, items):
         raise ValueError(_errors.joined(bad))
 
 
+def _check_layers(fn: Callable, paths, items) -> None:
+    """Every leaf of the stack holds the same number of layers, at least one."""
+    counts = [
+        (path, tuple(x.shape))
+        for path, x in zip(paths, items, strict=True)
+        if (isinstance(x, Sharded) or hasattr(x, "shape")) and len(x.shape) >= 1
+    ]
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if any(shape[0] == 0 for _, shape in counts):
+        raise ValueError(_errors.scan_no_layers(name, counts))
+    if len({shape[0] for _, shape in counts}) > 1:
+        raise ValueError(_errors.scan_layer_counts(name, counts))
+
+
 def scan(
     fn: Callable, stacked: Any, carry: Any, *, reshard_after_forward: bool = True
 ) -> Any:
@@ -54,7 +68,8 @@ def scan(
       gathered and scanned (e.g. for evaluation).
 
     Raises:
-      ValueError: `stacked` has no `Sharded` leaves or was not sharded as a stack.
+      ValueError: `stacked` has no `Sharded` leaves, was not sharded as a stack, holds
+        no layers (a layer axis of size 0), or its leaves disagree on the layer count.
       TypeError: `reshard_after_forward` is not a bool or int.
       NotImplementedError: deferred gradient accumulation
         (`sync_every_microbatch=False`) over a scanned stack, or an int
@@ -65,6 +80,7 @@ def scan(
         raise NotImplementedError(_errors.scan_hpz_unsupported(reshard_after_forward))
     unit = _unit.prepare("scan", stacked)
     _check_stacked(unit.paths, unit.parts.items)
+    _check_layers(fn, unit.paths, unit.parts.items)
     carry = _unit.cast_inputs(unit, carry)
     if _context.current() is None:
         full = _unit.cast_floating(unshard(stacked), unit.param_dtype)

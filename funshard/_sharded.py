@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import dis
 import math
+import sys
 from typing import Any
 
 import jax
@@ -91,7 +93,11 @@ class Sharded(_LayoutFacts):
     Attributes:
       data: the padded global array of shape `(N * r, *shape[1:])`, sharded
         `P(shard_axis)` (replicated over `replicate_axis`). Inside a
-        `funshard.value_and_grad` step it is this device's local `(r, *shape[1:])` block.
+        `funshard.value_and_grad` step the leaf holds this device's local
+        `(r, *shape[1:])` block; reading `.data` in the loss function there is a
+        TypeError (it is easily mistaken for the parameter), `jax.tree.leaves(leaf)[0]`
+        takes the block on purpose. Reading `.data` of a leaf whose buffers a jitted call
+        donated raises RuntimeError.
       shape: the logical (unpadded) shape.
       dtype: the logical dtype (that of `data`).
       mesh: the mesh the data lives on.
@@ -163,6 +169,73 @@ class Sharded(_LayoutFacts):
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _refuse
     __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _refuse
+
+
+def _live_data(self) -> Any:
+    # Reached by every read of `.data`, jax's own flattening included (jit's argument
+    # handling reads the field through getattr): a jitted call given a state whose
+    # buffers it donated before would segfault in XLA on a multi-device mesh (jax 0.10:
+    # one device's "Buffer has been deleted or donated" error, the others crash).
+    data = self.__dict__["data"]
+    kind = type(data)
+    concrete = _CONCRETE.get(kind)
+    if concrete is None:  # once per type: tracers are jax.Arrays too, without buffers
+        concrete = _CONCRETE[kind] = (isinstance(data, jax.Array)
+                                      and not isinstance(data, jax.core.Tracer))
+    if concrete:
+        if data.is_deleted():
+            raise RuntimeError(_errors.sharded_deleted(self.shape, self.dtype))
+    elif _read_in_user_code(sys._getframe(1)) and _in_step(self):
+        raise TypeError(_errors.local_block_read(self.shape, self.local_shape))
+    return data
+
+
+def _in_step(leaf) -> bool:
+    from funshard import _context  # it imports this module
+
+    return isinstance(leaf, _context.StepLeaf)
+
+
+# Opcodes that read an attribute by name (`x.data`, `x.data.sum()`).
+_ATTRIBUTE_READS = {dis.opmap[op] for op in ("LOAD_ATTR", "LOAD_METHOD") if op in dis.opmap}
+
+
+def _read_in_user_code(frame) -> bool:
+    """Whether `frame` (outside funshard) is executing a `.data` attribute read itself.
+
+    jax's flattening, and `getattr(leaf, "data")`, read the field through a call: only
+    the `.data` expression in the user's own code is the mistake (trace time only: a
+    step's leaves hold tracers).
+    """
+    if frame.f_globals.get("__name__", "").startswith("funshard"):
+        return False
+    code, at = frame.f_code, frame.f_lasti
+    ops = code.co_code
+    if not 0 <= at < len(ops) - 1 or ops[at] not in _ATTRIBUTE_READS:
+        return False
+    arg, back, shift = ops[at + 1], at - 2, 8
+    while back >= 0 and ops[back] == dis.EXTENDED_ARG:
+        arg, back, shift = arg | ops[back + 1] << shift, back - 2, shift + 8
+    if sys.version_info >= (3, 12) and ops[at] == dis.opmap["LOAD_ATTR"]:
+        arg >>= 1  # the low bit says whether a method is loaded
+    return arg < len(code.co_names) and code.co_names[arg] == "data"
+
+
+# Type of a `data` value -> whether it is a concrete jax.Array (whose buffers a donation
+# deletes). Looked up per read: a dict hit is far cheaper than two isinstance checks.
+_CONCRETE: dict[type, bool] = {}
+
+
+def _set_data(self, value: Any) -> None:
+    self.__dict__["data"] = value  # the dataclass __init__ (object.__setattr__) lands here
+
+
+# After the dataclass is made, so that `data` stays a required field: a data descriptor
+# on the class wins over the instance's __dict__ in attribute lookup.
+Sharded.data = property(
+    _live_data, _set_data,
+    doc="The padded global array. Reading it raises RuntimeError once a jitted call has "
+        "donated it, and TypeError in a loss function inside a step (see the class).")
 
 
 def is_sharded(x: Any) -> bool:

@@ -433,6 +433,7 @@ def value_and_grad(
     @functools.wraps(loss_fn)
     def step(state, batch, *args):
         _jax_compat.check()
+        _callbacks.warn_outer_callbacks("fs.value_and_grad")
         paths, items, treedef = sharded_leaves(state)
         mesh = common_mesh("value_and_grad", paths, items)
         if mesh is None:

@@ -10,7 +10,6 @@ on the JAX side, so callers never write into them in place.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -43,8 +42,13 @@ class CommContext:
     """
 
     def __init__(self):
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="torch_frontend")
+        # funshard's worker, not a ThreadPoolExecutor: its futures give up (RuntimeError)
+        # on a process that left the job, and its daemon thread, stuck in a collective
+        # with such a process, never holds up the interpreter's exit.
+        from funshard import _departure
+
+        self._thread = _departure.OrderedWorker("torch_frontend")
+        self._count_step = _departure.count_step
         self._held: tuple[Future | None, Callable[[], None]] | None = None
         self._finish_queued = False
 
@@ -92,6 +96,7 @@ class CommContext:
 
     def _finish_queued_reduce(self) -> None:
         self._finish_queued = False
+        self._count_step("backward pass")  # named when a process leaves the job early
         self.finish_reduce()
 
     def drop_reduce(self) -> None:
@@ -99,7 +104,10 @@ class CommContext:
         self._finish_queued = False
         held, self._held = self._held, None
         if held is not None and held[0] is not None:
-            concurrent.futures.wait([held[0]])
+            try:
+                held[0].result()
+            except Exception:  # noqa: BLE001 -- discarded with the failed iteration
+                pass
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,64 @@
+"""One process of a job in which one process leaves early (tests/test_departed_peer.py).
+
+Reads torchrun-style RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, trains a one-layer
+model with a jitted funshard step for `--steps` steps (`--leaving-steps` on the process
+`--leaving-rank`, which then returns normally), and prints one line per step. With
+`--no-shard-batch` every process builds the global batch itself, so only the watchdog
+can notice the departure.
+
+    python tests/_departed_worker.py --steps S --leaving-rank R --leaving-steps K
+        [--no-shard-batch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import funshard as fs  # noqa: E402
+import funshard.distributed  # noqa: E402
+
+START = time.monotonic()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--leaving-rank", type=int, required=True)
+    parser.add_argument("--leaving-steps", type=int, required=True)
+    parser.add_argument("--no-shard-batch", action="store_true")
+    args = parser.parse_args()
+
+    mesh = funshard.distributed.initialize()
+    rank = jax.process_index()
+    state = fs.shard({"w": jnp.ones((16, 16)) / 4}, mesh)
+
+    def loss(params, x):
+        return jnp.mean(jnp.tanh(x @ fs.unshard(params)["w"]) ** 2)
+
+    step = jax.jit(fs.value_and_grad(loss))
+    steps = args.leaving_steps if rank == args.leaving_rank else args.steps
+    rows = np.ones((2 * jax.process_count(), 16), np.float32)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    for i in range(steps):
+        if args.no_shard_batch:
+            batch = jax.make_array_from_callback(rows.shape, sharding, lambda idx: rows[idx])
+        else:
+            batch = funshard.distributed.shard_batch(rows[:2], mesh)
+        value, _ = step(state, batch)
+        print(f"rank {rank}: step {i} loss {float(value):.4f} at "
+              f"{time.monotonic() - START:.1f} s", flush=True)
+    print(f"rank {rank}: returning after {steps} steps", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
