@@ -1092,3 +1092,16 @@ def local_block_read(shape, local_shape) -> str:
         "purpose (e.g. a sum of squares followed by jax.lax.psum), take it as the leaf's "
         "pytree child: jax.tree.leaves(leaf)[0]."
     )
+
+
+def other_mesh_set(fn: str, context, mesh) -> str:
+    def text(m) -> str:
+        return ", ".join(f"{name}={size}" for name, size in m.shape.items()) or "no axes"
+
+    return (
+        f"{fn}: a mesh is set with jax.set_mesh ({text(context)}, axis types "
+        f"{tuple(t.name for t in context.axis_types)}) that is not the mesh of the sharded "
+        f"state ({text(mesh)}), and JAX would refuse the step's shard_map. funshard places "
+        "every array itself: remove the jax.set_mesh call (Flax's tutorials set one for "
+        "automatic sharding), or set the state's own mesh (`with jax.set_mesh(mesh):`)."
+    )

@@ -357,6 +357,14 @@ def _check_state_leaves(paths, items, flags) -> None:
         raise TypeError(_errors.non_float_leaves("value_and_grad", bad))
 
 
+def _check_context_mesh(mesh) -> None:
+    # A mesh left set by `jax.set_mesh` (Flax's tutorials set one) makes JAX refuse the
+    # root's shard_map with a message that names neither; name both here.
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context != mesh.abstract_mesh:
+        raise ValueError(_errors.other_mesh_set("value_and_grad", context, mesh))
+
+
 def value_and_grad(
     loss_fn: Callable,
     *,
@@ -438,6 +446,7 @@ def value_and_grad(
         mesh = common_mesh("value_and_grad", paths, items)
         if mesh is None:
             raise ValueError(_errors.no_sharded("value_and_grad"))
+        _check_context_mesh(mesh)
         items = _as_arrays(items)
         replicate_axes, shard_axes = _dp_axes(paths, items)
         dp_axes = (*replicate_axes, *shard_axes)

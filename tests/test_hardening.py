@@ -278,3 +278,18 @@ def test_failure_summary_names_the_process_that_left():
                                         {1: note})
     assert ("a collective failed because process 1 raised KeyError and left the job after "
             "4 steps (shard_batch calls)") in text
+
+
+def test_a_leftover_set_mesh_is_named_by_the_root():
+    # Flax's tutorials leave `jax.set_mesh(...)` set; the root's shard_map then failed
+    # with JAX's raw mesh-mismatch error, for a linen model sharded with plain fs.shard too.
+    mesh = fs.make_mesh()
+    state = fs.shard({"w": jnp.ones((8, 4))}, mesh)
+    batch = jnp.ones((8, 4))
+    step = fs.value_and_grad(lambda s, b: jnp.mean((b @ fs.unshard(s)["w"].T) ** 2))
+    other = jax.make_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(other), pytest.raises(ValueError, match=r"jax\.set_mesh \(data=2, model=4"):
+        step(state, batch)
+    with jax.set_mesh(mesh):  # the state's own mesh is fine
+        loss, _ = step(state, batch)
+    assert float(loss) == float(step(state, batch)[0])
