@@ -1,28 +1,35 @@
-"""funshard: fully sharded data parallelism (FSDP2 semantics) as pure-functional JAX."""
+"""funshard: fully sharded data parallelism (FSDP2 semantics) as pure-functional JAX.
 
-from funshard._checkpoint import PendingSave as PendingSave
-from funshard._checkpoint import restore as restore
-from funshard._checkpoint import save as save
-from funshard._fully_shard import fully_shard as fully_shard
-from funshard._mesh import make_mesh as make_mesh
-from funshard._optim import init_optimizer as init_optimizer
-from funshard._plan import Plan as Plan
-from funshard._plan import plan as plan
-from funshard._placement import Replicate as Replicate
-from funshard._placement import Shard as Shard
-from funshard._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
-from funshard._scan import scan as scan
-from funshard._shard import reshard as reshard
-from funshard._shard import shard as shard
-from funshard._shard import unshard as unshard
-from funshard._sharded import Sharded as Sharded
-from funshard._state_dict import load_state_dict as load_state_dict
-from funshard._state_dict import state_dict as state_dict
-from funshard._step import grad as grad
-from funshard._step import value_and_grad as value_and_grad
+The public face: everything below is re-exported from the subpackages whose names are
+the architecture (docs/architecture.md): `funshard.comm` (collectives), `funshard.core`
+(the sharded state, units and the root), `funshard.io` (checkpoints, state dicts),
+`funshard.planning` (`plan`), `funshard.distributed` (multi-process start-up) and the
+optional `funshard.flax`.
+"""
+
+from funshard import errors as errors
+from funshard.comm import make_mesh as make_mesh
+from funshard.core import MixedPrecisionPolicy as MixedPrecisionPolicy
+from funshard.core import Replicate as Replicate
+from funshard.core import Shard as Shard
+from funshard.core import Sharded as Sharded
+from funshard.core import fully_shard as fully_shard
+from funshard.core import grad as grad
+from funshard.core import init_optimizer as init_optimizer
+from funshard.core import reshard as reshard
+from funshard.core import scan as scan
+from funshard.core import shard as shard
+from funshard.core import unshard as unshard
+from funshard.core import value_and_grad as value_and_grad
+from funshard.io import PendingSave as PendingSave
+from funshard.io import load_state_dict as load_state_dict
+from funshard.io import restore as restore
+from funshard.io import save as save
+from funshard.io import state_dict as state_dict
+from funshard.planning import Plan as Plan
+from funshard.planning import plan as plan
 
 from funshard import distributed as distributed
-
 __version__ = "0.1.0"
 
 
@@ -42,6 +49,7 @@ __all__ = [
     "Shard",
     "Sharded",
     "distributed",
+    "errors",
     "fully_shard",
     "grad",
     "init_optimizer",

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import funshard as fs
-from funshard import _checkpoint
+from funshard.io import _checkpoint
 from conftest import mesh_for
 
 OPT = optax.adamw(1e-2)

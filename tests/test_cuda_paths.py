@@ -30,7 +30,8 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 import funshard as fs
-from funshard import _jax_compat, _lowering
+from funshard import _jax_compat
+from funshard.comm import _lowering
 from torch_frontend import _bridge, _cuda
 
 ROOT = Path(__file__).resolve().parents[1]

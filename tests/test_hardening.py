@@ -19,7 +19,7 @@ import pytest
 import funshard as fs
 import funshard.distributed
 from conftest import mesh_for
-from funshard import _departure, _distributed
+from funshard.distributed import _departure, _runtime
 
 
 # ---- a donated state is an error, never a segfault ----
@@ -261,12 +261,12 @@ def test_shard_batch_wait_raises_when_a_process_left_before_this_step(monitor):
     mon, service = monitor
     mon.step, mon.kind = 3, "shard_batch call"
     service.leave(1, 3)  # it reached this step: wait as usual, then go on unchecked
-    assert _distributed._wait_for(service, "verdict", 0.6) is None
+    assert _runtime._wait_for(service, "verdict", 0.6) is None
     service.leave(1, 2)  # it left before this step: it will never post its batch
     with pytest.raises(RuntimeError, match=r"shard_batch: process 0 of 2, at step 3: process 1 "
                        r"returned normally and left the job after 2 steps \(shard_batch "
                        r"calls\), so this step's batch .* The last step both reached is step 2"):
-        _distributed._wait_for(service, "verdict", 30)
+        _runtime._wait_for(service, "verdict", 30)
 
 
 def test_failure_summary_names_the_process_that_left():
@@ -274,7 +274,7 @@ def test_failure_summary_names_the_process_that_left():
     error = RuntimeError("Gloo AllGather failed: Read error [127.0.0.1]:4411: "
                          "Connection reset by peer")
     note = _departure.Note(1, 4, "shard_batch call", "raised KeyError", barrier=False)
-    text = _distributed.failure_summary(error, launch, {0: "127.0.0.1", 1: "127.0.0.1"},
+    text = _runtime.failure_summary(error, launch, {0: "127.0.0.1", 1: "127.0.0.1"},
                                         {1: note})
     assert ("a collective failed because process 1 raised KeyError and left the job after "
             "4 steps (shard_batch calls)") in text

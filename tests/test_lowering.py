@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import funshard as fs
-from funshard import _lowering, _mesh
+from funshard.comm import _lowering, _mesh
 from conftest import mesh_for
 
 
@@ -79,7 +79,8 @@ import socket, sys
 import jax, numpy as np
 jax.config.update("jax_num_cpu_devices", 2)
 from jax.sharding import NamedSharding
-from funshard import _jax_compat, _lowering, _mesh
+from funshard import _jax_compat
+from funshard.comm import _lowering, _mesh
 import funshard as fs
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

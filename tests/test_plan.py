@@ -322,7 +322,7 @@ def test_printing_needs_no_rich(monkeypatch):
     """rich is optional: the plan's module imports and prints without it."""
     for name in ("rich", "rich.console", "rich.table", "rich.text"):
         monkeypatch.setitem(sys.modules, name, None)  # `import rich` now raises
-    render = importlib.reload(importlib.import_module("funshard._plan_render"))
+    render = importlib.reload(importlib.import_module("funshard.planning._render"))
     planned = fs.plan(_params(), mesh_for("8"), units=UNITS)
     assert render.render_text(planned) == str(planned)
     with pytest.raises(ImportError):

@@ -318,7 +318,7 @@ def test_import_funshard_does_not_import_torch():
 def test_one_core_collective_per_group_and_none_without_gradient_sync(monkeypatch):
     # One collective of ONE operand per group (its parameters in one flat buffer):
     # over gloo each operand of a collective costs a round of its own.
-    from funshard import _lowering
+    from funshard.comm import _lowering
 
     calls = []
     for name in ("eager_all_gather", "eager_reduce_scatter"):
@@ -420,7 +420,7 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
     # As FSDP2's, a group's shards are copied into one flat buffer (copy-in) and the
     # gathered buffer into the parameters (copy-out); between the two, the buffers
     # cross to JAX and back through DLPack, without a copy.
-    from funshard import _lowering
+    from funshard.comm import _lowering
     from torch_frontend import _flat
 
     inputs, outputs, flats, gathered = [], [], [], []
@@ -832,7 +832,7 @@ def test_set_unshard_in_backward_false_skips_the_backward_gather(monkeypatch):
 def test_gradients_enter_jax_in_one_flat_buffer_without_another_copy(monkeypatch):
     # A group's gradients are packed rank-major into one buffer (FSDP2's chunk-cat),
     # which JAX reads in place.
-    from funshard import _lowering
+    from funshard.comm import _lowering
     from torch_frontend import _flat
 
     flats, inputs = [], []

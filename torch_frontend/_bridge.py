@@ -1,6 +1,6 @@
 """The DLPack bridge: torch tensors of this rank <-> the core's eager collectives.
 
-Private adapter over `funshard._lowering.eager_all_gather` / `eager_reduce_scatter`
+Private adapter over `funshard.comm._lowering.eager_all_gather` / `eager_reduce_scatter`
 (the same `all_gather_blocks` / `reduce_scatter_blocks` as the functional step). Every
 tensor crosses without a copy: a process-local torch buffer becomes this device's
 block of a global `jax.Array` (`make_array_from_single_device_arrays`), and the
@@ -22,7 +22,8 @@ import torch
 from jax.sharding import Mesh, NamedSharding
 from torch.autograd import Variable
 
-from funshard import _jax_compat, _lowering, _mesh
+from funshard import _jax_compat
+from funshard import comm
 from torch_frontend import _cuda
 
 SHARD_AXIS = "fsdp"
@@ -45,10 +46,10 @@ class CommContext:
         # funshard's worker, not a ThreadPoolExecutor: its futures give up (RuntimeError)
         # on a process that left the job, and its daemon thread, stuck in a collective
         # with such a process, never holds up the interpreter's exit.
-        from funshard import _departure
+        from funshard import distributed
 
-        self._thread = _departure.OrderedWorker("torch_frontend")
-        self._count_step = _departure.count_step
+        self._thread = distributed.OrderedWorker("torch_frontend")
+        self._count_step = distributed.count_step
         self._held: tuple[Future | None, Callable[[], None]] | None = None
         self._finish_queued = False
 
@@ -246,7 +247,7 @@ def global_block(layout: Layout, padded: torch.Tensor, dim: int = 0) -> jax.Arra
     A 64-bit block crosses as int32 pairs (`as_words`); `from_words` restores it.
     """
     padded = as_words(padded)
-    sharding = NamedSharding(layout.mesh, _mesh.spec(layout.shard_axes, dim))
+    sharding = NamedSharding(layout.mesh, comm.spec(layout.shard_axes, dim))
     shape = list(padded.shape)
     shape[dim] *= layout.world
     return jax.make_array_from_single_device_arrays(
@@ -260,7 +261,7 @@ def _export(block: jax.Array) -> torch.Tensor:
 
 def _gather_now(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int],
                 dims: Sequence[int] | None) -> list[jax.Array]:
-    fulls = _lowering.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows, dims=dims)
+    fulls = comm.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows, dims=dims)
     outs = [f.addressable_shards[0].data for f in fulls]
     return jax.block_until_ready(outs)
 
@@ -329,7 +330,7 @@ def start_reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
     """
     dims = tuple(dims) if dims is not None else (0,) * len(fulls)
     dp_axes = (*layout.replicate_axes, *layout.shard_axes)
-    sharding = NamedSharding(layout.mesh, _mesh.spec(dp_axes))
+    sharding = NamedSharding(layout.mesh, comm.spec(dp_axes))
     stacked = []
     for full, dim in zip(fulls, dims, strict=True):
         block = _stacked_block(layout, full, dim)
@@ -350,6 +351,6 @@ def finish_reduce_scatter(pending: Future) -> list[torch.Tensor]:
 
 
 def _reduce_now(layout: Layout, stacked: Sequence[jax.Array], dims, all_reduce: bool):
-    sums = _lowering.eager_reduce_scatter(
+    sums = comm.eager_reduce_scatter(
         stacked, layout.mesh, layout.shard_axes, layout.replicate_axes, dims, all_reduce)
     return jax.block_until_ready([s.addressable_shards[0].data for s in sums])

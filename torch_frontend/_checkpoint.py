@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import funshard as fs
-from funshard import _mesh
+from funshard import comm
 from torch_frontend import _bridge, _errors
 from torch_frontend._state import state_of
 from torch_frontend._state_dict import Managed, managed_params
@@ -78,7 +78,7 @@ def _np_dtype(dtype: torch.dtype) -> np.dtype:
 
 
 def _sharding(layout: _bridge.Layout, dim: int) -> NamedSharding:
-    return NamedSharding(layout.mesh, _mesh.spec(layout.shard_axes, dim))
+    return NamedSharding(layout.mesh, comm.spec(layout.shard_axes, dim))
 
 
 def _leaf(layout: _bridge.Layout, data, shape, dtype, dim: int) -> fs.Sharded:
@@ -268,14 +268,9 @@ def _stored(path: str) -> dict[str, dict]:
 
     An unreadable checkpoint is left for `funshard.restore` to report.
     """
-    from funshard import _checkpoint
-
     if not os.path.isdir(os.path.join(path, "funshard")):
         return {}
-    ocp = _checkpoint._ocp()
-    meta = _checkpoint._read(path, "metadata", ocp.args.Composite(funshard=ocp.args.JsonRestore()))
-    leaves = meta["funshard"].get("leaves", []) if isinstance(meta["funshard"], dict) else []
-    return {leaf["path"]: leaf for leaf in leaves}
+    return {leaf["path"]: leaf for leaf in fs.io.leaf_records(path)}
 
 
 def _like_model(local: dict, managed: dict[int, Managed], base: _bridge.Layout) -> dict:

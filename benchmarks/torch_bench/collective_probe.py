@@ -4,7 +4,7 @@
         [--pause 0.05] [--no-gather]
 
 No torch and no DLPack: each round reduce-scatters one transformer block's 12 gradient
-shapes (width 1024) with `funshard._lowering.eager_reduce_scatter`, then all-gathers
+shapes (width 1024) with `funshard.comm._lowering.eager_reduce_scatter`, then all-gathers
 the same shapes with `eager_all_gather`, as the torch frontend's backward does (a
 block's reduction, then the previous block's re-gather). Every rank knows every rank's
 inputs (seeded), so each result is compared with the exact numpy answer. Each rank
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
     import funshard as fs
     import funshard.distributed
-    from funshard import _lowering
+    from funshard.comm import _lowering
 
     mesh = fs.distributed.initialize()
     rank, world = jax.process_index(), jax.process_count()

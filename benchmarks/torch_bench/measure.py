@@ -103,7 +103,7 @@ class BridgeProfile:
         self.active = False
 
     def install(self) -> None:
-        from funshard import _lowering
+        from funshard.comm import _lowering
         from torch_frontend import _bridge
 
         for module, names in ((_bridge, (*self.MAIN, *self.THREAD)),

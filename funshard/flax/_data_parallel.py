@@ -21,19 +21,19 @@ from typing import Any
 
 import jax
 
-from funshard import _context
+from funshard import core
 from funshard.flax import _errors
 
 
 def step_axes() -> tuple[str, ...] | None:
     """The running step's data-parallel axes, or None outside `fs.value_and_grad`."""
-    ctx = _context.current()
+    ctx = core.current_step()
     return None if ctx is None else ctx.dp_axes
 
 
 def is_outermost() -> bool:
     """Whether a unit called now is the outermost one of a step (no unit around it)."""
-    return _context.current() is not None and not _context.in_unit()
+    return core.current_step() is not None and not core.in_unit()
 
 
 def _bound(axis_name: Any) -> bool:

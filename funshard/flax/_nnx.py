@@ -25,7 +25,7 @@ from flax import errors as flax_errors
 from flax import nnx
 
 import funshard as fs
-from funshard import _context
+from funshard import core
 from funshard.flax import _data_parallel, _errors
 
 
@@ -43,7 +43,7 @@ class UnitOptions:
         so gathering it again would only cost a collective (FSDP2 keeps the root too).
         """
         if self.reshard_after_forward is None:
-            return _context.in_unit()
+            return core.in_unit()
         return self.reshard_after_forward
 
 

@@ -27,11 +27,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
 
-from funshard import _departure, _errors, _jax_compat, _mesh, _rendezvous
-from funshard._departure import DEPARTURE_TIMEOUT as DEPARTURE_TIMEOUT
-from funshard._departure import DEPARTURE_TIMEOUT_ENV as DEPARTURE_TIMEOUT_ENV
-from funshard._rendezvous import INITIALIZATION_TIMEOUT as INITIALIZATION_TIMEOUT
-from funshard._rendezvous import INITIALIZATION_TIMEOUT_ENV as INITIALIZATION_TIMEOUT_ENV
+from funshard.distributed import _departure, _rendezvous
+from funshard import _errors, _jax_compat
+from funshard import comm
+from funshard.distributed._departure import DEPARTURE_TIMEOUT as DEPARTURE_TIMEOUT
+from funshard.distributed._departure import DEPARTURE_TIMEOUT_ENV as DEPARTURE_TIMEOUT_ENV
+from funshard.distributed._rendezvous import INITIALIZATION_TIMEOUT as INITIALIZATION_TIMEOUT
+from funshard.distributed._rendezvous import INITIALIZATION_TIMEOUT_ENV as INITIALIZATION_TIMEOUT_ENV
 
 # JAX's own defaults (jax.distributed.initialize in jax 0.10.2), in seconds.
 HEARTBEAT_TIMEOUT = 100
@@ -266,7 +268,7 @@ def initialize(
         if fail_fast:
             hosts = _exchange_hosts(launch, timeout)
             sys.excepthook = _fail_fast_hook(sys.excepthook, launch, hosts)
-    return _mesh.make_mesh(replicate, devices=global_devices())
+    return comm.make_mesh(replicate, devices=global_devices())
 
 
 def _address_source(argument: str | None, launch: Launch, environ) -> str:
@@ -399,7 +401,7 @@ def _fail_fast_hook(previous, launch: Launch, hosts: dict[int, str]):
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh's data-parallel axes: ("replicate", "fsdp") or ("fsdp",)."""
-    return tuple(a for a in (_mesh.REPLICATE_AXIS, _mesh.SHARD_AXIS) if a in mesh.axis_names)
+    return tuple(a for a in (comm.REPLICATE_AXIS, comm.SHARD_AXIS) if a in mesh.axis_names)
 
 
 def _local_positions(mesh: Mesh, axes: tuple[str, ...]) -> int:
@@ -462,7 +464,7 @@ def shard_batch(
     if not isinstance(mesh, Mesh):
         raise TypeError(_errors.shard_batch_not_mesh(mesh))
     _departure.count_step("shard_batch call")
-    axes = data_axes(mesh) if axes is None else _mesh._as_axes(axes)
+    axes = data_axes(mesh) if axes is None else comm.as_axes(axes)
     if not axes or any(a not in mesh.axis_names for a in axes):
         raise ValueError(_errors.shard_batch_no_data_axes(mesh.axis_names, axes))
     with_path, treedef = tree_flatten_with_path(local_batch)
@@ -473,8 +475,8 @@ def shard_batch(
     local = _local_positions(mesh, axes)
     if not local:
         raise ValueError(_errors.shard_batch_no_local_device(jax.process_index()))
-    world = _mesh.axes_size(mesh, axes)
-    sharding = NamedSharding(mesh, _mesh.spec(axes))
+    world = comm.axes_size(mesh, axes)
+    sharding = NamedSharding(mesh, comm.spec(axes))
     out = []
     for path, leaf in with_path:
         leaf = _as_rows(path, leaf)

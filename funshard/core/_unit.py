@@ -26,9 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funshard import _context, _errors, _gather, _jax_compat, _tree
-from funshard._policy import MixedPrecisionPolicy
-from funshard._sharded import Sharded, is_sharded
+from funshard.core import _context, _tree
+from funshard import _errors, _jax_compat
+from funshard import comm
+from funshard.core import _in_step
+from funshard.core._policy import MixedPrecisionPolicy
+from funshard.core._sharded import Sharded, is_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +62,10 @@ def prepare(fn: str, params: Any) -> UnitParams:
         if _context.in_unit():
             raise ValueError(_errors.nested_units("a unit called inside another unit"))
         raise ValueError(_errors.no_sharded(fn))
-    return UnitParams(_tree.partition(params), paths, _policy_of(fn, paths, items))
+    return UnitParams(_tree.partition(params), paths, policy_of(fn, paths, items))
 
 
-def _policy_of(fn: str, paths, items) -> MixedPrecisionPolicy | None:
+def policy_of(fn: str, paths, items) -> MixedPrecisionPolicy | None:
     found: dict = {}
     for path, x in zip(paths, items, strict=True):
         if isinstance(x, Sharded):
@@ -138,7 +141,7 @@ def group_size(reshard_after_forward: bool | int, sharded: list[Sharded]) -> int
     return None if reshard_after_forward == n else reshard_after_forward
 
 
-def _keep_group(layout: _gather.GroupLayout, k: int) -> tuple[str, ...]:
+def _keep_group(layout: comm.GroupLayout, k: int) -> tuple[str, ...]:
     """The trailing shard axes spanning k devices (the hpZ group), or a clear error."""
     axes = layout.shard_axes
     sizes = [jax.lax.axis_size(a) for a in axes]
@@ -190,9 +193,9 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
     kept, within its group of k devices), resumes the vjp and reduce-scatters.
     """
     sharded = unit.sharded
-    layout = _gather.layout_of(sharded, name=name)
+    layout = _in_step.layout_of(sharded, name=name)
     datas = tuple(x.data for x in sharded)
-    accumulators = _gather.accumulators_for(sharded)
+    accumulators = _in_step.accumulators_for(sharded)
     deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
     keep_group = _keep_group(layout, group) if group else None
     record = Residuals()
@@ -215,14 +218,14 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
 
     @jax.custom_vjp
     def call(datas, accumulators, operand_arrays):
-        return run(_gather.gather_values(datas, layout), operand_arrays)
+        return run(comm.gather_values(datas, layout), operand_arrays)
 
     def call_fwd(datas, accumulators, operand_arrays):
         dependency = None if dependency_index is None else operand_arrays[dependency_index]
         if keep_group is None:
-            fulls, source = _gather.gather_values(datas, layout, dependency), datas
+            fulls, source = comm.gather_values(datas, layout, dependency), datas
         else:
-            fulls, part = _gather.gather_values(datas, layout, dependency, keep_group)
+            fulls, part = comm.gather_values(datas, layout, dependency, keep_group)
             source = datas if part is None else part  # None: nothing to gather at all
         record.regroup = source is not datas
         out, vjp_fn = jax.vjp(run, fulls, operand_arrays)
@@ -231,11 +234,11 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
     def call_bwd(residuals, ct):
         source, kept = residuals
         if record.regroup:
-            fulls = _gather.regather_values(source, layout, keep_group, dependency_of(ct))
+            fulls = comm.regather_values(source, layout, keep_group, dependency_of(ct))
         else:
-            fulls = _gather.gather_values(source, layout, dependency_of(ct))
+            fulls = comm.gather_values(source, layout, dependency_of(ct))
         ct_fulls, ct_operands = record.resume(kept, fulls)(ct)
-        ct_datas, ct_accumulators = _gather.backward_values(ct_fulls, layout, deferred)
+        ct_datas, ct_accumulators = comm.backward_values(ct_fulls, layout, deferred)
         return ct_datas, ct_accumulators, ct_operands
 
     call.defvjp(call_fwd, call_bwd)
@@ -260,7 +263,7 @@ def _match_types(ct, primal):
 
 def _layer_layout(sharded, name: str):
     """The gather layout of one layer of each stacked leaf (its layer axis dropped)."""
-    stack = _gather.layout_of(sharded, name=name)
+    stack = _in_step.layout_of(sharded, name=name)
     layer = tuple(
         dataclasses.replace(leaf, shape=leaf.shape[1:], dim=leaf.dim - 1) for leaf in stack.leaves
     )
@@ -277,7 +280,7 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
     """
     sharded = unit.sharded
     datas = tuple(x.data for x in sharded)
-    if _gather.accumulators_for(sharded) is not None:
+    if _in_step.accumulators_for(sharded) is not None:
         raise NotImplementedError(_errors.scan_deferred_sync_unsupported())
     layout = _layer_layout(sharded, f"scan/{getattr(fn, '__name__', 'layer')}")
     others = unit.parts.others
@@ -289,7 +292,7 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
 
     def gather_layer(datas, i, dependency):
         blocks = [jax.lax.dynamic_index_in_dim(d, i, keepdims=False) for d in datas]
-        return tuple(_gather.gather_values(blocks, layout, dependency))
+        return tuple(comm.gather_values(blocks, layout, dependency))
 
     def prefetch(datas, pred, i, dependency, current):
         # The other branch hands back the current buffer: same type, no communication.
@@ -330,7 +333,7 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
             else:
                 previous = current  # every layer's parameters were kept: nothing to gather
             ct_g, ct_others, ct_h = record.resume(kept_i, current)(ct_h)
-            ct_blocks = _gather.backward_values(ct_g, layout, None)[0]
+            ct_blocks = comm.backward_values(ct_g, layout, None)[0]
             return (ct_h, previous), (ct_blocks, ct_others)
 
         if reshard_after_forward:

@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
 from funshard import _errors
-from funshard._sharded import Sharded, is_array, is_sharded
+from funshard.comm import is_inexact_array as is_inexact_array
+from funshard.core._sharded import Sharded, is_array, is_sharded
 
 
 def sharded_leaves(tree: Any) -> tuple[list, list, Any]:
@@ -37,12 +38,6 @@ def common_mesh(fn: str, paths, items) -> Mesh | None:
         elif x.mesh != first[1]:
             raise ValueError(_errors.mixed_meshes(fn, first, (path, x.mesh)))
     return None if first is None else first[1]
-
-
-def is_inexact_array(x: Any) -> bool:
-    """Whether `x` (an array, tracer, abstract array or `Sharded`) is floating or complex."""
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_unflatten
 
-from funshard import _errors, _shard, _tree
-from funshard._sharded import Sharded, is_array, is_key
+from funshard import _errors
+from funshard import core
+from funshard.core import Sharded, is_array, is_key
 
 
 def _is_stored(x) -> bool:
@@ -47,11 +48,11 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
     Returns:
       A dict from paths such as `"['layers'][0]['w']"` to numpy arrays.
     """
-    paths, items, _ = _tree.sharded_leaves(tree)
+    paths, items, _ = core.sharded_leaves(tree)
     has_sharded = any(isinstance(x, Sharded) for x in items)
     full_items = items
     if has_sharded:
-        full_items = _tree.sharded_leaves(_shard.unshard(tree))[1]
+        full_items = core.sharded_leaves(core.unshard(tree))[1]
     return {
         keystr(tuple(p)): _host(full)
         for p, x, full in zip(paths, items, full_items, strict=True)
@@ -77,7 +78,7 @@ def _problems(sd: Mapping[str, Any], paths, items) -> list[str]:
 
 def _place(value: np.ndarray, like):
     if isinstance(like, Sharded):
-        return _shard.reshard_leaf(value, like, in_step=False)
+        return core.reshard_leaf(value, like, in_step=False)
     if is_key(like):
         value = jax.random.wrap_key_data(value, dtype=like.dtype)
     sharding = getattr(like, "sharding", None)
@@ -112,7 +113,7 @@ def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
         not match; the message lists every offending path.
     """
     _check_sd(sd)
-    paths, items, treedef = _tree.sharded_leaves(like)
+    paths, items, treedef = core.sharded_leaves(like)
     problems = _problems(sd, paths, items)
     if problems:
         raise ValueError(_errors.state_dict_mismatch(problems))

@@ -12,9 +12,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jax.tree_util import tree_flatten_with_path
 
-from funshard import _callbacks, _context, _errors, _gather, _jax_compat, _lowering, _mesh, _tree
-from funshard._tree import common_mesh, is_inexact_array, sharded_leaves, split_arrays
-from funshard._sharded import Sharded, is_array, is_sharded
+from funshard.core import _callbacks, _context, _tree
+from funshard import _errors, _jax_compat
+from funshard import comm
+from funshard.core import _in_step
+from funshard.core._tree import common_mesh, is_inexact_array, sharded_leaves, split_arrays
+from funshard.core._sharded import Sharded, is_array, is_sharded
 
 
 def _dp_axes(paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -85,7 +88,7 @@ def _reduce_aux(aux: Any, dp_axes) -> Any:
             if is_inexact_array(x):
                 return jax.lax.pmean(x, axes)
             return jax.lax.psum(x, axes)
-        x = _lowering.vary(x, dp_axes)
+        x = comm.vary(x, dp_axes)
         return jax.lax.all_gather(x, dp_axes, axis=0, tiled=True, to="invarying")
 
     return jax.tree.map(reduce, aux)
@@ -139,7 +142,7 @@ def _plan(items, treedef) -> _StatePlan:
         tuple(i for i, x in enumerate(items) if isinstance(x, Sharded) or is_array(x)),
     )
     specs = [
-        _mesh.spec(x.shard_axis, x.dim) if isinstance(x, Sharded) else PartitionSpec()
+        comm.spec(x.shard_axis, x.dim) if isinstance(x, Sharded) else PartitionSpec()
         for x in parts.selected
     ]
     return _StatePlan(parts, specs)
@@ -172,8 +175,8 @@ def _trainable_flags(trainable: Any, state: Any) -> list[bool]:
 
 
 def _accumulator(item: Sharded, dp_axes):
-    dtype = _gather.layout_of([item]).leaves[0].reduce_dtype
-    return _lowering.vary(jnp.zeros(item.shape, dtype), dp_axes)
+    dtype = _in_step.layout_of([item]).leaves[0].reduce_dtype
+    return comm.vary(jnp.zeros(item.shape, dtype), dp_axes)
 
 
 def _split_output(out, has_aux: bool):
@@ -248,7 +251,7 @@ def _zero_sums(plan, values, routes: _Routes, dp_axes) -> tuple[dict, dict]:
     does, a deferred sum where its accumulator does.
     """
     grads = {
-        i: _lowering.vary(jnp.zeros_like(values[i]), varying_axes(values[i], dp_axes))
+        i: comm.vary(jnp.zeros_like(values[i]), varying_axes(values[i], dp_axes))
         for i in routes.diff
     }
     sums = {i: _accumulator(plan.items[plan.dynamic[i]], dp_axes) for i in routes.deferred}
@@ -298,8 +301,8 @@ def _reduce_deferred(plan, sums: dict, ctx) -> dict:
         return {}
     order = sorted(sums)
     items = [plan.items[plan.dynamic[i]] for i in order]
-    layout = _gather.layout_of(items, ctx.skip_replicate_reduce, name="root")
-    reduced = _gather.reduce_values([sums[i] for i in order], layout)
+    layout = _in_step.layout_of(items, ctx.skip_replicate_reduce, name="root")
+    reduced = comm.reduce_values([sums[i] for i in order], layout)
     return dict(zip(order, reduced, strict=True))
 
 
@@ -450,7 +453,7 @@ def value_and_grad(
         items = _as_arrays(items)
         replicate_axes, shard_axes = _dp_axes(paths, items)
         dp_axes = (*replicate_axes, *shard_axes)
-        world = _mesh.axes_size(mesh, dp_axes)
+        world = comm.axes_size(mesh, dp_axes)
         _check_batch(batch, world, dp_axes, opts.microbatches)
         flags = _trainable_flags(trainable, state)
         _check_state_leaves(paths, items, flags)
@@ -467,7 +470,7 @@ def value_and_grad(
                 # Typed as varying over the replicate axes, the shards' gradients are not
                 # all-reduced by autodiff; the root all-reduces them once at the end.
                 values = [
-                    _lowering.vary(v, replicate_axes)
+                    comm.vary(v, replicate_axes)
                     if isinstance(plan.items[plan.dynamic[i]], Sharded) else v
                     for i, v in enumerate(values)
                 ]
@@ -496,7 +499,7 @@ def value_and_grad(
             # A loss already reduced over some data axes (psum / pmean in the loss
             # function) is not averaged over them again, nor are its gradients.
             loss_axes = varying_axes(loss, dp_axes)
-            scale = _grad_scale(opts, world, _mesh.axes_size(mesh, loss_axes))
+            scale = _grad_scale(opts, world, comm.axes_size(mesh, loss_axes))
             grads = _finish_grads(plan, values, grads, opts, scale, replicate_axes)
             if loss_axes:
                 loss = jax.lax.pmean(loss, loss_axes)
@@ -508,7 +511,7 @@ def value_and_grad(
         mapped = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(plan.specs, _mesh.spec(dp_axes), PartitionSpec()),
+            in_specs=(plan.specs, comm.spec(dp_axes), PartitionSpec()),
             out_specs=(PartitionSpec(), PartitionSpec(), plan.specs),
         )
         loss, aux, grads = mapped(plan.dynamic_values(), batch, arg_values)

@@ -1,6 +1,6 @@
 """`fully_shard`: the functional form of FSDP2's `fully_shard(module)`.
 
-A thin caller of `funshard._unit`, where a unit's gather, re-gather and reduce-scatter
+A thin caller of `funshard.core._unit`, where a unit's gather, re-gather and reduce-scatter
 are defined once for every caller (see that module's docstring for how the backward
 re-gathers parameters without recomputing the forward).
 """
@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from funshard import _context, _errors, _lowering, _unit
-from funshard._shard import unshard_as
+from funshard.core import _context, _unit
+from funshard import _errors
+from funshard import comm
+from funshard.core._shard import unshard_as
 
 
 def fully_shard(
@@ -74,7 +76,7 @@ def fully_shard(
         if ctx is not None:
             # Unit outputs (and, by transposition, their cotangents) become fusion
             # boundaries, as module outputs are in eager frameworks.
-            out = _lowering.materialize(out, ctx.dp_axes)
+            out = comm.materialize(out, ctx.dp_axes)
         return _unit.cast_floating(out, unit.output_dtype)
 
     wrapped._funshard_unit = True

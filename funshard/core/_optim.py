@@ -16,8 +16,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from funshard import _errors, _tree
-from funshard._sharded import Sharded, is_sharded
+from funshard import _errors
+from funshard.core import _tree
+from funshard.core._sharded import Sharded, is_sharded
 
 
 def sharding_on(mesh: Mesh, x: Any) -> NamedSharding:

@@ -23,8 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from funshard import _jax_compat, _mesh
-from funshard._tree import is_inexact_array
+from funshard import _jax_compat
+from funshard.comm import _mesh
+
+
+def is_inexact_array(x: Any) -> bool:
+    """Whether `x` (an array, tracer, abstract array or `Sharded`) is floating or complex."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+
 
 UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 

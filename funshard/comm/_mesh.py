@@ -60,7 +60,7 @@ def _check_devices(devices: list) -> None:
         raise ValueError(_errors.mesh_repeated_devices(repeated))
 
 
-def _as_axes(axis: str | Sequence[str]) -> tuple[str, ...]:
+def as_axes(axis: str | Sequence[str]) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
@@ -73,11 +73,11 @@ def resolve_axes(
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(_errors.not_a_mesh(fn, mesh))
-    shard_axes = _as_axes(shard_axis)
+    shard_axes = as_axes(shard_axis)
     if replicate_axis is None:
         replicate_axes = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
     else:
-        replicate_axes = _as_axes(replicate_axis)
+        replicate_axes = as_axes(replicate_axis)
     for role, axes in (("shard_axis", shard_axes), ("replicate_axis", replicate_axes)):
         for axis in axes:
             if axis not in mesh.axis_names:

@@ -1,10 +1,12 @@
-"""In-step unshard of a group of `Sharded` leaves: all-gather forward, reduce-scatter back.
+"""A group's differentiable gather: all-gather forward, reduce-scatter back.
 
 `gather` is the differentiable form used by `unshard` inside a step: its transpose is
 the reduce-scatter, in the policy's `reduce_dtype`, written explicitly with a
 `custom_vjp` so that the dtype, the grouping and the HSDP all-reduce are ours, not
 whatever autodiff would insert. `gather_values` / `reduce_values` are the two halves,
-reused by `fully_shard`'s re-gathering backward.
+reused by `fully_shard`'s re-gathering backward. A `GroupLayout` says everything this
+module needs to know: it reads no step (the core builds the layout from the step's
+view of each leaf, `funshard.core._in_step`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funshard import _context, _lowering, _policy
-from funshard._sharded import Sharded
-from funshard._tree import is_inexact_array
+from funshard.comm import _lowering
+from funshard.comm._lowering import is_inexact_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,39 +72,6 @@ def scope(layout: GroupLayout, what: str):
     `jax.profiler` trace or an HLO dump attribute time and memory to units.
     """
     return jax.named_scope(f"funshard/{layout.name}/{what}")
-
-
-def layout_of(
-    leaves: Sequence[Sharded], skip_replicate_reduce: bool | None = None, name: str = "unshard"
-) -> GroupLayout:
-    """The gather layout of `leaves`, which share one mesh and one set of axes.
-
-    Frozen leaves, and whether the HSDP all-reduce waits for the end of the step, are
-    read from the step's metadata on each leaf unless `skip_replicate_reduce` is given.
-    `name` labels the group's collectives (see `scope`).
-    """
-    if skip_replicate_reduce is None:
-        skip_replicate_reduce = any(_context.skips_replicate_reduce(s) for s in leaves)
-    first = leaves[0]
-    return GroupLayout(
-        leaves=tuple(
-            LeafLayout(
-                shape=s.shape,
-                dtype=np.dtype(s.dtype),
-                gather_dtype=_policy.param_dtype_for(s.mp_policy, np.dtype(s.dtype)),
-                reduce_dtype=_policy.reduce_dtype_for(s.mp_policy, np.dtype(s.dtype)),
-                rows=s.rows_per_shard,
-                frozen=_context.is_frozen(s),
-                dim=s.dim,
-            )
-            for s in leaves
-        ),
-        shard_axes=first.shard_axis,
-        replicate_axes=first.replicate_axis,
-        num_shards=first.num_shards,
-        skip_replicate_reduce=skip_replicate_reduce,
-        name=name,
-    )
 
 
 def _blocks(datas: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
@@ -191,12 +159,6 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     return out
 
 
-def accumulators_for(leaves: Sequence[Sharded]) -> tuple | None:
-    """The deferred-gradient accumulators of `leaves` in the running step, if any."""
-    found = tuple(_context.accumulator_of(leaf) for leaf in leaves)
-    return found if any(a is not None for a in found) else None
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def gather(layout: GroupLayout, datas: tuple[jax.Array, ...]) -> list[jax.Array]:
     """Differentiable in-step unshard: all-gather whose transpose is a reduce-scatter."""
@@ -253,14 +215,3 @@ def _deferred_bwd(layout, deferred, _, cts):
 
 
 gather_deferred.defvjp(_deferred_fwd, _deferred_bwd)
-
-
-def unshard_in_step(leaves: Sequence[Sharded], name: str = "unshard") -> list[jax.Array]:
-    """The step's differentiable gather of `leaves`, honouring frozen and deferred leaves."""
-    layout = layout_of(leaves, name=name)
-    datas = tuple(leaf.data for leaf in leaves)
-    accumulators = accumulators_for(leaves)
-    if accumulators is None:
-        return gather(layout, datas)
-    deferred = tuple(a is not None for a in accumulators)
-    return gather_deferred(layout, deferred, datas, accumulators)

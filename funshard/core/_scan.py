@@ -8,7 +8,7 @@ computes), and whose backward is a reverse `lax.scan` that re-gathers each layer
 (prefetching the previous one) and reduce-scatters its gradient as soon as the layer is
 done. Only the gathered parameters are dropped from the saved residuals, exactly as in
 `fully_shard`: activations are saved, nothing is recomputed. The loop itself is unit
-machinery and lives in `funshard._unit` (`call_scanned`).
+machinery and lives in `funshard.core._unit` (`call_scanned`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any, Callable
 
 import jax
 
-from funshard import _context, _errors, _unit
-from funshard._shard import unshard
-from funshard._sharded import Sharded
+from funshard.core import _context, _unit
+from funshard import _errors
+from funshard.core._shard import unshard
+from funshard.core._sharded import Sharded
 
 
 def _check_stacked(paths, items):

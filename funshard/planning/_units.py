@@ -19,8 +19,10 @@ from typing import Any, Mapping
 
 import jax
 
-from funshard import _errors, _gather, _tree, _unit
-from funshard._sharded import Sharded, is_array
+from funshard import _errors
+from funshard import comm
+from funshard import core
+from funshard.core import Sharded, is_array
 
 ROOT = "root"
 
@@ -112,9 +114,9 @@ def reshard_by_unit(value: Any, names: list[str]) -> dict[str, bool | int]:
         if unknown:
             raise ValueError(_errors.plan_reshard_unknown_units(unknown, names))
         for v in value.values():
-            _unit.check_reshard_after_forward("plan", v)
+            core.check_reshard_after_forward("plan", v)
         return {name: value.get(name, True) for name in names}
-    _unit.check_reshard_after_forward("plan", value)
+    core.check_reshard_after_forward("plan", value)
     return {name: value for name in names}
 
 
@@ -137,7 +139,7 @@ class LeafGroup:
     paths: tuple
     sharded: tuple[Sharded, ...]
     replicated: tuple
-    layout: _gather.GroupLayout | None
+    layout: comm.GroupLayout | None
     reshard_after_forward: bool | int
     policy: Any
 
@@ -188,10 +190,10 @@ def _group(name, idx, paths, items, flags, reshard) -> LeafGroup:
     layout = None
     if sharded:
         if name != ROOT:
-            policy = _unit._policy_of(
+            policy = core.policy_of(
                 f"plan: unit {name!r}", [paths[i] for i in sharded], [items[i] for i in sharded]
             )
-        layout = _gather.layout_of([items[i] for i in sharded], skip_replicate_reduce=False,
+        layout = core.layout_of([items[i] for i in sharded], skip_replicate_reduce=False,
                                    name=name)
         frozen = tuple(
             dataclasses.replace(leaf, frozen=not flags[i])
@@ -209,7 +211,7 @@ def _group(name, idx, paths, items, flags, reshard) -> LeafGroup:
 
 def group_leaves(state: Any, specs, reshard: dict, flags: list[bool]) -> list[LeafGroup]:
     """The state's array leaves grouped by unit (in `specs` order), then the root's."""
-    paths, items, _ = _tree.sharded_leaves(state)
+    paths, items, _ = core.sharded_leaves(state)
     arrays = [i for i, x in enumerate(items) if isinstance(x, Sharded) or _is_value(x)]
     if not any(isinstance(items[i], Sharded) for i in arrays):
         raise ValueError(_errors.plan_nothing_sharded())

@@ -11,14 +11,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import tree_unflatten
 
-from funshard import _context, _errors, _gather, _lowering, _mesh, _placement, _tree
-from funshard._placement import Replicate
-from funshard._policy import MixedPrecisionPolicy
-from funshard._sharded import Layout, Sharded, is_array, is_key, is_sharded
-from funshard._tree import common_mesh, sharded_leaves
+from funshard.core import _context, _placement, _tree
+from funshard import _errors
+from funshard import comm
+from funshard.core import _in_step
+from funshard.core._placement import Replicate
+from funshard.core._policy import MixedPrecisionPolicy
+from funshard.core._sharded import Layout, Sharded, is_array, is_key, is_sharded
+from funshard.core._tree import common_mesh, sharded_leaves
 
 
-def _dtype_problem(fn: str, path, x) -> str | None:
+def dtype_problem(fn: str, path, x) -> str | None:
     """Why `x` (concrete, traced or abstract) cannot be a parameter, or None."""
     dtype = np.dtype(x.dtype)
     if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)):
@@ -30,7 +33,7 @@ def _dtype_problem(fn: str, path, x) -> str | None:
 
 def _check_numeric(fn: str, path, x) -> np.dtype:
     """The numpy dtype of `x`; TypeError if it is not numeric."""
-    problem = _dtype_problem(fn, path, x)
+    problem = dtype_problem(fn, path, x)
     if problem:
         raise TypeError(problem)
     return np.dtype(x.dtype)
@@ -43,7 +46,7 @@ def _check_leaves(params: Any) -> None:
         if isinstance(x, Sharded):
             sharded.append(_errors.already_sharded(path))
         elif (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)) and not is_key(x):
-            problem = _dtype_problem("shard", path, x)
+            problem = dtype_problem("shard", path, x)
             if problem:
                 bad_dtypes.append(problem)
     if sharded:
@@ -67,7 +70,7 @@ def _pad(x, dim: int, size: int, exact_bits: bool = True):
     if exact_bits and jnp.issubdtype(x.dtype, jnp.floating):
         # Padded as raw bits: XLA CPU computes 16-bit floats in f32, which would quiet a
         # signalling NaN's payload; the padding rows are zero bits either way.
-        bits = jax.lax.bitcast_convert_type(x, _lowering.UINT[x.dtype.itemsize])
+        bits = jax.lax.bitcast_convert_type(x, comm.UINT[x.dtype.itemsize])
         return jax.lax.bitcast_convert_type(jnp.pad(bits, widths), x.dtype)
     return jnp.pad(x, widths)
 
@@ -157,7 +160,7 @@ def shard(
     mesh: Mesh,
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
-    shard_axis: str | tuple[str, ...] = _mesh.SHARD_AXIS,
+    shard_axis: str | tuple[str, ...] = comm.SHARD_AXIS,
     replicate_axis: str | tuple[str, ...] | None = None,
     placement: _placement.PlacementFn | None = None,
     min_shard_size: int = 0,
@@ -195,7 +198,7 @@ def shard(
         `mp_policy` is not a policy, or `placement` returns something other than
         `Shard`, `Replicate` or None.
     """
-    shard_axes, replicate_axes = _mesh.resolve_axes("shard", mesh, shard_axis, replicate_axis)
+    shard_axes, replicate_axes = comm.resolve_axes("shard", mesh, shard_axis, replicate_axis)
     if stacked:
         if placement is not None:
             raise ValueError(_errors.stacked_and_placement())
@@ -258,9 +261,9 @@ def unshard_as(tree: Any, name: str) -> Any:
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
-            fulls = _gather.unshard_in_step(leaves, name)
+            fulls = _in_step.unshard_in_step(leaves, name)
         else:
-            fulls = _lowering.eager_all_gather(
+            fulls = comm.eager_all_gather(
                 [x.data for x in leaves],
                 mesh,
                 shard_axes,
@@ -312,7 +315,7 @@ def _pad_to_layout(full, like: Sharded) -> jax.Array:
     """
     dtype = np.dtype(like.dtype)
     if jnp.issubdtype(dtype, jnp.floating):
-        full = jax.lax.bitcast_convert_type(full, _lowering.UINT[dtype.itemsize])
+        full = jax.lax.bitcast_convert_type(full, comm.UINT[dtype.itemsize])
     fn = jax.jit(_pad_as, static_argnums=(1, 2, 3), out_shardings=like.sharding)
     return fn(full, like.dim, like.padded_shape[like.dim], dtype)
 

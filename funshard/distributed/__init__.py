@@ -10,12 +10,12 @@
 See docs/distributed.md for launch commands and the timeout knobs.
 """
 
-from funshard._distributed import Launch as Launch
-from funshard._distributed import data_axes as data_axes
-from funshard._distributed import global_devices as global_devices
-from funshard._distributed import initialize as initialize
-from funshard._distributed import resolve_launch as resolve_launch
-from funshard._distributed import shard_batch as shard_batch
+from funshard.distributed._runtime import Launch as Launch
+from funshard.distributed._runtime import data_axes as data_axes
+from funshard.distributed._runtime import global_devices as global_devices
+from funshard.distributed._runtime import initialize as initialize
+from funshard.distributed._runtime import resolve_launch as resolve_launch
+from funshard.distributed._runtime import shard_batch as shard_batch
 
 __all__ = [
     "Launch",

@@ -16,11 +16,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from funshard import _errors, _gather, _lowering, _mesh, _optim, _plan_units, _policy, _tree
-from funshard._plan_render import render_rich, render_text
-from funshard._policy import MixedPrecisionPolicy
-from funshard._shard import _dtype_problem, shard
-from funshard._sharded import Sharded, is_array, is_key, is_sharded
+from funshard import _errors
+from funshard import comm
+from funshard import core
+from funshard.planning import _units
+from funshard.planning._render import render_rich, render_text
+from funshard.core import MixedPrecisionPolicy
+from funshard.core import dtype_problem, shard
+from funshard.core import Sharded, is_array, is_key, is_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +189,7 @@ def _check_plain(params) -> None:
         problem
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
         if (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)) and not is_key(x)
-        and (problem := _dtype_problem("plan", path, x))
+        and (problem := dtype_problem("plan", path, x))
     ]
     if problems:
         raise TypeError(_errors.joined(problems))
@@ -194,8 +197,8 @@ def _check_plain(params) -> None:
 
 def _laid_out(params, mesh, mp_policy, shard_options: dict) -> tuple[Any, Mesh]:
     """The sharded state `params` is or would become (abstract when planned here)."""
-    paths, items, _ = _tree.sharded_leaves(params)
-    state_mesh = _tree.common_mesh("plan", paths, items)
+    paths, items, _ = core.sharded_leaves(params)
+    state_mesh = core.common_mesh("plan", paths, items)
     if state_mesh is not None:
         given = {"mp_policy": mp_policy, **shard_options}
         for name, value in given.items():
@@ -207,7 +210,7 @@ def _laid_out(params, mesh, mp_policy, shard_options: dict) -> tuple[Any, Mesh]:
     if mesh is None:
         raise TypeError(_errors.plan_no_mesh())
     options = {k: v for k, v in shard_options.items() if v is not None}
-    _mesh.resolve_axes("plan", mesh, options.get("shard_axis", _mesh.SHARD_AXIS),
+    comm.resolve_axes("plan", mesh, options.get("shard_axis", comm.SHARD_AXIS),
                        options.get("replicate_axis"))
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(_errors.plan_bad_mp_policy(mp_policy))
@@ -257,7 +260,7 @@ def _optimizer_footprint(optimizer, state, mesh) -> Footprint | None:
             data = jax.ShapeDtypeStruct(x.padded_shape, x.dtype, sharding=x.sharding)
             return dataclasses.replace(x, data=data)
         if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_optim.sharding_on(mesh, x))
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=core.sharding_on(mesh, x))
         return x
 
     def unsharded(x):
@@ -265,7 +268,7 @@ def _optimizer_footprint(optimizer, state, mesh) -> Footprint | None:
             return jax.ShapeDtypeStruct(x.shape, x.dtype)
         return x
 
-    sharded_state = _optim.init_optimizer(
+    sharded_state = core.init_optimizer(
         optimizer, jax.tree.map(abstract, state, is_leaf=is_sharded)
     )
     full_state = jax.eval_shape(optimizer.init, jax.tree.map(unsharded, state, is_leaf=is_sharded))
@@ -286,12 +289,12 @@ def _dtype_name(dtypes) -> str:
     return "+".join(sorted({np.dtype(d).name for d in dtypes}))
 
 
-def _gathered_bytes(leaves: tuple[_gather.LeafLayout, ...], n: int) -> int:
+def _gathered_bytes(leaves: tuple[comm.LeafLayout, ...], n: int) -> int:
     """The all-gather output of a unit, exactly as `_lowering` packs it."""
     if not leaves:
         return 0
     structs = [jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in leaves]
-    packing = _lowering.packing_of(structs, [leaf.dim for leaf in leaves])
+    packing = comm.packing_of(structs, [leaf.dim for leaf in leaves])
     word = np.dtype(packing.carrier).itemsize if packing.carrier is not None else packing.width
     return n * packing.total * word
 
@@ -368,7 +371,7 @@ def _replicated_collectives(groups, opts: _Options, world: int) -> list[Collecti
         by_dtype: dict[np.dtype, int] = {}
         for x, trainable in group.replicated:
             if trainable and jax.dtypes.issubdtype(x.dtype, np.inexact):
-                dtype = _policy.param_dtype_for(group.policy, np.dtype(x.dtype))
+                dtype = core.param_dtype_for(group.policy, np.dtype(x.dtype))
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(x.shape) * dtype.itemsize
         out += [
             Collective("all-reduce", group.name, "replicated leaves", dtype.name, world, size,
@@ -397,7 +400,7 @@ def _resharding(name: str, value: bool | int, n: int) -> bool | int:
     return True if value == n else (False if value == 1 else value)
 
 
-def _unit_plan(group: _plan_units.LeafGroup, n: int) -> UnitPlan:
+def _unit_plan(group: _units.LeafGroup, n: int) -> UnitPlan:
     leaves = group.layout.leaves if group.layout else ()
     footprint = _footprint(list(group.sharded) + [x for x, _ in group.replicated])
     return UnitPlan(
@@ -490,11 +493,11 @@ def plan(
     shard_options = dict(shard_axis=shard_axis, replicate_axis=replicate_axis,
                          placement=placement, min_shard_size=min_shard_size)
     state, mesh = _laid_out(params, mesh, mp_policy, shard_options)
-    specs = _plan_units.unit_specs(units)
-    rf = _plan_units.reshard_by_unit(reshard_after_forward, [name for name, _ in specs])
-    groups = _plan_units.group_leaves(state, specs, rf, _trainable_flags(trainable, state))
+    specs = _units.unit_specs(units)
+    rf = _units.reshard_by_unit(reshard_after_forward, [name for name, _ in specs])
+    groups = _units.group_leaves(state, specs, rf, _trainable_flags(trainable, state))
     first = next(x for g in groups for x in g.sharded)
-    n, replicas = first.num_shards, _mesh.axes_size(mesh, first.replicate_axis)
+    n, replicas = first.num_shards, comm.axes_size(mesh, first.replicate_axis)
     opts = _Options(microbatches, sync_every_microbatch, all_reduce_every_microbatch)
     unit_plans, collectives = [], []
     for group in groups:

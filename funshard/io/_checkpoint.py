@@ -29,8 +29,9 @@ import jax
 import numpy as np
 from jax.tree_util import keystr
 
-from funshard import _errors, _optim, _tree
-from funshard._sharded import Sharded, is_array
+from funshard import _errors
+from funshard import core
+from funshard.core import Sharded, is_array
 
 _FORMAT = "funshard-checkpoint-1"
 
@@ -66,7 +67,7 @@ def _entry(path, x) -> dict | None:
 
 
 def _arrays_and_meta(tree: Any):
-    paths, items, _ = _tree.sharded_leaves(tree)
+    paths, items, _ = core.sharded_leaves(tree)
     arrays, leaves = {}, []
     for path, x in zip(paths, items, strict=True):
         entry = _entry(path, x)
@@ -222,7 +223,7 @@ def _restore_target(x, mesh):
         return struct, args
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         # See the module docstring: replicated on the state's mesh, if there is one.
-        sharding = x.sharding if mesh is None else _optim.sharding_on(mesh, x)
+        sharding = x.sharding if mesh is None else core.sharding_on(mesh, x)
         struct = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         return struct, ocp.ArrayRestoreArgs(sharding=sharding, global_shape=x.shape,
                                             dtype=x.dtype)
@@ -238,6 +239,17 @@ def _read(path: str, what: str, args):
         failure = exc
     _drop_abandoned_coroutines(failure)
     raise ValueError(_errors.checkpoint_corrupt(path, what, failure)) from failure
+
+
+def leaf_records(path: str) -> list[dict]:
+    """The leaf records (path, kind, shape, dtype) of the checkpoint at `path`.
+
+    Raises:
+      ValueError: the checkpoint's metadata cannot be read.
+    """
+    ocp = _ocp()
+    meta = _read(path, "metadata", ocp.args.Composite(funshard=ocp.args.JsonRestore()))
+    return meta["funshard"].get("leaves", []) if isinstance(meta["funshard"], dict) else []
 
 
 def _drop_abandoned_coroutines(failure: BaseException) -> None:
@@ -296,8 +308,8 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     meta = meta["funshard"]
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         raise ValueError(_errors.checkpoint_bad_metadata(path))
-    paths, items, treedef = _tree.sharded_leaves(like)
-    mesh = _tree.common_mesh("restore", paths, items)
+    paths, items, treedef = core.sharded_leaves(like)
+    mesh = core.common_mesh("restore", paths, items)
     problems = _mismatches(meta, paths, items)
     if problems:
         raise ValueError(_errors.checkpoint_mismatch(path, problems))
@@ -312,7 +324,7 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     restore_args = {str(k): t[1] for k, t in enumerate(targets)}
     arrays = _read(path, "arrays", ocp.args.Composite(
         arrays=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)))["arrays"]
-    parts = _tree.Partition(tuple(items), treedef, tuple(stored))
+    parts = core.Partition(tuple(items), treedef, tuple(stored))
     return parts.combine(
         [_restored(items[i], arrays[str(k)]) for k, i in enumerate(stored)]
     )

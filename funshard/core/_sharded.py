@@ -12,8 +12,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from funshard import _errors, _mesh
-from funshard._policy import MixedPrecisionPolicy
+from funshard import _errors
+from funshard import comm
+from funshard.core._policy import MixedPrecisionPolicy
 
 
 class _LayoutFacts:
@@ -22,7 +23,7 @@ class _LayoutFacts:
     @property
     def num_shards(self) -> int:
         """Number of devices the sharded dimension is split over."""
-        return _mesh.axes_size(self.mesh, self.shard_axis)
+        return comm.axes_size(self.mesh, self.shard_axis)
 
     @property
     def rows_per_shard(self) -> int:
@@ -55,7 +56,7 @@ class _LayoutFacts:
     @property
     def sharding(self) -> NamedSharding:
         """The sharding of `data` outside a step."""
-        return NamedSharding(self.mesh, _mesh.spec(self.shard_axis, self.dim))
+        return NamedSharding(self.mesh, comm.spec(self.shard_axis, self.dim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +192,7 @@ def _live_data(self) -> Any:
 
 
 def _in_step(leaf) -> bool:
-    from funshard import _context  # it imports this module
+    from funshard.core import _context  # it imports this module
 
     return isinstance(leaf, _context.StepLeaf)
 

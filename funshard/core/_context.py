@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from funshard._sharded import Sharded
+from funshard.core._sharded import Sharded
 
 
 @jax.tree_util.register_dataclass

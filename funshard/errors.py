@@ -1,0 +1,55 @@
+"""funshard's exceptions: one typed hierarchy, each class also the built-in it replaces.
+
+Every error funshard raises for a user's mistake is a `FunshardError`, and also the
+built-in exception Python code already catches for that kind of mistake: a
+`ShardingValueError` is a `ValueError`, a `ShardingTypeError` a `TypeError`. Existing
+`except ValueError:` code keeps working; `except funshard.errors.FunshardError:` catches
+every funshard error at once. The message names the offending leaf by its key path and
+says how to fix it. docs/errors.md lists the classes and where each is raised.
+"""
+
+from __future__ import annotations
+
+
+class FunshardError(Exception):
+    """Base class of every error funshard raises for a user's input or environment."""
+
+
+class ShardingValueError(FunshardError, ValueError):
+    """A value funshard cannot work with: a shape, dtype, mesh, axis, option or batch."""
+
+
+class ShardingTypeError(FunshardError, TypeError):
+    """An object of the wrong kind: a non-array leaf, a `Sharded` leaf in user math."""
+
+
+class UnsupportedError(FunshardError, NotImplementedError):
+    """A layout or composition funshard does not support (yet); the message says why."""
+
+
+class CheckpointError(FunshardError, ValueError):
+    """A checkpoint that is missing, corrupt, or does not match the state it restores."""
+
+
+class CheckpointExistsError(FunshardError, FileExistsError):
+    """A checkpoint directory already exists and overwriting was not asked for."""
+
+
+class DistributedError(FunshardError, RuntimeError):
+    """The multi-process runtime failed: a peer left, start-up gave up, or state is stale."""
+
+
+class DistributedTimeoutError(FunshardError, TimeoutError):
+    """Multi-process start-up or a collective did not complete within its time limit."""
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "DistributedError",
+    "DistributedTimeoutError",
+    "FunshardError",
+    "ShardingTypeError",
+    "ShardingValueError",
+    "UnsupportedError",
+]
