@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # examples.models: the model of every part
 EXIT_NO_GPU = 2
 # Dense bf16 tensor-core peaks (no sparsity), TFLOPS, by a substring of the device name
 # JAX reports (`device_kind`); the first match wins. From NVIDIA's data sheets.
@@ -170,9 +172,15 @@ def part_probe(args) -> dict:
 
 
 def _jax_model(cfg: GPT):
-    """(init(key) -> f32 params, block(p, h), head_loss(root, h, tokens)) for `cfg`."""
+    """(init(key) -> f32 params, block(p, h), loss(root, blocks, tokens, block)) for `cfg`.
+
+    The model is `examples/models/jax_gpt.py`'s, with fused attention; its parameters
+    are drawn on the device (`jax.random`), the host being too slow for 1B of them.
+    """
     import jax
     import jax.numpy as jnp
+
+    from examples.models import jax_gpt
 
     d, v = cfg.width, cfg.vocab
 
@@ -191,37 +199,14 @@ def _jax_model(cfg: GPT):
             "qkv": dense((d, 3 * d)), "qkv_b": jnp.zeros((3 * d,)),
             "proj": dense((d, d), out_scale), "proj_b": jnp.zeros((d,)),
             "ln2_g": jnp.ones((d,)), "ln2_b": jnp.zeros((d,)),
-            "up": dense((d, 4 * d)), "up_b": jnp.zeros((4 * d,)),
-            "down": dense((4 * d, d), out_scale), "down_b": jnp.zeros((d,)),
+            "ff1": dense((d, 4 * d)), "ff1_b": jnp.zeros((4 * d,)),
+            "ff2": dense((4 * d, d), out_scale), "ff2_b": jnp.zeros((d,)),
         } for _ in range(cfg.blocks)]
         root = {"embed": normal((v, d), 0.02), "pos": normal((cfg.seq, d), 0.02),
                 "lnf_g": jnp.ones((d,)), "lnf_b": jnp.zeros((d,)), "head": dense((d, v))}
         return {"root": root, "blocks": blocks}
 
-    def layer_norm(x, g, b):
-        x32 = x.astype(jnp.float32)
-        mu = x32.mean(-1, keepdims=True)
-        var = ((x32 - mu) ** 2).mean(-1, keepdims=True)
-        return ((x32 - mu) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype) * g + b
-
-    def block(p, h):
-        b, t, _ = h.shape
-        x = layer_norm(h, p["ln1_g"], p["ln1_b"])
-        qkv = (x @ p["qkv"] + p["qkv_b"]).reshape(b, t, 3, cfg.heads, d // cfg.heads)
-        o = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
-        h = h + o.reshape(b, t, d) @ p["proj"] + p["proj_b"]
-        x = layer_norm(h, p["ln2_g"], p["ln2_b"])
-        return h + jax.nn.gelu(x @ p["up"] + p["up_b"]) @ p["down"] + p["down_b"]
-
-    def embed(root, tokens):
-        return root["embed"][tokens] + root["pos"][None, : tokens.shape[1]]
-
-    def head_loss(root, h, tokens):
-        logits = layer_norm(h, root["lnf_g"], root["lnf_b"]) @ root["head"]
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
-    return init, block, embed, head_loss
+    return init, jax_gpt.make_block(cfg.heads, fused_attention=True), jax_gpt.lm_loss
 
 
 def _flops_of(compiled) -> float | None:
@@ -247,7 +232,7 @@ def part_jax(args, variant: str) -> dict:
     cfg = SMOKE_JAX_GPT if args.cpu_smoke else JAX_GPT
     deadline = time.monotonic() + args.part_seconds * 0.8
     device = jax.devices()[0]
-    init, block, embed, head_loss = _jax_model(cfg)
+    init, block, lm_loss = _jax_model(cfg)
     params = jax.jit(init, out_shardings=jax.sharding.SingleDeviceSharding(device))(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (cfg.batch, cfg.seq), 0, cfg.vocab)
     opt = optax.adamw(1e-4)
@@ -256,10 +241,7 @@ def part_jax(args, variant: str) -> dict:
     if variant == "plain":
         def loss_fn(params, tokens):
             p = jax.tree.map(lambda x: x.astype(bf16), params)
-            h = embed(p["root"], tokens)
-            for b in p["blocks"]:
-                h = block(b, h)
-            return head_loss(p["root"], h, tokens)
+            return lm_loss(p["root"], p["blocks"], tokens, block)
 
         state, value_and_grad = params, jax.value_and_grad(loss_fn)
         opt_state = opt.init(state)
@@ -271,11 +253,7 @@ def part_jax(args, variant: str) -> dict:
         unit = fs.fully_shard(block)
 
         def loss_fn(state, tokens):
-            root = fs.unshard(state["root"])
-            h = embed(root, tokens)
-            for b in state["blocks"]:
-                h = unit(b, h)
-            return head_loss(root, h, tokens)
+            return lm_loss(fs.unshard(state["root"]), state["blocks"], tokens, unit)
 
         value_and_grad = fs.value_and_grad(loss_fn)
         opt_state = fs.init_optimizer(opt, state)
@@ -315,48 +293,14 @@ def part_jax(args, variant: str) -> dict:
 
 
 def _torch_model(cfg: GPT):
+    """`examples/models/torch_gpt.py`'s GPT for `cfg`, torch's default biases kept."""
     import torch
-    import torch.nn.functional as F
-    from torch import nn
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            d = cfg.width
-            self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, t, d = x.shape
-            qkv = self.qkv(self.norm1(x)).view(b, t, 3, cfg.heads, d // cfg.heads)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(o.transpose(1, 2).reshape(b, t, d))
-            return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tokens = nn.Embedding(cfg.vocab, cfg.width)
-            self.positions = nn.Embedding(cfg.seq, cfg.width)
-            self.blocks = nn.ModuleList(Block() for _ in range(cfg.blocks))
-            self.norm = nn.LayerNorm(cfg.width)
-            self.head = nn.Linear(cfg.width, cfg.vocab)
-            for m in self.modules():
-                if isinstance(m, (nn.Linear, nn.Embedding)):
-                    nn.init.normal_(m.weight, std=0.02)
-
-        def forward(self, inputs, targets):
-            positions = torch.arange(inputs.shape[1], device=inputs.device)
-            h = self.tokens(inputs) + self.positions(positions)
-            for blk in self.blocks:
-                h = blk(h)
-            logits = self.head(self.norm(h))
-            return F.cross_entropy(logits.reshape(-1, cfg.vocab).float(), targets.reshape(-1))
+    from examples.models.torch_gpt import GPT as TorchGPT
 
     torch.manual_seed(0)
-    return Model()
+    return TorchGPT(width=cfg.width, depth=cfg.blocks, heads=cfg.heads, context=cfg.seq,
+                    vocab=cfg.vocab, zero_biases=False)
 
 
 def part_torch(args, variant: str) -> dict:

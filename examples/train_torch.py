@@ -32,28 +32,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from torch import nn  # noqa: E402
 
 import torch_frontend  # noqa: E402
 from torch_frontend import fully_shard, init_distributed  # noqa: E402
 
+# The model: models/torch_gpt.py beside this script (found also when loaded by path).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+from models import TINY, ModelConfig  # noqa: E402
+from models.torch_gpt import GPT  # noqa: E402
+
 DATA = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
-VOCAB = 256  # byte-level tokens: no tokenizer to ship or download
 
 
 # --------------------------------------------------------------------------- config
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The shape of the GPT (train_lm.py's); a run folder's checkpoints fit only its own."""
-
-    width: int = 128
-    depth: int = 3
-    heads: int = 4
-    context: int = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +60,6 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 250
     seed: int = 0
-
-
-TINY = ModelConfig(width=32, depth=2, heads=2, context=32)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -119,61 +109,9 @@ def local_rows(batch: np.ndarray, rank: int, world: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- model
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x MLP."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.heads = cfg.heads
-        self.norm1 = nn.LayerNorm(cfg.width)
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
-        self.norm2 = nn.LayerNorm(cfg.width)
-        self.up = nn.Linear(cfg.width, 4 * cfg.width)
-        self.down = nn.Linear(4 * cfg.width, cfg.width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, heads, t, head_dim)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
-        # train_lm.py's jax.nn.gelu is the tanh approximation.
-        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    """A byte-level GPT: token and position embeddings, `depth` blocks, norm and head."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, cfg.width)
-        self.positions = nn.Embedding(cfg.context, cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(cfg.width)
-        self.head = nn.Linear(cfg.width, VOCAB)
-        self.apply(_init)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-byte logits `(batch, time, VOCAB)`, or with `targets` their mean loss."""
-        positions = torch.arange(tokens.shape[-1], device=tokens.device)
-        h = self.tokens(tokens) + self.positions(positions)
-        for block in self.blocks:
-            h = block(h)
-        logits = self.head(self.norm(h))
-        if targets is None:
-            return logits
-        # The loss inside forward: the root's output is then a scalar, not a view of
-        # the logits (in-place ops on a view would skip FSDP's pre-backward hook).
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def _init(module: nn.Module) -> None:
-    # GPT-2's initialisation: small normal weights, zero biases.
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
+def build_model(cfg: ModelConfig) -> GPT:
+    """The GPT of `cfg` (`models/torch_gpt.py`): GPT-2's initialisation, from torch's seed."""
+    return GPT(width=cfg.width, depth=cfg.depth, heads=cfg.heads, context=cfg.context)
 
 
 def shard_model(model: GPT) -> GPT:
@@ -241,7 +179,7 @@ class RunDir:
                     found.append((int(m.group(1)), p))
         return max(found) if found else None
 
-    def save(self, step: int, model: nn.Module, opt: torch.optim.Optimizer):
+    def save(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer):
         """Starts checkpointing model, optimizer and step; returns the pending save.
 
         Every rank writes its own shards (funshard's checkpoint format, which JAX reads
@@ -305,7 +243,7 @@ def main(argv=None) -> None:
     run.check_config(dataclasses.asdict(cfg))
 
     torch.manual_seed(train.seed)  # identical initial weights on every rank
-    model = GPT(cfg)
+    model = build_model(cfg)
     full = sum(p.numel() for p in model.parameters())
     model = shard_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(0.9, 0.99),

@@ -15,6 +15,8 @@ from typing import Any, Callable
 import jax
 from jax.tree_util import tree_flatten, tree_unflatten
 
+from funshard import errors
+
 
 def varying_axes(x: Any) -> frozenset[str]:
     """The manual mesh axes `x` varies over inside `jax.shard_map` (its vma type).
@@ -154,7 +156,7 @@ def _gpu_import(jax_lib: Any, obj: Any, device: jax.Device) -> jax.Array:
     """
     kind, index = obj.__dlpack_device__()
     if int(kind) not in _DLPACK_GPU or index != device.local_hardware_id:
-        raise ValueError(
+        raise errors.ShardingValueError(
             f"dlpack_import: the array is on DLPack device ({int(kind)}, {index}) but "
             f"the target is {device} (GPU {device.local_hardware_id}); a zero-copy import "
             "needs the array on that same GPU. Move it there first.")

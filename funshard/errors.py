@@ -28,11 +28,19 @@ class UnsupportedError(FunshardError, NotImplementedError):
 
 
 class CheckpointError(FunshardError, ValueError):
-    """A checkpoint that is missing, corrupt, or does not match the state it restores."""
+    """A directory that is not a checkpoint, is corrupt, or does not match its target."""
 
 
 class CheckpointExistsError(FunshardError, FileExistsError):
     """A checkpoint directory already exists and overwriting was not asked for."""
+
+
+class CheckpointNotFoundError(FunshardError, FileNotFoundError):
+    """No checkpoint directory at the path given to `restore` (or its save is in flight)."""
+
+
+class CheckpointInFlightError(FunshardError, RuntimeError):
+    """An asynchronous save to the same directory has not finished; `.wait()` on it first."""
 
 
 class DistributedError(FunshardError, RuntimeError):
@@ -46,6 +54,8 @@ class DistributedTimeoutError(FunshardError, TimeoutError):
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointInFlightError",
+    "CheckpointNotFoundError",
     "DistributedError",
     "DistributedTimeoutError",
     "FunshardError",

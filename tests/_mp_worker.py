@@ -13,9 +13,11 @@ to compute the single-process reference with the very same code.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
+import threading
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -115,6 +117,13 @@ def main() -> int:
     args = parser.parse_args()
 
     jax.config.update("jax_num_cpu_devices", args.devices)  # before initialize
+    # Registered before funshard's exit handler, so it runs after it: by then funshard's
+    # watchdog thread must be gone (one still in a call on JAX's coordination client
+    # during JAX's shutdown aborts the process after its work is done).
+    atexit.register(lambda: print(
+        "watchdog alive at exit: "
+        f"{any(t.name == 'funshard-departure-watchdog' for t in threading.enumerate())}",
+        flush=True))
     mesh = funshard.distributed.initialize(replicate=args.replicate or None)
     assert funshard.distributed.initialize(replicate=args.replicate or None) == mesh
     rank, world = jax.process_index(), jax.process_count()

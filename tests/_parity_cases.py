@@ -24,7 +24,7 @@ What differs from upstream, for every case:
   `dist.reduce_scatter_tensor` (the dtype / numel asserts), `fully_shard.state(...)`,
   `RegisterPostBackwardFunction` counts, `_get_fsdp_state()`. Collective counts go through
   `impl.count_collectives()`: for FSDP2 upstream's `CommDebugMode`, for torch_frontend a
-  count of the core's eager collectives (`funshard.comm._lowering.eager_all_gather` /
+  count of the core's eager collectives (`funshard.comm.eager_all_gather` /
   `eager_reduce_scatter`; an HSDP reduce-scatter that also all-reduces over the replicas
   counts as a reduce-scatter plus an all-reduce, as in FSDP2).
 - CUDA-only parts are left out: streams, `device_sleep` (kept as `time.sleep` where it
@@ -175,10 +175,10 @@ def _count_torch_collectives() -> Iterator[Counter]:
 @contextlib.contextmanager
 def _count_core_collectives() -> Iterator[Counter]:
     """torch_frontend: every eager collective of the core, counted as it is launched."""
-    from funshard.comm import _lowering
+    from funshard import comm
 
     counts: Counter = Counter()
-    real_gather, real_reduce = _lowering.eager_all_gather, _lowering.eager_reduce_scatter
+    real_gather, real_reduce = comm.eager_all_gather, comm.eager_reduce_scatter
     reduce_signature = inspect.signature(real_reduce)
 
     def gather(*args, **kwargs):
@@ -194,11 +194,11 @@ def _count_core_collectives() -> Iterator[Counter]:
             counts["all_reduce"] += 1
         return real_reduce(*args, **kwargs)
 
-    _lowering.eager_all_gather, _lowering.eager_reduce_scatter = gather, reduce
+    comm.eager_all_gather, comm.eager_reduce_scatter = gather, reduce
     try:
         yield counts
     finally:
-        _lowering.eager_all_gather, _lowering.eager_reduce_scatter = real_gather, real_reduce
+        comm.eager_all_gather, comm.eager_reduce_scatter = real_gather, real_reduce
 
 
 def make_impls() -> dict[str, Impl]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _parity_cases as pc  # noqa: E402
-from _torchrun import Job, port_pairs  # noqa: E402
+from _launch import Job, port_pairs  # noqa: E402
 
 WORKER = Path(__file__).with_name("_parity_worker.py")
 IMPLS = ("fsdp2", "frontend")
@@ -63,18 +62,10 @@ class Jobs:
             job.kill()
 
     def _wait(self, world: int, job: Job) -> None:
-        left = job.start + job.timeout_s - time.monotonic()
-        try:
-            job.code = job.proc.wait(timeout=max(1.0, left))
-        except subprocess.TimeoutExpired:
-            job.code = -1
-        finally:
-            job.kill()
-        if job.code != 0:
-            log = (job.out / "torchrun.log").read_text(errors="replace")
+        if job.wait() != 0:
             took = time.monotonic() - job.start
             self.problems[world] = (f"the {world}-process job failed (exit {job.code}) after "
-                                    f"{took:.0f} s:\n{log[-4000:]}")
+                                    f"{took:.0f} s:\n{job.log()[-4000:]}")
 
     def results(self) -> dict[tuple[str, str], dict]:
         """{(case, impl): result} of every case that finished; waits for every job."""

@@ -19,6 +19,9 @@ import sys
 import textwrap
 
 import pytest
+from _launch import run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 # The child: one funshard step whose loss runs a raising callback on the devices listed
 # in argv[1] ("all" or a device index), then a step with the callback quiet, compared
@@ -107,7 +110,7 @@ def _run_child(which: str, nested: bool = False,
         "--xla_cpu_collective_call_terminate_timeout_seconds=10",
     ])
     try:
-        return subprocess.run(
+        return run(
             [sys.executable, "-c", CHILD, which, "nested" if nested else "plain"],
             env=env, capture_output=True, text=True, timeout=timeout,
         )

@@ -2,22 +2,23 @@
 
 import gc
 import os
-import signal
-import subprocess
 import sys
+import tempfile
 import time
 import types
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _launch import clean_env, kill_group, launch
+from conftest import mesh_for
 
 import funshard as fs
 from funshard.io import _checkpoint
-from conftest import mesh_for
 
 OPT = optax.adamw(1e-2)
 
@@ -215,27 +216,25 @@ def test_failed_read_collects_the_coroutines_it_abandoned(monkeypatch, tmp_path)
 
 def _kill_mid_save(root, mode):
     worker = os.path.join(os.path.dirname(__file__), "_ckpt_worker.py")
-    proc = subprocess.Popen([sys.executable, worker, str(root), mode], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        assert proc.stdout.readline().strip() == "saving"
+    with tempfile.TemporaryDirectory() as logs, launch(
+            Path(logs), {0: ([sys.executable, worker, str(root), mode], clean_env())},
+            timeout_s=60, separate_stderr=True) as job:
+        proc, deadline = job.procs[0], time.monotonic() + 60
+        while "\n" not in job.log(0, "out") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert job.log(0, "out").split("\n")[0] == "saving", job.log(0)
         # Kill as soon as the save has started writing (orbax's temporary directory
         # appears), long before 128 MiB are written.
-        deadline = time.monotonic() + 60
         while set(os.listdir(root)) <= {"step_1"} and time.monotonic() < deadline:
             time.sleep(0.005)
         started = sorted(set(os.listdir(root)) - {"step_1"})
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid)
         assert started, "the save never started writing"
         proc.wait(timeout=30)
-        return proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        proc.stdout.close()
+        return job.log(0, "out")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["new", "overwrite"])
 def test_save_killed_half_way_loses_nothing(tmp_path, saved, mode):
     fs.save(tmp_path / "step_1", saved[1])

@@ -19,6 +19,8 @@ from _util import assert_tree_close, mlp_batch_dict
 from _hlo import compiled, count_by_kind
 from _models import mlp_layer, mlp_params, mse
 
+pytestmark = pytest.mark.slow
+
 F32 = np.float32
 
 

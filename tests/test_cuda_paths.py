@@ -16,7 +16,6 @@ import gc
 import json
 import importlib.util
 import os
-import subprocess
 import sys
 import types
 import weakref
@@ -27,12 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _launch import run
 from jax.sharding import PartitionSpec as P
 
 import funshard as fs
 from funshard import _jax_compat
 from funshard.comm import _lowering
 from torch_frontend import _bridge, _cuda
+
+pytestmark = pytest.mark.torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
@@ -411,10 +413,11 @@ def test_gpu_check_mfu():
     assert check.mfu(flops=1e12, seconds=1.0, peak=None) is None
 
 
+@pytest.mark.multiprocess
 def test_gpu_check_on_a_cpu_only_machine_exits_at_once_saying_why(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, str(GPU_CHECK), "--out-json", str(tmp_path / "r.json"),
          "--out-md", str(tmp_path / "r.md")],
         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
@@ -438,10 +441,12 @@ def test_gpu_check_knows_without_starting_jax_when_there_is_no_gpu(environ, name
     assert got is None if want is None else want in got
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_gpu_check_cpu_smoke_runs_the_bridge_and_the_frontend(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     out = tmp_path / "r.json"
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, str(GPU_CHECK), "--cpu-smoke", "--only", "dlpack,torch-frontend",
          "--steps", "1", "--out-json", str(out), "--out-md", str(tmp_path / "r.md")],
         capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)

@@ -8,17 +8,14 @@ or coordinator, or an unresolvable MASTER_ADDR, made JAX's client abort the proc
 while waiting; and `shard_batch` accepted different row counts per process.
 """
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _launch
 import jax
 import pytest
+from _launch import free_port, launch, rank_env
 
 import funshard.distributed
 
@@ -27,64 +24,36 @@ HARD_CAP_S = 45  # per job: a hung start-up fails the test instead of the run
 TIMEOUT_S = 4  # the start-up timeout the workers get
 # Python and JAX import in every worker; the 2 cores are shared with other jobs.
 SLACK_S = 20
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS",
-               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
-               "SLURM_LAUNCH_NODE_IPADDR", "SLURM_NTASKS_PER_NODE",
-               "SLURM_STEP_TASKS_PER_NODE", "FUNSHARD_INITIALIZATION_TIMEOUT")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LAUNCH_VARS = (*_launch.LAUNCH_VARS, "FUNSHARD_INITIALIZATION_TIMEOUT")
 
 
 def _env(rank: int, world: int, port: int, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), **extra)
-    return env
+    # A start-up timeout only where a test gives one.
+    env = rank_env(rank, world, port)
+    env.pop("FUNSHARD_INITIALIZATION_TIMEOUT", None)
+    return {**env, **extra}
 
 
 def _run(tmp_path: Path, ranks: dict) -> tuple[dict, dict, float]:
     """Runs one worker per `ranks` entry (rank -> (env, args)); always kills leftovers.
 
-    Returns ({rank: exit code}, {rank: stdout + stderr}, seconds until all ended).
+    Returns ({rank: exit code, None if still running after HARD_CAP_S}, {rank: stdout +
+    stderr}, seconds until all ended).
     """
-    procs, start = {}, time.monotonic()
-    try:
-        for rank, (env, args) in ranks.items():
-            with open(tmp_path / f"rank{rank}.log", "w") as log:
-                procs[rank] = subprocess.Popen(
-                    [sys.executable, str(WORKER), *args], env=env, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True)
-        codes = {}
-        for rank, p in procs.items():
-            try:
-                codes[rank] = p.wait(timeout=max(0.0, start + HARD_CAP_S - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                codes[rank] = None  # still running: killed below, reported by the caller
-        elapsed = time.monotonic() - start
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    logs = {r: (tmp_path / f"rank{r}.log").read_text() for r in ranks}
-    return codes, logs, elapsed
+    commands = {r: ([sys.executable, str(WORKER), *args], env) for r, (env, args) in ranks.items()}
+    with launch(tmp_path, commands, HARD_CAP_S) as job:
+        codes = job.wait()
+    return codes, job.logs(), job.elapsed
 
 
 def _waiting_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.startswith("funshard: process")]
 
 
+@pytest.mark.multiprocess
 def test_missing_peer_is_named_on_every_process(tmp_path):
     # WORLD_SIZE=3, but process 2 never starts.
-    port = _free_port()
+    port = free_port()
     args = ["--timeout", str(TIMEOUT_S)]
     codes, logs, elapsed = _run(tmp_path, {r: (_env(r, 3, port), args) for r in (0, 1)})
     assert codes == {0: 1, 1: 1}, (codes, logs)  # a Python exception, not SIGABRT (-6)
@@ -99,9 +68,10 @@ def test_missing_peer_is_named_on_every_process(tmp_path):
     assert "another task" not in logs[0] + logs[1]
 
 
+@pytest.mark.multiprocess
 def test_missing_coordinator_times_out_in_python(tmp_path):
     # Process 1 alone; the timeout comes from the environment variable this time.
-    port = _free_port()
+    port = free_port()
     env = _env(1, 2, port, FUNSHARD_INITIALIZATION_TIMEOUT=str(TIMEOUT_S))
     codes, logs, elapsed = _run(tmp_path, {1: (env, [])})
     assert codes == {1: 1}, (codes, logs)
@@ -114,22 +84,24 @@ def test_missing_coordinator_times_out_in_python(tmp_path):
             ) in logs[1], logs[1]
 
 
+@pytest.mark.multiprocess
 def test_processes_that_disagree_on_the_world_size(tmp_path):
     # Process 1 believes in 3 processes, process 0 in 2: process 1 is refused at once,
     # process 0 names it as missing when its timeout expires.
-    port = _free_port()
+    port = free_port()
     args = ["--timeout", str(TIMEOUT_S)]
     codes, logs, _ = _run(tmp_path, {0: (_env(0, 2, port), args), 1: (_env(1, 3, port), args)})
     assert codes == {0: 1, 1: 1}, (codes, logs)
-    assert ("RuntimeError: initialize: process 0 of 2 rejected this process: a process "
+    assert ("DistributedError: initialize: process 0 of 2 rejected this process: a process "
             "started as rank 1 of 3 processes, but process 0 expects 2") in logs[1], logs[1]
     assert "gave up after 4 s: process 1 never reached" in logs[0], logs[0]
     assert "WORLD_SIZE differs between processes" in logs[0]
 
 
+@pytest.mark.multiprocess
 def test_late_peer_is_awaited_and_uneven_batches_are_refused_everywhere(tmp_path):
     # Process 1 starts 2 s late: process 0 says once what it waits for, then both start.
-    port = _free_port()
+    port = free_port()
     codes, logs, _ = _run(tmp_path, {
         0: (_env(0, 2, port), ["--timeout", "30", "--batches"]),
         1: (_env(1, 2, port), ["--timeout", "30", "--batches", "--delay", "2"]),

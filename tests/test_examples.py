@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,9 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _launch import run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TIMEOUT_S = 300
@@ -36,7 +38,7 @@ BATCH = 24  # divides over 8 devices and over 3
 def run_example(script: str, *args: str, cwd: Path) -> str:
     """Runs `examples/<script>` with `args`; returns its output, failing with it on error."""
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, str(EXAMPLES / script), *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
     )

@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 import funshard as fs
 import funshard.flax  # noqa: F401  (fs.flax)
 
+pytestmark = pytest.mark.slow
+
 WIDTH, HEADS, VOCAB, SEQ, ROWS, BLOCKS = 16, 2, 32, 8, 8, 2
 UNITS = BLOCKS + 1  # the blocks and the model (embedding, final norm, head)
 
@@ -839,6 +841,17 @@ def test_linen_instance_is_an_error():
 def test_marking_a_linen_class_twice_is_an_error():
     with pytest.raises(ValueError, match="LinenBlock \\(a linen class\\) is already a unit"):
         fs.flax.fully_shard(fs.flax.fully_shard(LinenBlock))
+
+
+def test_errors_are_funshard_errors_of_the_same_builtin_type():
+    block = fs.flax.fully_shard(Block(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="Block is already a unit") as info:
+        fs.flax.fully_shard(block)
+    assert isinstance(info.value, fs.errors.ShardingValueError)
+    with pytest.raises(TypeError, match="expected an nnx.Module, got dict") as info:
+        fs.flax.shard({"w": jnp.ones(4)}, mesh_for("2"))
+    assert isinstance(info.value, fs.errors.ShardingTypeError)
+    assert isinstance(info.value, fs.errors.FunshardError)
 
 
 def test_flax_plan_takes_its_units_from_the_model():

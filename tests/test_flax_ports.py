@@ -37,6 +37,8 @@ from flax import nnx, struct
 import funshard as fs
 import funshard.flax  # noqa: F401  (fs.flax)
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 ROWS = 16  # 2 examples per device
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _launch import run
 
 import funshard as fs
 from _hlo import collectives, computations
@@ -309,6 +309,7 @@ def test_frontend_trains_a_cuda_model_like_plain_torch(torch_cuda):
         assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_the_frontend_leaves_the_gpu_memory_to_torch(torch_cuda):
     # A fresh process: the allocator settings only count before JAX's backend starts.
     code = (
@@ -322,7 +323,7 @@ def test_the_frontend_leaves_the_gpu_memory_to_torch(torch_cuda):
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
     env.update(JAX_PLATFORMS="cuda", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout.splitlines()
+    out = run([sys.executable, "-c", code], env=env, capture_output=True,
+              text=True, timeout=120, check=True).stdout.splitlines()
     assert out[0] == "{'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}"
     assert float(out[1]) > 0.5  # JAX's default would have taken 75%

@@ -4,7 +4,6 @@ tests/test_departed_peer.py)."""
 
 import math
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _launch import run
 
 import funshard as fs
 import funshard.distributed
@@ -54,9 +54,10 @@ DONATED_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_reusing_a_donated_state_raises_instead_of_crashing():
-    result = subprocess.run([sys.executable, "-c", DONATED_CHILD], capture_output=True,
-                            text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    result = run([sys.executable, "-c", DONATED_CHILD], capture_output=True,
+                 text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert result.returncode == 0, f"child exited {result.returncode} (139: segfault)\n{result.stderr[-3000:]}"
     for name in ("step", "unshard"):
         assert (f"{name} RuntimeError: Array has been deleted: fs.Sharded leaf of shape"

@@ -12,6 +12,8 @@ from conftest import mesh_for
 
 import funshard as fs
 
+pytestmark = pytest.mark.slow
+
 LAYERS, WIDTH, ROWS = 5, 256, 256
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _launch import run
 from jax.sharding import NamedSharding, PartitionSpec
 
 import funshard as fs
@@ -99,17 +100,17 @@ jax.distributed.shutdown()
 """
 
 
+@pytest.mark.multiprocess
 def test_gloo_reduce_scatter_is_an_all_reduce_and_a_slice():
     # XLA CPU's gloo reduce-scatter silently corrupts the end of rank 0's result for
     # results over ~256 KiB (jax-ml/jax#40830; benchmarks/torch_bench/collective_probe.py
     # reproduces it across 2 processes). With jax.distributed on CPU the library sums
     # with an all-reduce instead; without it (these tests' 8 devices) it reduce-scatters.
-    import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, "-c", _GLOO_CHILD], capture_output=True, text=True,
-                          timeout=120, env={**env, "JAX_PLATFORMS": "cpu"})
+    done = run([sys.executable, "-c", _GLOO_CHILD], capture_output=True, text=True,
+               timeout=120, env={**env, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
     hlo_line = [line for line in done.stdout.splitlines() if line.startswith("HLO ")]
     assert hlo_line == ["HLO False True"], done.stdout[-2000:]

@@ -6,12 +6,8 @@ tests/_models.py for 5 AdamW steps, and compares losses and final parameters wit
 same training run in this process on as many of its 8 CPU devices.
 """
 
-import contextlib
 import functools
-import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +16,7 @@ import _mp_worker as worker
 import jax
 import numpy as np
 import pytest
+from _launch import LAUNCH_VARS, free_port, launch, rank_env
 from _models import block_params
 from jax.sharding import PartitionSpec
 
@@ -31,63 +28,21 @@ WORKER = Path(__file__).with_name("_mp_worker.py")
 HARD_CAP_S = 120  # per test: a hung job fails the test instead of the CI run
 FAULT_LIMIT_S = 60
 STEPS = 5
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS",
-               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
-               "SLURM_LAUNCH_NODE_IPADDR", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_env(rank: int, world: int, port: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    # The worker asks for its own CPU device count; a forced count would conflict.
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env.update(
-        XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    return env
-
-
-@contextlib.contextmanager
 def _job(tmp_path: Path, processes: int, *args: str):
-    """Starts `processes` workers; always kills what is left of them on the way out."""
-    port, procs = _free_port(), []
-    try:
-        for rank in range(processes):
-            out_path, err_path = tmp_path / f"rank{rank}.out", tmp_path / f"rank{rank}.err"
-            with open(out_path, "w") as out, open(err_path, "w") as err:
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), "--out", str(tmp_path), *args],
-                    env=_worker_env(rank, processes, port), stdout=out, stderr=err,
-                    start_new_session=True,  # its own process group, killed as a whole
-                ))
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    """Starts `processes` workers (stdout and stderr apart); `launch` kills what is left."""
+    port = free_port()
+    argv = [sys.executable, str(WORKER), "--out", str(tmp_path), *args]
+    return launch(tmp_path, {r: (argv, rank_env(r, processes, port)) for r in range(processes)},
+                  HARD_CAP_S, separate_stderr=True)
 
 
-def _wait(procs, deadline: float) -> list[int]:
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(0.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"multi-process job still running after {HARD_CAP_S} s (killed)")
-    return codes
-
-
-def _logs(tmp_path: Path, rank: int) -> str:
-    return (tmp_path / f"rank{rank}.out").read_text() + (tmp_path / f"rank{rank}.err").read_text()
+def _wait(job) -> list[int]:
+    codes = job.wait()
+    if None in codes.values():
+        pytest.fail(f"multi-process job still running after {HARD_CAP_S} s (killed)")
+    return list(codes.values())
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +71,11 @@ def _run_and_compare(tmp_path, params_file, processes, devices, replicate, ref_d
         args += ["--replicate", str(replicate)]
     if save:
         args += ["--save", str(save)]
-    with _job(tmp_path, processes, *args) as procs:
-        codes = _wait(procs, time.monotonic() + HARD_CAP_S)
-    assert codes == [0] * processes, "\n\n".join(_logs(tmp_path, r) for r in range(processes))
+    with _job(tmp_path, processes, *args) as job:
+        codes = _wait(job)
+    assert codes == [0] * processes, "\n\n".join(job.logs().values())
+    for rank in range(processes):
+        assert "watchdog alive at exit: False" in job.log(rank, "out"), job.log(rank)
     got = np.load(tmp_path / "result.npz")
     want_losses, want_params = _reference(ref_devices, replicate, str(params_file))
     np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-5, atol=1e-5)
@@ -126,12 +83,15 @@ def _run_and_compare(tmp_path, params_file, processes, devices, replicate, ref_d
         np.testing.assert_allclose(got[jax.tree_util.keystr(path)], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_one_device_each_match_two_devices(tmp_path, params_file):
     # 2 global devices in all, so the reference is the single-process 2-device run.
     _run_and_compare(tmp_path, params_file, processes=2, devices=1, replicate=None,
                      ref_devices=2)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_two_devices_each_match_four_devices(tmp_path, params_file):
     # The processes also checkpoint their shards; restore it here on 8 and 3 devices.
     ckpt = tmp_path / "ckpt"
@@ -147,6 +107,8 @@ def test_two_processes_two_devices_each_match_four_devices(tmp_path, params_file
             np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5, err_msg=str(path))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_four_process_hsdp_matches_single_process_hsdp(tmp_path, params_file):
     # make_mesh(replicate=2) over 4 processes x 1 device: each replica spans 2 processes.
     _run_and_compare(tmp_path, params_file, processes=4, devices=1, replicate=2,
@@ -166,19 +128,21 @@ SURVIVOR_MESSAGES = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dead", [1, 0])
 def test_survivor_exits_promptly_when_a_peer_dies(tmp_path, params_file, dead):
     survivor = 1 - dead
     start = time.monotonic()
     args = ["--params", str(params_file), "--devices", "1", "--steps", str(STEPS),
             "--die-rank", str(dead), "--die-after-step", "2"]
-    with _job(tmp_path, 2, *args) as procs:
-        codes = _wait(procs, start + HARD_CAP_S)
+    with _job(tmp_path, 2, *args) as job:
+        codes = _wait(job)
     elapsed = time.monotonic() - start
-    stderr = (tmp_path / f"rank{survivor}.err").read_text()
-    assert codes[dead] == -signal.SIGKILL, _logs(tmp_path, dead)
+    stderr = job.log(survivor, "err")
+    assert codes[dead] == -signal.SIGKILL, job.log(dead)
     assert codes[survivor] != 0 and elapsed < FAULT_LIMIT_S, (codes, elapsed, stderr)
-    assert "step 2 " in (tmp_path / f"rank{survivor}.out").read_text()
+    assert "step 2 " in job.log(survivor, "out")
     assert any(m in stderr for m in SURVIVOR_MESSAGES[dead]), stderr
 
 
@@ -245,7 +209,7 @@ def test_initialize_after_jax_started_says_what_to_do(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     jax.devices()
     with pytest.raises(RuntimeError, match="process 0 of 2 already used JAX"):
         fs.distributed.initialize()

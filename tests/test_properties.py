@@ -20,6 +20,8 @@ from jax.sharding import PartitionSpec as P
 import funshard as fs
 from conftest import MESHES, mesh_for
 
+pytestmark = pytest.mark.slow
+
 MESH_NAMES = list(MESHES)
 # Small, uneven, size-0 and size-1 dims; each distinct shape costs a compile.
 DIMS = [0, 1, 2, 3, 5, 7, 8, 9, 13]

@@ -10,6 +10,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import funshard as fs
 from conftest import mesh_for
 
+pytestmark = pytest.mark.slow
+
 OPT = optax.adamw(1e-2, weight_decay=0.1)
 SAVED_STEPS = 2
 

@@ -14,6 +14,8 @@ from _util import assert_tree_close, mlp_batch
 from _models import mlp_loss, mlp_params, mlp_sharded_loss
 from conftest import mesh_for
 
+pytestmark = pytest.mark.slow
+
 UNITS = 3  # mlp_params has three layers, one fully_shard unit each
 
 

@@ -9,6 +9,8 @@ import funshard as fs
 from _hlo import compiled, computations, count_by_kind
 from conftest import mesh_for
 
+pytestmark = pytest.mark.slow
+
 LAYERS, WIDTH = 4, 67
 
 

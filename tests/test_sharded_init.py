@@ -18,6 +18,8 @@ import funshard as fs
 from conftest import MESHES, mesh_for
 from _models import mlp_params, mlp_sharded_loss
 
+pytestmark = pytest.mark.slow
+
 is_sharded = lambda x: isinstance(x, fs.Sharded)  # noqa: E731
 
 

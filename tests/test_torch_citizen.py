@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from _launch import Job, port_pairs
 from _torch_citizen_worker import (FP16_GRAD, INT64, LR, MAX_NORM, SAVE_AT, STEPS, Ints, Titan,
                                    batch, build, full_state, load, save)
-from _torchrun import Job, port_pairs
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
@@ -31,6 +31,8 @@ from torch.distributed.fsdp import fully_shard as fsdp2_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import torch_frontend as tf
+
+pytestmark = pytest.mark.torch
 
 WORKER = Path(__file__).with_name("_torch_citizen_worker.py")
 JOB_TIMEOUT_S = 150
@@ -112,6 +114,8 @@ def _assert_same(ours: dict, theirs: dict, ours_prefix: str, theirs_prefix: str,
 # ---- the torchtitan-style script on two processes ----
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_script_logs_global_losses_and_grad_norms_as_plain_torch(pair, plain, impl):
     # Stock clip_grad_norm_ over DTensor gradients: the norm is global, not the shard's.
@@ -121,6 +125,8 @@ def test_script_logs_global_losses_and_grad_norms_as_plain_torch(pair, plain, im
         np.testing.assert_allclose(r[f"{impl}/norm"], plain[1], rtol=1e-5)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_script_is_bit_equal_to_fsdp2(pair):
     _, ranks = pair
     for r in ranks:
@@ -130,6 +136,8 @@ def test_script_is_bit_equal_to_fsdp2(pair):
         _assert_same(r, r, "frontend/saved/", "fsdp2/saved/", rtol=0, atol=0)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dcp_checkpoint_resumes_on_two_processes(pair, impl):
     _, ranks = pair
@@ -137,6 +145,8 @@ def test_dcp_checkpoint_resumes_on_two_processes(pair, impl):
         np.testing.assert_array_equal(r[f"{impl}/resumed_loss"], r[f"{impl}/loss"][SAVE_AT:])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_dcp_metadata_records_global_shapes(pair):
     out, _ = pair
     shapes = {}
@@ -149,6 +159,8 @@ def test_dcp_metadata_records_global_shapes(pair):
     assert shapes["frontend"] == shapes["fsdp2"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", IMPLS)
 @pytest.mark.parametrize("reader", IMPLS)
 def test_dcp_checkpoint_of_two_processes_loads_on_one(pair, writer, reader):
@@ -171,6 +183,8 @@ def test_dcp_checkpoint_of_two_processes_loads_on_one(pair, writer, reader):
     np.testing.assert_allclose(losses, ranks[0][f"{writer}/loss"][SAVE_AT:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dcp_checkpoint_of_one_process_loads_on_two(jobs, pair, impl):
     _, one_state = jobs
@@ -181,6 +195,8 @@ def test_dcp_checkpoint_of_one_process_loads_on_two(jobs, pair, impl):
     np.testing.assert_array_equal(ranks[0]["frontend/from_one_loss"], ranks[0]["fsdp2/from_one_loss"])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hsdp_script_with_init_device_mesh_is_bit_equal_to_fsdp2(hsdp):
     _, ranks = hsdp
     for r in ranks:
@@ -190,6 +206,8 @@ def test_hsdp_script_with_init_device_mesh_is_bit_equal_to_fsdp2(hsdp):
         np.testing.assert_array_equal(r["frontend/resumed_loss"], r["frontend/loss"][SAVE_AT:])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hsdp_dcp_checkpoint_loads_on_one_process(hsdp):
     out, ranks = hsdp
     model = build(tf.fully_shard, _mesh1(), seed=5)
@@ -201,6 +219,8 @@ def test_hsdp_dcp_checkpoint_loads_on_one_process(hsdp):
 # ---- dtypes on two processes ----
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_int64_parameters_keep_their_values_on_two_processes(pair, impl):
     _, ranks = pair
@@ -210,6 +230,8 @@ def test_int64_parameters_keep_their_values_on_two_processes(pair, impl):
         np.testing.assert_array_equal(r[f"{impl}/int64/full"], INT64)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fp16_reduce_dtype_pre_divides_as_fsdp2(pair, impl):
     # 40000 + 40000 overflows float16; halving each first (FSDP2) keeps the mean exact.
@@ -218,6 +240,8 @@ def test_fp16_reduce_dtype_pre_divides_as_fsdp2(pair, impl):
         np.testing.assert_array_equal(r[f"{impl}/fp16/grad"], [FP16_GRAD, FP16_GRAD])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_float64_model_trains_in_float64_as_fsdp2(pair):
     _, ranks = pair
     for r in ranks:

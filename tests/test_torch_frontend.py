@@ -9,22 +9,22 @@ single-process tests (world size 1) run in this process.
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _launch import Job, clean_env, free_port, run
 from _torch_worker import Stack
-from _torchrun import TORCHRUN, clean_env, free_port_pair, kill_group
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 import torch_frontend
 from torch_frontend import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+pytestmark = pytest.mark.torch
 
 WORKER = Path(__file__).with_name("_torch_worker.py")
 JOB_TIMEOUT_S = 180
@@ -36,32 +36,11 @@ FOUR_PROCESS_CASES = (*HSDP_CASES, "accum_all_reduce", "blocks_hpz")  # hpz: a 1
 TOLERANCE = 1e-5
 
 
-def _run_torchrun(out: Path, processes: int, *args: str) -> tuple[int, str]:
-    """Runs the worker under torchrun; kills torchrun and every worker on the way out."""
-    log = out / "torchrun.log"
-    command = [*TORCHRUN, f"--nproc-per-node={processes}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port_pair()}", str(WORKER), "--out", str(out),
-               "--deadline", str(JOB_TIMEOUT_S), *args]
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(command, env=clean_env(), stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        code = proc.wait(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        code = -1
-    finally:
-        kill_group(proc.pid)
-        for pid_file in out.glob("pid-rank*"):  # workers run in sessions of their own
-            kill_group(int(pid_file.read_text()))
-        proc.wait()
-    return code, log.read_text()
-
-
 def _job(tmp_path_factory, name: str, processes: int, cases, *args: str) -> Path:
     out = tmp_path_factory.mktemp(name)
-    start = time.monotonic()
-    code, log = _run_torchrun(out, processes, "--cases", ",".join(cases), *args)
-    assert code == 0, f"torchrun job failed (exit {code}) after {time.monotonic() - start:.0f} s:\n{log[-6000:]}"
+    job = Job(WORKER, out, processes, free_port(pair=True), JOB_TIMEOUT_S,
+              "--cases", ",".join(cases), *args)
+    assert job.wait() == 0, job.failure()
     return out
 
 
@@ -80,16 +59,22 @@ def _load(out: Path, case: str, impl: str, rank: int) -> dict[str, np.ndarray]:
         return dict(data)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if c != "shard_dim1_uneven"])
 def test_matches_fsdp2_on_two_processes(parity_dir, case):
     _assert_matches_fsdp2(parity_dir, case, 2)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("case", (*HSDP_CASES, "accum_all_reduce"))
 def test_hsdp_2x2_matches_fsdp2_on_four_processes(hsdp_dir, case):
     _assert_matches_fsdp2(hsdp_dir, case, 4)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_uneven_shards_on_dim_1_train_like_fsdp2_on_dim_0(parity_dir):
     # FSDP2 refuses uneven Shard(1); torch_frontend takes it (torch.chunk on dim 1): the
     # same model and data as "seq" must give FSDP2's losses and full parameters.
@@ -106,6 +91,8 @@ def test_uneven_shards_on_dim_1_train_like_fsdp2_on_dim_0(parity_dir):
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=TOLERANCE, err_msg=name)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_set_requires_all_reduce_false_skips_only_the_replica_all_reduce(hsdp_dir):
     # 2 units x 3 microbatches per step: only the last microbatch all-reduces.
     ours = _load(hsdp_dir, "accum_all_reduce", "frontend", 0)
@@ -113,10 +100,14 @@ def test_set_requires_all_reduce_false_skips_only_the_replica_all_reduce(hsdp_di
     assert ours["all_reduces"].tolist() == [False, False, False, False, True, True] * steps
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hpz_reshard_after_forward_2_matches_fsdp2_on_four_processes(hsdp_dir):
     _assert_matches_fsdp2(hsdp_dir, "blocks_hpz", 4)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hpz_backward_gathers_within_pairs_of_ranks(hsdp_dir):
     # Per step: the root (kept gathered) and 3 blocks gather over all 4 ranks in
     # forward; each block gathers its kept halves within its pair (2 ranks) in backward.
@@ -139,6 +130,8 @@ def _assert_matches_fsdp2(out: Path, case: str, processes: int):
                                        err_msg=f"{case}: {name}, rank {rank}")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_uneven_shards_follow_torch_chunk(parity_dir):
     # Linear(3, 1) on 2 ranks: rank 1's chunk of the (1, 3) weight and (1,) bias is empty.
     shapes = [{k: v.shape for k, v in _load(parity_dir, "uneven", "frontend", r).items()}
@@ -303,32 +296,51 @@ def test_group_of_modules_as_root_is_an_error():
         a(torch.randn(2, 4))
 
 
+def test_errors_keep_fsdp2s_builtin_types():
+    from funshard import errors
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="must be a callable") as info:
+        fully_shard(model, shard_placement_fn="dim 1")
+    assert isinstance(info.value, errors.FunshardError)  # and still FSDP2's TypeError
+    fully_shard(model)
+    with pytest.raises(ValueError, match="already fully sharded") as info:
+        fully_shard(model)
+    assert isinstance(info.value, errors.FunshardError)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    fully_shard([a, b])
+    with pytest.raises(RuntimeError, match="the root must be a single module") as info:
+        a(torch.randn(2, 4))
+    assert type(info.value) is RuntimeError  # FSDP2's state errors stay plain
+
+
 def test_policy_validates_its_dtypes():
     with pytest.raises(TypeError, match="param_dtype"):
         MixedPrecisionPolicy(param_dtype=torch.int32)
 
 
+@pytest.mark.multiprocess
 def test_import_funshard_does_not_import_torch():
     code = "import sys, funshard, funshard.distributed; sys.exit('torch' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], env=clean_env(), timeout=120,
-                          capture_output=True, text=True)
+    done = run([sys.executable, "-c", code], env=clean_env(), timeout=120,
+               capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:] or "import funshard imported torch"
 
 
 def test_one_core_collective_per_group_and_none_without_gradient_sync(monkeypatch):
     # One collective of ONE operand per group (its parameters in one flat buffer):
     # over gloo each operand of a collective costs a round of its own.
-    from funshard.comm import _lowering
+    from funshard import comm
 
     calls = []
     for name in ("eager_all_gather", "eager_reduce_scatter"):
-        real = getattr(_lowering, name)
+        real = getattr(comm, name)
 
         def counted(datas, *args, _real=real, _name=name, **kwargs):
             calls.append((_name, len(datas)))
             return _real(datas, *args, **kwargs)
 
-        monkeypatch.setattr(_lowering, name, counted)
+        monkeypatch.setattr(comm, name, counted)
     model = _shard_mlp(_mlp())  # two units of 2 parameters each; the root has none
     model.set_requires_gradient_sync(False)
     model(torch.randn(2, 16)).sum().backward()
@@ -420,11 +432,11 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
     # As FSDP2's, a group's shards are copied into one flat buffer (copy-in) and the
     # gathered buffer into the parameters (copy-out); between the two, the buffers
     # cross to JAX and back through DLPack, without a copy.
-    from funshard.comm import _lowering
+    from funshard import comm
     from torch_frontend import _flat
 
     inputs, outputs, flats, gathered = [], [], [], []
-    real, copy_in, copy_out = _lowering.eager_all_gather, _flat.copy_in, _flat.copy_out
+    real, copy_in, copy_out = comm.eager_all_gather, _flat.copy_in, _flat.copy_out
 
     def recording(datas, *args, **kwargs):
         fulls = real(datas, *args, **kwargs)
@@ -441,7 +453,7 @@ def test_gathered_parameters_and_shards_cross_dlpack_without_copies(monkeypatch)
         gathered.append(full.data_ptr())
         return copy_out(bucket, full, *args)
 
-    monkeypatch.setattr(_lowering, "eager_all_gather", recording)
+    monkeypatch.setattr(comm, "eager_all_gather", recording)
     monkeypatch.setattr(_flat, "copy_in", recording_in)
     monkeypatch.setattr(_flat, "copy_out", recording_out)
     model = _shard_mlp(_mlp(), reshard_after_forward=False)
@@ -719,7 +731,7 @@ def test_shard_placement_on_dim_1_trains_like_plain_torch():
 
 
 @pytest.mark.parametrize("value, error, match", [
-    (2, ValueError, r"reshard_after_forward=2 must divide the shard world size 1"),
+    (2, ValueError, r"reshard_after_forward=2 must divide the number of shards \(1\)"),
     (0, ValueError, r"reshard_after_forward=0 must divide"),
     ("yes", TypeError, r"True, False, None or an int group size, got 'yes'"),
     (1.0, TypeError, r"got 1.0 \(float\)"),
@@ -832,11 +844,11 @@ def test_set_unshard_in_backward_false_skips_the_backward_gather(monkeypatch):
 def test_gradients_enter_jax_in_one_flat_buffer_without_another_copy(monkeypatch):
     # A group's gradients are packed rank-major into one buffer (FSDP2's chunk-cat),
     # which JAX reads in place.
-    from funshard.comm import _lowering
+    from funshard import comm
     from torch_frontend import _flat
 
     flats, inputs = [], []
-    real, reduce_input = _lowering.eager_reduce_scatter, _flat.reduce_input
+    real, reduce_input = comm.eager_reduce_scatter, _flat.reduce_input
 
     def recording_input(*args):
         flat = reduce_input(*args)
@@ -848,7 +860,7 @@ def test_gradients_enter_jax_in_one_flat_buffer_without_another_copy(monkeypatch
         return real(stacked, *args, **kwargs)
 
     monkeypatch.setattr(_flat, "reduce_input", recording_input)
-    monkeypatch.setattr(_lowering, "eager_reduce_scatter", recording_reduce)
+    monkeypatch.setattr(comm, "eager_reduce_scatter", recording_reduce)
     model = _shard_mlp(_mlp())
     model(torch.randn(2, 16)).sum().backward()
     assert len(inputs) == 2 and inputs == flats

@@ -21,6 +21,8 @@ import _parity_cases as pc
 import pytest
 from _parity_report import IMPLS, Jobs, selected
 
+pytestmark = [pytest.mark.torch, pytest.mark.multiprocess, pytest.mark.slow]
+
 CHOSEN = os.environ.get("FUNSHARD_PARITY", "")
 CASES = selected(ci_only=CHOSEN != "all",
                  names=[n for n in CHOSEN.split(",") if n] if CHOSEN != "all" else None)

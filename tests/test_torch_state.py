@@ -15,14 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _launch import Job, port_pairs
 from _torch_state_worker import CLIPS, LR, STEPS, Net, batch, build, local, loss_of, shard
-from _torchrun import Job, port_pairs
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import funshard as fs
 import torch_frontend as tf
 from conftest import mesh_for
+
+pytestmark = pytest.mark.torch
 
 WORKER = Path(__file__).with_name("_torch_state_worker.py")
 JOB_TIMEOUT_S = 150
@@ -132,6 +134,8 @@ def _assert_state(got: dict, want: dict, prefix: str, what: str, atol=TOLERANCE)
 # ---- two processes (one torchrun job) ----
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_process_training_with_clipping_matches_plain_torch(job, reference):
     _, ranks = job
     np.testing.assert_allclose(np.mean([r["loss"] for r in ranks], axis=0), reference["loss"],
@@ -146,6 +150,8 @@ def test_two_process_training_with_clipping_matches_plain_torch(job, reference):
                                        rtol=0, atol=1e-6, err_msg=f"clipped grad {name}")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_state_dict_after_forward_holds_local_shards(job, reference):
     # Step 0's forward left `inp` and the root gathered: the state dict still has shards.
     _, ranks = job
@@ -158,6 +164,8 @@ def test_state_dict_after_forward_holds_local_shards(job, reference):
     assert ranks[1]["sd_after_forward/out.weight"].shape == (0, 5)  # an empty shard
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_full_state_dict_rank0_only_and_load_full_state_dict_on_two_processes(job, reference):
     _, ranks = job
     assert [int(r["rank0_only_keys"]) for r in ranks] == [len(reference["full"]), 0]
@@ -168,6 +176,8 @@ def test_full_state_dict_rank0_only_and_load_full_state_dict_on_two_processes(jo
             np.testing.assert_allclose(r[f"loaded/{key}"], want, rtol=0, atol=TOLERANCE, err_msg=key)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_checkpoint_resumes_on_the_same_two_processes(job, reference):
     _, ranks = job
     for r in ranks:
@@ -175,6 +185,8 @@ def test_checkpoint_resumes_on_the_same_two_processes(job, reference):
         _assert_state(r, reference["final"], "resumed", "resumed training")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_jax_checkpoint_restores_into_two_processes(job, jax_params):
     _, ranks = job
     for r in ranks:
@@ -182,6 +194,8 @@ def test_jax_checkpoint_restores_into_two_processes(job, jax_params):
         _assert_state(r, jax_params, "from_jax", "restored from JAX", atol=0)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torch_checkpoint_resumes_on_one_process(job, reference):
     out, ranks = job
     tf.init_distributed()
@@ -216,6 +230,8 @@ def _jax_like(mesh) -> dict:
             "step": 0}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["torch_ckpt", "torch_ckpt_async"])
 def test_torch_checkpoint_restores_into_jax_on_8_devices(job, reference, name):
     out, _ = job
@@ -234,6 +250,8 @@ def test_torch_checkpoint_restores_into_jax_on_8_devices(job, reference, name):
 # ---- HSDP: 2 replicas x 2 shards (the 4-process job) ----
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hsdp_clip_and_checkpoint_match_plain_torch(hsdp_job):
     # The norm comes from the shard axis only: summed over the replicas too, it would
     # be sqrt(2) times torch's and the clipped step would differ.

@@ -9,67 +9,28 @@ process it started (torchrun, its workers) is killed on the way out.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _torchrun import ROOT, TORCHRUN, clean_env, free_port_pair
+import pytest
+from _launch import ROOT, free_port, run_bounded, torchrun_command
+
+pytestmark = [pytest.mark.torch, pytest.mark.multiprocess, pytest.mark.slow]
+
 EXAMPLE = ROOT / "examples" / "train_torch.py"
 BENCH = ROOT / "benchmarks" / "bench_torch.py"
 JOB_TIMEOUT_S = 120
 TINY = ["--tiny", "--batch", "8", "--log-every", "3", "--checkpoint-every", "3"]
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun's workers run in sessions of their own)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            # The fields after the command's closing parenthesis: state, ppid, ...
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in parents.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def run_bounded(command: list[str], cwd: Path, timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
-    """Runs `command`; on the way out kills it and every process it started, by pid."""
-    log = cwd / f"job-{time.monotonic_ns()}.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(command, cwd=cwd, env=clean_env(), stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    children: list[int] = []
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        code = -1
-    finally:
-        children = descendants(proc.pid)
-        for pid in [proc.pid, *children]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
-    return code, log.read_text()
-
-
 def torchrun(script: Path, *args: str, cwd: Path, processes: int = 2) -> str:
-    command = [*TORCHRUN, f"--nproc-per-node={processes}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port_pair()}", str(script), *args]
+    command = torchrun_command(script, processes, free_port(pair=True), *args)
     start = time.monotonic()
-    code, out = run_bounded(command, cwd)
+    code, out = run_bounded(command, cwd, JOB_TIMEOUT_S)
     assert code == 0, f"{script.name} {args} failed (exit {code}) after " \
                       f"{time.monotonic() - start:.0f} s:\n{out[-6000:]}"
     return out
@@ -111,7 +72,7 @@ def test_bench_torch_quick_runs_every_variant(tmp_path):
     result = tmp_path / "result.json"
     code, out = run_bounded([sys.executable, str(BENCH), "--quick", "--steps", "2",
                              "--warmup", "1", "--profile-steps", "1", "--out-json", str(result),
-                             "--out-md", str(tmp_path / "result.md")], tmp_path)
+                             "--out-md", str(tmp_path / "result.md")], tmp_path, JOB_TIMEOUT_S)
     assert code == 0, out[-6000:]
     facts = json.loads(result.read_text())
     rows = {v["name"]: v for v in facts["variants"]}

@@ -18,6 +18,8 @@ from _models import (
     mlp_sharded_loss,
 )
 
+pytestmark = pytest.mark.slow
+
 MESH_NAMES = ["1", "2", "4", "8", "2x4"]
 UNIT_MODES = [(False, True), (True, True), (True, False)]  # (units, reshard_after_forward)
 

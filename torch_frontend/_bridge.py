@@ -1,6 +1,6 @@
 """The DLPack bridge: torch tensors of this rank <-> the core's eager collectives.
 
-Private adapter over `funshard.comm._lowering.eager_all_gather` / `eager_reduce_scatter`
+Private adapter over `funshard.comm.eager_all_gather` / `eager_reduce_scatter`
 (the same `all_gather_blocks` / `reduce_scatter_blocks` as the functional step). Every
 tensor crosses without a copy: a process-local torch buffer becomes this device's
 block of a global `jax.Array` (`make_array_from_single_device_arrays`), and the
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
@@ -22,8 +21,7 @@ import torch
 from jax.sharding import Mesh, NamedSharding
 from torch.autograd import Variable
 
-from funshard import _jax_compat
-from funshard import comm
+from funshard import comm, errors
 from torch_frontend import _cuda
 
 SHARD_AXIS = "fsdp"
@@ -137,12 +135,19 @@ class Layout:
 
     def padded_rows(self, rows: int) -> int:
         """Rows each rank stores for a dim 0 of `rows` (torch.chunk's chunk size)."""
-        return math.ceil(rows / self.world)
+        return comm.rows_per_shard(rows, self.world)
 
     def local_rows(self, rows: int) -> int:
         """Rows of `torch.chunk(p, world, dim=0)[rank]` (possibly 0)."""
-        size = self.padded_rows(rows)
-        return max(0, min(size, rows - self.rank * size))
+        return self.chunk(rows)[1]
+
+    def chunk(self, rows: int) -> tuple[int, int]:
+        """`(start, count)` of this rank's rows of a dim of `rows` (torch.chunk's)."""
+        return comm.chunk(rows, self.world, self.rank)
+
+    def padded_size(self, rows: int) -> int:
+        """A dim of `rows` zero-padded to `world * padded_rows(rows)`."""
+        return comm.padded_size(rows, self.world)
 
 
 def layout_of(mesh: Mesh, comm: CommContext) -> Layout:
@@ -154,28 +159,40 @@ def layout_of(mesh: Mesh, comm: CommContext) -> Layout:
         several devices in it.
     """
     if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"fully_shard: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
-            "pass the mesh torch_frontend.init_distributed() returns (or mesh=None)."
-        )
+        raise errors.ShardingTypeError(_not_a_jax_mesh(mesh))
     if SHARD_AXIS not in mesh.axis_names:
-        raise ValueError(
-            f"fully_shard: mesh axes {mesh.axis_names} lack the {SHARD_AXIS!r} axis; build "
-            "the mesh with torch_frontend.init_distributed() or funshard.make_mesh()."
-        )
+        raise errors.ShardingValueError(_lacks_shard_axis(mesh))
     mine = [idx for idx, d in np.ndenumerate(mesh.devices) if d.process_index == jax.process_index()]
     if len(mine) != 1:
-        raise ValueError(
-            f"fully_shard: process {jax.process_index()} has {len(mine)} devices in the mesh; "
-            "the torch frontend needs exactly one per process (one rank, one shard). Use "
-            "the mesh torch_frontend.init_distributed() returns."
-        )
+        raise errors.ShardingValueError(_devices_per_process(len(mine)))
     idx = mine[0]
     replicate = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
     position = idx[mesh.axis_names.index(SHARD_AXIS)]
     device = mesh.devices[idx]
     return Layout(mesh, device, (SHARD_AXIS,), replicate, int(position),
                   mesh.shape[SHARD_AXIS], mesh.devices.size, comm)
+
+
+def _not_a_jax_mesh(mesh) -> str:
+    return (
+        f"fully_shard: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
+        "pass the mesh torch_frontend.init_distributed() returns (or mesh=None)."
+    )
+
+
+def _lacks_shard_axis(mesh: Mesh) -> str:
+    return (
+        f"fully_shard: mesh axes {mesh.axis_names} lack the {SHARD_AXIS!r} axis; build "
+        "the mesh with torch_frontend.init_distributed() or funshard.make_mesh()."
+    )
+
+
+def _devices_per_process(count: int) -> str:
+    return (
+        f"fully_shard: process {jax.process_index()} has {count} devices in the mesh; "
+        "the torch frontend needs exactly one per process (one rank, one shard). Use "
+        "the mesh torch_frontend.init_distributed() returns."
+    )
 
 
 HPZ_INNER_AXIS = "hpz_inner"
@@ -206,18 +223,18 @@ def _import(layout: Layout, tensor: torch.Tensor) -> jax.Array:
     """`tensor` as a single-device jax.Array on this process's device, sharing memory.
 
     A CUDA tensor must be on this process's GPU; JAX's reads wait for torch's current
-    stream (DLPack's stream argument, in `_jax_compat.dlpack_import`).
+    stream (DLPack's stream argument, in `funshard.comm.dlpack_import`).
 
     Raises:
       ValueError: `tensor` is on another device than this process's JAX device.
     """
     tensor = tensor.detach()
     if not tensor.is_cuda:
-        return _jax_compat.dlpack_import(tensor, layout.device)
+        return comm.dlpack_import(tensor, layout.device)
     _cuda.check_same_device(tensor, layout.device)
     _cuda.RETIREMENT.release_finished()
     with _cuda.importing(tensor):
-        return _jax_compat.dlpack_import(tensor, layout.device)
+        return comm.dlpack_import(tensor, layout.device)
 
 
 def as_words(tensor: torch.Tensor) -> torch.Tensor:
@@ -295,7 +312,7 @@ def finish_all_gather(pending: Future) -> list[torch.Tensor]:
 
 def padded_full(layout: Layout, full: torch.Tensor, dim: int) -> torch.Tensor:
     """`full` zero-padded to `world * padded_rows` on `dim`, contiguous (maybe `full`)."""
-    padded_rows = layout.world * layout.padded_rows(full.shape[dim])
+    padded_rows = layout.padded_size(full.shape[dim])
     if padded_rows == full.shape[dim] and full.is_contiguous():
         return full
     shape = list(full.shape)

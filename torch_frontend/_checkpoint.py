@@ -33,8 +33,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import funshard as fs
-from funshard import comm
-from torch_frontend import _bridge, _errors
+from funshard import comm, errors
+from torch_frontend import _bridge
+from torch_frontend._fully_shard import not_fsdp_module
 from torch_frontend._state import state_of
 from torch_frontend._state_dict import Managed, managed_params
 
@@ -49,7 +50,7 @@ def _base_layout(module: nn.Module) -> _bridge.Layout:
         state = state_of(sub)
         if state is not None:
             return state.group.layout
-    raise ValueError(_errors.not_fsdp_module("torch_frontend checkpoint", module))
+    raise errors.ShardingValueError(not_fsdp_module("torch_frontend checkpoint", module))
 
 
 def _shardable(t: torch.Tensor) -> bool:
@@ -99,16 +100,14 @@ def _padded_leaf(layout: _bridge.Layout, local: torch.Tensor, shape, dim: int) -
 
 def _abstract_leaf(layout: _bridge.Layout, shape, dtype, dim: int) -> fs.Sharded:
     padded = list(shape)
-    padded[dim] = layout.world * layout.padded_rows(shape[dim])
+    padded[dim] = layout.padded_size(shape[dim])
     data = jax.ShapeDtypeStruct(tuple(padded), dtype, sharding=_sharding(layout, dim))
     return _leaf(layout, data, shape, dtype, dim)
 
 
 def _chunk_of_full(layout: _bridge.Layout, full: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a tensor every rank holds whole (a buffer), on dim 0."""
-    rows = full.shape[0]
-    count = layout.local_rows(rows)
-    start = layout.rank * layout.padded_rows(rows) if count else 0
+    start, count = layout.chunk(full.shape[0])
     return full.narrow(0, start, count)
 
 
@@ -125,7 +124,7 @@ def _model_tree(module: nn.Module, local: dict, managed: dict[int, Managed],
             if id(t) not in leaves:
                 param = entry.param
                 if param.dtype.itemsize == 8:
-                    raise NotImplementedError(_errors.checkpoint_64bit(key, param.dtype))
+                    raise errors.UnsupportedError(_checkpoint_64bit(key, param.dtype))
                 padded = param.sync_padded()
                 # An asynchronous save outlives this call: the optimizer writes `padded`.
                 data = _bridge.global_block(entry.layout, padded.clone() if copy else padded, param.dim)
@@ -136,6 +135,14 @@ def _model_tree(module: nn.Module, local: dict, managed: dict[int, Managed],
         else:
             tree[key] = _numpy(t)
     return tree
+
+
+def _checkpoint_64bit(key: str, dtype) -> str:
+    return (
+        f"torch_frontend.save: parameter {key!r} has the 64-bit dtype {dtype}, which "
+        "funshard's JAX format (x64 off) cannot hold exactly. Save this model with "
+        "torch.distributed.checkpoint (dcp.save(get_model_state_dict(model))) instead."
+    )
 
 
 def _names(module: nn.Module) -> dict[int, str]:
@@ -149,9 +156,17 @@ def _optimizer_params(optimizer: torch.optim.Optimizer, names: dict[int, str]):
     for g, group in enumerate(optimizer.param_groups):
         for i, param in enumerate(group["params"]):
             if id(param) not in names:
-                raise ValueError(_errors.optimizer_param_not_in_module(g, i, param.shape))
+                raise errors.ShardingValueError(_param_not_in_module(g, i, param.shape))
             found.append((names[id(param)], param))
     return found
+
+
+def _param_not_in_module(group: int, index: int, shape) -> str:
+    return (
+        f"save/restore: parameter {index} of the optimizer's param group {group} (shape "
+        f"{tuple(shape)}) is not a parameter of the module. Build the optimizer from "
+        "module.parameters() after fully_shard, and pass that module."
+    )
 
 
 def _state_leaf(fqn: str, name: str, value, param: torch.Tensor, entry: Managed | None,
@@ -159,11 +174,11 @@ def _state_leaf(fqn: str, name: str, value, param: torch.Tensor, entry: Managed 
     if isinstance(value, (bool, int, float)):
         return value
     if not isinstance(value, torch.Tensor):
-        raise NotImplementedError(_errors.optimizer_state_unsupported(fqn, name, value))
+        raise errors.UnsupportedError(_state_unsupported(fqn, name, value))
     if value.ndim == 0:
         return _numpy(value)
     if tuple(value.shape) != tuple(param.shape):
-        raise NotImplementedError(_errors.optimizer_state_unsupported(fqn, name, value))
+        raise errors.UnsupportedError(_state_unsupported(fqn, name, value))
     if isinstance(value, DTensor):  # a managed parameter's state: its local rows
         value = value._local_tensor
     if entry is not None:
@@ -171,6 +186,15 @@ def _state_leaf(fqn: str, name: str, value, param: torch.Tensor, entry: Managed 
     if _shardable(value):
         return _padded_leaf(base, _chunk_of_full(base, value), value.shape, 0)
     return _numpy(value)
+
+
+def _state_unsupported(fqn: str, name: str, value) -> str:
+    shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+    return (
+        f"save: optimizer state {name!r} of parameter {fqn!r} is a {type(value).__name__}"
+        f"{shape}; only tensors shaped like the parameter's local shard, 0-d tensors and "
+        "Python numbers are supported yet."
+    )
 
 
 def _hyperparameter(value):
@@ -343,18 +367,35 @@ def _like_optimizer(path: str, stored: dict, optimizer, module, managed, base) -
     problems += [f"  not a parameter of the optimizer: {p}" for p in stored
                  if p.startswith(state_prefix) and p not in claimed]
     if problems:
-        raise ValueError(_errors.checkpoint_optimizer_mismatch(path, problems))
+        raise errors.CheckpointError(_optimizer_mismatch(path, problems))
     like: dict[str, Any] = {_STATE: state}
     if any(p.startswith(keystr((DictKey(OPTIMIZER), DictKey(_GROUPS)))) for p in stored):
         like[_GROUPS] = _groups_tree(optimizer)
     return like
 
 
+def _optimizer_mismatch(path: str, problems: list[str]) -> str:
+    return (
+        f"restore: the optimizer state in the checkpoint at {path} does not fit the "
+        "optimizer:\n" + "\n".join(problems)
+        + "\nRestore into an optimizer of the same kind, built over the same parameters."
+    )
+
+
 def _restore_tree(path: str, like: dict, comm: _bridge.CommContext) -> dict:
     try:
         return comm.in_order(fs.restore, path, like)
     except ValueError as exc:
-        raise ValueError(_errors.checkpoint_module_mismatch(str(exc))) from exc
+        raise errors.CheckpointError(_module_mismatch(str(exc))) from exc
+
+
+def _module_mismatch(detail: str) -> str:
+    return (
+        f"{detail}\nThe module (and optimizer) must have the keys, shapes and dtypes of "
+        "the saved ones; the checkpoint's paths are ['model'][<state_dict key>], "
+        "['optimizer']['state'][<parameter name>][<state name>], "
+        "['optimizer']['param_groups'][<i>][<option>] and ['step']."
+    )
 
 
 def _gather_sharded(leaves: list[fs.Sharded], base: _bridge.Layout) -> list[torch.Tensor]:
@@ -447,9 +488,9 @@ def restore(path: str | os.PathLike, module: nn.Module,
 
     Raises:
       FileNotFoundError: there is no checkpoint at `path`.
-      ValueError: the checkpoint does not fit the module or optimizer (the message
-        names every offending path), holds optimizer state and `optimizer` is None,
-        or holds none and `optimizer` is given.
+      ValueError: (`funshard.errors.CheckpointError`) the checkpoint does not fit the
+        module or optimizer (the message names every offending path), holds optimizer
+        state and `optimizer` is None, or holds none and `optimizer` is given.
     """
     path = os.path.abspath(os.fspath(path))
     stored = _stored(path)
@@ -458,9 +499,9 @@ def restore(path: str | os.PathLike, module: nn.Module,
     like: dict[str, Any] = {MODEL: _like_model(local, managed, base)}
     has_optimizer = any(p.startswith(keystr((DictKey(OPTIMIZER),))) for p in stored)
     if optimizer is None and has_optimizer:
-        raise ValueError(_errors.checkpoint_has_optimizer(path))
+        raise errors.CheckpointError(_has_optimizer(path))
     if optimizer is not None and stored and not has_optimizer:
-        raise ValueError(_errors.checkpoint_lacks_optimizer(path))
+        raise errors.CheckpointError(_lacks_optimizer(path))
     if optimizer is not None and stored:
         like[OPTIMIZER] = _like_optimizer(path, stored, optimizer, module, managed, base)
     step = stored.get(keystr((DictKey(STEP),)))
@@ -471,3 +512,17 @@ def restore(path: str | os.PathLike, module: nn.Module,
     if OPTIMIZER in like:
         _write_optimizer(optimizer, module, managed, restored[OPTIMIZER], base)
     return int(restored[STEP]) if STEP in restored else None
+
+
+def _has_optimizer(path: str) -> str:
+    return (
+        f"restore: the checkpoint at {path} holds optimizer state; pass the optimizer "
+        "(restore(path, module, optimizer)) to restore it too."
+    )
+
+
+def _lacks_optimizer(path: str) -> str:
+    return (
+        f"restore: the checkpoint at {path} holds no optimizer state; pass optimizer=None, "
+        "or restore from a checkpoint saved with the optimizer."
+    )

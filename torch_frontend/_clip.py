@@ -8,7 +8,8 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from torch_frontend import _bridge, _errors
+from funshard import errors
+from torch_frontend import _bridge
 from torch_frontend._param import managed
 
 
@@ -70,7 +71,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
     if not (norm_type > 0):
-        raise ValueError(_errors.bad_norm_type(norm_type))
+        raise errors.ShardingValueError(_bad_norm_type(norm_type))
     partials: dict[_bridge.Layout, list[torch.Tensor]] = {}
     replicated: list[torch.Tensor] = []
     for param in params:
@@ -86,10 +87,25 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     total = (torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms
              else torch.zeros((), dtype=torch.float32))
     if error_if_nonfinite and not math.isfinite(total.item()):
-        raise RuntimeError(_errors.nonfinite_norm(norm_type))
+        raise RuntimeError(_nonfinite_norm(norm_type))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for grads in (*partials.values(), replicated):
             for grad in grads:
                 grad.mul_(coef.to(grad.dtype))
     return total
+
+
+def _bad_norm_type(norm_type) -> str:
+    return (
+        f"clip_grad_norm_: norm_type={norm_type!r} is not supported; pass a positive "
+        "number (2.0 is the default) or float('inf')."
+    )
+
+
+def _nonfinite_norm(norm_type) -> str:
+    return (
+        f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+        "non-finite, so it cannot be clipped. To scale the gradients by the non-finite "
+        "norm anyway, set error_if_nonfinite=False."
+    )

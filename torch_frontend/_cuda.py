@@ -11,7 +11,7 @@ stepping on each other; docs/gpu.md explains them for users:
   (`torch_backend`); the hot path's collectives still run on JAX (NCCL too).
 - **Stream order at the DLPack crossing.** Torch -> JAX: the import passes JAX's stream
   to torch's `__dlpack__`, which makes it wait for torch's current stream
-  (`funshard._jax_compat.dlpack_import`). JAX -> torch: `export` passes torch's current
+  (`funshard.comm.dlpack_import`). JAX -> torch: `export` passes torch's current
   stream to JAX's `__dlpack__`, which makes it wait until JAX has written the buffer;
   and JAX's buffer stays alive until torch's stream has passed the last use of the
   tensor viewing it (`Retirement`), so JAX never hands the memory to a new program
@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from funshard import _jax_compat
+from funshard import comm, errors
 
 # The environment variables that choose JAX's GPU allocator (read by jaxlib's
 # `generate_pjrt_gpu_plugin_options` when the GPU backend starts). If the user set any
@@ -77,7 +77,7 @@ def configure_allocator(environ: MutableMapping[str, str] | None = None, *,
       environ: the environment to update (default `os.environ`).
       cuda: whether torch uses CUDA (default `torch.cuda.is_available()`).
       backend_started: whether a JAX backend is running already (default
-        `funshard._jax_compat.backends_started`).
+        `funshard.comm.backends_started`).
 
     Returns:
       The variables it set (`{}` if none were needed or it was too late).
@@ -91,7 +91,7 @@ def configure_allocator(environ: MutableMapping[str, str] | None = None, *,
     wanted = allocator_env(environ, cuda)
     if not wanted:
         return {}
-    started = _jax_compat.backends_started if backend_started is None else backend_started
+    started = comm.backends_started if backend_started is None else backend_started
     if started():
         warnings.warn(_too_late_message(), RuntimeWarning, stacklevel=2)
         return {}
@@ -152,15 +152,19 @@ def check_same_device(tensor: torch.Tensor, jax_device: Any) -> None:
     want = torch_device(jax_device)
     have = tensor.device
     if have.type != want.type or (want.type == "cuda" and have.index != want.index):
-        raise ValueError(
-            f"fully_shard: a tensor on {tensor.device} meets this process's JAX device "
-            f"{jax_device} (torch {want}); tensors cross to JAX without a copy, so they "
-            f"must be on {want}. Move the model there before the first forward "
-            f"(model.to({str(want)!r}); under torchrun, torch.device('cuda', LOCAL_RANK))"
-            + ("" if want.type == "cuda" else
-               ", or install JAX's CUDA plugin (pip install -e '.[cuda]') so that JAX "
-               "runs on the GPU") + "."
-        )
+        raise errors.ShardingValueError(_other_device(have, jax_device, want))
+
+
+def _other_device(have: torch.device, jax_device: Any, want: torch.device) -> str:
+    return (
+        f"fully_shard: a tensor on {have} meets this process's JAX device "
+        f"{jax_device} (torch {want}); tensors cross to JAX without a copy, so they "
+        f"must be on {want}. Move the model there before the first forward "
+        f"(model.to({str(want)!r}); under torchrun, torch.device('cuda', LOCAL_RANK))"
+        + ("" if want.type == "cuda" else
+           ", or install JAX's CUDA plugin (pip install -e '.[cuda]') so that JAX "
+           "runs on the GPU") + "."
+    )
 
 
 def importing(tensor: torch.Tensor):

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import funshard as fs
 import funshard.distributed
-from torch_frontend import _bridge, _cuda, _errors
+from funshard import errors
+from torch_frontend import _bridge, _cuda
 
 SHARD_AXIS = "fsdp"
 REPLICATE_AXIS = "replicate"
@@ -73,13 +74,13 @@ def init_distributed(replicate: int | None = None) -> Mesh:
     Raises:
       ValueError: `replicate` differs from an earlier call, or does not divide the
         number of processes.
-      RuntimeError: torch's process group disagrees with JAX's runtime on this
-        process's rank or on the world size.
+      RuntimeError: (`funshard.errors.DistributedError`) torch's process group
+        disagrees with JAX's runtime on this process's rank or on the world size.
     """
     global _runtime
     if _runtime is not None:
         if replicate != _runtime.replicate:
-            raise ValueError(_errors.replicate_changed(_runtime.replicate, replicate))
+            raise errors.ShardingValueError(_replicate_changed(_runtime.replicate, replicate))
         return _runtime.mesh
     _cuda.configure_allocator()  # first: JAX's GPU allocator reads it when it starts
     fs.distributed.initialize()
@@ -88,6 +89,13 @@ def init_distributed(replicate: int | None = None) -> Mesh:
     devices = [jax.local_devices(process_index=p)[0] for p in range(jax.process_count())]
     _runtime = Runtime(fs.make_mesh(replicate, devices=devices), replicate, _bridge.CommContext())
     return _runtime.mesh
+
+
+def _replicate_changed(before, now) -> str:
+    return (
+        f"init_distributed: already initialised with replicate={before!r}; "
+        f"replicate={now!r} cannot change it in a running process."
+    )
 
 
 def _init_process_group() -> None:
@@ -99,8 +107,16 @@ def _init_process_group() -> None:
         else:
             dist.init_process_group(backend)  # torchrun's MASTER_ADDR / MASTER_PORT
     if (dist.get_rank(), dist.get_world_size()) != (jax.process_index(), jax.process_count()):
-        raise RuntimeError(_errors.ranks_disagree(
+        raise errors.DistributedError(_ranks_disagree(
             dist.get_rank(), dist.get_world_size(), jax.process_index(), jax.process_count()))
+
+
+def _ranks_disagree(rank: int, world: int, jax_rank: int, jax_world: int) -> str:
+    return (
+        f"init_distributed: torch's process group has rank {rank} of {world}, but JAX's "
+        f"runtime has process {jax_rank} of {jax_world}. Open both from the same "
+        "launcher (torchrun), or let init_distributed() open torch's group."
+    )
 
 
 def default_mesh() -> Mesh:
@@ -161,7 +177,7 @@ def jax_mesh(mesh: DeviceMesh) -> Mesh:
     if mesh in _jax_meshes:
         return _jax_meshes[mesh]
     if mesh.ndim not in (1, 2):
-        raise ValueError(_errors.device_mesh_rank(mesh.ndim))
+        raise errors.ShardingValueError(_device_mesh_rank(mesh.ndim))
     default_mesh()
     ranks = mesh.mesh.cpu().reshape(-1).tolist()
     devices = [jax.local_devices(process_index=r)[0] for r in ranks]
@@ -170,6 +186,13 @@ def jax_mesh(mesh: DeviceMesh) -> Mesh:
     # jax mesh (the default one) keeps the DeviceMesh `device_mesh()` made for it.
     _jax_meshes[mesh] = made
     return made
+
+
+def _device_mesh_rank(ndim: int) -> str:
+    return (
+        f"fully_shard: a DeviceMesh with {ndim} dimensions is not supported; pass a 1-D "
+        "mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), as init_device_mesh makes."
+    )
 
 
 def both_meshes(mesh) -> tuple[Mesh, DeviceMesh]:
@@ -183,4 +206,11 @@ def both_meshes(mesh) -> tuple[Mesh, DeviceMesh]:
         return _jax_meshes[made], made
     if isinstance(mesh, DeviceMesh):
         return jax_mesh(mesh), mesh
-    raise TypeError(_errors.bad_mesh(mesh))
+    raise errors.ShardingTypeError(_bad_mesh(mesh))
+
+
+def _bad_mesh(mesh) -> str:
+    return (
+        f"fully_shard: mesh must be a torch DeviceMesh (init_device_mesh) or the mesh "
+        f"torch_frontend.init_distributed() returns, got {type(mesh).__name__}."
+    )

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from funshard import comm
 from torch_frontend._bridge import as_words
 
 
@@ -50,7 +51,7 @@ class Bucket:
 def block_shape(shape: Sequence[int], dim: int, world: int) -> list[int]:
     """The shape of one rank's padded block of a tensor of `shape` sharded on `dim`."""
     block = list(shape)
-    block[dim] = math.ceil(shape[dim] / world)
+    block[dim] = comm.rows_per_shard(shape[dim], world)
     return block
 
 

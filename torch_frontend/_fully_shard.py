@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torch_frontend import _bridge, _distributed, _errors, _param, _state_dict
+from funshard import comm, errors
+from torch_frontend import _bridge, _distributed, _param, _state_dict
 from torch_frontend._group import ParamGroup, module_params
 from torch_frontend._param import FSDPParam, ShardSpec
 from torch_frontend._policy import MixedPrecisionPolicy
@@ -24,7 +25,7 @@ class FSDPModule:
     def _fsdp_state(self) -> FSDPState:
         state = state_of(self)
         if state is None:
-            raise RuntimeError(_errors.not_fsdp_module("FSDPModule", self))
+            raise RuntimeError(not_fsdp_module("FSDPModule", self))
         return state
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
@@ -92,7 +93,7 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Changes `reshard_after_forward` (a bool) at run time."""
         if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
+            raise errors.ShardingValueError(
                 f"set_reshard_after_forward: expected a bool, got {reshard_after_forward!r}.")
         for state in self._fsdp_states(recurse):
             state.group.reshard_after_forward = reshard_after_forward
@@ -139,7 +140,8 @@ class FSDPModule:
         this setting asks FSDP2 to do; either value keeps that behaviour.
         """
         if not isinstance(enable, bool):
-            raise TypeError(f"set_force_sum_reduction_for_comms: expected a bool, got {enable!r}.")
+            raise errors.ShardingTypeError(
+                f"set_force_sum_reduction_for_comms: expected a bool, got {enable!r}.")
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Dispatches these modules' gathers right after this module's own (forward).
@@ -170,9 +172,17 @@ def _states_of(modules, method: str) -> list[FSDPState]:
     for module in modules:
         state = state_of(module) if isinstance(module, nn.Module) else None
         if state is None:
-            raise ValueError(_errors.not_fsdp_module(method, module))
+            raise errors.ShardingValueError(not_fsdp_module(method, module))
         states.append(state)
     return states
+
+
+def not_fsdp_module(method: str, module) -> str:
+    """The message for `method` called on a module `fully_shard` was not applied to."""
+    return (
+        f"{method}: {type(module).__name__} has no fully_shard state; call "
+        "torch_frontend.fully_shard on it first."
+    )
 
 
 class UnshardHandle:
@@ -207,7 +217,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if state is None:
         return
     if not callable(getattr(module, method_name, None)):
-        raise ValueError(
+        raise errors.ShardingValueError(
             f"register_fsdp_forward_method: {type(module).__name__} has no method "
             f"{method_name!r}.")
     method = getattr(module, method_name)  # bound: the original implementation
@@ -227,40 +237,76 @@ def _fsdp_class(cls: type) -> type:
 
 def _check_not_yet(offload_policy, dp_mesh_dims) -> None:
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        raise NotImplementedError(_errors.not_supported_yet(
+        raise errors.UnsupportedError(_not_supported_yet(
             f"offload_policy={offload_policy!r}", "parameters already live in host memory "
             "on CPU; pass None."))
     if dp_mesh_dims is not None:
-        raise NotImplementedError(_errors.not_supported_yet(
+        raise errors.UnsupportedError(_not_supported_yet(
             "dp_mesh_dims", "pass None and a mesh from init_distributed()."))
+
+
+def _not_supported_yet(what: str, how: str) -> str:
+    return f"fully_shard: {what} is not supported by torch_frontend yet; {how}"
 
 
 def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn) -> None:
     for module in modules:
         if not isinstance(module, nn.Module):
-            raise TypeError(
+            raise errors.ShardingTypeError(
                 f"fully_shard: expected an nn.Module or a list of them, got {type(module).__name__}.")
         if state_of(module) is not None:
-            raise ValueError(
-                f"fully_shard: {type(module).__name__} is already fully sharded; call "
-                "fully_shard once per module (list modules to group them).")
+            raise errors.ShardingValueError(_sharded_twice(module))
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
-        raise TypeError(_errors.bad_reshard_after_forward(reshard_after_forward))
+        raise errors.ShardingTypeError(_bad_reshard_after_forward(reshard_after_forward))
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            "fully_shard: mp_policy must be a torch_frontend.MixedPrecisionPolicy, got "
-            f"{type(mp_policy).__name__}.")
+        raise errors.ShardingTypeError(_bad_mp_policy(mp_policy))
     if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError(_errors.bad_placement_fn(shard_placement_fn))
+        raise errors.ShardingTypeError(_bad_placement_fn(shard_placement_fn))
+
+
+def _sharded_twice(module: nn.Module) -> str:
+    return (
+        f"fully_shard: {type(module).__name__} is already fully sharded; call "
+        "fully_shard once per module (list modules to group them)."
+    )
+
+
+def _bad_reshard_after_forward(value) -> str:
+    return (
+        f"fully_shard: reshard_after_forward must be True, False, None or an int group "
+        f"size, got {value!r} ({type(value).__name__})."
+    )
+
+
+def _bad_mp_policy(mp_policy) -> str:
+    return (
+        "fully_shard: mp_policy must be a torch_frontend.MixedPrecisionPolicy, got "
+        f"{type(mp_policy).__name__}."
+    )
+
+
+def _bad_placement_fn(fn) -> str:
+    return (
+        f"fully_shard: shard_placement_fn must be a callable (param -> Shard(dim) or None), "
+        f"got {type(fn).__name__}."
+    )
 
 
 def _check_unmanaged(param: nn.Parameter, fqn: str) -> None:
     if _param.managed(param) is not None:
-        raise ValueError(_errors.already_managed(fqn))
+        raise errors.ShardingValueError(_already_managed(fqn))
     if isinstance(param, DTensor):
-        raise NotImplementedError(_errors.not_supported_yet(
+        raise errors.UnsupportedError(_not_supported_yet(
             f"the DTensor parameter {fqn!r} (tensor parallelism)",
             "pass modules with plain tensor parameters."))
+
+
+def _already_managed(fqn: str) -> str:
+    return (
+        f"fully_shard: parameter {fqn!r} is already managed by another FSDP group (an "
+        "outer module was fully sharded first). Apply fully_shard bottom-up: the inner "
+        "modules (e.g. each block) first, then their parent."
+    )
 
 
 def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
@@ -271,10 +317,25 @@ def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
-        raise TypeError(_errors.bad_placement(fqn, placement))
+        raise errors.ShardingTypeError(_bad_placement(fqn, placement))
     if not -param.ndim <= placement.dim < param.ndim:
-        raise ValueError(_errors.placement_out_of_range(fqn, placement.dim, tuple(param.shape)))
+        raise errors.ShardingValueError(
+            _placement_out_of_range(fqn, placement.dim, tuple(param.shape)))
     return placement.dim % param.ndim
+
+
+def _bad_placement(fqn: str, placement) -> str:
+    return (
+        f"fully_shard: shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
+        "return torch.distributed.tensor.Shard(dim) to shard it on dim, or None for dim 0."
+    )
+
+
+def _placement_out_of_range(fqn: str, dim: int, shape: tuple) -> str:
+    return (
+        f"fully_shard: shard_placement_fn returned Shard({dim}) for parameter {fqn!r} of "
+        f"shape {shape}; the dim must be in [-{len(shape)}, {len(shape)})."
+    )
 
 
 def _post_forward_world(reshard_after_forward: bool | int | None, layout: _bridge.Layout):
@@ -282,11 +343,17 @@ def _post_forward_world(reshard_after_forward: bool | int | None, layout: _bridg
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
         return reshard_after_forward is not False
     k = reshard_after_forward
-    if k < 1 or layout.world % k:
-        raise ValueError(_errors.hpz_not_divisor(k, layout.world))
+    comm.check_group_size("fully_shard", k, layout.world)
     if k == 1:
-        warnings.warn(_errors.hpz_one(), UserWarning, stacklevel=3)
+        warnings.warn(_hpz_one(), UserWarning, stacklevel=3)
     return False if k == 1 else True if k == layout.world else k
+
+
+def _hpz_one() -> str:
+    return (
+        "fully_shard: reshard_after_forward=1 (int) means resharding to groups of one "
+        "rank, i.e. keeping the whole gathered parameters; it behaves as False."
+    )
 
 
 def _param_names(modules: list[nn.Module]) -> dict[int, str]:

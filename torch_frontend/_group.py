@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from torch_frontend import _bridge, _errors, _flat
+from torch_frontend import _bridge, _flat
 from torch_frontend._param import FSDPParam
 from torch_frontend._policy import MixedPrecisionPolicy
 from torch_frontend._tree import map_tensors, tensors
@@ -121,7 +121,7 @@ class ParamGroup:
         sources = [p.sync_padded() for p in self.params]
         on_meta = [p.fqn for p, source in zip(self.params, sources) if source.is_meta]
         if on_meta:
-            raise RuntimeError(_errors.meta_forward(on_meta))
+            raise RuntimeError(_meta_forward(on_meta))
         dtypes = [self.param_dtype(p) for p in self.params]
         buckets = _flat.buckets(dtypes, [s.shape for s in sources])
         world = self.layout.world
@@ -352,6 +352,16 @@ class ParamGroup:
             return args, kwargs
         outs = iter(_PostBackward.apply(self, *needing))
         return map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
+
+
+def _meta_forward(fqns: list[str]) -> str:
+    # FSDP2's sentence first: code written for FSDP2 may match it.
+    return (
+        "FSDP parameters should be materialized from meta device before training, but the "
+        f"following were still on meta device: {fqns}\nMaterialise the model after "
+        "fully_shard with module.to_empty(device=...) and initialise it (e.g. "
+        "reset_parameters() on each module) before the first forward."
+    )
 
 
 class _PostBackward(torch.autograd.Function):

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from torch_frontend import _bridge, _errors
+from funshard import errors
+from torch_frontend import _bridge
 
 # id() of every tensor a group binds to its modules (local shards and unsharded
 # parameters) -> its FSDPParam. Not a weak reference to the tensor: `module.to()` and
@@ -88,7 +89,7 @@ class FSDPParam:
     def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], fqn: str,
                  layout: _bridge.Layout, spec: ShardSpec, dim: int = 0):
         if param.ndim == 0:
-            raise ValueError(_errors.scalar_param(fqn))
+            raise errors.ShardingValueError(_scalar_param(fqn))
         self.fqn, self.uses, self.dim = fqn, uses, dim
         self.orig_uid = original_uid(param)
         self.layout, self.spec = layout, spec
@@ -149,7 +150,7 @@ class FSDPParam:
         """
         for module, name in self.uses:
             if module._parameters.get(name) is not self.sharded:
-                raise ValueError(_errors.replaced_param(self.fqn))
+                raise errors.ShardingValueError(_replaced_param(self.fqn))
 
     def sync_padded(self) -> torch.Tensor:
         """`padded`, re-made first if the shard no longer views it.
@@ -184,7 +185,7 @@ class FSDPParam:
             if (not isinstance(new, DTensor) or new.shape != self.sharded.shape
                     or new.device_mesh != self.spec.device_mesh
                     or tuple(new.placements) != self.spec.placements(self.dim)):
-                raise ValueError(_errors.replaced_param(self.fqn))
+                raise errors.ShardingValueError(_replaced_param(self.fqn))
             _MANAGED.pop(id(self.sharded), None)
             self.sharded = new
             _MANAGED[id(new)] = self
@@ -326,6 +327,24 @@ class FSDPParam:
     def _bind(self, param: nn.Parameter) -> None:
         for module, name in self.uses:
             module._parameters[name] = param
+
+
+def _scalar_param(fqn: str) -> str:
+    # FSDP2's sentence first: code written for FSDP2 may match it.
+    return (
+        f"fully_shard: parameter {fqn!r} is 0-dimensional, and FSDP shards on dim 0. "
+        f"Change {fqn} to a 1D tensor with numel equal to 1 (or keep it out of the "
+        "sharded module, e.g. as a buffer)."
+    )
+
+
+def _replaced_param(fqn: str) -> str:
+    return (
+        f"fully_shard: parameter {fqn!r} was replaced after fully_shard (e.g. "
+        "`module.weight = nn.Parameter(...)`); the new tensor is not sharded and would be "
+        "ignored. Assign new values in place instead (`with torch.no_grad(): "
+        "module.weight.copy_(...)`), or replace it before calling fully_shard."
+    )
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

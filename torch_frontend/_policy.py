@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from funshard import errors
+
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -31,15 +33,18 @@ class MixedPrecisionPolicy:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise TypeError(
-                    f"MixedPrecisionPolicy: {name}={value!r} must be None or a floating "
-                    "torch.dtype such as torch.bfloat16."
-                )
+                raise errors.ShardingTypeError(_bad_dtype(name, value))
         if not isinstance(self.cast_forward_inputs, bool):
-            raise TypeError(
+            raise errors.ShardingTypeError(
                 f"MixedPrecisionPolicy: cast_forward_inputs={self.cast_forward_inputs!r} must "
-                "be True or False."
-            )
+                "be True or False.")
+
+
+def _bad_dtype(name: str, value) -> str:
+    return (
+        f"MixedPrecisionPolicy: {name}={value!r} must be None or a floating torch.dtype "
+        "such as torch.bfloat16."
+    )
 
 
 def cast_floating(dtype: torch.dtype | None, x):

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
-from torch_frontend import _errors
+
+from funshard import errors
 from torch_frontend._group import ParamGroup, TrainingState
 from torch_frontend._policy import MixedPrecisionPolicy, cast_floating
 from torch_frontend._tree import map_tensors, tensors
@@ -173,7 +174,7 @@ class FSDPState:
         if self.is_root is not None:
             return
         if len(self.modules) > 1:
-            raise RuntimeError(_errors.grouped_root(self.modules))
+            raise RuntimeError(_grouped_root(self.modules))
         self.is_root = True
         root = self.modules[0]
         for name, module in root.named_modules():
@@ -182,7 +183,7 @@ class FSDPState:
                 continue
             if state is not self:
                 if state.is_root is not None:
-                    raise RuntimeError(_errors.child_ran_forward_first(name, type(root).__name__))
+                    raise RuntimeError(_child_ran_forward_first(name, type(root).__name__))
                 state.is_root = False
                 state.fqn = name
             state.ctx = self.ctx
@@ -207,7 +208,8 @@ class FSDPState:
         for state in self.ctx.all_states:
             for param in state.group.params:
                 if param.orig_uid in owners:
-                    raise ValueError(_errors.param_in_two_groups(param.fqn, owners[param.orig_uid]))
+                    raise errors.ShardingValueError(
+                        _param_in_two_groups(param.fqn, owners[param.orig_uid]))
                 owners[param.orig_uid] = param.fqn
 
     # ---- backward ----
@@ -219,7 +221,7 @@ class FSDPState:
             if not tensor.requires_grad:
                 continue
             if tensor._base is not None:
-                warnings.warn(_errors.view_output(self.fqn), UserWarning, stacklevel=2)
+                warnings.warn(_view_output(self.fqn), UserWarning, stacklevel=2)
             tensor.register_hook(self._pre_backward)
         return output
 
@@ -298,7 +300,7 @@ class FSDPState:
           RuntimeError: this state is not the root.
         """
         if self.is_root is False:
-            raise RuntimeError(_errors.reset_on_non_root(self.fqn))
+            raise RuntimeError(_reset_on_non_root(self.fqn))
         self.ctx.post_forward_order.clear()
         self.ctx.pre_forward_order.clear()
         self.group.layout.comm.drop_reduce()  # the failed iteration's gradients
@@ -309,3 +311,48 @@ class FSDPState:
             state.group.reset_iter_state()
         self.ctx.iter_forward_root = None
         self.ctx.final_callback_queued = False
+
+
+# ---- the messages of FSDPState's checks ----
+
+
+def _grouped_root(modules) -> str:
+    names = ", ".join(type(m).__name__ for m in modules)
+    return (
+        f"fully_shard: the first forward ran through a group of several modules ({names}), "
+        "so that group would be the root; the root must be a single module. Call "
+        "fully_shard(model) on the module that contains them and run forward through it."
+    )
+
+
+def _child_ran_forward_first(name: str, root: str) -> str:
+    return (
+        f"fully_shard: module {name!r} already ran forward on its own before the root "
+        f"{root} did, so it initialised as a root itself. Run the first forward through "
+        "the root module (the outermost fully_shard module)."
+    )
+
+
+def _param_in_two_groups(fqn: str, other: str) -> str:
+    # FSDP2's wording ("is shared with a parameter already managed by another FSDP
+    # group"), which PyTorch's own tests match, plus the name of the other user.
+    return (
+        f"Parameter '{fqn}' is shared with a parameter already managed by another FSDP "
+        f"group (as {other!r}). For shared/tied parameters, use "
+        "fully_shard([module_a, module_b]) to place them in the same FSDP group."
+    )
+
+
+def _view_output(fqn: str) -> str:
+    return (
+        f"fully_shard: module {fqn!r} returned a view tensor. An in-place op on it (x += y) "
+        "would drop the pre-backward hook and skip the re-gather; use out-of-place ops or "
+        ".clone() the output first."
+    )
+
+
+def _reset_on_non_root(fqn: str) -> str:
+    return (
+        f"reset_iter_state: module {fqn!r} is not the root; call it on the root module "
+        "(the one whose forward ran first)."
+    )

@@ -18,10 +18,12 @@ import jax
 import torch
 from torch import nn
 
-from torch_frontend import _bridge, _errors
+from funshard import errors
+from torch_frontend import _bridge
 from torch_frontend._group import ParamGroup
 from torch_frontend._param import FSDPParam
 from torch_frontend._state import state_of
+
 
 @dataclasses.dataclass(frozen=True)
 class Managed:
@@ -33,8 +35,8 @@ class Managed:
     def chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full tensor (`torch.chunk(full, world, dim)[rank]`)."""
         param, layout = self.param, self.layout
-        start = layout.rank * layout.padded_rows(param.rows) if param.local_rows else 0
-        return full.narrow(param.dim, start, param.local_rows)
+        start, count = layout.chunk(param.rows)
+        return full.narrow(param.dim, start, count)
 
 
 def register_hooks(group: ParamGroup) -> None:
@@ -125,16 +127,18 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
 
 
 def _problems(expected: dict[str, tuple], state_dict: Mapping[str, object]) -> list[str]:
-    problems = [_errors.missing_key(k) for k in expected if k not in state_dict]
-    problems += [_errors.unexpected_key(k) for k in state_dict if k not in expected]
+    """One line per key of `state_dict` that does not fit `expected` ({key: full shape})."""
+    problems = [f"  missing key {k!r}" for k in expected if k not in state_dict]
+    problems += [f"  unexpected key {k!r}" for k in state_dict if k not in expected]
     for key, shape in expected.items():
         value = state_dict.get(key)
         if key not in state_dict:
             continue
         if not isinstance(value, torch.Tensor):
-            problems.append(_errors.key_not_tensor(key, value))
+            problems.append(f"  key {key!r} holds a {type(value).__name__}, not a tensor")
         elif tuple(value.shape) != shape:
-            problems.append(_errors.key_shape(key, value.shape, shape))
+            problems.append(f"  key {key!r} has shape {tuple(value.shape)}; the module's "
+                            f"full tensor has shape {tuple(shape)}")
     return problems
 
 
@@ -159,10 +163,18 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
                 for key, t in local.items()}
     problems = _problems(expected, state_dict)
     if problems:
-        raise ValueError(_errors.full_state_dict_mismatch(problems))
+        raise errors.ShardingValueError(_mismatch(problems))
     chunks = {key: _chunk(managed[id(t)], state_dict[key]) if id(t) in managed else state_dict[key]
               for key, t in local.items()}
     module.load_state_dict(chunks)
+
+
+def _mismatch(problems: list[str]) -> str:
+    return (
+        "load_full_state_dict: the state dict does not fit the module:\n" + "\n".join(problems)
+        + "\nPass the full (unsharded) tensors of every key of the module's state_dict(), "
+        "as full_state_dict() or an unsharded copy's state_dict() returns them."
+    )
 
 
 def _chunk(entry: Managed, full: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,29 @@
-"""The benchmark's model: a GPT-style decoder, and the sizes of its FSDP units.
+"""The benchmark's model: a GPT-style decoder, its parameters, and the sizes of its FSDP units.
 
-Learned token and positional embeddings, pre-LN blocks (causal multi-head attention, 4x
-GELU MLP), a final LayerNorm and an untied head; the loss is the mean next-token
-cross-entropy in f32. Block parameters are a Python list of per-block dicts and every
-matmul is written `x @ w` (the orientation in which funshard keeps no derived copy of a
-gathered weight).
+The model itself is `examples/models/jax_gpt.py` (the examples' and benchmarks' one
+source): learned token and positional embeddings, pre-LN blocks (causal multi-head
+attention written out, 4x GELU MLP), a final LayerNorm and an untied head; the loss is
+the mean next-token cross-entropy in f32. Block parameters are a Python list of
+per-block dicts and every matmul is written `x @ w` (the orientation in which funshard
+keeps no derived copy of a gathered weight).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+_ROOT = str(Path(__file__).resolve().parents[2])  # the repository: examples.models
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from examples.models.jax_gpt import lm_loss, make_block  # noqa: E402,F401  (the variants)
 
 # The root unit: everything outside the blocks, gathered once per step by fs.unshard.
 ROOT_KEYS = ("embed", "pos", "lnf_g", "lnf_b", "head")
@@ -77,56 +85,6 @@ def init_params(cfg: Config, seed: int = 0) -> dict:
         "lnf_g": ones(d), "lnf_b": zeros(d),
         "head": dense((d, v)),
     }
-
-
-def layer_norm(x, g, b):
-    """LayerNorm over the last axis, computed in f32 and cast back to `x`'s dtype."""
-    x32 = x.astype(jnp.float32)
-    mu = x32.mean(-1, keepdims=True)
-    var = ((x32 - mu) ** 2).mean(-1, keepdims=True)
-    return ((x32 - mu) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype) * g + b
-
-
-def make_block(heads: int) -> Callable:
-    """Returns `block(p, h)`: one pre-LN transformer block, every matmul as `x @ w`."""
-
-    def block(p, h):
-        b, t, d = h.shape
-        hd = d // heads
-        x = layer_norm(h, p["ln1_g"], p["ln1_b"])
-        q, k, v = jnp.split(x @ p["qkv"] + p["qkv_b"], 3, axis=-1)
-        q, k, v = (a.reshape(b, t, heads, hd) for a in (q, k, v))
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        s = jnp.where(causal, s, jnp.finfo(s.dtype).min)
-        a = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype)
-        o = jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, t, d)
-        h = h + o @ p["proj"] + p["proj_b"]
-        x = layer_norm(h, p["ln2_g"], p["ln2_b"])
-        return h + jax.nn.gelu(x @ p["ff1"] + p["ff1_b"]) @ p["ff2"] + p["ff2_b"]
-
-    return block
-
-
-def lm_loss(root: dict, blocks, tokens, apply_block: Callable) -> jax.Array:
-    """Mean next-token cross-entropy (f32) of `tokens` (rows, seq).
-
-    Args:
-        root: the root unit's parameters (`ROOT_KEYS`).
-        blocks: the per-block parameters, each passed to `apply_block` in turn.
-        tokens: int token ids, (rows, seq).
-        apply_block: `apply_block(p, h) -> h`, e.g. `make_block(heads)` or a funshard unit.
-
-    Returns:
-        The scalar loss.
-    """
-    t = tokens.shape[1]
-    h = root["embed"][tokens] + root["pos"][None, :t]
-    for p in blocks:
-        h = apply_block(p, h)
-    logits = layer_norm(h, root["lnf_g"], root["lnf_b"]) @ root["head"]
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
 
 def root_of(params: dict) -> dict:

@@ -4,7 +4,7 @@
         [--pause 0.05] [--no-gather]
 
 No torch and no DLPack: each round reduce-scatters one transformer block's 12 gradient
-shapes (width 1024) with `funshard.comm._lowering.eager_reduce_scatter`, then all-gathers
+shapes (width 1024) with `funshard.comm.eager_reduce_scatter`, then all-gathers
 the same shapes with `eager_all_gather`, as the torch frontend's backward does (a
 block's reduction, then the previous block's re-gather). Every rank knows every rank's
 inputs (seeded), so each result is compared with the exact numpy answer. Each rank
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
     import funshard as fs
     import funshard.distributed
-    from funshard.comm import _lowering
+    from funshard import comm
 
     mesh = fs.distributed.initialize()
     rank, world = jax.process_index(), jax.process_count()
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         contributions = [tensors(1000 * r + k) for k in range(world)]
         stacked = [global_array(a[None], (world, *a.shape)) for a in contributions[rank]]
-        sums = _lowering.eager_reduce_scatter(stacked, mesh, ("fsdp",))
+        sums = comm.eager_reduce_scatter(stacked, mesh, ("fsdp",))
         for i, s in enumerate(sums):
             rows = SHAPES[i][0] // world
             want = sum(c[i] for c in contributions)[rank * rows:(rank + 1) * rows]
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         full = tensors(7 + 1000 * r)
         blocks = [global_array(a[rank * (a.shape[0] // world):(rank + 1) * (a.shape[0] // world)],
                                a.shape) for a in full]
-        for i, g in enumerate(_lowering.eager_all_gather(blocks, mesh, ("fsdp",))):
+        for i, g in enumerate(comm.eager_all_gather(blocks, mesh, ("fsdp",))):
             if not np.array_equal(np.asarray(g.addressable_shards[0].data), full[i]):
                 wrong += 1
                 print(f"rank {rank} round {r}: all-gather result {i} wrong", flush=True)

@@ -103,11 +103,11 @@ class BridgeProfile:
         self.active = False
 
     def install(self) -> None:
-        from funshard.comm import _lowering
+        from funshard import comm
         from torch_frontend import _bridge
 
         for module, names in ((_bridge, (*self.MAIN, *self.THREAD)),
-                              (_lowering, ("eager_all_gather", "eager_reduce_scatter"))):
+                              (comm, ("eager_all_gather", "eager_reduce_scatter"))):
             for name in names:
                 if hasattr(module, name):  # the bridge's internals may move
                     setattr(module, name, self._wrap(name, getattr(module, name)))

@@ -1,23 +1,29 @@
 """The benchmark's GPT in plain PyTorch, and the same model in JAX for funshard's step.
 
-A byte-level GPT of `examples/train_torch.py`'s family: token and position embeddings,
-pre-norm blocks (causal attention, 4x tanh-GELU MLP), final LayerNorm, untied head. The
-JAX model computes the same function from the same weights (`jax_params` converts a
-torch model's), so all variants start from one initialisation and see the same data.
+`examples/train_torch.py`'s GPT (`examples/models/torch_gpt.py`, the one source): token
+and position embeddings, pre-norm blocks (causal attention, 4x tanh-GELU MLP), final
+LayerNorm, untied head. The JAX model (`examples/models/jax_gpt.py`'s blocks) computes
+the same function from the same weights (`jax_params` converts a torch model's), so all
+variants start from one initialisation and see the same data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-VOCAB = 256
-DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare.txt"
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # examples.models: the model's one source
+
+from examples.models import VOCAB  # noqa: E402
+from examples.models.torch_gpt import GPT  # noqa: E402
+
+DATA = ROOT / "examples" / "data" / "tinyshakespeare.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,56 +53,10 @@ PRESETS = {
 }
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x MLP."""
-
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.heads = cfg.heads
-        self.norm1 = nn.LayerNorm(cfg.width)
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
-        self.norm2 = nn.LayerNorm(cfg.width)
-        self.up = nn.Linear(cfg.width, 4 * cfg.width)
-        self.down = nn.Linear(4 * cfg.width, cfg.width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    """Embeddings, blocks, final norm, head; `forward(inputs, targets)` is the mean loss."""
-
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, cfg.width)
-        self.positions = nn.Embedding(cfg.seq, cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.blocks))
-        self.norm = nn.LayerNorm(cfg.width)
-        self.head = nn.Linear(cfg.width, VOCAB)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear):
-                nn.init.zeros_(module.bias)
-
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = self.tokens(inputs) + self.positions(torch.arange(inputs.shape[1]))
-        for block in self.blocks:
-            h = block(h)
-        logits = self.head(self.norm(h))
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
 def build(cfg: Config, seed: int = 0) -> GPT:
     """The model with the benchmark's initial weights (the same in every variant)."""
     torch.manual_seed(seed)
-    return GPT(cfg)
+    return GPT(width=cfg.width, depth=cfg.blocks, heads=cfg.heads, context=cfg.seq)
 
 
 def batch_at(index: int, cfg: Config) -> np.ndarray:
@@ -110,7 +70,7 @@ def batch_at(index: int, cfg: Config) -> np.ndarray:
 
 
 def jax_params(model: GPT) -> dict:
-    """The torch model's weights as numpy, matmul weights transposed to `x @ w`."""
+    """The torch model's weights as numpy in `jax_gpt`'s layout, matmul weights as `x @ w`."""
     sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
     def linear(name):
@@ -122,40 +82,31 @@ def jax_params(model: GPT) -> dict:
     blocks = []
     for i in range(len(model.blocks)):
         p = f"blocks.{i}"
-        blocks.append({"norm1": norm(f"{p}.norm1"), "qkv": linear(f"{p}.qkv"),
-                       "proj": linear(f"{p}.proj"), "norm2": norm(f"{p}.norm2"),
-                       "up": linear(f"{p}.up"), "down": linear(f"{p}.down")})
+        blocks.append({"ln1_g": sd[f"{p}.norm1.weight"], "ln1_b": sd[f"{p}.norm1.bias"],
+                       "qkv": sd[f"{p}.qkv.weight"].T.copy(), "qkv_b": sd[f"{p}.qkv.bias"],
+                       "proj": sd[f"{p}.proj.weight"].T.copy(), "proj_b": sd[f"{p}.proj.bias"],
+                       "ln2_g": sd[f"{p}.norm2.weight"], "ln2_b": sd[f"{p}.norm2.bias"],
+                       "ff1": sd[f"{p}.up.weight"].T.copy(), "ff1_b": sd[f"{p}.up.bias"],
+                       "ff2": sd[f"{p}.down.weight"].T.copy(), "ff2_b": sd[f"{p}.down.bias"]})
     return {"root": {"tokens": sd["tokens.weight"], "positions": sd["positions.weight"],
                      "norm": norm("norm"), "head": linear("head")},
             "blocks": blocks}
 
 
 def jax_loss(cfg: Config, reshard_after_forward: bool = True):
-    """`loss(state, tokens)` for `fs.value_and_grad`: one `fs.fully_shard` unit per block."""
+    """`loss(state, tokens)` for `fs.value_and_grad`: one `fs.fully_shard` unit per block.
+
+    The blocks are `jax_gpt`'s (fused attention); the root is the torch model's (a head
+    with a bias, and a loss over every position of `tokens[:, :-1]`).
+    """
     import jax
     import jax.numpy as jnp
 
     import funshard as fs
+    from examples.models import jax_gpt
 
-    def layer_norm(x, p):
-        mu = x.mean(-1, keepdims=True)
-        var = ((x - mu) ** 2).mean(-1, keepdims=True)
-        return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["g"] + p["b"]
-
-    def dense(x, p):
-        return x @ p["w"] + p["b"]
-
-    def block(p, x):
-        b, t, d = x.shape
-        hd = d // cfg.heads
-        qkv = dense(layer_norm(x, p["norm1"]), p["qkv"]).reshape(b, t, 3, cfg.heads, hd)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        x = x + dense(attended.reshape(b, t, d), p["proj"])
-        up = jax.nn.gelu(dense(layer_norm(x, p["norm2"]), p["up"]), approximate=True)
-        return x + dense(up, p["down"])
-
-    unit = fs.fully_shard(block, reshard_after_forward=reshard_after_forward)
+    unit = fs.fully_shard(jax_gpt.make_block(cfg.heads, fused_attention=True),
+                          reshard_after_forward=reshard_after_forward)
 
     def loss_fn(state, tokens):
         root = fs.unshard(state["root"])
@@ -163,7 +114,8 @@ def jax_loss(cfg: Config, reshard_after_forward: bool = True):
         h = root["tokens"][inputs] + root["positions"][None, : inputs.shape[1]]
         for p in state["blocks"]:
             h = unit(p, h)
-        logits = dense(layer_norm(h, root["norm"]), root["head"])
+        h = jax_gpt.layer_norm(h, root["norm"]["g"], root["norm"]["b"])
+        logits = h @ root["head"]["w"] + root["head"]["b"]
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 

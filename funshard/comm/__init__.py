@@ -27,6 +27,10 @@ from funshard.comm._gather import gather_values as gather_values
 from funshard.comm._gather import reduce_values as reduce_values
 from funshard.comm._gather import regather_values as regather_values
 from funshard.comm._gather import scope as scope
+from funshard.comm._layout import check_group_size as check_group_size
+from funshard.comm._layout import chunk as chunk
+from funshard.comm._layout import padded_size as padded_size
+from funshard.comm._layout import rows_per_shard as rows_per_shard
 from funshard.comm._lowering import UINT as UINT
 from funshard.comm._lowering import all_gather_blocks as all_gather_blocks
 from funshard.comm._lowering import eager_all_gather as eager_all_gather

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from funshard import _jax_compat
+from funshard import _jax_compat, errors
 from funshard.comm import _lowering, _mesh
 
 dlpack_import = _jax_compat.dlpack_import
@@ -30,7 +30,7 @@ def _per_device(blocks: Blocks, mesh: Mesh) -> list[jax.Array]:
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     arrays = [blocks] if isinstance(blocks, (jax.Array, np.ndarray)) else list(blocks)
     if len(arrays) != len(local):
-        raise ValueError(
+        raise errors.ShardingValueError(
             f"funshard.comm: got {len(arrays)} block(s) for a process that holds "
             f"{len(local)} device(s) of the mesh; pass one block per local device, in the "
             "mesh's device order.")

@@ -9,10 +9,18 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from funshard import _errors
+from funshard import errors
 
 SHARD_AXIS = "fsdp"
 REPLICATE_AXIS = "replicate"
+
+
+def _mesh_bad_replicate(replicate, n: int) -> str:
+    return (
+        f"make_mesh: replicate={replicate!r} must be a positive integer dividing the "
+        f"number of devices ({n}); e.g. make_mesh(replicate=2) on 8 devices gives 2 "
+        "replicas of a 4-way sharded model."
+    )
 
 
 def make_mesh(replicate: int | None = None, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -41,27 +49,65 @@ def make_mesh(replicate: int | None = None, *, devices: Sequence[jax.Device] | N
     else:
         valid = isinstance(replicate, int) and not isinstance(replicate, bool)
         if not valid or replicate < 1 or n % replicate:
-            raise ValueError(_errors.mesh_bad_replicate(replicate, n))
+            raise errors.ShardingValueError(_mesh_bad_replicate(replicate, n))
         shape, names = (replicate, n // replicate), (REPLICATE_AXIS, SHARD_AXIS)
     grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _mesh_no_devices() -> str:
+    return (
+        "make_mesh: devices is empty; pass at least one device, e.g. "
+        "devices=jax.devices()[:4], or leave it out to use every device."
+    )
+
+
+def _mesh_repeated_devices(positions) -> str:
+    listing = "; ".join(f"{d} at positions {at}" for d, at in positions.items())
+    return (
+        f"make_mesh: devices lists the same device more than once ({listing}); each device "
+        "holds exactly one shard. Pass distinct devices, e.g. devices=jax.devices()[:n]."
+    )
 
 
 def _check_devices(devices: list) -> None:
     # A mesh with no device cannot hold a shard, and a repeated device would hold two
     # shards of one array: XLA rejects it only later, deep inside the first program.
     if not devices:
-        raise ValueError(_errors.mesh_no_devices())
+        raise errors.ShardingValueError(_mesh_no_devices())
     positions: dict = {}
     for i, d in enumerate(devices):
         positions.setdefault(d, []).append(i)
     repeated = {d: where for d, where in positions.items() if len(where) > 1}
     if repeated:
-        raise ValueError(_errors.mesh_repeated_devices(repeated))
+        raise errors.ShardingValueError(_mesh_repeated_devices(repeated))
 
 
 def as_axes(axis: str | Sequence[str]) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _not_a_mesh(fn: str, mesh) -> str:
+    return (
+        f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
+        "with fs.make_mesh()."
+    )
+
+
+def _unknown_axis(fn: str, axis: str, mesh_axes: Sequence[str], role: str) -> str:
+    return (
+        f"{fn}: {role} {axis!r} is not an axis of the mesh (its axes are "
+        f"{tuple(mesh_axes)}); pass one of those names, or build the mesh with "
+        "fs.make_mesh()."
+    )
+
+
+def _axes_overlap(fn: str, shard_axes, replicate_axes) -> str:
+    return (
+        f"{fn}: shard_axis {shard_axes} and replicate_axis {replicate_axes} must be "
+        "non-empty and disjoint; name different mesh axes, e.g. shard_axis='fsdp', "
+        "replicate_axis='replicate'."
+    )
 
 
 def resolve_axes(
@@ -72,7 +118,7 @@ def resolve_axes(
     `replicate_axis=None` means the mesh's "replicate" axis if it has one.
     """
     if not isinstance(mesh, Mesh):
-        raise TypeError(_errors.not_a_mesh(fn, mesh))
+        raise errors.ShardingTypeError(_not_a_mesh(fn, mesh))
     shard_axes = as_axes(shard_axis)
     if replicate_axis is None:
         replicate_axes = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
@@ -81,9 +127,10 @@ def resolve_axes(
     for role, axes in (("shard_axis", shard_axes), ("replicate_axis", replicate_axes)):
         for axis in axes:
             if axis not in mesh.axis_names:
-                raise ValueError(_errors.unknown_axis(fn, axis, mesh.axis_names, role))
+                raise errors.ShardingValueError(
+                    _unknown_axis(fn, axis, mesh.axis_names, role))
     if not shard_axes or set(shard_axes) & set(replicate_axes):
-        raise ValueError(_errors.axes_overlap(fn, shard_axes, replicate_axes))
+        raise errors.ShardingValueError(_axes_overlap(fn, shard_axes, replicate_axes))
     return shard_axes, replicate_axes
 
 

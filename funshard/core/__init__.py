@@ -11,10 +11,21 @@ from funshard.core._fully_shard import fully_shard as fully_shard
 from funshard.core._in_step import layout_of as layout_of
 from funshard.core._optim import init_optimizer as init_optimizer
 from funshard.core._optim import sharding_on as sharding_on
+from funshard.core._options import RootOptions as RootOptions
+from funshard.core._options import check_flag as check_flag
+from funshard.core._options import check_gradient_divide_factor as check_gradient_divide_factor
+from funshard.core._options import check_microbatches as check_microbatches
+from funshard.core._options import check_mp_policy as check_mp_policy
+from funshard.core._options import check_reshard_after_forward as check_reshard_after_forward
+from funshard.core._options import root_options as root_options
+from funshard.core._options import trainable_flags as trainable_flags
 from funshard.core._placement import Replicate as Replicate
 from funshard.core._placement import Shard as Shard
 from funshard.core._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
 from funshard.core._policy import param_dtype_for as param_dtype_for
+from funshard.core._routes import LeafRoute as LeafRoute
+from funshard.core._routes import leaf_routes as leaf_routes
+from funshard.core._routes import state_axes as state_axes
 from funshard.core._scan import scan as scan
 from funshard.core._shard import dtype_problem as dtype_problem
 from funshard.core._shard import reshard as reshard
@@ -31,5 +42,4 @@ from funshard.core._step import value_and_grad as value_and_grad
 from funshard.core._tree import Partition as Partition
 from funshard.core._tree import common_mesh as common_mesh
 from funshard.core._tree import sharded_leaves as sharded_leaves
-from funshard.core._unit import check_reshard_after_forward as check_reshard_after_forward
 from funshard.core._unit import policy_of as policy_of

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import jax
 
-from funshard import _errors, _jax_compat
+from funshard import _jax_compat
 
 # Exceptions recorded by wrapped callbacks, waiting for the step's check. A process-wide
 # list: every device of the process runs its callbacks on its own thread.
@@ -174,6 +174,21 @@ def outer_callbacks() -> list[str]:
     return found
 
 
+def _callbacks_outside_root(fn: str, places) -> str:
+    listed = "; ".join(places)
+    return (
+        f"{fn}: the jitted step runs jax.debug.callback before {fn}, outside the loss "
+        f"function (at {listed}). If such a callback raises on some devices only (a NaN "
+        "check of one device's rows), the other devices wait for them at the step's first "
+        "collective and XLA CPU aborts the process (rendezvous termination timeout, 40 s "
+        "by default), losing the training state. Inside the loss function funshard raises "
+        "a callback's exception cleanly at the end of the step: move the callback there "
+        "(or run the check outside the jitted step). A callback that never raises is safe; "
+        "silence this with warnings.filterwarnings('ignore', message='.*before "
+        f"{fn}, outside the loss function')."
+    )
+
+
 def warn_outer_callbacks(fn: str) -> None:
     """Warns, at trace time, of host callbacks the step runs before the root `fn`.
 
@@ -184,4 +199,4 @@ def warn_outer_callbacks(fn: str) -> None:
     """
     found = outer_callbacks()
     if found:
-        warnings.warn(_errors.callbacks_outside_root(fn, found), RuntimeWarning, stacklevel=3)
+        warnings.warn(_callbacks_outside_root(fn, found), RuntimeWarning, stacklevel=3)

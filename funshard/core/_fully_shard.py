@@ -10,10 +10,17 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from funshard import _text, comm, errors
 from funshard.core import _context, _unit
-from funshard import _errors
-from funshard import comm
 from funshard.core._shard import unshard_as
+
+
+def _bad_unit_name(name) -> str:
+    return (
+        f"fully_shard: name must be a non-empty string (the unit's label in profiles and "
+        f"HLO metadata), got {name!r}; pass e.g. name='block3', or leave it out to use "
+        "the function's name."
+    )
 
 
 def fully_shard(
@@ -57,9 +64,9 @@ def fully_shard(
     _unit.check_reshard_after_forward("fully_shard", reshard_after_forward)
     label = name if name is not None else getattr(fn, "__name__", "unit")
     if not isinstance(label, str) or not label:
-        raise TypeError(_errors.bad_unit_name(label))
+        raise errors.ShardingTypeError(_bad_unit_name(label))
     if getattr(fn, "_funshard_unit", False):
-        raise ValueError(_errors.nested_units("fully_shard(fully_shard(fn))"))
+        raise errors.ShardingValueError(_text.nested_units("fully_shard(fully_shard(fn))"))
 
     @functools.wraps(fn)
     def wrapped(params, *args):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from funshard import comm

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from funshard import _errors
+from funshard import errors
 from funshard.core import _tree
 from funshard.core._sharded import Sharded, is_sharded
 
@@ -54,6 +54,13 @@ def _is_abstract(tree: Any) -> bool:
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
+def _no_state_mesh(fn: str) -> str:
+    return (
+        f"{fn}: the state has no fs.Sharded leaves, so there is no mesh to place the "
+        "optimizer state on. Pass the state returned by fs.shard(params, mesh)."
+    )
+
+
 def init_optimizer(opt: Any, state: Any) -> Any:
     """Initialises an optax optimizer for a sharded state, every array on its mesh.
 
@@ -79,6 +86,6 @@ def init_optimizer(opt: Any, state: Any) -> Any:
     paths, items, _ = _tree.sharded_leaves(state)
     mesh = _tree.common_mesh("init_optimizer", paths, items)
     if mesh is None:
-        raise ValueError(_errors.no_state_mesh("init_optimizer"))
+        raise errors.ShardingValueError(_no_state_mesh("init_optimizer"))
     opt_state = jax.eval_shape(opt.init, state) if _is_abstract(state) else opt.init(state)
     return jax.tree.map(lambda x: _place(mesh, x), opt_state, is_leaf=is_sharded)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Union
 
-from funshard import _errors
+from funshard import _text, errors
+
+
+def _shard_dim_invalid(dim) -> str:
+    return (
+        f"Shard: dim must be a non-negative int, got {dim!r}; pass e.g. fs.Shard(0) "
+        "(the default) or fs.Shard(1)."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +33,7 @@ class Shard:
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
-            raise ValueError(_errors.shard_dim_invalid(self.dim))
+            raise errors.ShardingValueError(_shard_dim_invalid(self.dim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +48,20 @@ Placement = Union[Shard, Replicate]
 PlacementFn = Callable[[Any, Any], Union[Placement, None]]
 
 
+def _placement_bad_return(path, chosen) -> str:
+    return (
+        f"{_text.where('shard', path)}: placement returned {chosen!r}; return fs.Shard(dim), "
+        "fs.Replicate() or None (the default, Shard(0))."
+    )
+
+
+def _placement_dim_out_of_range(path, ndim: int, dim: int) -> str:
+    return (
+        f"{_text.where('shard', path)} has {ndim} dimensions, so it cannot be sharded on dim "
+        f"{dim}; return a dim below {ndim}."
+    )
+
+
 def resolve(path, x, placement: PlacementFn | None, min_shard_size: int) -> Placement:
     """The placement of leaf `x` at `path` (ndim >= 1), validated against its shape."""
     if x.size < min_shard_size:
@@ -49,7 +70,7 @@ def resolve(path, x, placement: PlacementFn | None, min_shard_size: int) -> Plac
     if chosen is None:
         return Shard(0)
     if not isinstance(chosen, (Shard, Replicate)):
-        raise TypeError(_errors.placement_bad_return(path, chosen))
+        raise errors.ShardingTypeError(_placement_bad_return(path, chosen))
     if isinstance(chosen, Shard) and chosen.dim >= x.ndim:
-        raise ValueError(_errors.placement_dim_out_of_range(path, x.ndim, chosen.dim))
+        raise errors.ShardingValueError(_placement_dim_out_of_range(path, x.ndim, chosen.dim))
     return chosen

@@ -8,7 +8,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from funshard import _errors
+from funshard import errors
+
+
+def _policy_dtype(field: str, value: Any, problem: str) -> str:
+    return (
+        f"MixedPrecisionPolicy: {field}={value!r} {problem}; use a floating dtype such as "
+        "jnp.bfloat16, jnp.float16 or jnp.float32, or None to keep the parameter's dtype."
+    )
 
 
 def _as_float_dtype(field: str, value: Any) -> np.dtype | None:
@@ -17,10 +24,14 @@ def _as_float_dtype(field: str, value: Any) -> np.dtype | None:
     try:
         dtype = np.dtype(value)
     except TypeError as exc:
-        raise TypeError(_errors.policy_dtype(field, value, "is not a dtype")) from exc
+        raise errors.ShardingTypeError(_policy_dtype(field, value, "is not a dtype")) from exc
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(_errors.policy_dtype(field, value, "is not a floating dtype"))
+        raise errors.ShardingValueError(_policy_dtype(field, value, "is not a floating dtype"))
     return dtype
+
+
+def _policy_flag_not_bool(field: str, value) -> str:
+    return f"MixedPrecisionPolicy: {field} must be a bool, got {value!r}; pass True or False."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +67,7 @@ class MixedPrecisionPolicy:
             object.__setattr__(self, field, _as_float_dtype(field, getattr(self, field)))
         if not isinstance(self.cast_forward_inputs, bool):
             flag = self.cast_forward_inputs
-            raise TypeError(_errors.policy_flag_not_bool("cast_forward_inputs", flag))
+            raise errors.ShardingTypeError(_policy_flag_not_bool("cast_forward_inputs", flag))
 
 
 def param_dtype_for(policy: MixedPrecisionPolicy | None, dtype: np.dtype) -> np.dtype:

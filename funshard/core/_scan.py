@@ -17,20 +17,47 @@ from typing import Any, Callable
 
 import jax
 
+from funshard import _text, errors
 from funshard.core import _context, _unit
-from funshard import _errors
 from funshard.core._shard import unshard
 from funshard.core._sharded import Sharded
 
 
+def _scan_not_stacked(path, dim: int) -> str:
+    return (
+        f"{_text.where('scan', path)} is sharded on dim {dim}, not as a stack of layers; shard "
+        "the stacked parameters with fs.shard(..., stacked=True)."
+    )
+
+
 def _check_stacked(paths, items):
     bad = [
-        _errors.scan_not_stacked(path, x.dim)
+        _scan_not_stacked(path, x.dim)
         for path, x in zip(paths, items, strict=True)
         if isinstance(x, Sharded) and x.dim != 1
     ]
     if bad:  # every bad leaf at once
-        raise ValueError(_errors.joined(bad))
+        raise errors.ShardingValueError(_text.joined(bad))
+
+
+def _layer_axes(counts) -> str:
+    return ", ".join(f"{_text.leaf_name(path)} {shape}" for path, shape in counts)
+
+
+def _scan_no_layers(fn_name: str, counts) -> str:
+    return (
+        f"scan: the stack given to fs.scan({fn_name}, ...) holds no layers: its layer axis "
+        f"(dim 0) has size 0 ({_layer_axes(counts)}). Stack at least one layer, or skip "
+        "the fs.scan call for a model without such layers."
+    )
+
+
+def _scan_layer_counts(fn_name: str, counts) -> str:
+    return (
+        f"scan: the leaves of the stack given to fs.scan({fn_name}, ...) disagree on the "
+        f"number of layers (dim 0): {_layer_axes(counts)}. Stack every leaf over the same "
+        "layers."
+    )
 
 
 def _check_layers(fn: Callable, paths, items) -> None:
@@ -42,9 +69,16 @@ def _check_layers(fn: Callable, paths, items) -> None:
     ]
     name = getattr(fn, "__name__", type(fn).__name__)
     if any(shape[0] == 0 for _, shape in counts):
-        raise ValueError(_errors.scan_no_layers(name, counts))
+        raise errors.ShardingValueError(_scan_no_layers(name, counts))
     if len({shape[0] for _, shape in counts}) > 1:
-        raise ValueError(_errors.scan_layer_counts(name, counts))
+        raise errors.ShardingValueError(_scan_layer_counts(name, counts))
+
+
+def _scan_hpz_unsupported(k: int) -> str:
+    return (
+        f"scan: reshard_after_forward={k} (hpZ) is not supported for scanned stacks yet; "
+        "use True or False."
+    )
 
 
 def scan(
@@ -78,7 +112,7 @@ def scan(
     """
     _unit.check_reshard_after_forward("scan", reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(_errors.scan_hpz_unsupported(reshard_after_forward))
+        raise errors.UnsupportedError(_scan_hpz_unsupported(reshard_after_forward))
     unit = _unit.prepare("scan", stacked)
     _check_stacked(unit.paths, unit.parts.items)
     _check_layers(fn, unit.paths, unit.parts.items)

@@ -11,23 +11,36 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import tree_unflatten
 
-from funshard.core import _context, _placement, _tree
-from funshard import _errors
-from funshard import comm
-from funshard.core import _in_step
+from funshard import _text, comm, errors
+from funshard.core import _context, _in_step, _options, _placement, _tree
 from funshard.core._placement import Replicate
 from funshard.core._policy import MixedPrecisionPolicy
 from funshard.core._sharded import Layout, Sharded, is_array, is_key, is_sharded
 from funshard.core._tree import common_mesh, sharded_leaves
 
 
+def _bad_dtype(fn: str, path, dtype: Any) -> str:
+    return (
+        f"{_text.where(fn, path)} has dtype {dtype}; expected a numeric or bool array. "
+        "Convert it with jnp.asarray(..., dtype=...) or keep it out of the params tree."
+    )
+
+
+def _x64_dtype(fn: str, path, dtype: Any) -> str:
+    return (
+        f"{_text.where(fn, path)} has dtype {dtype}, which JAX would silently narrow to 32 bits "
+        "because jax_enable_x64 is off. Cast it first (e.g. .astype(np.float32)) or enable "
+        "64-bit mode with jax.config.update('jax_enable_x64', True)."
+    )
+
+
 def dtype_problem(fn: str, path, x) -> str | None:
     """Why `x` (concrete, traced or abstract) cannot be a parameter, or None."""
     dtype = np.dtype(x.dtype)
     if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)):
-        return _errors.bad_dtype(fn, path, dtype)
+        return _bad_dtype(fn, path, dtype)
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-        return _errors.x64_dtype(fn, path, dtype)
+        return _x64_dtype(fn, path, dtype)
     return None
 
 
@@ -35,8 +48,15 @@ def _check_numeric(fn: str, path, x) -> np.dtype:
     """The numpy dtype of `x`; TypeError if it is not numeric."""
     problem = dtype_problem(fn, path, x)
     if problem:
-        raise TypeError(problem)
+        raise errors.ShardingTypeError(problem)
     return np.dtype(x.dtype)
+
+
+def _already_sharded(path) -> str:
+    return (
+        f"{_text.where('shard', path)} is already an fs.Sharded leaf; call fs.unshard(state) "
+        "first to reshard onto another mesh."
+    )
 
 
 def _check_leaves(params: Any) -> None:
@@ -44,15 +64,15 @@ def _check_leaves(params: Any) -> None:
     sharded, bad_dtypes = [], []
     for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_sharded)[0]:
         if isinstance(x, Sharded):
-            sharded.append(_errors.already_sharded(path))
+            sharded.append(_already_sharded(path))
         elif (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)) and not is_key(x):
             problem = dtype_problem("shard", path, x)
             if problem:
                 bad_dtypes.append(problem)
     if sharded:
-        raise ValueError(_errors.joined(sharded + bad_dtypes))
+        raise errors.ShardingValueError(_text.joined(sharded + bad_dtypes))
     if bad_dtypes:
-        raise TypeError(_errors.joined(bad_dtypes))
+        raise errors.ShardingTypeError(_text.joined(bad_dtypes))
 
 
 def _pad(x, dim: int, size: int, exact_bits: bool = True):
@@ -109,11 +129,19 @@ def _stacked_placement(path, x):
     return _placement.Shard(1) if x.ndim >= 2 else _placement.Replicate()
 
 
+def _dim_not_divisible(path, shape, dim: int, shards: int) -> str:
+    return (
+        f"{_text.where('shard', path)} has size {shape[dim]} on dim {dim}, which the "
+        f"{shards} shards do not divide; only dim 0 is padded. Shard it on dim 0 or keep it "
+        "replicated (fs.Replicate())."
+    )
+
+
 def _shard_leaf(
     path, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_size, traced
 ):
     if isinstance(x, Sharded):
-        raise ValueError(_errors.already_sharded(path))
+        raise errors.ShardingValueError(_already_sharded(path))
     if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
         return x
     if is_key(x):
@@ -127,7 +155,8 @@ def _shard_leaf(
     layout = Layout(tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim)
     stacked = placement is _stacked_placement
     if where.dim and not stacked and x.shape[where.dim] % layout.num_shards:
-        raise ValueError(_errors.dim_not_divisible(path, x.shape, where.dim, layout.num_shards))
+        raise errors.ShardingValueError(
+            _dim_not_divisible(path, x.shape, where.dim, layout.num_shards))
     return layout.with_data(_place(x, layout, traced))
 
 
@@ -153,6 +182,10 @@ def _place(x, layout: Layout, traced: bool) -> jax.Array:
     # only the blocks of its own devices.
     padded = _pad(np.asarray(x), layout.dim, size)
     return jax.make_array_from_callback(padded.shape, layout.sharding, lambda idx: padded[idx])
+
+
+def _stacked_and_placement() -> str:
+    return "shard: pass either stacked=True or a placement, not both."
 
 
 def shard(
@@ -201,10 +234,9 @@ def shard(
     shard_axes, replicate_axes = comm.resolve_axes("shard", mesh, shard_axis, replicate_axis)
     if stacked:
         if placement is not None:
-            raise ValueError(_errors.stacked_and_placement())
+            raise errors.ShardingValueError(_stacked_and_placement())
         placement = _stacked_placement
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(_errors.bad_mp_policy(mp_policy))
+    _options.check_mp_policy("shard", mp_policy)
     _check_leaves(params)
     traced = any(_is_traced(x) for x in jax.tree.leaves(params))
     return jax.tree_util.tree_map_with_path(
@@ -247,16 +279,23 @@ def unshard(tree: Any) -> Any:
     return unshard_as(tree, "unshard")
 
 
+def _other_mesh_in_step(fn: str, path, mesh, step_mesh) -> str:
+    return (
+        f"{_text.where(fn, path)} lives on mesh {mesh}, but the running step is on mesh "
+        f"{step_mesh}; shard it with the step's mesh or pass it as part of the state."
+    )
+
+
 def unshard_as(tree: Any, name: str) -> Any:
     """`unshard`, with its collectives labelled `funshard/<name>/...` inside a step."""
     paths, items, treedef = sharded_leaves(tree)
     mesh = common_mesh("unshard", paths, items)
     if mesh is None:
-        raise ValueError(_errors.no_sharded("unshard"))
+        raise errors.ShardingValueError(_text.no_sharded("unshard"))
     ctx = _context.current()
     if ctx is not None and mesh != ctx.mesh:
         path = next(p for p, x in zip(paths, items, strict=True) if isinstance(x, Sharded))
-        raise ValueError(_errors.other_mesh_in_step("unshard", path, mesh, ctx.mesh))
+        raise errors.ShardingValueError(_other_mesh_in_step("unshard", path, mesh, ctx.mesh))
     gathered = {}
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
@@ -275,14 +314,35 @@ def unshard_as(tree: Any, name: str) -> Any:
     return parts.combine([gathered[i] for i in parts.positions])
 
 
+def _shape_mismatch(fn: str, path, shape, expected) -> str:
+    return (
+        f"{_text.where(fn, path)} has shape {tuple(shape)} but `like` expects "
+        f"{tuple(expected)}; pass the full (unsharded) array of that leaf."
+    )
+
+
+def _dtype_mismatch(fn: str, path, dtype, expected) -> str:
+    return (
+        f"{_text.where(fn, path)} has dtype {dtype} but `like` expects {expected}; cast it with "
+        f".astype({expected}) first."
+    )
+
+
+def _reshard_not_array(path, full, shape) -> str:
+    return (
+        f"{_text.where('reshard', path)} is {type(full).__name__}; expected the full array of "
+        f"shape {shape}. Pass the full (unsharded) array of that leaf."
+    )
+
+
 def _full_problem(path, full, like: Sharded) -> tuple[type, str] | None:
     """(exception type, message) if `full` cannot be resharded like `like`, else None."""
     if not is_array(full):
-        return TypeError, _errors.reshard_not_array(path, full, like.shape)
+        return errors.ShardingTypeError, _reshard_not_array(path, full, like.shape)
     if tuple(full.shape) != like.shape:
-        return ValueError, _errors.shape_mismatch("reshard", path, full.shape, like.shape)
+        return errors.ShardingValueError, _shape_mismatch("reshard", path, full.shape, like.shape)
     if np.dtype(full.dtype) != like.dtype:
-        return ValueError, _errors.dtype_mismatch("reshard", path, full.dtype, like.dtype)
+        return errors.ShardingValueError, _dtype_mismatch("reshard", path, full.dtype, like.dtype)
     return None
 
 
@@ -326,6 +386,14 @@ def _pad_as(x, dim: int, size: int, dtype: np.dtype):
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
+def _structure_mismatch(fn: str, what: str, got, expected) -> str:
+    return (
+        f"{fn}: the {what} tree does not match the structure of `like`.\n  got:      "
+        f"{got}\n  expected: {expected}\nPass a tree with exactly the structure of the "
+        "state (e.g. the output of fs.unshard(state))."
+    )
+
+
 def reshard(full_tree: Any, like: Any) -> Any:
     """Shards `full_tree` exactly like `like`: the inverse of `unshard` (no communication).
 
@@ -348,14 +416,16 @@ def reshard(full_tree: Any, like: Any) -> Any:
         fulls = treedef.flatten_up_to(full_tree)
     except (ValueError, TypeError) as exc:
         got = jax.tree_util.tree_structure(full_tree, is_leaf=is_sharded)
-        raise ValueError(_errors.structure_mismatch("reshard", "full", got, treedef)) from exc
+        raise errors.ShardingValueError(
+            _structure_mismatch("reshard", "full", got, treedef)) from exc
     problems = [
         found for path, full, item in zip(paths, fulls, items, strict=True)
         if isinstance(item, Sharded) and (found := _full_problem(path, full, item))
     ]
     if problems:  # every bad leaf at once, as jax.shard_map reports its specs
-        kind = TypeError if all(k is TypeError for k, _ in problems) else ValueError
-        raise kind(_errors.joined([message for _, message in problems]))
+        only_types = all(k is errors.ShardingTypeError for k, _ in problems)
+        kind = errors.ShardingTypeError if only_types else errors.ShardingValueError
+        raise kind(_text.joined([message for _, message in problems]))
     in_step = _context.current() is not None
     out = [
         reshard_leaf(full, item, in_step) if isinstance(item, Sharded) else full

@@ -12,8 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from funshard import _errors
-from funshard import comm
+from funshard import comm, errors
 from funshard.core._policy import MixedPrecisionPolicy
 
 
@@ -28,7 +27,7 @@ class _LayoutFacts:
     @property
     def rows_per_shard(self) -> int:
         """Size of each device's block along `dim`: `ceil(shape[dim] / num_shards)`."""
-        return -(-self.shape[self.dim] // self.num_shards)
+        return comm.rows_per_shard(self.shape[self.dim], self.num_shards)
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -75,6 +74,14 @@ class Layout(_LayoutFacts):
     def with_data(self, data: Any) -> "Sharded":
         """The `Sharded` leaf holding `data` (the global padded array) in this layout."""
         return Sharded(data, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+def _sharded_in_user_code(shape, dtype) -> str:
+    return (
+        f"fs.Sharded leaf of shape {tuple(shape)} and dtype {dtype} is a sharded "
+        "parameter (each device holds only its own rows); call fs.unshard(state) (or use "
+        "an fs.fully_shard unit) to get the full array first."
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -160,7 +167,7 @@ class Sharded(_LayoutFacts):
     def _refuse(self, *args, **kwargs):
         # A Sharded leaf in user math is a forgotten fs.unshard; refuse instead of
         # letting jnp / numpy compute on the padded local rows or an object array.
-        raise TypeError(_errors.sharded_in_user_code(self.shape, self.dtype))
+        raise errors.ShardingTypeError(_sharded_in_user_code(self.shape, self.dtype))
 
     # numpy defers binary operators to the reflected methods below instead of
     # converting this object through __array__.
@@ -170,6 +177,26 @@ class Sharded(_LayoutFacts):
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _refuse
     __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _refuse
+
+
+def _sharded_deleted(shape, dtype) -> str:
+    return (
+        f"Array has been deleted: fs.Sharded leaf of shape {tuple(shape)} and dtype "
+        f"{dtype} was donated to a jitted call (donate_argnums) or deleted, so its "
+        "buffers are gone. Use the state that call returned (state, ... = step(state, "
+        "...)), or do not donate a state you still need."
+    )
+
+
+def _local_block_read(shape, local_shape) -> str:
+    return (
+        f"`.data` of a sharded parameter of shape {tuple(shape)} read inside a funshard "
+        f"step: there it is only this device's local block, of shape {tuple(local_shape)} "
+        "(its rows of the padded array), not the parameter. Call fs.unshard(state) (or use "
+        "an fs.fully_shard unit) for the full array. To compute on the local block on "
+        "purpose (e.g. a sum of squares followed by jax.lax.psum), take it as the leaf's "
+        "pytree child: jax.tree.leaves(leaf)[0]."
+    )
 
 
 def _live_data(self) -> Any:
@@ -185,9 +212,9 @@ def _live_data(self) -> Any:
                                       and not isinstance(data, jax.core.Tracer))
     if concrete:
         if data.is_deleted():
-            raise RuntimeError(_errors.sharded_deleted(self.shape, self.dtype))
+            raise RuntimeError(_sharded_deleted(self.shape, self.dtype))
     elif _read_in_user_code(sys._getframe(1)) and _in_step(self):
-        raise TypeError(_errors.local_block_read(self.shape, self.local_shape))
+        raise errors.ShardingTypeError(_local_block_read(self.shape, self.local_shape))
     return data
 
 

@@ -1,4 +1,12 @@
-"""The training root: `value_and_grad` / `grad` over a sharded state and a global batch."""
+"""The training root: `value_and_grad` / `grad` over a sharded state and a global batch.
+
+A step reads its state once, outside the per-device program (`_read_state`: the mesh,
+the data-parallel axes and one `LeafRoute` per leaf, the records `fs.plan` reads too);
+`_per_device` is the program `jax.shard_map` runs on each device, and `_microbatch`
+differentiates the loss on one microbatch there. The traced values travel as one list,
+in the order of the routes' `position`s; gradients and deferred sums are dicts keyed by
+those positions.
+"""
 
 from __future__ import annotations
 
@@ -8,170 +16,240 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import tree_flatten_with_path
 
-from funshard.core import _callbacks, _context, _tree
-from funshard import _errors, _jax_compat
-from funshard import comm
-from funshard.core import _in_step
+from funshard import _jax_compat, _text, comm, errors
+from funshard.core import _callbacks, _context, _in_step, _tree
+from funshard.core._batch import check_batch
+from funshard.core._options import RootOptions, root_options, trainable_flags
+from funshard.core._routes import LeafRoute, leaf_routes, state_axes
+from funshard.core._sharded import Sharded, is_sharded
 from funshard.core._tree import common_mesh, is_inexact_array, sharded_leaves, split_arrays
-from funshard.core._sharded import Sharded, is_array, is_sharded
+
+# ---- the state, read once before the per-device program -------------------------------
 
 
-def _dp_axes(paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(replicate axes, shard axes) shared by every `Sharded` leaf of the state."""
-    axes = None
-    for path, x in zip(paths, items, strict=True):
-        if not isinstance(x, Sharded):
-            continue
-        these = (x.replicate_axis, x.shard_axis)
-        if axes is None:
-            axes = these
-        elif these != axes:
-            raise ValueError(_errors.mixed_axes(path, these, axes))
-    return axes  # type: ignore[return-value]
+@dataclasses.dataclass(frozen=True)
+class _Root:
+    """What a step knows about its state before it traces the loss (all static).
 
-
-def _check_batch(batch: Any, world: int, dp_axes, microbatches: int = 1) -> None:
-    rows, not_arrays, scalars = [], [], []
-    for path, leaf in tree_flatten_with_path(batch)[0]:
-        if not is_array(leaf):
-            if not isinstance(leaf, (int, float, complex, bool)):
-                not_arrays.append(_errors.batch_not_array(path, leaf))
-                continue
-            leaf = np.asarray(leaf)
-        if leaf.ndim == 0:
-            scalars.append(_errors.batch_scalar(path))
-        else:
-            rows.append((path, leaf.shape[0]))
-    # Every bad leaf at once, as jax.shard_map reports its specs.
-    if not_arrays:
-        raise TypeError(_errors.joined(not_arrays + scalars))
-    if scalars:
-        raise ValueError(_errors.joined(scalars))
-    if len({r for _, r in rows}) > 1:
-        raise ValueError(_errors.batch_ragged(rows))
-    for path, size in rows[:1]:
-        if size == 0:
-            raise ValueError(_errors.batch_empty(path))
-        if size % world:
-            raise ValueError(_errors.batch_not_divisible(path, size, world, dp_axes))
-        if size % (world * microbatches):
-            raise ValueError(_errors.batch_not_microbatchable(path, size, world, microbatches))
-
-
-def _is_differentiable(x) -> bool:
-    return is_inexact_array(x)
-
-
-def varying_axes(x, dp_axes) -> tuple[str, ...]:
-    """The data-parallel axes `x` still varies over (its shard_map type)."""
-    varying = _jax_compat.varying_axes(x)
-    return tuple(a for a in dp_axes if a in varying)
-
-
-def _reduce_aux(aux: Any, dp_axes) -> Any:
-    """Combines per-device aux values into one value for the whole step.
-
-    Scalars that still vary over the devices are averaged (floating) or summed (other
-    dtypes); arrays are per-example values, gathered along dim 0 in global batch order.
-    Values the loss function already reduced (invariant over the data axes) are kept.
+    Attributes:
+      opts: the root's options.
+      items: the state's leaves (`Sharded` nodes whole), Python numbers as arrays.
+      treedef: the state's structure.
+      routes: one `LeafRoute` per item.
+      mesh: the mesh of every `Sharded` leaf.
+      replicate_axes: the HSDP replicate axes (may be empty).
+      shard_axes: the axes the parameters are sharded over.
     """
 
-    def reduce(x):
-        axes = varying_axes(x, dp_axes)
-        if not axes:
-            return x
-        if x.ndim == 0:
-            if is_inexact_array(x):
-                return jax.lax.pmean(x, axes)
-            return jax.lax.psum(x, axes)
-        x = comm.vary(x, dp_axes)
-        return jax.lax.all_gather(x, dp_axes, axis=0, tiled=True, to="invarying")
-
-    return jax.tree.map(reduce, aux)
-
-
-@dataclasses.dataclass(frozen=True)
-class _StatePlan:
-    """How the state's leaves enter the per-device program: the traced ones (`Sharded`
-    leaves and arrays) selected, with the shard_map spec of each."""
-
-    parts: _tree.Partition
-    specs: list[PartitionSpec]
+    opts: RootOptions
+    items: tuple
+    treedef: Any
+    routes: tuple[LeafRoute, ...]
+    mesh: Mesh
+    replicate_axes: tuple[str, ...]
+    shard_axes: tuple[str, ...]
 
     @property
-    def items(self) -> tuple:
-        return self.parts.items
+    def dp_axes(self) -> tuple[str, ...]:
+        """Every data-parallel axis (replicate then shard): the batch is split over them."""
+        return (*self.replicate_axes, *self.shard_axes)
 
     @property
-    def dynamic(self) -> tuple[int, ...]:
-        return self.parts.positions
+    def world(self) -> int:
+        """Devices the batch is split over."""
+        return comm.axes_size(self.mesh, self.dp_axes)
 
-    def dynamic_values(self) -> list:
-        return [x.data if isinstance(x, Sharded) else x for x in self.parts.selected]
-
-    def rebuild(self, values, step_meta: dict | None = None) -> Any:
-        """The tree with `values` in its dynamic positions.
-
-        With `step_meta` (position -> the `StepLeaf` fields) the `Sharded` leaves
-        become the running step's `StepLeaf`s.
-        """
-        new = [
-            _leaf_with(item, v, None if step_meta is None else step_meta.get(pos))
-            for pos, (item, v) in enumerate(zip(self.parts.selected, values, strict=True))
-        ]
-        return self.parts.combine(new)
-
-
-def _leaf_with(item, value, step_fields: dict | None):
-    """`item` holding `value`: a plain value, a `Sharded` leaf, or the step's `StepLeaf`."""
-    if not isinstance(item, Sharded):
-        return value
-    if step_fields is None:
-        return dataclasses.replace(item, data=value)
-    fields = {f.name: getattr(item, f.name) for f in dataclasses.fields(Sharded)}
-    return _context.StepLeaf(**{**fields, "data": value}, **step_fields)
-
-
-def _plan(items, treedef) -> _StatePlan:
-    parts = _tree.Partition(
-        tuple(items), treedef,
-        tuple(i for i, x in enumerate(items) if isinstance(x, Sharded) or is_array(x)),
-    )
-    specs = [
-        comm.spec(x.shard_axis, x.dim) if isinstance(x, Sharded) else PartitionSpec()
-        for x in parts.selected
-    ]
-    return _StatePlan(parts, specs)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    """The root's static choices (see `value_and_grad`)."""
-
-    has_aux: bool
-    divide_factor: float | None
-    microbatches: int
-    sync_every_microbatch: bool
-    all_reduce_every_microbatch: bool
-
-
-def _trainable_flags(trainable: Any, state: Any) -> list[bool]:
-    if trainable is None:
-        return [True] * len(jax.tree.leaves(state, is_leaf=is_sharded))
-    try:
-        expanded = jax.tree.map(
-            lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub, is_leaf=is_sharded),
-            trainable,
-            state,
-            is_leaf=lambda x: x is None,
+    @functools.cached_property
+    def ctx(self) -> _context.StepContext:
+        """What the units and `unshard` read of the running step."""
+        return _context.StepContext(
+            self.mesh, self.dp_axes,
+            skip_replicate_reduce=not self.opts.all_reduce_every_microbatch,
         )
-    except (ValueError, TypeError) as exc:
-        raise ValueError(_errors.trainable_mismatch(exc)) from exc
-    return jax.tree.leaves(expanded, is_leaf=is_sharded)
+
+    @property
+    def traced(self) -> list[tuple[LeafRoute, Any]]:
+        """(route, item) of every traced leaf, in the order of their positions."""
+        return [(r, x) for r, x in zip(self.routes, self.items, strict=True) if r.traced]
+
+    @property
+    def specs(self) -> list[PartitionSpec]:
+        """The shard_map spec of each traced value."""
+        return [comm.spec(x.shard_axis, x.dim) if r.sharded else PartitionSpec()
+                for r, x in self.traced]
+
+    def values(self) -> list:
+        """The traced values: `Sharded` leaves' padded arrays, and the arrays."""
+        return [x.data if r.sharded else x for r, x in self.traced]
+
+    def rebuild(self, values, accumulators: dict | None = None) -> Any:
+        """The state with `values` (by position) in its traced leaves.
+
+        With `accumulators` (position -> a deferred gradient's accumulator) the `Sharded`
+        leaves become the running step's `StepLeaf`s.
+        """
+        leaves = []
+        for r, x in self.traced:
+            value = values[r.position]
+            if not r.sharded:
+                leaves.append(value)
+            elif accumulators is None:
+                leaves.append(dataclasses.replace(x, data=value))
+            else:
+                leaves.append(_step_leaf(self, r, x, value, accumulators.get(r.position)))
+        positions = tuple(i for i, r in enumerate(self.routes) if r.traced)
+        return _tree.Partition(self.items, self.treedef, positions).combine(leaves)
+
+
+def _step_leaf(root: _Root, route: LeafRoute, item: Sharded, value, accumulator):
+    """`item` holding `value` as the loss function sees it inside the step."""
+    fields = {f.name: getattr(item, f.name) for f in dataclasses.fields(Sharded)}
+    return _context.StepLeaf(
+        **{**fields, "data": value}, frozen=not route.wanted, accumulator=accumulator,
+        skip_replicate_reduce=root.ctx.skip_replicate_reduce,
+    )
+
+
+def _read_state(state, batch, trainable, opts: RootOptions) -> _Root:
+    """The state's static facts, every problem with it (or with the batch) raised here."""
+    paths, items, treedef = sharded_leaves(state)
+    mesh = common_mesh("value_and_grad", paths, items)
+    if mesh is None:
+        raise errors.ShardingValueError(_text.no_sharded("value_and_grad"))
+    _check_context_mesh(mesh)
+    items = _as_arrays(items)
+    replicate_axes, shard_axes = state_axes("value_and_grad", paths, items)
+    dp_axes = (*replicate_axes, *shard_axes)
+    check_batch(batch, comm.axes_size(mesh, dp_axes), dp_axes, opts.microbatches)
+    flags = trainable_flags("value_and_grad", trainable, state)
+    routes = leaf_routes(paths, items, flags,
+                         sync_every_microbatch=opts.sync_every_microbatch)
+    _check_trainable_leaves(routes, items)
+    return _Root(opts, tuple(items), treedef, routes, mesh, replicate_axes, shard_axes)
+
+
+def _as_arrays(items: list) -> list:
+    """Python numbers in the state as arrays, exactly as `jax.jit` would trace them.
+
+    Under jit a Python float leaf is a traced float32 (differentiable) and an int a
+    traced int32; converting them here makes an un-jitted step behave the same.
+    """
+    return [
+        jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x for x in items
+    ]
+
+
+def _check_context_mesh(mesh) -> None:
+    # A mesh left set by `jax.set_mesh` (Flax's tutorials set one) makes JAX refuse the
+    # root's shard_map with a message that names neither; name both here.
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context != mesh.abstract_mesh:
+        raise errors.ShardingValueError(_other_mesh_set("value_and_grad", context, mesh))
+
+
+def _other_mesh_set(fn: str, context, mesh) -> str:
+    def text(m) -> str:
+        return ", ".join(f"{name}={size}" for name, size in m.shape.items()) or "no axes"
+
+    return (
+        f"{fn}: a mesh is set with jax.set_mesh ({text(context)}, axis types "
+        f"{tuple(t.name for t in context.axis_types)}) that is not the mesh of the sharded "
+        f"state ({text(mesh)}), and JAX would refuse the step's shard_map. funshard places "
+        "every array itself: remove the jax.set_mesh call (Flax's tutorials set one for "
+        "automatic sharding), or set the state's own mesh (`with jax.set_mesh(mesh):`)."
+    )
+
+
+def _check_trainable_leaves(routes, items) -> None:
+    """Non-floating leaves have no gradient, but an optimizer would still change them."""
+    bad = [(r.path, str(x.dtype)) for r, x in zip(routes, items, strict=True)
+           if r.traced and r.trainable and not r.differentiable]
+    if bad:
+        raise errors.ShardingTypeError(_non_float_leaves("value_and_grad", bad))
+
+
+def _non_float_leaves(fn: str, bad) -> str:
+    listing = "\n".join(f"  {_text.leaf_name(p)}: {d}" for p, d in bad)
+    return (
+        f"{fn}: the state has leaves that are not floating point, so they have no "
+        f"gradient:\n{listing}\nAn optimizer would still change them (e.g. optax.adamw's "
+        "weight decay, truncated to the integer dtype). Keep them out of the state "
+        "(pass them as an extra argument), or mark them trainable=False (e.g. "
+        "value_and_grad(..., trainable={'step': False})) and keep the optimizer off them "
+        "with optax.masked(opt, mask); see docs/concepts.md."
+    )
+
+
+# ---- the per-device program -------------------------------------------------------------
+
+
+def _per_device(loss_fn, root: _Root, rebuild_args, values, local_batch, arg_values):
+    """The step on one device: (loss, aux, gradients by position), all reduced."""
+    args = rebuild_args(arg_values)
+    opts = root.opts
+    if not opts.all_reduce_every_microbatch:
+        # Typed as varying over the replicate axes, the shards' gradients are not
+        # all-reduced by autodiff; the root all-reduces them once at the end.
+        values = [comm.vary(v, root.replicate_axes) if r.sharded else v
+                  for (r, _), v in zip(root.traced, values, strict=True)]
+
+    callbacks = []  # whether the user's step has host callbacks (trace time)
+
+    def one(microbatch):
+        out, found = _callbacks.deferring_errors(
+            lambda mb: _microbatch(loss_fn, root, values, mb, args)
+        )(microbatch)
+        callbacks.append(found)
+        return out
+
+    if opts.microbatches == 1:
+        loss, aux, grads, sums = one(local_batch)
+    else:
+        losses, auxes, grads, sums = _over_microbatches(
+            one, local_batch, opts.microbatches, _zero_sums(root, values))
+        loss, aux = jnp.mean(losses), _combine_microbatches(auxes)
+    grads = _add(grads, _reduce_deferred(root, sums))
+    # A loss already reduced over some data axes (psum / pmean in the loss function) is
+    # not averaged over them again, nor are its gradients.
+    loss_axes = varying_axes(loss, root.dp_axes)
+    scale = _grad_scale(opts, root.world, comm.axes_size(root.mesh, loss_axes))
+    grads = _finish_grads(root, values, grads, scale)
+    if loss_axes:
+        loss = jax.lax.pmean(loss, loss_axes)
+    aux = _reduce_aux(aux, root.dp_axes)
+    if any(callbacks):
+        _callbacks.raise_pending((loss, aux, grads))
+    return loss, aux, grads
+
+
+def _microbatch(loss_fn, root: _Root, values, batch, args):
+    """One microbatch on this device: (loss, aux, gradients, deferred sums).
+
+    Autodiff differentiates the loss with respect to the values whose gradient it
+    computes (`by_autodiff`) and to one full-size accumulator per deferred leaf, whose
+    gradient is that leaf's unreduced cotangent. Both come back keyed by position.
+    """
+    diff = [r for r, _ in root.traced if r.by_autodiff]
+    deferred = [(r, x) for r, x in root.traced if r.deferred]
+
+    def local_loss(diff_values, accumulators):
+        merged = list(values)
+        for r, v in zip(diff, diff_values, strict=True):
+            merged[r.position] = v
+        by_position = {r.position: a for (r, _), a in zip(deferred, accumulators, strict=True)}
+        with _context.inside(root.ctx):
+            out = loss_fn(root.rebuild(merged, by_position), batch, *args)
+        return _split_output(out, root.opts.has_aux)
+
+    accumulators = [_accumulator(x, root.dp_axes) for _, x in deferred]
+    (loss, aux), (diff_grads, sums) = jax.value_and_grad(
+        local_loss, argnums=(0, 1), has_aux=True
+    )([values[r.position] for r in diff], accumulators)
+    grads = {r.position: g for r, g in zip(diff, diff_grads, strict=True)}
+    return loss, aux, grads, {r.position: s for (r, _), s in zip(deferred, sums, strict=True)}
 
 
 def _accumulator(item: Sharded, dp_axes):
@@ -183,78 +261,72 @@ def _split_output(out, has_aux: bool):
     """(loss, aux) from what the loss function returned, or a clear error."""
     if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TypeError(_errors.aux_expected(out))
+            raise errors.ShardingTypeError(_aux_expected(out))
         loss, aux = out
     else:
         if isinstance(out, (tuple, list)):
-            raise TypeError(_errors.aux_unexpected(len(out)))
+            raise errors.ShardingTypeError(_aux_unexpected(len(out)))
         loss, aux = out, None
     if not (hasattr(loss, "dtype") and jnp.ndim(loss) == 0
             and jnp.issubdtype(loss.dtype, jnp.floating)):
-        raise TypeError(_errors.loss_not_scalar(loss))
+        raise errors.ShardingTypeError(_loss_not_scalar(loss))
     sharded_aux = [p for p, x in tree_flatten_with_path(aux, is_leaf=is_sharded)[0]
                    if isinstance(x, Sharded)]
     if sharded_aux:
-        raise TypeError(_errors.sharded_aux(sharded_aux))
+        raise errors.ShardingTypeError(_sharded_aux(sharded_aux))
     return loss, aux
 
 
-@dataclasses.dataclass(frozen=True)
-class _Routes:
-    """Where each traced state value's gradient goes in one step (by position)."""
-
-    sharded: list[bool]
-    wanted: list[bool]  # floating and trainable
-    deferred: list[int]  # gradient to a full-size accumulator, reduced after the loop
-    diff: list[int]  # gradient by autodiff (through the unit's reduce-scatter)
-
-
-def _routes(plan, values, trainable, opts: _Options) -> _Routes:
-    sharded = [isinstance(plan.items[i], Sharded) for i in plan.dynamic]
-    wanted = [_is_differentiable(v) and t for v, t in zip(values, trainable, strict=True)]
-    defer = not opts.sync_every_microbatch
-    deferred = [i for i, w in enumerate(wanted) if w and sharded[i] and defer]
-    diff = [i for i, w in enumerate(wanted) if w and i not in deferred]
-    return _Routes(sharded, wanted, deferred, diff)
+def _aux_expected(out) -> str:
+    what = f"a {type(out).__name__}"
+    if isinstance(out, (tuple, list)):
+        what += f" of {len(out)} elements"
+    return (
+        f"value_and_grad: has_aux=True but the loss function returned {what}; with "
+        "has_aux=True it must return a pair (loss, aux). Return (loss, aux), or pass "
+        "has_aux=False."
+    )
 
 
-def _local_value_and_grad(loss_fn, opts: _Options, plan, ctx, values, batch, args, routes):
-    """One microbatch on this device: (loss, aux, grads by position, deferred sums)."""
-    sharded, wanted, deferred, diff = routes.sharded, routes.wanted, routes.deferred, routes.diff
-
-    def local_loss(diff_values, accumulators):
-        merged = list(values)
-        for i, v in zip(diff, diff_values, strict=True):
-            merged[i] = v
-        accumulator_of = dict(zip(deferred, accumulators, strict=True))
-        step_meta = {
-            i: dict(frozen=not wanted[i], accumulator=accumulator_of.get(i),
-                    skip_replicate_reduce=ctx.skip_replicate_reduce)
-            for i, s in enumerate(sharded) if s
-        }
-        with _context.inside(ctx):
-            out = loss_fn(plan.rebuild(merged, step_meta), batch, *args)
-        return _split_output(out, opts.has_aux)
-
-    accumulators = [_accumulator(plan.items[plan.dynamic[i]], ctx.dp_axes) for i in deferred]
-    (loss, aux), (diff_grads, deferred_grads) = jax.value_and_grad(
-        local_loss, argnums=(0, 1), has_aux=True
-    )([values[i] for i in diff], accumulators)
-    grads = dict(zip(diff, diff_grads, strict=True))
-    return loss, aux, grads, dict(zip(deferred, deferred_grads, strict=True))
+def _aux_unexpected(count: int) -> str:
+    return (
+        f"value_and_grad: the loss function returned a tuple of {count} elements but "
+        "has_aux=False; return the scalar loss alone, or return (loss, aux) and pass "
+        "has_aux=True."
+    )
 
 
-def _zero_sums(plan, values, routes: _Routes, dp_axes) -> tuple[dict, dict]:
+def _loss_not_scalar(loss) -> str:
+    shape = getattr(loss, "shape", None)
+    dtype = getattr(loss, "dtype", type(loss).__name__)
+    return (
+        f"value_and_grad: the loss must be a floating scalar, got shape {shape} dtype "
+        f"{dtype}. Reduce it over the local batch (e.g. jnp.mean) and return a float; "
+        "return other values as aux (has_aux=True)."
+    )
+
+
+def _sharded_aux(paths) -> str:
+    listing = ", ".join(_text.leaf_name(p) for p in paths)
+    return (
+        f"value_and_grad: aux holds fs.Sharded leaves ({listing}): inside the step they "
+        "are this device's local blocks. Return fs.unshard(...) of them, or read them from "
+        "the state outside the step."
+    )
+
+
+def _zero_sums(root: _Root, values) -> tuple[dict, dict]:
     """Zero gradients and deferred sums, typed (varying axes) as autodiff returns them.
 
     A cotangent has its primal's type: a state value's gradient varies where the value
     does, a deferred sum where its accumulator does.
     """
-    grads = {
-        i: comm.vary(jnp.zeros_like(values[i]), varying_axes(values[i], dp_axes))
-        for i in routes.diff
-    }
-    sums = {i: _accumulator(plan.items[plan.dynamic[i]], dp_axes) for i in routes.deferred}
+    grads = {}
+    for r, _ in root.traced:
+        if r.by_autodiff:
+            v = values[r.position]
+            grads[r.position] = comm.vary(jnp.zeros_like(v), varying_axes(v, root.dp_axes))
+    sums = {r.position: _accumulator(x, root.dp_axes) for r, x in root.traced if r.deferred}
     return grads, sums
 
 
@@ -295,18 +367,19 @@ def _combine_microbatches(stacked: Any) -> Any:
     return jax.tree.map(combine, stacked)
 
 
-def _reduce_deferred(plan, sums: dict, ctx) -> dict:
+def _reduce_deferred(root: _Root, sums: dict) -> dict:
     """Reduce-scatters the accumulated unreduced gradients: one collective per dtype."""
     if not sums:
         return {}
     order = sorted(sums)
-    items = [plan.items[plan.dynamic[i]] for i in order]
-    layout = _in_step.layout_of(items, ctx.skip_replicate_reduce, name="root")
+    item_at = {r.position: x for r, x in root.traced}
+    layout = _in_step.layout_of([item_at[i] for i in order],
+                                root.ctx.skip_replicate_reduce, name="root")
     reduced = comm.reduce_values([sums[i] for i in order], layout)
     return dict(zip(order, reduced, strict=True))
 
 
-def _grad_scale(opts: _Options, world: int, loss_world: int) -> float:
+def _grad_scale(opts: RootOptions, world: int, loss_world: int) -> float:
     """What the summed per-device gradients are multiplied by.
 
     A loss that still varies over `loss_world` devices is a per-device mean: their sum
@@ -315,57 +388,58 @@ def _grad_scale(opts: _Options, world: int, loss_world: int) -> float:
     `gradient_divide_factor` f means "sum of per-device-mean gradients / f" in both
     cases, hence the `world / loss_world` correction.
     """
-    if opts.divide_factor is None:
+    if opts.gradient_divide_factor is None:
         scale = 1.0 / loss_world
     else:
-        scale = (world / loss_world) / opts.divide_factor
+        scale = (world / loss_world) / opts.gradient_divide_factor
     return scale / opts.microbatches
 
 
-def _finish_grads(plan, values, grads: dict, opts: _Options, scale: float, replicate_axes):
-    """Every position's gradient: scaled, HSDP-reduced if postponed, zeros elsewhere."""
+def _finish_grads(root: _Root, values, grads: dict, scale: float) -> list:
+    """Every traced value's gradient: scaled, HSDP-reduced if postponed, else zeros."""
+    postponed = not root.opts.all_reduce_every_microbatch and root.replicate_axes
     out = []
-    for i, v in enumerate(values):
-        if i not in grads:
+    for r, _ in root.traced:
+        v = values[r.position]
+        if r.position not in grads:
             out.append(jnp.zeros(v.shape, v.dtype))
             continue
-        g = grads[i]
-        postponed = not opts.all_reduce_every_microbatch and replicate_axes
-        if postponed and isinstance(plan.items[plan.dynamic[i]], Sharded):
-            g = jax.lax.psum(g, replicate_axes)
+        g = grads[r.position]
+        if postponed and r.sharded:
+            g = jax.lax.psum(g, root.replicate_axes)
         out.append((g * scale).astype(v.dtype))
     return out
 
 
-def _as_arrays(items: list) -> list:
-    """Python numbers in the state as arrays, exactly as `jax.jit` would trace them.
+def varying_axes(x, dp_axes) -> tuple[str, ...]:
+    """The data-parallel axes `x` still varies over (its shard_map type)."""
+    varying = _jax_compat.varying_axes(x)
+    return tuple(a for a in dp_axes if a in varying)
 
-    Under jit a Python float leaf is a traced float32 (differentiable) and an int a
-    traced int32; converting them here makes an un-jitted step behave the same.
+
+def _reduce_aux(aux: Any, dp_axes) -> Any:
+    """Combines per-device aux values into one value for the whole step.
+
+    Scalars that still vary over the devices are averaged (floating) or summed (other
+    dtypes); arrays are per-example values, gathered along dim 0 in global batch order.
+    Values the loss function already reduced (invariant over the data axes) are kept.
     """
-    return [
-        jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x for x in items
-    ]
+
+    def reduce(x):
+        axes = varying_axes(x, dp_axes)
+        if not axes:
+            return x
+        if x.ndim == 0:
+            if is_inexact_array(x):
+                return jax.lax.pmean(x, axes)
+            return jax.lax.psum(x, axes)
+        x = comm.vary(x, dp_axes)
+        return jax.lax.all_gather(x, dp_axes, axis=0, tiled=True, to="invarying")
+
+    return jax.tree.map(reduce, aux)
 
 
-def _check_state_leaves(paths, items, flags) -> None:
-    """Non-floating leaves have no gradient, but an optimizer would still change them."""
-    bad = [
-        (path, str(x.dtype))
-        for path, x, trainable in zip(paths, items, flags, strict=True)
-        if trainable and (isinstance(x, Sharded) or is_array(x))
-        and not is_inexact_array(x)
-    ]
-    if bad:
-        raise TypeError(_errors.non_float_leaves("value_and_grad", bad))
-
-
-def _check_context_mesh(mesh) -> None:
-    # A mesh left set by `jax.set_mesh` (Flax's tutorials set one) makes JAX refuse the
-    # root's shard_map with a message that names neither; name both here.
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context != mesh.abstract_mesh:
-        raise ValueError(_errors.other_mesh_set("value_and_grad", context, mesh))
+# ---- the public functions ---------------------------------------------------------------
 
 
 def value_and_grad(
@@ -423,7 +497,8 @@ def value_and_grad(
 
     Raises:
       ValueError: `microbatches` is not an int >= 1 or `gradient_divide_factor` is
-        not positive (raised at once); the state has no `Sharded` leaves or mixes
+        not positive (raised at once, as is the TypeError of a `sync_every_microbatch`
+        or `all_reduce_every_microbatch` that is not a bool); the state has no `Sharded` leaves or mixes
         meshes or axes, the global batch size is not a multiple of the data-parallel
         world size times `microbatches`, batch leaves have different leading sizes, or
         `trainable` does not fit the state.
@@ -432,90 +507,27 @@ def value_and_grad(
         function's output does not match `has_aux`, its loss is not a floating
         scalar, or its aux holds `Sharded` leaves.
     """
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(_errors.microbatches_invalid(microbatches))
-    if gradient_divide_factor is not None and not gradient_divide_factor > 0:
-        raise ValueError(_errors.gradient_divide_factor_invalid(gradient_divide_factor))
-    opts = _Options(
-        has_aux, gradient_divide_factor, microbatches, sync_every_microbatch,
-        all_reduce_every_microbatch,
+    opts = root_options(
+        "value_and_grad", microbatches=microbatches,
+        sync_every_microbatch=sync_every_microbatch,
+        all_reduce_every_microbatch=all_reduce_every_microbatch,
+        gradient_divide_factor=gradient_divide_factor, has_aux=has_aux,
     )
 
     @functools.wraps(loss_fn)
     def step(state, batch, *args):
         _jax_compat.check()
         _callbacks.warn_outer_callbacks("fs.value_and_grad")
-        paths, items, treedef = sharded_leaves(state)
-        mesh = common_mesh("value_and_grad", paths, items)
-        if mesh is None:
-            raise ValueError(_errors.no_sharded("value_and_grad"))
-        _check_context_mesh(mesh)
-        items = _as_arrays(items)
-        replicate_axes, shard_axes = _dp_axes(paths, items)
-        dp_axes = (*replicate_axes, *shard_axes)
-        world = comm.axes_size(mesh, dp_axes)
-        _check_batch(batch, world, dp_axes, opts.microbatches)
-        flags = _trainable_flags(trainable, state)
-        _check_state_leaves(paths, items, flags)
-        plan = _plan(items, treedef)
-        trainable_values = [flags[i] for i in plan.dynamic]
+        root = _read_state(state, batch, trainable, opts)
         arg_values, rebuild_args = split_arrays(args)
-        ctx = _context.StepContext(
-            mesh, dp_axes, skip_replicate_reduce=not opts.all_reduce_every_microbatch
-        )
-
-        def body(values, local_batch, arg_values):
-            args = rebuild_args(arg_values)
-            if not opts.all_reduce_every_microbatch:
-                # Typed as varying over the replicate axes, the shards' gradients are not
-                # all-reduced by autodiff; the root all-reduces them once at the end.
-                values = [
-                    comm.vary(v, replicate_axes)
-                    if isinstance(plan.items[plan.dynamic[i]], Sharded) else v
-                    for i, v in enumerate(values)
-                ]
-            routes = _routes(plan, values, trainable_values, opts)
-
-            callbacks = []  # whether the user's step has host callbacks (trace time)
-
-            def one(microbatch):
-                out, found = _callbacks.deferring_errors(
-                    lambda mb: _local_value_and_grad(
-                        loss_fn, opts, plan, ctx, values, mb, args, routes
-                    )
-                )(microbatch)
-                callbacks.append(found)
-                return out
-
-            if opts.microbatches == 1:
-                loss, aux, grads, sums = one(local_batch)
-            else:
-                losses, auxes, grads, sums = _over_microbatches(
-                    one, local_batch, opts.microbatches,
-                    _zero_sums(plan, values, routes, dp_axes),
-                )
-                loss, aux = jnp.mean(losses), _combine_microbatches(auxes)
-            grads = _add(grads, _reduce_deferred(plan, sums, ctx))
-            # A loss already reduced over some data axes (psum / pmean in the loss
-            # function) is not averaged over them again, nor are its gradients.
-            loss_axes = varying_axes(loss, dp_axes)
-            scale = _grad_scale(opts, world, comm.axes_size(mesh, loss_axes))
-            grads = _finish_grads(plan, values, grads, opts, scale, replicate_axes)
-            if loss_axes:
-                loss = jax.lax.pmean(loss, loss_axes)
-            aux = _reduce_aux(aux, dp_axes)
-            if any(callbacks):
-                _callbacks.raise_pending((loss, aux, grads))
-            return loss, aux, grads
-
         mapped = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(plan.specs, comm.spec(dp_axes), PartitionSpec()),
-            out_specs=(PartitionSpec(), PartitionSpec(), plan.specs),
+            functools.partial(_per_device, loss_fn, root, rebuild_args),
+            mesh=root.mesh,
+            in_specs=(root.specs, comm.spec(root.dp_axes), PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec(), root.specs),
         )
-        loss, aux, grads = mapped(plan.dynamic_values(), batch, arg_values)
-        grads = plan.rebuild(grads)
+        loss, aux, grads = mapped(root.values(), batch, arg_values)
+        grads = root.rebuild(grads)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return step

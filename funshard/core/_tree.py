@@ -12,11 +12,10 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.tree_util import tree_flatten_with_path, tree_unflatten
 
-from funshard import _errors
+from funshard import _text, errors
 from funshard.comm import is_inexact_array as is_inexact_array
 from funshard.core._sharded import Sharded, is_array, is_sharded
 
@@ -25,6 +24,14 @@ def sharded_leaves(tree: Any) -> tuple[list, list, Any]:
     """Flattens `tree` keeping `Sharded` nodes whole: (paths, items, treedef)."""
     with_path, treedef = tree_flatten_with_path(tree, is_leaf=is_sharded)
     return [p for p, _ in with_path], [x for _, x in with_path], treedef
+
+
+def _mixed_meshes(fn: str, first, other) -> str:
+    return (
+        f"{_text.where(fn, other[0])} lives on mesh {other[1]} but {_text.leaf_name(first[0])} "
+        f"lives on mesh {first[1]}; states sharded on different meshes cannot be mixed in "
+        "one call. Shard every tree with the same mesh (fs.shard(params, mesh))."
+    )
 
 
 def common_mesh(fn: str, paths, items) -> Mesh | None:
@@ -36,7 +43,7 @@ def common_mesh(fn: str, paths, items) -> Mesh | None:
         if first is None:
             first = (path, x.mesh)
         elif x.mesh != first[1]:
-            raise ValueError(_errors.mixed_meshes(fn, first, (path, x.mesh)))
+            raise errors.ShardingValueError(_mixed_meshes(fn, first, (path, x.mesh)))
     return None if first is None else first[1]
 
 

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funshard.core import _context, _tree
-from funshard import _errors, _jax_compat
-from funshard import comm
-from funshard.core import _in_step
+from funshard import _jax_compat, _text, comm, errors
+from funshard._custom_vjp import filter_custom_vjp
+from funshard.core import _context, _in_step, _tree
+from funshard.core._options import check_reshard_after_forward as check_reshard_after_forward
 from funshard.core._policy import MixedPrecisionPolicy
 from funshard.core._sharded import Sharded, is_sharded
 
@@ -60,8 +60,9 @@ def prepare(fn: str, params: Any) -> UnitParams:
     paths, items, _ = _tree.sharded_leaves(params)
     if _tree.common_mesh(fn, paths, items) is None:
         if _context.in_unit():
-            raise ValueError(_errors.nested_units("a unit called inside another unit"))
-        raise ValueError(_errors.no_sharded(fn))
+            raise errors.ShardingValueError(
+                _text.nested_units("a unit called inside another unit"))
+        raise errors.ShardingValueError(_text.no_sharded(fn))
     return UnitParams(_tree.partition(params), paths, policy_of(fn, paths, items))
 
 
@@ -71,8 +72,16 @@ def policy_of(fn: str, paths, items) -> MixedPrecisionPolicy | None:
         if isinstance(x, Sharded):
             found.setdefault(x.mp_policy, path)
     if len(found) > 1:
-        raise ValueError(_errors.mixed_policies(fn, [(p, k) for k, p in found.items()]))
+        raise errors.ShardingValueError(_mixed_policies(fn, [(p, k) for k, p in found.items()]))
     return next(iter(found), None)
+
+
+def _mixed_policies(fn: str, paths_and_policies) -> str:
+    listing = "\n".join(f"  {_text.leaf_name(p)}: {pol}" for p, pol in paths_and_policies)
+    return (
+        f"{fn}: the unit's parameters carry different mixed-precision policies:\n"
+        f"{listing}\nShard all parameters of one unit with the same mp_policy."
+    )
 
 
 def cast_inputs(unit: UnitParams, args: Any) -> Any:
@@ -123,21 +132,12 @@ def _preferred_dependency(arrays: list, excluded: set[int]) -> int | None:
                                           not _tree.is_inexact_array(arrays[i])))
 
 
-def check_reshard_after_forward(fn: str, value) -> None:
-    """FSDP2's `reshard_after_forward: bool | int` (an int k >= 1), or a clear error."""
-    if not isinstance(value, int):
-        raise TypeError(_errors.bad_reshard_after_forward(fn, value))
-    if not isinstance(value, bool) and value < 1:
-        raise ValueError(_errors.bad_reshard_after_forward(fn, value))
-
-
 def group_size(reshard_after_forward: bool | int, sharded: list[Sharded]) -> int | None:
     """1: keep the gathered params; None: reshard fully; k: hpZ over groups of k."""
     if isinstance(reshard_after_forward, bool):
         return None if reshard_after_forward else 1
     n = sharded[0].num_shards
-    if n % reshard_after_forward:
-        raise ValueError(_errors.hpz_not_divisor(reshard_after_forward, n))
+    check_reshard_after_forward("fully_shard", reshard_after_forward, n)
     return None if reshard_after_forward == n else reshard_after_forward
 
 
@@ -148,7 +148,15 @@ def _keep_group(layout: comm.GroupLayout, k: int) -> tuple[str, ...]:
     for start in range(len(axes) - 1, 0, -1):
         if int(np.prod(sizes[start:])) == k:
             return axes[start:]
-    raise ValueError(_errors.hpz_group_mismatch(k, axes, sizes))
+    raise errors.ShardingValueError(_hpz_group_mismatch(k, axes, sizes))
+
+
+def _hpz_group_mismatch(k: int, axes, sizes) -> str:
+    return (
+        f"fully_shard: reshard_after_forward={k} needs the parameters' shard axes {axes} "
+        f"(sizes {tuple(sizes)}) to end in axes spanning exactly {k} devices, e.g. shard "
+        f"over ('fsdp_outer', 'fsdp_inner') with an inner axis of size {k}."
+    )
 
 
 @dataclasses.dataclass
@@ -199,7 +207,7 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
     deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
     keep_group = _keep_group(layout, group) if group else None
     record = Residuals()
-    # custom_vjp takes and returns arrays only: the other leaves stay static.
+    # jax.vjp takes and returns arrays only: the other leaves stay static.
     operand_arrays, rebuild_operands = _tree.split_arrays((unit.parts.others, args))
     # Positions, computed here and now (static ints): identities do not survive traces.
     in_sharded = {id(x) for leaf in _tree.sharded_leaves(args)[1] if is_sharded(leaf)
@@ -216,7 +224,7 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
         out_arrays, record.rebuild_out = _tree.split_arrays(out)
         return out_arrays
 
-    @jax.custom_vjp
+    @filter_custom_vjp
     def call(datas, accumulators, operand_arrays):
         return run(comm.gather_values(datas, layout), operand_arrays)
 
@@ -246,21 +254,6 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
     return record.rebuild_out(out)
 
 
-def _match_types(ct, primal):
-    """Sums `ct` over the axes it varies along but `primal` does not (autodiff's rule)."""
-
-    def fix(c, p):
-        if not hasattr(c, "dtype") or c.dtype == jax.dtypes.float0:
-            return c
-        extra = tuple(
-            a for a in _jax_compat.varying_axes(c)
-            if a not in _jax_compat.varying_axes(p)
-        )
-        return jax.lax.psum(c, extra) if extra else c
-
-    return jax.tree.map(fix, ct, primal)
-
-
 def _layer_layout(sharded, name: str):
     """The gather layout of one layer of each stacked leaf (its layer axis dropped)."""
     stack = _in_step.layout_of(sharded, name=name)
@@ -281,7 +274,7 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
     sharded = unit.sharded
     datas = tuple(x.data for x in sharded)
     if _in_step.accumulators_for(sharded) is not None:
-        raise NotImplementedError(_errors.scan_deferred_sync_unsupported())
+        raise errors.UnsupportedError(_scan_deferred_sync_unsupported())
     layout = _layer_layout(sharded, f"scan/{getattr(fn, '__name__', 'layer')}")
     others = unit.parts.others
     layers = datas[0].shape[0]
@@ -302,7 +295,7 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
         with _context.unit_body():
             return fn(layer_params(gathered, others_i), h)
 
-    @jax.custom_vjp
+    @filter_custom_vjp
     def run(datas, others, carry):
         body = lambda h, xs: (run_layer(gather_layer(datas, xs[0], None), xs[1], h), None)  # noqa
         return jax.lax.scan(body, carry, (jnp.arange(layers), others))[0]
@@ -343,7 +336,14 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
         (ct_carry, _), (ct_datas, ct_others) = jax.lax.scan(
             body, (ct, last), (jnp.arange(layers), kept), reverse=True
         )
-        return ct_datas, _match_types(ct_others, others), _match_types(ct_carry, carry)
+        return ct_datas, ct_others, ct_carry
 
     run.defvjp(run_fwd, run_bwd)
     return run(datas, others, carry)
+
+
+def _scan_deferred_sync_unsupported() -> str:
+    return (
+        "scan: gradient accumulation without per-microbatch sync is not supported for "
+        "scanned stacks yet; use sync_every_microbatch=True."
+    )

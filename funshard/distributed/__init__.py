@@ -10,6 +10,8 @@
 See docs/distributed.md for launch commands and the timeout knobs.
 """
 
+from funshard.distributed._departure import OrderedWorker as OrderedWorker
+from funshard.distributed._departure import count_step as count_step
 from funshard.distributed._runtime import Launch as Launch
 from funshard.distributed._runtime import data_axes as data_axes
 from funshard.distributed._runtime import global_devices as global_devices
@@ -19,6 +21,8 @@ from funshard.distributed._runtime import shard_batch as shard_batch
 
 __all__ = [
     "Launch",
+    "OrderedWorker",
+    "count_step",
     "data_axes",
     "global_devices",
     "initialize",

@@ -39,7 +39,8 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from funshard import _errors, _jax_compat
+from funshard import _jax_compat, errors
+from funshard.distributed._rendezvous import not_seconds
 
 # How long a process that others left may stay stuck before it gives up, in seconds.
 DEPARTURE_TIMEOUT = 30.0
@@ -51,6 +52,9 @@ _IDLE_CPU_SHARE = 0.05
 _EXIT_POLL_S = 0.05
 # How long process 0 keeps the coordination service up for the processes leaving with it.
 _SERVICE_GRACE_S = 5.0
+# The longest exit waits for the watchdog thread: one call on a live service (ms); a
+# dead service is left to JAX, which ends the process itself.
+_WATCHDOG_JOIN_S = 2.0
 _WAIT_SLICE_S = 0.5
 
 
@@ -77,7 +81,9 @@ def departure_timeout(value, environ: Mapping[str, str]) -> float:
     except (TypeError, ValueError):
         seconds = math.nan
     if isinstance(value, bool) or not seconds > 0:
-        raise ValueError(_errors.departure_timeout_invalid(source, value))
+        raise errors.ShardingValueError(not_seconds(
+            source, value,
+            "departure_timeout=30 (or FUNSHARD_DEPARTURE_TIMEOUT=30), or inf to wait forever"))
     return seconds
 
 
@@ -110,6 +116,57 @@ class Note:
             return None
 
 
+def _steps(count: int, kind: str) -> str:
+    """ "3 steps (shard_batch calls)": a step count and what funshard counted as a step."""
+    return f"{count} step{'' if count == 1 else 's'} ({kind}{'es' if kind.endswith('s') else 's'})"
+
+
+def departure_text(note) -> str:
+    """ "process 1 returned normally and left the job after 2 steps (shard_batch calls)"."""
+    text = f"process {note.rank} {note.how} and left the job"
+    return text if note.kind == "step" else f"{text} after {_steps(note.step, note.kind)}"
+
+
+def _last_common_step(step: int, kind: str, notes) -> str:
+    counted = [n.step for n in notes if n.kind != "step"] + ([step] if kind != "step" else [])
+    if not counted:
+        return (
+            "funshard names steps by counting calls of fs.distributed.shard_batch (or a "
+            "torch_frontend model's backward passes); this job made none, so it cannot "
+            "name the last step both reached."
+        )
+    return f"The last step both reached is step {min(counted)}."
+
+
+def _same_steps_hint(timeout: float | None) -> str:
+    text = (
+        "Every process must run the same steps, with the same collectives in the same "
+        "order; one that stops early (fewer steps, or an exception it caught before "
+        "returning) leaves the others waiting."
+    )
+    if timeout is not None:
+        text += (f" Gave up after departure_timeout={timeout:g} s (an argument of "
+                 "funshard.distributed.initialize, or FUNSHARD_DEPARTURE_TIMEOUT).")
+    return text
+
+
+def _at_step(step: int, kind: str) -> str:
+    return "" if kind == "step" else f", at step {step},"
+
+
+def _peer_left(rank: int, count: int, notes, step: int, kind: str, waited_s: float,
+               what: str, timeout: float) -> str:
+    who = ", ".join(str(n.rank) for n in notes)
+    return (
+        f"funshard.distributed: process {rank} of {count} gives up: "
+        f"{'; '.join(departure_text(n) for n in notes)}, and {what} of this "
+        f"process{_at_step(step, kind)} has made no progress for {waited_s:.0f} s since: "
+        f"it is waiting in a collective that process{'es' if len(notes) > 1 else ''} "
+        f"{who} will never join. {_last_common_step(step, kind, notes)} "
+        f"{_same_steps_hint(timeout)}"
+    )
+
+
 class _Monitor:
     """This process's side of the protocol (see the module docstring)."""
 
@@ -122,6 +179,8 @@ class _Monitor:
         self.seen: dict[int, float] = {}  # rank -> when this process first saw its note
         self.notes: dict[int, Note] = {}
         self.reachable = True  # False once the coordination service failed to answer
+        self.stop = threading.Event()  # set at exit: the watchdog returns at once
+        self.watchdog: threading.Thread | None = None
 
     def post(self, how: str, barrier: bool) -> None:
         self.leaving = True
@@ -151,16 +210,17 @@ class _Monitor:
         return time.monotonic() - max(since, min(self.seen.values()))
 
     def message(self, waited_s: float, what: str) -> str:
-        return _errors.peer_left(self.rank, self.count, sorted(self.notes.values(),
-                                 key=lambda n: n.rank), self.step, self.kind, waited_s,
-                                 what, self.timeout)
+        notes = sorted(self.notes.values(), key=lambda n: n.rank)
+        return _peer_left(self.rank, self.count, notes, self.step, self.kind, waited_s,
+                          what, self.timeout)
 
     def watch(self) -> None:
         """The watchdog thread: gives up when this process is stuck on one that left."""
         poll = min(1.0, self.timeout / 5)
         place, cpu, quiet_since = _main_place(), time.process_time(), time.monotonic()
         while not self.leaving:
-            time.sleep(poll)
+            if self.stop.wait(poll):
+                return
             if _jax_compat.coordination_client() is not self.client:
                 return  # the script shut jax.distributed down itself
             now_place, now_cpu = _main_place(), time.process_time()
@@ -195,6 +255,7 @@ class _Monitor:
 
     def at_exit(self) -> None:
         """Posts this process's note; waits for every other one before JAX's barrier."""
+        self.stop_watchdog()
         if _jax_compat.coordination_client() is not self.client:
             return  # the script shut jax.distributed down itself
         failed = getattr(sys, "last_value", None)  # set for an uncaught exception
@@ -213,6 +274,19 @@ class _Monitor:
             # JAX's shutdown barrier would wait for a process that will never arrive.
             self.leave(how)
             _exit_now(0 if failed is None else 1)
+
+
+    def stop_watchdog(self) -> None:
+        """Ends the watchdog thread before JAX's shutdown, waiting for it a bounded time.
+
+        A daemon thread still inside a call on the coordination client when JAX shuts the
+        client down, or when the interpreter finalizes, aborts the whole process at exit
+        ("terminate called ... FATAL: exception not rethrown") after the script's work
+        is done: seen under load in 4-process jobs.
+        """
+        self.stop.set()
+        if self.watchdog is not None and self.watchdog is not threading.current_thread():
+            self.watchdog.join(_WATCHDOG_JOIN_S)
 
 
 _monitor: _Monitor | None = None
@@ -250,8 +324,9 @@ def start(client, rank: int, count: int, timeout: float, shutdown_timeout: float
     # Registered after JAX's own exit handler, so it runs before JAX's shutdown barrier.
     atexit.register(_monitor.at_exit)
     if math.isfinite(timeout):
-        threading.Thread(target=_monitor.watch, name="funshard-departure-watchdog",
-                         daemon=True).start()
+        _monitor.watchdog = threading.Thread(
+            target=_monitor.watch, name="funshard-departure-watchdog", daemon=True)
+        _monitor.watchdog.start()
 
 
 def count_step(kind: str) -> None:
@@ -272,6 +347,15 @@ def departed() -> dict[int, Note]:
     return {} if _monitor is None else _monitor.refresh()
 
 
+def _batch_peer_left(rank: int, count: int, notes, step: int, kind: str) -> str:
+    return (
+        f"shard_batch: process {rank} of {count}, at step {step}: "
+        f"{'; '.join(departure_text(n) for n in notes)}, so this step's batch (and its "
+        f"collectives) will never be complete. {_last_common_step(step, kind, notes)} "
+        f"{_same_steps_hint(None)}"
+    )
+
+
 def left_before_this_step() -> str | None:
     """The error for this process's current step if a process left before reaching it.
 
@@ -287,8 +371,7 @@ def left_before_this_step() -> str | None:
     early = [n for _, n in sorted(monitor.refresh().items()) if n.step < monitor.step]
     if not early:
         return None
-    return _errors.batch_peer_left(monitor.rank, monitor.count, early, monitor.step,
-                                   monitor.kind)
+    return _batch_peer_left(monitor.rank, monitor.count, early, monitor.step, monitor.kind)
 
 
 def stuck_error(since: float, what: str) -> str | None:
@@ -347,7 +430,7 @@ class Pending(Future):
                         raise
                     error = stuck_error(since, self.what)
                     if error is not None:
-                        raise RuntimeError(error) from None
+                        raise errors.DistributedError(error) from None
 
 
 class OrderedWorker:

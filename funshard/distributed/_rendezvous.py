@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from funshard import _errors
+from funshard import _text, errors
 
 # JAX's own default (jax.distributed.initialize in jax 0.10.2), in seconds.
 INITIALIZATION_TIMEOUT = 300
@@ -30,6 +30,14 @@ WAIT_NOTICE_S = 1.0
 
 _HELLO = "funshard-start"
 _ANSWER_SLACK_S = 1.0  # network and scheduling delay allowed for process 0's answer
+
+
+def not_seconds(source: str, value, example: str) -> str:
+    """A timeout of `initialize` (this one, or `_departure`'s) that is not one."""
+    return (
+        f"initialize: {source}={value!r} is not a positive number of seconds; pass e.g. "
+        f"{example}."
+    )
 
 
 def initialization_timeout(value, environ: Mapping[str, str]) -> float:
@@ -55,8 +63,25 @@ def initialization_timeout(value, environ: Mapping[str, str]) -> float:
     except (TypeError, ValueError):
         seconds = math.nan
     if isinstance(value, bool) or not 0 < seconds < math.inf:
-        raise ValueError(_errors.timeout_invalid(source, value))
+        raise errors.ShardingValueError(not_seconds(
+            source, value, "initialization_timeout=60 (or FUNSHARD_INITIALIZATION_TIMEOUT=60)"))
     return seconds
+
+
+def _coordinator_bad_address(address: str, source: str) -> str:
+    return (
+        f"initialize: coordinator address {address!r} (from {source}) is not 'host:port' "
+        "with a port in 1-65535; pass e.g. '10.0.0.1:29500' (MASTER_ADDR and MASTER_PORT "
+        "under torchrun)."
+    )
+
+
+def _coordinator_unresolvable(host: str, source: str, reason: str) -> str:
+    return (
+        f"initialize: the coordinator host {host!r} (from {source}) does not resolve "
+        f"({reason}); set it to the host name or IP address of the machine that runs "
+        "process 0, as every process can resolve it."
+    )
 
 
 def endpoint(address: str, source: str) -> tuple[str, int]:
@@ -75,11 +100,12 @@ def endpoint(address: str, source: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(_errors.coordinator_bad_address(address, source))
+        raise errors.ShardingValueError(_coordinator_bad_address(address, source))
     try:
         socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise ValueError(_errors.coordinator_unresolvable(host, source, str(exc))) from None
+        raise errors.ShardingValueError(
+            _coordinator_unresolvable(host, source, str(exc))) from None
     return host, int(port)
 
 
@@ -124,13 +150,31 @@ def _listen(port: int) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
+def _start_cannot_listen(port: int, reason) -> str:
+    return (
+        f"initialize: process 0 cannot listen on port {port} for the coordinator "
+        f"({reason}); another program uses it. Choose a free port (MASTER_PORT, or the "
+        "port in coordinator_address)."
+    )
+
+
+def _start_missing_processes(me: str, missing, address: str, timeout: float, notes) -> str:
+    extra = "".join(f" {note}." for note in notes)
+    return (
+        f"initialize: {me} gave up after {timeout:g} s: {_text.process_list(missing)} never "
+        f"reached the coordinator at {address}.{extra} Check that the launcher started "
+        "every process with the same WORLD_SIZE and MASTER_ADDR/MASTER_PORT, or raise the "
+        "timeout (initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
+    )
+
+
 def _serve(n: int, host: str, port: int, start: float, timeout: float) -> None:
     """Process 0: waits for every other rank's hello, then answers all of them at once."""
     address, me = f"{host}:{port}", _me(0, n)
     try:
         server = _listen(port)
     except OSError as exc:
-        raise RuntimeError(_errors.start_cannot_listen(port, exc.strerror or exc)) from None
+        raise errors.DistributedError(_start_cannot_listen(port, exc.strerror or exc)) from None
     arrived: dict[int, socket.socket] = {}
     notes: list[str] = []
     with server, selectors.DefaultSelector() as selector:
@@ -140,7 +184,7 @@ def _serve(n: int, host: str, port: int, start: float, timeout: float) -> None:
             while len(arrived) < n - 1 and time.monotonic() - start < timeout:
                 if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
                     missing = sorted(set(range(1, n)) - set(arrived))
-                    _notice(f"{me} waiting for {_errors.process_list(missing)} "
+                    _notice(f"{me} waiting for {_text.process_list(missing)} "
                             f"at {address}, timeout {timeout:g} s")
                     noticed = True
                 for key, _ in selector.select(0.2):
@@ -154,7 +198,26 @@ def _serve(n: int, host: str, port: int, start: float, timeout: float) -> None:
                 if key.fileobj is not server:
                     key.fileobj.close()
     if missing:
-        raise TimeoutError(_errors.start_missing_processes(me, missing, address, timeout, notes))
+        raise errors.DistributedTimeoutError(
+            _start_missing_processes(me, missing, address, timeout, notes))
+
+
+def _start_note_refused(problem: str) -> str:
+    """A note for `start_missing_processes`: a connection process 0 turned away."""
+    return f"Refused a connection: {problem}"
+
+
+def _start_note_disconnected(rank: int) -> str:
+    """A note for `start_missing_processes`: a peer that arrived, then died."""
+    return f"Process {rank} arrived but disconnected again (it exited)"
+
+
+def _start_rejected(n: int, problem: str) -> str:
+    return (
+        f"initialize: process 0 of {n} rejected this process: {problem}. Start every "
+        "process with the same WORLD_SIZE and its own RANK, and keep other programs off "
+        "the coordinator's port."
+    )
 
 
 def _on_readable(key, server, selector, arrived: dict, notes: list, n: int) -> None:
@@ -176,28 +239,43 @@ def _on_readable(key, server, selector, arrived: dict, notes: list, n: int) -> N
         # Gone before (or without) a hello: a peer that died, or not funshard at all.
         for rank in [r for r, s in arrived.items() if s is peer]:
             del arrived[rank]
-            notes.append(_errors.start_note_disconnected(rank))
+            notes.append(_start_note_disconnected(rank))
         peer.close()
         return
     problem, rank = _check_hello(data.split(b"\n", 1)[0], arrived, n)
     if problem:
-        notes.append(_errors.start_note_refused(problem))
-        _send_line(peer, f"error {_errors.start_rejected(n, problem)}")
+        notes.append(_start_note_refused(problem))
+        _send_line(peer, f"error {_start_rejected(n, problem)}")
         peer.close()
         return
     arrived[rank] = peer
     selector.register(peer, selectors.EVENT_READ, b"")  # to notice if it dies meanwhile
 
 
+def _hello_not_funshard() -> str:
+    return "a program other than funshard connected to the coordinator's port"
+
+
+def _hello_world_size(rank: int, size: int, n: int) -> str:
+    return (
+        f"a process started as rank {rank} of {size} processes, but process 0 expects "
+        f"{n} (WORLD_SIZE differs between processes)"
+    )
+
+
+def _hello_rank_taken(rank: int) -> str:
+    return f"two processes started as rank {rank} (RANK must be unique)"
+
+
 def _check_hello(line: bytes, arrived: dict, n: int) -> tuple[str | None, int]:
     parts = line.decode(errors="replace").split()
     if len(parts) != 3 or parts[0] != _HELLO or not all(p.isdigit() for p in parts[1:]):
-        return _errors.hello_not_funshard(), -1
+        return _hello_not_funshard(), -1
     rank, size = int(parts[1]), int(parts[2])
     if size != n:
-        return _errors.hello_world_size(rank, size, n), rank
+        return _hello_world_size(rank, size, n), rank
     if rank in arrived:
-        return _errors.hello_rank_taken(rank), rank
+        return _hello_rank_taken(rank), rank
     return None, rank
 
 
@@ -209,6 +287,15 @@ def _send_line(peer: socket.socket, text: str) -> None:
         pass  # it is gone; nothing to tell
 
 
+def _start_no_coordinator(me: str, address: str, timeout: float, reason: str) -> str:
+    return (
+        f"initialize: {me} could not reach the coordinator (process 0) at {address} "
+        f"within {timeout:g} s ({reason}). Start process 0, check that MASTER_ADDR / "
+        "MASTER_PORT (or coordinator_address) name its host and a port it can listen on, "
+        "or raise the timeout (initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
+    )
+
+
 def _join(rank: int, n: int, host: str, port: int, start: float, timeout: float) -> None:
     """Any other process: says hello to process 0 and waits for its answer."""
     address, reason, noticed = f"{host}:{port}", "nothing listens there", False
@@ -216,7 +303,8 @@ def _join(rank: int, n: int, host: str, port: int, start: float, timeout: float)
     while True:
         left = timeout - (time.monotonic() - start)
         if left <= 0:
-            raise TimeoutError(_errors.start_no_coordinator(me, address, timeout, reason))
+            raise errors.DistributedTimeoutError(
+                _start_no_coordinator(me, address, timeout, reason))
         if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
             _notice(f"{me} waiting for process 0 (the coordinator) and the "
                     f"others at {address}, timeout {timeout:g} s")
@@ -232,6 +320,14 @@ def _join(rank: int, n: int, host: str, port: int, start: float, timeout: float)
         if reply is not None:
             return _on_reply(reply, me)
         reason = "process 0 closed the connection without an answer"
+
+
+def _start_no_answer(me: str, address: str, timeout: float) -> str:
+    return (
+        f"initialize: {me} reached the coordinator at {address}, but process 0 did not "
+        f"answer within {timeout:g} s (is it stopped?). Check process 0's log, or raise "
+        "the timeout (initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
+    )
 
 
 def _await_reply(peer, rank: int, n: int, start: float, timeout: float, noticed, address):
@@ -251,7 +347,7 @@ def _await_reply(peer, rank: int, n: int, start: float, timeout: float, noticed,
     while b"\n" not in data:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(_errors.start_no_answer(me, address, timeout))
+            raise errors.DistributedTimeoutError(_start_no_answer(me, address, timeout))
         if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
             _notice(f"{me} waiting for the other processes at {address}, "
                     f"timeout {timeout:g} s")
@@ -269,10 +365,26 @@ def _await_reply(peer, rank: int, n: int, start: float, timeout: float, noticed,
     return data.split(b"\n", 1)[0].decode(errors="replace")
 
 
+def _start_gave_up_elsewhere(me: str, missing) -> str:
+    return (
+        f"initialize: {me}: process 0 gave up waiting: {_text.process_list(missing)} never "
+        "reached the coordinator (see process 0's error). Start the missing processes, "
+        "or raise the timeout (initialization_timeout= or FUNSHARD_INITIALIZATION_TIMEOUT)."
+    )
+
+
+def _start_unexpected_answer(reply: str) -> str:
+    return (
+        f"initialize: unexpected answer {reply!r} from the coordinator's port; run the "
+        "same funshard version in every process and keep other programs off that port."
+    )
+
+
 def _on_reply(reply: str, me: str) -> None:
     word, _, rest = reply.partition(" ")
     if word == "go":
         return
     if word == "missing":
-        raise TimeoutError(_errors.start_gave_up_elsewhere(me, [int(r) for r in rest.split(",")]))
-    raise RuntimeError(rest if word == "error" else _errors.start_unexpected_answer(reply))
+        raise errors.DistributedTimeoutError(
+            _start_gave_up_elsewhere(me, [int(r) for r in rest.split(",")]))
+    raise errors.DistributedError(rest if word == "error" else _start_unexpected_answer(reply))

@@ -27,13 +27,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
 
+from funshard import _jax_compat, _text, comm, errors
 from funshard.distributed import _departure, _rendezvous
-from funshard import _errors, _jax_compat
-from funshard import comm
 from funshard.distributed._departure import DEPARTURE_TIMEOUT as DEPARTURE_TIMEOUT
 from funshard.distributed._departure import DEPARTURE_TIMEOUT_ENV as DEPARTURE_TIMEOUT_ENV
 from funshard.distributed._rendezvous import INITIALIZATION_TIMEOUT as INITIALIZATION_TIMEOUT
-from funshard.distributed._rendezvous import INITIALIZATION_TIMEOUT_ENV as INITIALIZATION_TIMEOUT_ENV
+from funshard.distributed._rendezvous import (
+    INITIALIZATION_TIMEOUT_ENV as INITIALIZATION_TIMEOUT_ENV,
+)
 
 # JAX's own defaults (jax.distributed.initialize in jax 0.10.2), in seconds.
 HEARTBEAT_TIMEOUT = 100
@@ -66,12 +67,19 @@ class Launch:
         return self.num_processes > 1
 
 
+def _env_not_int(name: str, value: str) -> str:
+    return (
+        f"initialize: environment variable {name}={value!r} is not an integer; it is "
+        "set by the launcher (torchrun / srun), or pass the value as an argument."
+    )
+
+
 def _int_env(environ: Mapping[str, str], name: str) -> int:
     value = environ[name]
     try:
         return int(value)
     except ValueError:
-        raise ValueError(_errors.env_not_int(name, value)) from None
+        raise errors.ShardingValueError(_env_not_int(name, value)) from None
 
 
 def _torchrun_port(environ: Mapping[str, str]) -> int:
@@ -171,14 +179,36 @@ def resolve_launch(
     return Launch(launcher, coordinator, n, rank, local)
 
 
+def _launch_not_int(name: str, value) -> str:
+    return (
+        f"initialize: {name} must be an int, got {value!r}; pass an int, or leave it "
+        "None to read it from the launcher's environment."
+    )
+
+
+def _launch_bad_rank(rank: int, n: int) -> str:
+    return (
+        f"initialize: process_id={rank} and num_processes={n} must satisfy "
+        "0 <= process_id < num_processes (check RANK / WORLD_SIZE or the arguments)."
+    )
+
+
+def _launch_no_coordinator(n: int, launcher: str) -> str:
+    return (
+        f"initialize: {n} processes ({launcher}) but no coordinator address: pass "
+        "coordinator_address='host:port' (process 0's host), or set MASTER_ADDR and "
+        "MASTER_PORT (or JAX_COORDINATOR_ADDRESS) in every process's environment."
+    )
+
+
 def _check_launch(launcher: str, coordinator, n, rank) -> None:
     for name, value in (("num_processes", n), ("process_id", rank)):
         if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(_errors.launch_not_int(name, value))
+            raise errors.ShardingTypeError(_launch_not_int(name, value))
     if n < 1 or not 0 <= rank < n:
-        raise ValueError(_errors.launch_bad_rank(rank, n))
+        raise errors.ShardingValueError(_launch_bad_rank(rank, n))
     if n > 1 and not coordinator:
-        raise ValueError(_errors.launch_no_coordinator(n, launcher))
+        raise errors.ShardingValueError(_launch_no_coordinator(n, launcher))
 
 
 def global_devices() -> list[jax.Device]:
@@ -282,12 +312,21 @@ def _address_source(argument: str | None, launch: Launch, environ) -> str:
     return "MASTER_ADDR / MASTER_PORT"
 
 
+def _backend_already_started(launch) -> str:
+    return (
+        f"initialize: process {launch.process_id} of {launch.num_processes} already used "
+        "JAX (jax.devices(), an array, a computation, ...) before this call, so its "
+        "devices are fixed to this process alone. Call funshard.distributed.initialize() "
+        "first, right after the imports."
+    )
+
+
 def _start(launch: Launch, source: str, timeout: float, heartbeat_timeout, shutdown_timeout):
     host, port = _rendezvous.endpoint(launch.coordinator_address, source)
     # Checked before the rendezvous: a process that cannot start anyway must not make
     # the others wait for it.
     if _jax_compat.backends_started():
-        raise RuntimeError(_errors.backend_already_started(launch))
+        raise errors.DistributedError(_backend_already_started(launch))
     _rendezvous.meet(launch.process_id, launch.num_processes, host, port, timeout)
     local = launch.local_device_ids
     try:
@@ -305,7 +344,7 @@ def _start(launch: Launch, source: str, timeout: float, heartbeat_timeout, shutd
     except RuntimeError as exc:
         if "before any JAX calls" not in str(exc):
             raise
-        raise RuntimeError(_errors.backend_already_started(launch)) from exc
+        raise errors.DistributedError(_backend_already_started(launch)) from exc
 
 
 def _my_address(coordinator_address: str) -> str:
@@ -368,7 +407,7 @@ def failure_summary(exc: BaseException, launch: Launch, hosts: dict[int, str],
     text = str(exc)
     if _LOST.search(text):
         if departed:
-            why = "; ".join(_errors.departure(n) for _, n in sorted(departed.items()))
+            why = "; ".join(_departure.departure_text(n) for _, n in sorted(departed.items()))
         else:
             who = _dead_peer(text, launch, hosts) or "another process"
             why = f"{who} is gone (it exited or crashed; its own log says why)"
@@ -414,14 +453,57 @@ def _local_positions(mesh: Mesh, axes: tuple[str, ...]) -> int:
     })
 
 
+def _local_batch_not_array(path, leaf) -> str:
+    return (
+        f"{_text.where('shard_batch', path)} is a {type(leaf).__name__}, not an array; pass a "
+        "numpy or jax array of this process's rows."
+    )
+
+
+def _local_batch_scalar(path) -> str:
+    return (
+        f"{_text.where('shard_batch', path)} is a scalar; every batch leaf needs a leading row "
+        "dimension (pass replicated values as extra arguments)."
+    )
+
+
 def _as_rows(path, leaf):
     if not isinstance(leaf, jax.Array):
         if not hasattr(leaf, "shape") and not isinstance(leaf, (int, float, bool, complex)):
-            raise TypeError(_errors.local_batch_not_array(path, leaf))
+            raise errors.ShardingTypeError(_local_batch_not_array(path, leaf))
         leaf = np.asarray(leaf)
     if leaf.ndim == 0:
-        raise ValueError(_errors.local_batch_scalar(path))
+        raise errors.ShardingValueError(_local_batch_scalar(path))
     return leaf
+
+
+def _shard_batch_not_mesh(mesh) -> str:
+    return (
+        f"shard_batch: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
+        "use the mesh funshard.distributed.initialize() returned."
+    )
+
+
+def _shard_batch_no_data_axes(mesh_axes, axes) -> str:
+    return (
+        f"shard_batch: mesh axes {tuple(mesh_axes)} lack the data-parallel axes "
+        f"{axes or ('fsdp',)}; pass axes=... naming the axes the batch is split over."
+    )
+
+
+def _shard_batch_no_local_device(rank: int) -> str:
+    return (
+        f"shard_batch: process {rank} has no device in the mesh; build the mesh over "
+        "every process's devices (funshard.distributed.initialize())."
+    )
+
+
+def _local_batch_uneven(path, rows: int, local: int) -> str:
+    return (
+        f"{_text.where('shard_batch', path)} has {rows} rows, which do not split over this "
+        f"process's {local} data-parallel devices; give each process a multiple of "
+        f"{local} rows."
+    )
 
 
 def shard_batch(
@@ -462,11 +544,11 @@ def shard_batch(
         `shard_batch` calls than this one has made: it will never join this step.
     """
     if not isinstance(mesh, Mesh):
-        raise TypeError(_errors.shard_batch_not_mesh(mesh))
+        raise errors.ShardingTypeError(_shard_batch_not_mesh(mesh))
     _departure.count_step("shard_batch call")
     axes = data_axes(mesh) if axes is None else comm.as_axes(axes)
     if not axes or any(a not in mesh.axis_names for a in axes):
-        raise ValueError(_errors.shard_batch_no_data_axes(mesh.axis_names, axes))
+        raise errors.ShardingValueError(_shard_batch_no_data_axes(mesh.axis_names, axes))
     with_path, treedef = tree_flatten_with_path(local_batch)
     if check and jax.process_count() > 1:
         # Before any check of this process alone: a mismatch must raise on every
@@ -474,14 +556,14 @@ def shard_batch(
         _check_same_batch(_signature(with_path), BATCH_CHECK_WAIT_S)
     local = _local_positions(mesh, axes)
     if not local:
-        raise ValueError(_errors.shard_batch_no_local_device(jax.process_index()))
+        raise errors.ShardingValueError(_shard_batch_no_local_device(jax.process_index()))
     world = comm.axes_size(mesh, axes)
     sharding = NamedSharding(mesh, comm.spec(axes))
     out = []
     for path, leaf in with_path:
         leaf = _as_rows(path, leaf)
         if leaf.shape[0] % local:
-            raise ValueError(_errors.local_batch_uneven(path, leaf.shape[0], local))
+            raise errors.ShardingValueError(_local_batch_uneven(path, leaf.shape[0], local))
         global_shape = (leaf.shape[0] // local * world, *leaf.shape[1:])
         out.append(jax.make_array_from_process_local_data(sharding, leaf, global_shape))
     return tree_unflatten(treedef, out)
@@ -503,6 +585,43 @@ def _signature(with_path) -> list:
 # Numbers this process's shard_batch calls; each call's keys carry it, so that every
 # process compares with the others' batch of the same step.
 _batch_calls = itertools.count()
+
+
+def _leaf_text(described, groups) -> str:
+    """"8 rows" where only the row counts differ, else "float32 (8, 3)"."""
+    if described == "absent":
+        return described
+    if not isinstance(described, tuple):
+        return f"a {described}, not an array,"
+    arrays = [d for d in groups if isinstance(d, tuple)]
+    if len(arrays) == len(groups) and all(
+        len(d[0]) >= 1 and d[0][1:] == described[0][1:] and d[1] == described[1] for d in arrays
+    ) and described[0]:
+        return f"{described[0][0]} rows"
+    return f"{described[1]} {tuple(described[0])}"
+
+
+def _batch_differs_across_processes(signatures) -> str:
+    """`signatures`: rank -> [(keystr path, (shape, dtype) or a type name)] of its leaves."""
+    by_path: dict = {}
+    for rank, leaves in signatures.items():
+        for path, described in leaves:
+            by_path.setdefault(path, {})[rank] = described
+    lines = []
+    for path, per_rank in by_path.items():
+        groups: dict = {}
+        for rank in signatures:
+            groups.setdefault(per_rank.get(rank, "absent"), []).append(rank)
+        if len(groups) > 1:
+            listing = "; ".join(
+                f"{_leaf_text(d, groups)} on {_text.process_list(r)}" for d, r in groups.items())
+            lines.append(f"  local_batch{path}: {listing}")
+    return (
+        "shard_batch: the processes passed batches that do not fit together:\n"
+        + "\n".join(lines)
+        + "\nEvery process must pass the same tree with the same number of rows, trailing "
+        "shape and dtype per leaf (drop or pad a last partial batch on every process alike)."
+    )
 
 
 def _check_same_batch(signature: list, wait_s: float) -> None:
@@ -535,7 +654,7 @@ def _check_same_batch(signature: list, wait_s: float) -> None:
     else:
         agreed = _wait_for(client, f"{root}verdict", wait_s) != "different"
     if not agreed:
-        raise ValueError(_errors.batch_differs_across_processes(
+        raise errors.ShardingValueError(_batch_differs_across_processes(
             _all_signatures(client, root, text, wait_s)))
 
 
@@ -551,7 +670,7 @@ def _wait_for(client, key: str, wait_s: float) -> str | None:
             pass
         error = _departure.left_before_this_step()
         if error is not None:
-            raise RuntimeError(error)
+            raise errors.DistributedError(error)
         if time.monotonic() >= deadline:
             return None
 

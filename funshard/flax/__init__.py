@@ -22,7 +22,8 @@ state = fs.flax.apply_updates(state, updates, written)
 
 Inside a step, units compute BatchNorm statistics over the global batch (SyncBatchNorm)
 and draw RNG keys per device. See docs/flax.md for what is sharded, what stays
-replicated, the linen form and `fs.flax.plan`.
+replicated, the linen form and `fs.flax.plan`. The `TypeError`s and `ValueError`s named
+below are `funshard.errors.ShardingTypeError` / `ShardingValueError`.
 """
 
 from __future__ import annotations

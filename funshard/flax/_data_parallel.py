@@ -21,8 +21,7 @@ from typing import Any
 
 import jax
 
-from funshard import core
-from funshard.flax import _errors
+from funshard import core, errors
 
 
 def step_axes() -> tuple[str, ...] | None:
@@ -80,8 +79,27 @@ def fold_in(key: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def check_no_other_mesh(fn: str, mesh) -> None:
-    """A ValueError if `jax.set_mesh` left a mesh set that is not `mesh`."""
+    """Raises if `jax.set_mesh` left a mesh set that is not `mesh`.
+
+    Raises:
+      errors.ShardingValueError: (a ValueError) naming both meshes.
+    """
     context = jax.sharding.get_abstract_mesh()
     if context.empty or context == mesh.abstract_mesh:
         return
-    raise ValueError(_errors.other_mesh_set(fn, context, mesh))
+    raise errors.ShardingValueError(_other_mesh_set(fn, context, mesh))
+
+
+def _other_mesh_set(fn: str, context, mesh) -> str:
+    return (
+        f"{fn}: a mesh is set with jax.set_mesh ({_mesh_text(context)}) that is not the "
+        f"mesh of the sharded state ({_mesh_text(mesh)}), so JAX would refuse the step's "
+        "shard_map with a mesh-mismatch error. funshard places every array itself: remove "
+        "the jax.set_mesh call (Flax's tutorials set one for automatic sharding), or set "
+        "this mesh instead (`with jax.set_mesh(mesh): ...`)."
+    )
+
+
+def _mesh_text(mesh) -> str:
+    axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    return f"axes {axes}" if axes else "no axes"

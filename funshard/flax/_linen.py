@@ -33,8 +33,9 @@ from flax import traverse_util
 from flax.core import meta
 
 import funshard as fs
-from funshard.flax import _data_parallel, _errors
-from funshard.flax._nnx import UnitOptions
+from funshard import errors
+from funshard.flax import _data_parallel
+from funshard.flax._nnx import UnitOptions, marked_twice
 
 # Set while a unit traces its module abstractly to find its descendant units: the
 # (scope path, options) of every unit called.
@@ -51,16 +52,22 @@ def is_unit_class(cls: Any) -> bool:
 
 
 def fully_shard_class(cls: Any, options: UnitOptions) -> type:
-    """The linen unit class of `cls` (see `funshard.flax.fully_shard`)."""
+    """The linen unit class of `cls` (see `funshard.flax.fully_shard`).
+
+    Raises:
+      errors.ShardingTypeError: (a TypeError) `cls` is not a linen module class.
+      errors.ShardingValueError: (a ValueError) `cls` is a unit class already.
+    """
     if isinstance(cls, functools.partial):
         # `ResNet18 = partial(ResNet, stage_sizes=...)`: the same partial of the unit class.
         return functools.partial(fully_shard_class(cls.func, options), *cls.args, **cls.keywords)
     if isinstance(cls, nn.Module):
-        raise TypeError(_errors.linen_instance(cls))
+        raise errors.ShardingTypeError(_linen_instance(cls))
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(_errors.not_a_module(cls))
+        raise errors.ShardingTypeError(_not_a_module(cls))
     if is_unit_class(cls):
-        raise ValueError(_errors.marked_twice(cls._funshard_base.__name__, " (a linen class)"))
+        raise errors.ShardingValueError(
+            marked_twice(cls._funshard_base.__name__, " (a linen class)"))
     key = (cls, options)
     if key not in _UNIT_CLASSES:
         namespace = {
@@ -73,6 +80,24 @@ def fully_shard_class(cls: Any, options: UnitOptions) -> type:
         }
         _UNIT_CLASSES[key] = type(cls.__name__, (cls,), namespace)
     return _UNIT_CLASSES[key]
+
+
+def _linen_instance(target: Any) -> str:
+    name = type(target).__name__
+    return (
+        f"fs.flax.fully_shard: got an instance of the linen module {name}; linen units are "
+        f"marked on the class. Write `FSDP{name} = fs.flax.fully_shard({name})` and build "
+        f"the model from FSDP{name}(...)."
+    )
+
+
+def _not_a_module(target: Any) -> str:
+    return (
+        f"fs.flax.fully_shard: expected an nnx.Module instance or a flax.linen.Module "
+        f"subclass, got {target!r} of type {type(target).__name__}. Pass the module "
+        "object itself (nnx: `fs.flax.fully_shard(block)`), or the linen class "
+        "(`Block = fs.flax.fully_shard(Block)`)."
+    )
 
 
 def _is_sharded(x) -> bool:

@@ -25,8 +25,8 @@ from flax import errors as flax_errors
 from flax import nnx
 
 import funshard as fs
-from funshard import core
-from funshard.flax import _data_parallel, _errors
+from funshard import core, errors
+from funshard.flax import _data_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +48,34 @@ class UnitOptions:
 
 
 def check_options(reshard_after_forward, mp_policy) -> UnitOptions:
-    """The options as a `UnitOptions`, or a TypeError/ValueError saying what is wrong."""
+    """The options as a `UnitOptions`.
+
+    Raises:
+      errors.ShardingTypeError: (a TypeError) an option of the wrong kind.
+      errors.ShardingValueError: (a ValueError) an int `reshard_after_forward` below 1.
+    """
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
-        raise TypeError(_errors.bad_reshard_after_forward(reshard_after_forward))
+        raise errors.ShardingTypeError(_bad_reshard_after_forward(reshard_after_forward))
     if not isinstance(reshard_after_forward, (bool, type(None))) and reshard_after_forward < 1:
-        raise ValueError(_errors.bad_reshard_after_forward(reshard_after_forward))
-    if mp_policy is not None and not isinstance(mp_policy, fs.MixedPrecisionPolicy):
-        raise TypeError(_errors.bad_mp_policy(mp_policy))
+        raise errors.ShardingValueError(_bad_reshard_after_forward(reshard_after_forward))
+    _check_mp_policy(mp_policy)
     return UnitOptions(reshard_after_forward, mp_policy)
+
+
+def _bad_reshard_after_forward(value: Any) -> str:
+    return (
+        f"fs.flax.fully_shard: reshard_after_forward must be None, True, False or a "
+        f"positive int (hpZ group size), got {value!r}."
+    )
+
+
+def _check_mp_policy(mp_policy) -> None:
+    """Raises `errors.ShardingTypeError` unless `mp_policy` is a policy or None."""
+    if mp_policy is not None and not isinstance(mp_policy, fs.MixedPrecisionPolicy):
+        raise errors.ShardingTypeError(
+            f"fs.flax: mp_policy must be an fs.MixedPrecisionPolicy or None, got "
+            f"{mp_policy!r} of type {type(mp_policy).__name__}."
+        )
 
 
 # One class per (original class, options): graphdefs of equally marked models compare
@@ -88,10 +108,27 @@ def _unit_class(cls: type, options: UnitOptions) -> type:
 def fully_shard_module(module: nnx.Module, options: UnitOptions) -> nnx.Module:
     """Marks `module` in place as a unit (see `funshard.flax.fully_shard`)."""
     if is_unit(module):
-        raise ValueError(_errors.marked_twice(type(module)._funshard_base.__name__))
+        raise errors.ShardingValueError(marked_twice(type(module)._funshard_base.__name__))
     # nnx's __setattr__ would record `__class__` as a module attribute.
     object.__setattr__(module, "__class__", _unit_class(type(module), options))
     return module
+
+
+def marked_twice(name: str, where: str = "") -> str:
+    """The message for a module (nnx) or class (linen, `where`) marked a second time."""
+    return (
+        f"fs.flax.fully_shard: {name}{where} is already a unit (marked by an earlier "
+        "fs.flax.fully_shard call). Mark each module once: its blocks first, then the "
+        "model, as in FSDP2."
+    )
+
+
+def _module_path(path, root: str = "model") -> str:
+    """An nnx graph path as attribute access from `root`: `model.blocks[0].fc`."""
+    parts = [root]
+    for key in path:
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "".join(parts)
 
 
 def _under(path: tuple, prefixes) -> bool:
@@ -219,7 +256,17 @@ def _write_back(module, name: str, changed: dict) -> None:
         except flax_errors.TraceContextError:
             stale.append(path)
     if stale:
-        raise ValueError(_errors.mutated_outside_trace(name, stale))
+        raise errors.ShardingValueError(_mutated_outside_trace(name, stale))
+
+
+def _mutated_outside_trace(name: str, paths) -> str:
+    listing = ", ".join(_module_path(p, root=name) for p in paths)
+    return (
+        f"fs.flax: the unit {name} changed variables ({listing}) that belong to another "
+        "JAX trace, so nnx cannot write them back. This happens when state passed to "
+        "fs.value_and_grad as an extra argument is merged with nnx.merge(..., copy=False): "
+        "merge with fs.flax.merge(graphdef, *states) (a copying nnx.merge) inside the loss."
+    )
 
 
 def _owner(path: tuple, units) -> tuple | None:
@@ -237,11 +284,24 @@ def _group_key(path, variable, units: dict, mp_policy):
 
 
 def unit_options(model: nnx.Module) -> dict:
-    """{module path: its `UnitOptions`} of every unit of `model`, or a ValueError."""
+    """{module path: its `UnitOptions`} of every unit of `model`.
+
+    Raises:
+      errors.ShardingValueError: (a ValueError) `model` has no unit.
+    """
     units = {p: type(n)._funshard_options for p, n in nnx.iter_graph(model) if is_unit(n)}
     if not units:
-        raise ValueError(_errors.no_units(type(model).__name__))
+        raise errors.ShardingValueError(_no_units(type(model).__name__))
     return units
+
+
+def _no_units(name: str) -> str:
+    return (
+        f"fs.flax.shard: the model ({name}) has no unit marked by fs.flax.fully_shard, so "
+        "nothing would gather its sharded parameters when it runs. Mark it first: "
+        "`for blk in model.blocks: fs.flax.fully_shard(blk)`, then "
+        "`fs.flax.fully_shard(model)`."
+    )
 
 
 def _check_batch_norms(model, units, mesh) -> None:
@@ -254,7 +314,20 @@ def _check_batch_norms(model, units, mesh) -> None:
         and _owner(path, units) is None
     ]
     if outside:
-        raise ValueError(_errors.batch_norm_outside_units(outside))
+        raise errors.ShardingValueError(_batch_norm_outside_units(outside))
+
+
+def _batch_norm_outside_units(paths) -> str:
+    listing = ", ".join(_module_path(p) for p in paths)
+    return (
+        f"fs.flax.shard: {listing} (BatchNorm) is in no unit and its axis_name names no "
+        "axis of the mesh, so inside fs.value_and_grad "
+        "it would compute its statistics from each device's slice of the batch alone and "
+        "every device would keep different running averages. Units average them over the "
+        "data-parallel axes (SyncBatchNorm, equal to the unsharded model): mark a module "
+        "above it, usually the model itself (`fs.flax.fully_shard(model)`), or give it "
+        "`use_running_average=True` if it only evaluates."
+    )
 
 
 def _replicate(path, array):
@@ -264,9 +337,8 @@ def _replicate(path, array):
 def shard(model: nnx.Module, mesh, *filters, mp_policy=None):
     """See `funshard.flax.shard`."""
     if not isinstance(model, nnx.Module):
-        raise TypeError(_errors.not_nnx_model(model))
-    if mp_policy is not None and not isinstance(mp_policy, fs.MixedPrecisionPolicy):
-        raise TypeError(_errors.bad_mp_policy(mp_policy))
+        raise errors.ShardingTypeError(_not_nnx_model(model))
+    _check_mp_policy(mp_policy)
     _data_parallel.check_no_other_mesh("fs.flax.shard", mesh)
     units = unit_options(model)
     _check_batch_norms(model, units, mesh)
@@ -286,6 +358,13 @@ def shard(model: nnx.Module, mesh, *filters, mp_policy=None):
     if filters:
         return (graphdef, *nnx.split_state(state, *filters))
     return graphdef, state
+
+
+def _not_nnx_model(model: Any) -> str:
+    return (
+        f"fs.flax.shard: expected an nnx.Module, got {type(model).__name__}. For a linen "
+        "model, shard the variables of `model.init(...)` with fs.shard (see docs/flax.md)."
+    )
 
 
 def merge(graphdef, *states):
@@ -312,8 +391,8 @@ def apply_updates(state, updates, written=None, wrt=nnx.Param):
     flat = list(nnx.to_flat_state(state))
     unknown = set(new) - {path for path, _ in flat}
     if unknown:
-        raise ValueError(_errors.unknown_written(
-            sorted(_errors.module_path(p, root="state") for p in unknown)))
+        raise errors.ShardingValueError(
+            _unknown_written(sorted(_module_path(p, root="state") for p in unknown)))
     updated = dict(nnx.to_flat_state(updates))
     out = []
     for path, variable in flat:
@@ -324,3 +403,11 @@ def apply_updates(state, updates, written=None, wrt=nnx.Param):
             variable = variable.replace(new[path].get_value())
         out.append((path, variable))
     return nnx.from_flat_state(out)
+
+
+def _unknown_written(paths) -> str:
+    return (
+        f"fs.flax.apply_updates: `written` has variables the state does not hold: "
+        f"{', '.join(paths)}. Pass what the loss returned as "
+        "`nnx.state(model, nnx.Not(nnx.Param))` for the same model."
+    )

@@ -18,7 +18,8 @@ import jax
 from flax import nnx, traverse_util
 
 import funshard as fs
-from funshard.flax import _data_parallel, _errors, _nnx
+from funshard import errors
+from funshard.flax import _data_parallel, _nnx
 
 
 def _is_sharded(x) -> bool:
@@ -56,7 +57,7 @@ def _names(paths, root_name: str) -> dict:
 def nnx_plan(model: nnx.Module, mesh, wrt, mp_policy, options: dict) -> fs.Plan:
     """See `funshard.flax.plan` (nnx)."""
     if mesh is None:
-        raise TypeError(_errors.plan_no_mesh(type(model).__name__))
+        raise errors.ShardingTypeError(_no_mesh(type(model).__name__))
     _data_parallel.check_no_other_mesh("fs.flax.plan", mesh)
     units = _nnx.unit_options(model)
     graphdef, state = nnx.split(model)
@@ -64,6 +65,14 @@ def nnx_plan(model: nnx.Module, mesh, wrt, mp_policy, options: dict) -> fs.Plan:
     _, params, _ = _nnx.shard(abstract, mesh, wrt, ..., mp_policy=mp_policy)
     cls = type(model)
     return _plan(params, units, getattr(cls, "_funshard_base", cls).__name__, options)
+
+
+def _no_mesh(name: str) -> str:
+    return (
+        f"fs.flax.plan: pass the mesh {name} will be sharded on "
+        "(`fs.flax.plan(model, fs.make_mesh(), ...)`); only a linen state already sharded "
+        "with fs.shard carries its own."
+    )
 
 
 def _plan(state, units: dict, root_name: str, options: dict) -> fs.Plan:
@@ -82,7 +91,7 @@ def linen_plan(model: nn.Module, mesh, variables, args, kwargs, mp_policy, optio
     from funshard.flax import _linen
 
     if variables is None:
-        raise TypeError(_errors.plan_linen_needs_inputs(type(model).__name__))
+        raise errors.ShardingTypeError(_linen_needs_inputs(type(model).__name__))
     others = {c: v for c, v in variables.items() if c != "params"} if "params" in variables else {}
     params = _linen.unbox(variables["params"] if "params" in variables else variables)
     sharded = [x for x in jax.tree.leaves(params, is_leaf=_is_sharded) if _is_sharded(x)]
@@ -90,15 +99,31 @@ def linen_plan(model: nn.Module, mesh, variables, args, kwargs, mp_policy, optio
         state, mesh = params, sharded[0].mesh
     else:
         if mesh is None:
-            raise TypeError(_errors.plan_no_mesh(type(model).__name__))
+            raise errors.ShardingTypeError(_no_mesh(type(model).__name__))
         state = fs.shard(_abstract(params), mesh, mp_policy=mp_policy)
     _data_parallel.check_no_other_mesh("fs.flax.plan", mesh)
     units = _linen.unit_scopes(model, {**_abstract(others), "params": _abstract(params)},
                                args, kwargs or {})
     if not units:
-        raise ValueError(_errors.plan_no_units(type(model).__name__))
+        raise errors.ShardingValueError(_no_units_called(type(model).__name__))
     state = _with_unit_policies(state, units)
     return _plan(state, units, type(model).__name__, options)
+
+
+def _linen_needs_inputs(name: str) -> str:
+    return (
+        f"fs.flax.plan: {name} is a linen module; pass its variables (or the 'params' "
+        "collection) and the arguments of one call, as for model.init: "
+        "`fs.flax.plan(model, mesh, variables=variables, args=(x,))`."
+    )
+
+
+def _no_units_called(name: str) -> str:
+    return (
+        f"fs.flax.plan: no unit of {name} was called (no class marked with "
+        "fs.flax.fully_shard among the modules applied). Mark the blocks' class and the "
+        "model's: `Block = fs.flax.fully_shard(Block)`."
+    )
 
 
 def _with_unit_policies(state, units: dict):
@@ -118,9 +143,25 @@ def plan(model: Any, mesh, *, variables, args, kwargs, wrt, mp_policy, options) 
     """Dispatches on the kind of model (see `funshard.flax.plan`)."""
     given = [name for name in ("units", "reshard_after_forward") if name in options]
     if given:
-        raise TypeError(_errors.plan_option_from_model(given))
+        raise errors.ShardingTypeError(_option_from_model(given))
     if isinstance(model, nnx.Module):
         return nnx_plan(model, mesh, wrt, mp_policy, options)
     if isinstance(model, nn.Module):
         return linen_plan(model, mesh, variables, args, kwargs, mp_policy, options)
-    raise TypeError(_errors.plan_not_a_model(model))
+    raise errors.ShardingTypeError(_not_a_model(model))
+
+
+def _option_from_model(names) -> str:
+    return (
+        f"fs.flax.plan: {', '.join(names)} come from the model (its marked modules and "
+        "the options given to fs.flax.fully_shard); mark the modules instead, or plan a "
+        "hand-written unit map with fs.plan."
+    )
+
+
+def _not_a_model(model: Any) -> str:
+    return (
+        f"fs.flax.plan: expected an nnx.Module marked with fs.flax.fully_shard, or a "
+        f"flax.linen.Module instance, got {type(model).__name__}. For a plain parameter "
+        "tree use fs.plan."
+    )

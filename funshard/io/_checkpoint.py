@@ -23,14 +23,13 @@ import os
 import shutil
 import traceback
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax.tree_util import keystr
 
-from funshard import _errors
-from funshard import core
+from funshard import _text, core, errors
 from funshard.core import Sharded, is_array
 
 _FORMAT = "funshard-checkpoint-1"
@@ -66,6 +65,14 @@ def _entry(path, x) -> dict | None:
     return None
 
 
+def _abstract_in_save(path) -> str:
+    return (
+        f"{_text.where('save', path)} is abstract (a jax.ShapeDtypeStruct) and has no values "
+        "to write; save the concrete state (materialise it first, e.g. with fs.restore "
+        "or jax.jit of the initialiser)."
+    )
+
+
 def _arrays_and_meta(tree: Any):
     paths, items, _ = core.sharded_leaves(tree)
     arrays, leaves = {}, []
@@ -74,7 +81,7 @@ def _arrays_and_meta(tree: Any):
         if entry is None:
             continue
         if _is_abstract(x):
-            raise ValueError(_errors.abstract_in_save(path))
+            raise errors.CheckpointError(_abstract_in_save(path))
         key = str(len(leaves))
         leaves.append(entry)
         if isinstance(x, Sharded):
@@ -113,6 +120,25 @@ class PendingSave:
         return self.path
 
 
+def _save_exists(path: str) -> str:
+    return (
+        f"save: {path} already exists; pass overwrite=True, or save each step to its "
+        "own directory (e.g. f'{root}/step_{step}')."
+    )
+
+
+def _save_overwrite_async() -> str:
+    return "save: overwrite=True cannot be asynchronous; save to a new path."
+
+
+def _save_in_flight(path: str) -> str:
+    return (
+        f"save: an asynchronous save to {path} is still in flight; call .wait() on the "
+        "fs.PendingSave it returned before saving to that path again, or save each step "
+        "to its own directory (e.g. f'{root}/step_{step}')."
+    )
+
+
 def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False,
          asynchronous: bool = False) -> PendingSave | str:
     """Writes `tree` (params, optimizer state, step counters, ...) as a sharded checkpoint.
@@ -135,20 +161,22 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False,
       The path, or a `PendingSave` when `asynchronous`.
 
     Raises:
-      FileExistsError: `path` exists and `overwrite` is False.
-      RuntimeError: an asynchronous save to `path` has not been waited for yet.
-      ValueError: `overwrite` together with `asynchronous`, or an abstract leaf
-        (`jax.ShapeDtypeStruct`) in `tree`.
+      CheckpointExistsError: (a `FileExistsError`) `path` exists and `overwrite` is
+        False.
+      CheckpointInFlightError: (a `RuntimeError`) an asynchronous save to `path` has
+        not been waited for yet.
+      CheckpointError: (a `ValueError`) `overwrite` together with `asynchronous`, or
+        an abstract leaf (`jax.ShapeDtypeStruct`) in `tree`.
     """
     ocp = _ocp()
     path = os.path.abspath(os.fspath(path))
     if path in _IN_FLIGHT:
-        raise RuntimeError(_errors.save_in_flight(path))
+        raise errors.CheckpointInFlightError(_save_in_flight(path))
     exists = os.path.exists(path)
     if exists and not overwrite:
-        raise FileExistsError(_errors.save_exists(path))
+        raise errors.CheckpointExistsError(_save_exists(path))
     if overwrite and asynchronous:
-        raise ValueError(_errors.save_overwrite_async())
+        raise errors.CheckpointError(_save_overwrite_async())
     arrays, meta = _arrays_and_meta(tree)
     args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(arrays), funshard=ocp.args.JsonSave(meta))
     target = path + ".funshard-new" if exists else path
@@ -174,6 +202,22 @@ def _swap_in(new: str, path: str) -> None:
     _ocp().multihost.sync_global_processes("funshard_save_swap")
 
 
+def _checkpoint_missing_leaf(key: str) -> str:
+    return f"  missing from the checkpoint: {key}"
+
+
+def _checkpoint_extra_leaf(key: str) -> str:
+    return f"  not in `like`: {key}"
+
+
+def _checkpoint_shape(key: str, have, want) -> str:
+    return f"  shape mismatch: {key} is {tuple(have)} in the checkpoint, {tuple(want)} in `like`"
+
+
+def _checkpoint_dtype(key: str, have, want) -> str:
+    return f"  dtype mismatch: {key} is {have} in the checkpoint, {want} in `like`"
+
+
 def _mismatches(meta: dict, paths, items) -> list[str]:
     stored = {leaf["path"]: leaf for leaf in meta["leaves"]}
     wanted = {}
@@ -181,16 +225,16 @@ def _mismatches(meta: dict, paths, items) -> list[str]:
         entry = _entry(path, x)
         if entry is not None:
             wanted[entry["path"]] = entry
-    problems = [_errors.checkpoint_missing_leaf(p) for p in wanted if p not in stored]
-    problems += [_errors.checkpoint_extra_leaf(p) for p in stored if p not in wanted]
+    problems = [_checkpoint_missing_leaf(p) for p in wanted if p not in stored]
+    problems += [_checkpoint_extra_leaf(p) for p in stored if p not in wanted]
     for p, want in wanted.items():
         have = stored.get(p)
         if have is None:
             continue
         if have["shape"] != want["shape"]:
-            problems.append(_errors.checkpoint_shape(p, have["shape"], want["shape"]))
+            problems.append(_checkpoint_shape(p, have["shape"], want["shape"]))
         elif not _readable(have, want):
-            problems.append(_errors.checkpoint_dtype(p, have["dtype"], want["dtype"]))
+            problems.append(_checkpoint_dtype(p, have["dtype"], want["dtype"]))
     return problems
 
 
@@ -230,6 +274,13 @@ def _restore_target(x, mesh):
     return np.asarray(x), ocp.RestoreArgs(restore_type=np.ndarray)
 
 
+def _checkpoint_corrupt(path: str, what: str, exc: BaseException) -> str:
+    return (
+        f"restore: the checkpoint at {path} is incomplete or corrupt (reading its "
+        f"{what} failed: {type(exc).__name__}: {exc}). Restore an earlier checkpoint."
+    )
+
+
 def _read(path: str, what: str, args):
     ocp = _ocp()
     try:
@@ -238,14 +289,14 @@ def _read(path: str, what: str, args):
     except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
         failure = exc
     _drop_abandoned_coroutines(failure)
-    raise ValueError(_errors.checkpoint_corrupt(path, what, failure)) from failure
+    raise errors.CheckpointError(_checkpoint_corrupt(path, what, failure)) from failure
 
 
 def leaf_records(path: str) -> list[dict]:
     """The leaf records (path, kind, shape, dtype) of the checkpoint at `path`.
 
     Raises:
-      ValueError: the checkpoint's metadata cannot be read.
+      CheckpointError: (a `ValueError`) the checkpoint's metadata cannot be read.
     """
     ocp = _ocp()
     meta = _read(path, "metadata", ocp.args.Composite(funshard=ocp.args.JsonRestore()))
@@ -273,6 +324,51 @@ def _drop_abandoned_coroutines(failure: BaseException) -> None:
         gc.collect()
 
 
+def _no_checkpoint(path: str) -> str:
+    return (
+        f"restore: no checkpoint at {path}. Pass a directory written by fs.save, e.g. "
+        "f'{root}/step_{step}'."
+    )
+
+
+def _restore_in_flight(path: str) -> str:
+    return (
+        f"restore: no checkpoint at {path} yet: an asynchronous save to it is still in "
+        "flight. Call .wait() on the fs.PendingSave that fs.save returned first."
+    )
+
+
+def _not_a_checkpoint(path: str, why: str) -> str:
+    return (
+        f"restore: {path} is not a funshard checkpoint: {why}. Pass a directory written "
+        "by fs.save, e.g. f'{root}/step_{step}', not its parent or another tool's checkpoint."
+    )
+
+
+def _held(entries: Sequence[str]) -> str:
+    """What a directory that is not a checkpoint holds, for `_not_a_checkpoint`."""
+    held = ", ".join(sorted(entries)[:8]) + (", ..." if len(entries) > 8 else "")
+    return f"it has no 'funshard' metadata item (it holds: {held or 'nothing'})"
+
+
+def _checkpoint_mismatch(path: str, problems: Sequence[str]) -> str:
+    return (
+        f"restore: the checkpoint at {path} does not match `like`:\n" + "\n".join(problems)
+        + "\nBuild `like` exactly as the saved tree was built (same model, optimizer "
+        "and dtypes)."
+    )
+
+
+def _no_placement(fn: str, paths) -> str:
+    listing = "\n".join(f"  {_text.leaf_name(p)}" for p in paths)
+    return (
+        f"{fn}: these leaves are jax.ShapeDtypeStruct without a sharding, and `like` has "
+        f"no fs.Sharded leaves whose mesh they could be replicated on:\n{listing}\nGive "
+        "each a sharding, e.g. jax.ShapeDtypeStruct(shape, dtype, "
+        "sharding=NamedSharding(mesh, P()))."
+    )
+
+
 def restore(path: str | os.PathLike, like: Any) -> Any:
     """Reads a checkpoint onto the layout of `like`, which may use another mesh.
 
@@ -291,31 +387,35 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
       them on that mesh (then they keep its sharding); numpy leaves stay numpy.
 
     Raises:
-      FileNotFoundError: there is no checkpoint at `path`.
-      ValueError: `path` is not a funshard checkpoint or is incomplete or corrupt,
-        or its structure, shapes or dtypes differ from `like` (the message lists every
-        offending path), or `like`'s `Sharded` leaves live on different meshes.
+      CheckpointNotFoundError: (a `FileNotFoundError`) there is no checkpoint at
+        `path`.
+      CheckpointError: (a `ValueError`) `path` is not a funshard checkpoint or is
+        incomplete or corrupt, or its structure, shapes or dtypes differ from `like`
+        (the message lists every offending path).
+      ShardingValueError: (a `ValueError`) `like`'s `Sharded` leaves live on different
+        meshes.
     """
     ocp = _ocp()
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         if path in _IN_FLIGHT:
-            raise FileNotFoundError(_errors.restore_in_flight(path))
-        raise FileNotFoundError(_errors.no_checkpoint(path))
+            raise errors.CheckpointNotFoundError(_restore_in_flight(path))
+        raise errors.CheckpointNotFoundError(_no_checkpoint(path))
     if not os.path.isdir(os.path.join(path, "funshard")):
-        raise ValueError(_errors.not_a_checkpoint(path, os.listdir(path)))
+        raise errors.CheckpointError(_not_a_checkpoint(path, _held(os.listdir(path))))
     meta = _read(path, "metadata", ocp.args.Composite(funshard=ocp.args.JsonRestore()))
     meta = meta["funshard"]
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise ValueError(_errors.checkpoint_bad_metadata(path))
+        raise errors.CheckpointError(_not_a_checkpoint(
+            path, "its 'funshard' metadata is not in the format this funshard writes"))
     paths, items, treedef = core.sharded_leaves(like)
     mesh = core.common_mesh("restore", paths, items)
     problems = _mismatches(meta, paths, items)
     if problems:
-        raise ValueError(_errors.checkpoint_mismatch(path, problems))
+        raise errors.CheckpointError(_checkpoint_mismatch(path, problems))
     unplaced = _unplaced(paths, items, mesh)
     if unplaced:
-        raise ValueError(_errors.no_placement("restore", unplaced))
+        raise errors.CheckpointError(_no_placement("restore", unplaced))
     stored = [
         i for i, (p, x) in enumerate(zip(paths, items, strict=True)) if _entry(p, x) is not None
     ]

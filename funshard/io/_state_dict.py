@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_unflatten
 
-from funshard import _errors
-from funshard import core
+from funshard import core, errors
 from funshard.core import Sharded, is_array, is_key
 
 
@@ -60,19 +59,35 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
     }
 
 
+def _state_dict_missing(key: str) -> str:
+    return f"  missing: {key}"
+
+
+def _state_dict_unexpected(key: str) -> str:
+    return f"  unexpected: {key}"
+
+
+def _state_dict_shape(key: str, got, want) -> str:
+    return f"  shape mismatch: {key} is {got}, expected {want}"
+
+
+def _state_dict_dtype(key: str, got, want) -> str:
+    return f"  dtype mismatch: {key} is {got}, expected {want}"
+
+
 def _problems(sd: Mapping[str, Any], paths, items) -> list[str]:
     expected = {keystr(tuple(p)): x for p, x in zip(paths, items, strict=True) if _is_stored(x)}
-    problems = [_errors.state_dict_missing(k) for k in expected if k not in sd]
-    problems += [_errors.state_dict_unexpected(k) for k in sd if k not in expected]
+    problems = [_state_dict_missing(k) for k in expected if k not in sd]
+    problems += [_state_dict_unexpected(k) for k in sd if k not in expected]
     for key, like in expected.items():
         if key not in sd:
             continue
         shape, dtype = _logical(like)
         got = np.asarray(sd[key])
         if got.shape != shape:
-            problems.append(_errors.state_dict_shape(key, got.shape, shape))
+            problems.append(_state_dict_shape(key, got.shape, shape))
         elif got.dtype != dtype:
-            problems.append(_errors.state_dict_dtype(key, got.dtype, dtype))
+            problems.append(_state_dict_dtype(key, got.dtype, dtype))
     return problems
 
 
@@ -87,12 +102,40 @@ def _place(value: np.ndarray, like):
     return jnp.asarray(value) if isinstance(like, jax.ShapeDtypeStruct) else value
 
 
+def _state_dict_not_mapping(sd) -> str:
+    return (
+        f"load_state_dict: sd is a {type(sd).__name__}; expected a dict from path strings "
+        "to full arrays, as fs.state_dict(tree) returns. To load a tree of full arrays "
+        "use fs.reshard(full_tree, like); to load from disk use fs.restore(path, like)."
+    )
+
+
+def _state_dict_bad_entries(entries) -> str:
+    listing = "\n".join(
+        f"  {k!r}: {type(v).__name__}" for k, v in entries
+    )
+    return (
+        "load_state_dict: sd must map path strings (such as \"['layers'][0]['w']\") to "
+        f"numpy or jax arrays; these entries do not:\n{listing}\nPass the flat dict "
+        "fs.state_dict(tree) returns, not a nested tree (for a tree of full arrays use "
+        "fs.reshard(full_tree, like)); wrap numbers with np.asarray(value, dtype)."
+    )
+
+
 def _check_sd(sd: Any) -> None:
     if not isinstance(sd, Mapping):
-        raise TypeError(_errors.state_dict_not_mapping(sd))
+        raise errors.ShardingTypeError(_state_dict_not_mapping(sd))
     bad = [(k, v) for k, v in sd.items() if not (isinstance(k, str) and is_array(v))]
     if bad:
-        raise TypeError(_errors.state_dict_bad_entries(bad))
+        raise errors.ShardingTypeError(_state_dict_bad_entries(bad))
+
+
+def _state_dict_mismatch(problems: Sequence[str]) -> str:
+    return (
+        "load_state_dict: the state dict does not match `like`:\n" + "\n".join(problems)
+        + "\nExport it with fs.state_dict from a tree of the same structure, or fix "
+        "the listed keys."
+    )
 
 
 def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
@@ -116,7 +159,7 @@ def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
     paths, items, treedef = core.sharded_leaves(like)
     problems = _problems(sd, paths, items)
     if problems:
-        raise ValueError(_errors.state_dict_mismatch(problems))
+        raise errors.ShardingValueError(_state_dict_mismatch(problems))
     out = [
         _place(np.asarray(sd[keystr(tuple(p))]), x) if _is_stored(x) else x
         for p, x in zip(paths, items, strict=True)

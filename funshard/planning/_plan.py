@@ -16,14 +16,19 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from funshard import _errors
-from funshard import comm
-from funshard import core
+from funshard import _text, comm, core, errors
+from funshard.core import (
+    MixedPrecisionPolicy,
+    RootOptions,
+    Sharded,
+    dtype_problem,
+    is_array,
+    is_key,
+    is_sharded,
+    shard,
+)
 from funshard.planning import _units
 from funshard.planning._render import render_rich, render_text
-from funshard.core import MixedPrecisionPolicy
-from funshard.core import dtype_problem, shard
-from funshard.core import Sharded, is_array, is_key, is_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +197,7 @@ def _check_plain(params) -> None:
         and (problem := dtype_problem("plan", path, x))
     ]
     if problems:
-        raise TypeError(_errors.joined(problems))
+        raise errors.ShardingTypeError(_text.joined(problems))
 
 
 def _laid_out(params, mesh, mp_policy, shard_options: dict) -> tuple[Any, Mesh]:
@@ -203,20 +208,42 @@ def _laid_out(params, mesh, mp_policy, shard_options: dict) -> tuple[Any, Mesh]:
         given = {"mp_policy": mp_policy, **shard_options}
         for name, value in given.items():
             if value is not None:
-                raise ValueError(_errors.plan_option_on_sharded(name))
+                raise errors.ShardingValueError(_option_on_sharded(name))
         if mesh is not None and mesh != state_mesh:
-            raise ValueError(_errors.plan_other_mesh(state_mesh, mesh))
+            raise errors.ShardingValueError(_other_mesh(state_mesh, mesh))
         return params, state_mesh
     if mesh is None:
-        raise TypeError(_errors.plan_no_mesh())
+        raise errors.ShardingTypeError(_no_mesh())
     options = {k: v for k, v in shard_options.items() if v is not None}
     comm.resolve_axes("plan", mesh, options.get("shard_axis", comm.SHARD_AXIS),
                        options.get("replicate_axis"))
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(_errors.plan_bad_mp_policy(mp_policy))
+    core.check_mp_policy("plan", mp_policy)
     _check_plain(params)
     abstract = jax.tree.map(lambda x: _abstract_array(x) if is_array(x) else x, params)
     return shard(abstract, mesh, mp_policy=mp_policy, **options), mesh
+
+
+def _no_mesh() -> str:
+    return (
+        "plan: params are not sharded, so the mesh to shard them on is needed; pass it "
+        "as fs.plan(params, mesh, ...) (e.g. mesh = fs.make_mesh())."
+    )
+
+
+def _other_mesh(state_mesh, mesh) -> str:
+    return (
+        f"plan: the state is sharded on mesh {state_mesh} but mesh={mesh} was passed; "
+        "leave mesh out to plan the state as it is, or pass the unsharded params to plan "
+        "another mesh."
+    )
+
+
+def _option_on_sharded(name: str) -> str:
+    return (
+        f"plan: the state is already sharded, so its {name} is read from its fs.Sharded "
+        f"leaves; drop {name}=..., or pass the unsharded params (arrays or "
+        "jax.ShapeDtypeStruct) to plan another layout."
+    )
 
 
 def _itemsize(dtype) -> int:
@@ -253,7 +280,7 @@ def _optimizer_footprint(optimizer, state, mesh) -> Footprint | None:
     if optimizer is None:
         return None
     if not callable(getattr(optimizer, "init", None)):
-        raise TypeError(_errors.plan_not_optimizer(optimizer))
+        raise errors.ShardingTypeError(_not_optimizer(optimizer))
 
     def abstract(x):
         if isinstance(x, Sharded):
@@ -275,14 +302,14 @@ def _optimizer_footprint(optimizer, state, mesh) -> Footprint | None:
     return Footprint(_footprint(sharded_state).per_device, _footprint(full_state).replicated)
 
 
+def _not_optimizer(optimizer) -> str:
+    return (
+        f"plan: optimizer must be an optax GradientTransformation (with an init "
+        f"method), got {type(optimizer).__name__}; pass e.g. optax.adamw(1e-3)."
+    )
+
+
 # ---- collectives ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    microbatches: int
-    sync_every_microbatch: bool
-    all_reduce_every_microbatch: bool
 
 
 def _dtype_name(dtypes) -> str:
@@ -309,7 +336,7 @@ def _reduced_by_dtype(leaves, n: int) -> dict[np.dtype, int]:
     return out
 
 
-def _unit_collectives(unit, layout, opts: _Options, dims) -> list[Collective]:
+def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]:
     """The collectives of one unit (or the root) inside the microbatch loop."""
     n, replicas = dims
     k = opts.microbatches
@@ -338,7 +365,7 @@ def _unit_collectives(unit, layout, opts: _Options, dims) -> list[Collective]:
     return out
 
 
-def _step_collectives(layouts, opts: _Options, dims) -> list[Collective]:
+def _step_collectives(layouts, opts: RootOptions, dims) -> list[Collective]:
     """The reductions after the microbatch loop: deferred reduce-scatters (no sync per
     microbatch) and postponed HSDP all-reduces (no all-reduce per microbatch)."""
     n, replicas = dims
@@ -363,14 +390,14 @@ def _step_collectives(layouts, opts: _Options, dims) -> list[Collective]:
     return out
 
 
-def _replicated_collectives(groups, opts: _Options, world: int) -> list[Collective]:
+def _replicated_collectives(groups, opts: RootOptions, world: int) -> list[Collective]:
     """All-reduces of the trained leaves kept whole: autodiff sums their gradients over
     every device, in the dtype the unit computes with (a policy's `param_dtype`)."""
     out = []
     for group in groups:
         by_dtype: dict[np.dtype, int] = {}
-        for x, trainable in group.replicated:
-            if trainable and jax.dtypes.issubdtype(x.dtype, np.inexact):
+        for x, route in group.replicated:
+            if route.wanted:
                 dtype = core.param_dtype_for(group.policy, np.dtype(x.dtype))
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(x.shape) * dtype.itemsize
         out += [
@@ -381,7 +408,7 @@ def _replicated_collectives(groups, opts: _Options, world: int) -> list[Collecti
     return out
 
 
-def _accumulators(groups, opts: _Options) -> Footprint | None:
+def _accumulators(groups, opts: RootOptions) -> Footprint | None:
     if opts.sync_every_microbatch:
         return None
     size = sum(
@@ -393,10 +420,9 @@ def _accumulators(groups, opts: _Options) -> Footprint | None:
 
 def _resharding(name: str, value: bool | int, n: int) -> bool | int:
     """`reshard_after_forward` with FSDP2's int forms normalised: 1 is False, n is True."""
+    core.check_reshard_after_forward(f"plan: unit {name!r}", value, n)
     if isinstance(value, bool):
         return value
-    if n % value:
-        raise ValueError(_errors.plan_hpz_not_divisor(name, value, n))
     return True if value == n else (False if value == 1 else value)
 
 
@@ -415,15 +441,6 @@ def _unit_plan(group: _units.LeafGroup, n: int) -> UnitPlan:
 
 
 # ---- the public function ----------------------------------------------------------------
-
-
-def _check_options(microbatches, sync_every_microbatch, all_reduce_every_microbatch) -> None:
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(_errors.plan_microbatches_invalid(microbatches))
-    for name, value in (("sync_every_microbatch", sync_every_microbatch),
-                        ("all_reduce_every_microbatch", all_reduce_every_microbatch)):
-        if not isinstance(value, bool):
-            raise TypeError(_errors.plan_flag_not_bool(name, value))
 
 
 def plan(
@@ -489,16 +506,17 @@ def plan(
         unit holds no shardable parameter, an option does not fit (e.g. `mp_policy` for
         a state that is already sharded), or `trainable` does not fit `params`.
     """
-    _check_options(microbatches, sync_every_microbatch, all_reduce_every_microbatch)
+    opts = core.root_options("plan", microbatches=microbatches,
+                             sync_every_microbatch=sync_every_microbatch,
+                             all_reduce_every_microbatch=all_reduce_every_microbatch)
     shard_options = dict(shard_axis=shard_axis, replicate_axis=replicate_axis,
                          placement=placement, min_shard_size=min_shard_size)
     state, mesh = _laid_out(params, mesh, mp_policy, shard_options)
     specs = _units.unit_specs(units)
     rf = _units.reshard_by_unit(reshard_after_forward, [name for name, _ in specs])
-    groups = _units.group_leaves(state, specs, rf, _trainable_flags(trainable, state))
+    groups = _units.group_leaves(state, specs, rf, _routes(state, trainable, opts))
     first = next(x for g in groups for x in g.sharded)
     n, replicas = first.num_shards, comm.axes_size(mesh, first.replicate_axis)
-    opts = _Options(microbatches, sync_every_microbatch, all_reduce_every_microbatch)
     unit_plans, collectives = [], []
     for group in groups:
         unit_plans.append(_unit_plan(group, n))
@@ -522,15 +540,9 @@ def plan(
     )
 
 
-def _trainable_flags(trainable, state) -> list[bool]:
-    """One flag per leaf of `state` (`Sharded` leaves whole), as `value_and_grad` reads it."""
-    if trainable is None:
-        return [True] * len(jax.tree.leaves(state, is_leaf=is_sharded))
-    try:
-        expanded = jax.tree.map(
-            lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub, is_leaf=is_sharded),
-            trainable, state, is_leaf=lambda x: x is None,
-        )
-    except (ValueError, TypeError) as exc:
-        raise ValueError(_errors.plan_trainable_mismatch(exc)) from exc
-    return jax.tree.leaves(expanded, is_leaf=is_sharded)
+def _routes(state, trainable, opts: RootOptions) -> tuple[core.LeafRoute, ...]:
+    """Each leaf of `state` as `fs.value_and_grad` will route it (the same records)."""
+    paths, items, _ = core.sharded_leaves(state)
+    flags = core.trainable_flags("plan", trainable, state)
+    return core.leaf_routes(paths, items, flags,
+                            sync_every_microbatch=opts.sync_every_microbatch)

@@ -17,12 +17,8 @@ import numbers
 import re
 from typing import Any, Mapping
 
-import jax
-
-from funshard import _errors
-from funshard import comm
-from funshard import core
-from funshard.core import Sharded, is_array
+from funshard import _text, comm, core, errors
+from funshard.core import LeafRoute, Sharded
 
 ROOT = "root"
 
@@ -65,7 +61,15 @@ def _as_prefix(unit: str, spec: Any) -> tuple[str, ...]:
         for k in spec
     ):
         return tuple(key_name(k) for k in spec)
-    raise TypeError(_errors.plan_bad_prefix(unit, spec))
+    raise errors.ShardingTypeError(_bad_prefix(unit, spec))
+
+
+def _bad_prefix(unit, spec) -> str:
+    return (
+        f"plan: unit {unit!r} selects {spec!r}, which is not a key-path prefix; give a "
+        "tuple of keys such as ('layers', 0), a string such as 'layers.0' or "
+        "\"['layers'][0]\", or a non-empty list of those."
+    )
 
 
 def display(prefix: tuple[str, ...]) -> str:
@@ -75,9 +79,16 @@ def display(prefix: tuple[str, ...]) -> str:
 
 def _check_name(name: Any) -> None:
     if not isinstance(name, str) or not name:
-        raise TypeError(_errors.plan_unit_name(name))
+        raise errors.ShardingTypeError(_bad_unit_name(name))
     if name == ROOT:
-        raise ValueError(_errors.plan_unit_name(name))
+        raise errors.ShardingValueError(_bad_unit_name(name))
+
+
+def _bad_unit_name(name) -> str:
+    return (
+        f"plan: unit names must be non-empty strings other than 'root' (the name of the "
+        f"parameters in no unit), got {name!r}; name the unit e.g. 'block0'."
+    )
 
 
 def unit_specs(units: Any) -> list[tuple[str, list[tuple[str, ...]]]]:
@@ -90,7 +101,7 @@ def unit_specs(units: Any) -> list[tuple[str, list[tuple[str, ...]]]]:
             _check_name(name)
             prefixes = spec if isinstance(spec, list) else [spec]
             if not prefixes:
-                raise TypeError(_errors.plan_bad_prefix(name, spec))
+                raise errors.ShardingTypeError(_bad_prefix(name, spec))
             specs.append((name, [_as_prefix(name, p) for p in prefixes]))
         return specs
     if isinstance(units, (list, tuple)):
@@ -100,11 +111,26 @@ def unit_specs(units: Any) -> list[tuple[str, list[tuple[str, ...]]]]:
             name = display(prefix)
             _check_name(name)  # the whole tree ("") or a key called "root": name it
             if name in seen:
-                raise ValueError(_errors.plan_duplicate_unit(name))
+                raise errors.ShardingValueError(_duplicate_unit(name))
             seen.add(name)
             specs.append((name, [prefix]))
         return specs
-    raise TypeError(_errors.plan_units_type(units))
+    raise errors.ShardingTypeError(_units_type(units))
+
+
+def _duplicate_unit(name: str) -> str:
+    return (
+        f"plan: units lists {name!r} twice; list each unit once (a list of prefixes, "
+        "given as a mapping's value, makes one unit of several subtrees)."
+    )
+
+
+def _units_type(units) -> str:
+    return (
+        f"plan: units must be a mapping from unit name to key-path prefix, or a list of "
+        f"prefixes, got {type(units).__name__}; e.g. units={{'block0': ('blocks', 0)}} "
+        "or units=['blocks.0', 'blocks.1']."
+    )
 
 
 def reshard_by_unit(value: Any, names: list[str]) -> dict[str, bool | int]:
@@ -112,12 +138,19 @@ def reshard_by_unit(value: Any, names: list[str]) -> dict[str, bool | int]:
     if isinstance(value, Mapping):
         unknown = [k for k in value if k not in names]
         if unknown:
-            raise ValueError(_errors.plan_reshard_unknown_units(unknown, names))
+            raise errors.ShardingValueError(_unknown_units(unknown, names))
         for v in value.values():
             core.check_reshard_after_forward("plan", v)
         return {name: value.get(name, True) for name in names}
     core.check_reshard_after_forward("plan", value)
     return {name: value for name in names}
+
+
+def _unknown_units(unknown, names) -> str:
+    return (
+        f"plan: reshard_after_forward names {sorted(unknown)}, which are not units "
+        f"(the units are {list(names)}); use the names given in units=."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +161,7 @@ class LeafGroup:
       name: the unit's name, or "root".
       paths: key paths of every array leaf in it.
       sharded: its `Sharded` leaves.
-      replicated: `(array, trainable)` for each array leaf kept whole.
+      replicated: `(array, route)` for each array leaf kept whole (its `LeafRoute`).
       layout: the gather layout of `sharded` (frozen leaves marked), or None.
       reshard_after_forward: the unit's value (the root keeps what it gathers: False).
       policy: the mixed-precision policy of a unit's sharded leaves (None for the root,
@@ -174,17 +207,35 @@ def _owners(specs, names, paths) -> dict[int, str]:
             hits = [i for i, n in enumerate(names) if n[: len(prefix)] == prefix]
             if not hits:
                 at, below = _not_found_hint(prefix, names)
-                raise ValueError(_errors.plan_prefix_not_found(name, display(prefix), at, below))
+                raise errors.ShardingValueError(
+                    _prefix_not_found(name, display(prefix), at, below))
             for i in hits:
                 depth, other = owner.get(i, (-1, name))
                 if depth == len(prefix) and other != name:
-                    raise ValueError(_errors.plan_leaf_in_two_units(paths[i], other, name))
+                    raise errors.ShardingValueError(_leaf_in_two_units(paths[i], other, name))
                 if len(prefix) > depth:
                     owner[i] = (len(prefix), name)
     return {i: name for i, (_, name) in owner.items()}
 
 
-def _group(name, idx, paths, items, flags, reshard) -> LeafGroup:
+def _prefix_not_found(unit: str, prefix: str, at: str, below) -> str:
+    found = ", ".join(repr(k) for k in below[:12]) + (", ..." if len(below) > 12 else "")
+    return (
+        f"plan: unit {unit!r} selects {prefix!r}, which matches no array leaf of params; "
+        f"{at} holds {found or 'no array leaves'}. Give the prefix of the subtree the "
+        "unit is called on."
+    )
+
+
+def _leaf_in_two_units(path, first: str, second: str) -> str:
+    return (
+        f"{_text.where('plan', path)} is selected by units {first!r} and {second!r} "
+        "through the same prefix; a parameter belongs to one unit (the one with the "
+        "longest prefix above it). Give each unit its own prefix."
+    )
+
+
+def _group(name, idx, paths, items, routes: tuple[LeafRoute, ...], reshard) -> LeafGroup:
     sharded = [i for i in idx if isinstance(items[i], Sharded)]
     policy = None
     layout = None
@@ -196,50 +247,56 @@ def _group(name, idx, paths, items, flags, reshard) -> LeafGroup:
         layout = core.layout_of([items[i] for i in sharded], skip_replicate_reduce=False,
                                    name=name)
         frozen = tuple(
-            dataclasses.replace(leaf, frozen=not flags[i])
+            dataclasses.replace(leaf, frozen=not routes[i].trainable)
             for leaf, i in zip(layout.leaves, sharded, strict=True)
         )
         layout = dataclasses.replace(layout, leaves=frozen)
     elif name != ROOT and idx:
-        raise ValueError(_errors.plan_unit_not_sharded(name, [paths[i] for i in idx]))
+        raise errors.ShardingValueError(_unit_not_sharded(name, [paths[i] for i in idx]))
     replicated = tuple(
-        (items[i], flags[i]) for i in idx if not isinstance(items[i], Sharded)
+        (items[i], routes[i]) for i in idx if not isinstance(items[i], Sharded)
     )
     return LeafGroup(name, tuple(paths[i] for i in idx), tuple(items[i] for i in sharded),
                      replicated, layout, reshard, policy)
 
 
-def group_leaves(state: Any, specs, reshard: dict, flags: list[bool]) -> list[LeafGroup]:
-    """The state's array leaves grouped by unit (in `specs` order), then the root's."""
+def _unit_not_sharded(unit: str, paths) -> str:
+    listing = ", ".join(_text.leaf_name(p) for p in paths[:6]) + (
+        ", ..." if len(paths) > 6 else "")
+    return (
+        f"plan: unit {unit!r} holds no sharded parameter ({listing}: "
+        "0-d or replicated leaves only), and fs.fully_shard refuses such a unit. Leave "
+        "these leaves to the root, or widen the unit's prefix."
+    )
+
+
+def group_leaves(state: Any, specs, reshard: dict, routes: tuple[LeafRoute, ...]
+                 ) -> list[LeafGroup]:
+    """The state's traced leaves grouped by unit (in `specs` order), then the root's.
+
+    `routes` are the state's `LeafRoute`s, as `fs.value_and_grad` will build them.
+    """
     paths, items, _ = core.sharded_leaves(state)
-    arrays = [i for i, x in enumerate(items) if isinstance(x, Sharded) or _is_value(x)]
-    if not any(isinstance(items[i], Sharded) for i in arrays):
-        raise ValueError(_errors.plan_nothing_sharded())
-    _check_axes(paths, items)
+    arrays = [i for i, r in enumerate(routes) if r.traced]
+    if not any(routes[i].sharded for i in arrays):
+        raise errors.ShardingValueError(_nothing_sharded())
+    core.state_axes("plan", paths, items)
     names = _names(paths)
     owner = _owners(specs, [names[i] for i in arrays], [paths[i] for i in arrays])
     owner = {arrays[j]: name for j, name in owner.items()}
     groups = [
-        _group(name, [i for i in arrays if owner.get(i) == name], paths, items, flags,
+        _group(name, [i for i in arrays if owner.get(i) == name], paths, items, routes,
                reshard[name])
         for name, _ in specs
     ]
     rest = [i for i in arrays if i not in owner]
     if rest:
-        groups.append(_group(ROOT, rest, paths, items, flags, False))
+        groups.append(_group(ROOT, rest, paths, items, routes, False))
     return groups
 
 
-def _is_value(x) -> bool:
-    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _check_axes(paths, items) -> None:
-    """One set of data-parallel axes for the whole state, as `value_and_grad` requires."""
-    axes = None
-    for path, x in zip(paths, items, strict=True):
-        if isinstance(x, Sharded):
-            these = (x.replicate_axis, x.shard_axis)
-            if axes is not None and these != axes:
-                raise ValueError(_errors.plan_mixed_axes(path, these, axes))
-            axes = these
+def _nothing_sharded() -> str:
+    return (
+        "plan: params has no array leaf that fs.shard would shard (only 0-d or "
+        "replicated leaves, or none at all); pass the model's parameter tree."
+    )

@@ -1,0 +1,89 @@
+"""`filter_custom_vjp`: `jax.custom_vjp` over pytrees whose leaves need not all be arrays.
+
+`jax.custom_vjp` differentiates arrays, and takes other values only as hashable
+`nondiff_argnums`. funshard's rules take the pytrees a unit works with: parameters with
+`None` placeholders, Python numbers and strings among them, `fs.Sharded` leaves whose
+layout is static. Like `equinox.filter_custom_vjp`, this helper differentiates the array
+leaves and holds every other leaf in a closure, handing the rule back whole trees; and
+it gives each cotangent its primal's shard_map type, as autodiff would.
+
+Like `_jax_compat`, this module sits at the root floor: the comm layer and the core may
+both use it; it imports nothing of funshard but `_jax_compat`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from funshard import _jax_compat
+
+
+def _is_array(x: Any) -> bool:
+    # As `funshard.core.is_array`: what the step moves to devices (jax, numpy, tracers).
+    return not isinstance(x, (str, bytes)) and isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class filter_custom_vjp:  # noqa: N801 (a decorator, named like jax.custom_vjp)
+    """`fn` with the derivative rule given by `defvjp(fwd, bwd)`, over pytrees.
+
+    Calling it with `fn`'s arguments differentiates their array leaves (`jax.Array`s,
+    numpy arrays, tracers); every other leaf is static, held in a closure and put back
+    before `fn`, `fwd` and `bwd` see the arguments. `fn` and `fwd` return a pytree of
+    arrays (None allowed); residuals are a pytree of arrays (None allowed).
+
+    `bwd(residuals, ct)` returns one cotangent per argument, each in that argument's
+    structure: arrays at its array leaves (None: zero), anything at its static leaves
+    (ignored). A cotangent that varies over mesh axes its primal does not vary over is
+    summed over them (the transpose of `jax.lax.pvary`), as autodiff would.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.fwd: Callable | None = None
+        self.bwd: Callable | None = None
+
+    def defvjp(self, fwd: Callable, bwd: Callable) -> None:
+        """Sets the rule: `fwd(*args) -> (out, residuals)`, `bwd(residuals, ct)`."""
+        self.fwd, self.bwd = fwd, bwd
+
+    def __call__(self, *args):
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        positions = [i for i, x in enumerate(leaves) if _is_array(x)]
+        # The primals' types (the mesh axes each varies over) are static: read them now.
+        varying = [_varying(leaves[i]) for i in positions]
+
+        def rebuild(arrays) -> tuple:
+            full = list(leaves)
+            for i, a in zip(positions, arrays, strict=True):
+                full[i] = a
+            return jax.tree_util.tree_unflatten(treedef, full)
+
+        @jax.custom_vjp
+        def call(arrays):
+            return self.fn(*rebuild(arrays))
+
+        def call_fwd(arrays):
+            return self.fwd(*rebuild(arrays))
+
+        def call_bwd(residuals, ct):
+            flat = treedef.flatten_up_to(tuple(self.bwd(residuals, ct)))
+            return ([_typed_as(flat[i], axes) for i, axes in zip(positions, varying, strict=True)],)
+
+        call.defvjp(call_fwd, call_bwd)
+        return call([leaves[i] for i in positions])
+
+
+def _varying(x) -> frozenset[str]:
+    # numpy arrays are constants: the same on every device.
+    return _jax_compat.varying_axes(x) if isinstance(x, jax.Array) else frozenset()
+
+
+def _typed_as(ct, primal_axes: frozenset[str]):
+    """`ct` summed over the mesh axes it varies along but its primal does not."""
+    if ct is None or not hasattr(ct, "dtype") or ct.dtype == jax.dtypes.float0:
+        return ct
+    extra = tuple(a for a in _jax_compat.varying_axes(ct) if a not in primal_axes)
+    return jax.lax.psum(ct, extra) if extra else ct
