@@ -7,7 +7,7 @@ the next collective's rendezvous, and XLA CPU kills the process (`LOG(FATAL)` in
 `rendezvous.cc` after `xla_cpu_collective_call_terminate_timeout_seconds`, 40 s by
 default). A plain `jax.shard_map` step with a `psum` after the callback aborts the same
 way. funshard's root therefore records a callback's exception on the device that raised
-it and raises it at the end of the step, after the last collective (funshard/_callbacks.py).
+it and raises it at the end of the step, after the last collective (funshard/core/_callbacks.py).
 
 Each case runs in a child process bounded by a timeout, so that an abort or a hang fails
 the test instead of killing or stalling the suite.

@@ -88,3 +88,23 @@ def test_row_arithmetic_is_torch_chunks():
                 assert list(range(start, start + rows)) == want
             assert comm.padded_size(size, n) == comm.rows_per_shard(size, n) * n
             assert comm.rows_per_shard(size, n) == max((len(c) for c in chunks), default=0)
+
+
+@given(mesh_name=st.sampled_from(sorted(MESHES)), rows=st.integers(1, 11))
+def test_a_leafs_layout_says_where_each_row_lives(mesh_name, rows):
+    import funshard as fs
+
+    mesh = mesh_for(mesh_name)
+    x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
+    leaf = fs.shard({"w": x}, mesh)["w"]
+    layout = leaf.layout
+    assert isinstance(layout, comm.Layout)
+    assert fs.Sharded.from_layout(layout, leaf.data).layout == layout
+    assert (layout.padded_shape, layout.local_shape, layout.sharding) == (
+        leaf.padded_shape, leaf.local_shape, leaf.sharding)
+    data = np.asarray(leaf.data)
+    for i in range(layout.num_shards):
+        start, count = layout.chunk(i)
+        block = data[i * layout.rows_per_shard:(i + 1) * layout.rows_per_shard]
+        np.testing.assert_array_equal(block[:count], x[start:start + count])
+        assert not block[count:].any()  # padding rows are zeros

@@ -35,7 +35,7 @@ class CommContext:
     expensive programs asynchronously), so a prefetched gather overlaps torch's compute
     only from another thread. Every process must launch its collectives in the same
     order, so ONE context serves all of a process's roots (`init_distributed` makes
-    it and every group's `Layout` carries it): two roots issuing on threads of their
+    it and every group's `RankLayout` carries it): two roots issuing on threads of their
     own (a GAN's two models, each prefetching) could interleave their collectives
     differently on different ranks.
     """
@@ -110,8 +110,9 @@ class CommContext:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where this process sits on the mesh (static per mesh).
+class RankLayout:
+    """Where this process sits on the mesh (static per mesh); each parameter's own layout
+    is a `funshard.comm.Layout` (see `torch_frontend._checkpoint._leaf_layout`).
 
     Attributes:
       mesh: the mesh, one device per process.
@@ -150,8 +151,8 @@ class Layout:
         return comm.padded_size(rows, self.world)
 
 
-def layout_of(mesh: Mesh, comm: CommContext) -> Layout:
-    """This process's `Layout` on `mesh`, launching its collectives through `comm`.
+def layout_of(mesh: Mesh, comm: CommContext) -> RankLayout:
+    """This process's `RankLayout` on `mesh`, launching its collectives through `comm`.
 
     Raises:
       TypeError: `mesh` is not a jax Mesh.
@@ -169,7 +170,7 @@ def layout_of(mesh: Mesh, comm: CommContext) -> Layout:
     replicate = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
     position = idx[mesh.axis_names.index(SHARD_AXIS)]
     device = mesh.devices[idx]
-    return Layout(mesh, device, (SHARD_AXIS,), replicate, int(position),
+    return RankLayout(mesh, device, (SHARD_AXIS,), replicate, int(position),
                   mesh.shape[SHARD_AXIS], mesh.devices.size, comm)
 
 
@@ -200,7 +201,7 @@ HPZ_OUTER_AXIS = "hpz_outer"
 
 
 @functools.lru_cache(maxsize=None)
-def hpz_layout(layout: Layout, k: int) -> Layout:
+def hpz_layout(layout: RankLayout, k: int) -> RankLayout:
     """The layout of the hpZ groups of `k` consecutive ranks (FSDP2's post-forward mesh).
 
     The shard axis is split into (world / k, k): ranks `k*j .. k*j + k - 1` form a group
@@ -219,7 +220,7 @@ def hpz_layout(layout: Layout, k: int) -> Layout:
         layout, mesh=mesh, shard_axes=(HPZ_INNER_AXIS,), rank=layout.rank % k, world=k)
 
 
-def _import(layout: Layout, tensor: torch.Tensor) -> jax.Array:
+def _import(layout: RankLayout, tensor: torch.Tensor) -> jax.Array:
     """`tensor` as a single-device jax.Array on this process's device, sharing memory.
 
     A CUDA tensor must be on this process's GPU; JAX's reads wait for torch's current
@@ -255,7 +256,7 @@ def from_words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.view(dtype).squeeze(-1)
 
 
-def global_block(layout: Layout, padded: torch.Tensor, dim: int = 0) -> jax.Array:
+def global_block(layout: RankLayout, padded: torch.Tensor, dim: int = 0) -> jax.Array:
     """This rank's padded block as its part of the global array sharded on `dim`.
 
     The result aliases `padded`'s memory, so a caller may keep it and gather it again
@@ -276,14 +277,14 @@ def _export(block: jax.Array) -> torch.Tensor:
     return _cuda.export(block)
 
 
-def _gather_now(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int],
+def _gather_now(layout: RankLayout, blocks: Sequence[jax.Array], rows: Sequence[int],
                 dims: Sequence[int] | None) -> list[jax.Array]:
     fulls = comm.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows, dims=dims)
     outs = [f.addressable_shards[0].data for f in fulls]
     return jax.block_until_ready(outs)
 
 
-def start_all_gather(layout: Layout, blocks: Sequence[jax.Array], rows: Sequence[int],
+def start_all_gather(layout: RankLayout, blocks: Sequence[jax.Array], rows: Sequence[int],
                      dims: Sequence[int] | None = None) -> Future:
     """Starts ONE all-gather of every rank's padded blocks and returns at once.
 
@@ -310,7 +311,7 @@ def finish_all_gather(pending: Future) -> list[torch.Tensor]:
     return [_export(b) for b in pending.result()]
 
 
-def padded_full(layout: Layout, full: torch.Tensor, dim: int) -> torch.Tensor:
+def padded_full(layout: RankLayout, full: torch.Tensor, dim: int) -> torch.Tensor:
     """`full` zero-padded to `world * padded_rows` on `dim`, contiguous (maybe `full`)."""
     padded_rows = layout.padded_size(full.shape[dim])
     if padded_rows == full.shape[dim] and full.is_contiguous():
@@ -322,12 +323,12 @@ def padded_full(layout: Layout, full: torch.Tensor, dim: int) -> torch.Tensor:
     return block
 
 
-def _stacked_block(layout: Layout, full: torch.Tensor, dim: int) -> torch.Tensor:
+def _stacked_block(layout: RankLayout, full: torch.Tensor, dim: int) -> torch.Tensor:
     """`full` zero-padded to `world * padded_rows` on `dim`, with a leading axis of 1."""
     return padded_full(layout, full, dim).unsqueeze(0)
 
 
-def start_reduce_scatter(layout: Layout, fulls: Sequence[torch.Tensor],
+def start_reduce_scatter(layout: RankLayout, fulls: Sequence[torch.Tensor],
                          dims: Sequence[int] | None = None, all_reduce: bool = True) -> Future:
     """Starts ONE reduce-scatter (sum) of every rank's full tensors and returns at once.
 
@@ -367,7 +368,7 @@ def finish_reduce_scatter(pending: Future) -> list[torch.Tensor]:
     return [_export(b) for b in pending.result()]
 
 
-def _reduce_now(layout: Layout, stacked: Sequence[jax.Array], dims, all_reduce: bool):
+def _reduce_now(layout: RankLayout, stacked: Sequence[jax.Array], dims, all_reduce: bool):
     sums = comm.eager_reduce_scatter(
         stacked, layout.mesh, layout.shard_axes, layout.replicate_axes, dims, all_reduce)
     return jax.block_until_ready([s.addressable_shards[0].data for s in sums])

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.sharding import NamedSharding
 from jax.tree_util import DictKey, keystr
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -44,7 +43,7 @@ _STATE, _GROUPS = "state", "param_groups"
 _SCALARS = {"bool": False, "int": 0, "float": 0.0}
 
 
-def _base_layout(module: nn.Module) -> _bridge.Layout:
+def _base_layout(module: nn.Module) -> _bridge.RankLayout:
     """The layout of the first fully_shard group at or below `module` (for buffers)."""
     for sub in module.modules():
         state = state_of(sub)
@@ -78,17 +77,17 @@ def _np_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
 
 
-def _sharding(layout: _bridge.Layout, dim: int) -> NamedSharding:
-    return NamedSharding(layout.mesh, comm.spec(layout.shard_axes, dim))
+def _leaf_layout(layout: _bridge.RankLayout, shape, dtype, dim: int) -> comm.Layout:
+    """A parameter's layout as the JAX core describes its leaves (fs.restore reads it)."""
+    return comm.Layout(tuple(shape), np.dtype(dtype), layout.mesh, layout.shard_axes,
+                       layout.replicate_axes, dim=dim)
 
 
-def _leaf(layout: _bridge.Layout, data, shape, dtype, dim: int) -> fs.Sharded:
-    return fs.Sharded(data, shape=tuple(shape), dtype=np.dtype(dtype), mesh=layout.mesh,
-                      shard_axis=layout.shard_axes, replicate_axis=layout.replicate_axes,
-                      dim=dim)
+def _leaf(layout: _bridge.RankLayout, data, shape, dtype, dim: int) -> fs.Sharded:
+    return fs.Sharded.from_layout(_leaf_layout(layout, shape, dtype, dim), data)
 
 
-def _padded_leaf(layout: _bridge.Layout, local: torch.Tensor, shape, dim: int) -> fs.Sharded:
+def _padded_leaf(layout: _bridge.RankLayout, local: torch.Tensor, shape, dim: int) -> fs.Sharded:
     """The Sharded leaf whose block on this rank is `local` (its rows), zero-padded."""
     padded_shape = list(local.shape)
     padded_shape[dim] = layout.padded_rows(shape[dim])
@@ -98,14 +97,13 @@ def _padded_leaf(layout: _bridge.Layout, local: torch.Tensor, shape, dim: int) -
     return _leaf(layout, data, shape, data.dtype, dim)
 
 
-def _abstract_leaf(layout: _bridge.Layout, shape, dtype, dim: int) -> fs.Sharded:
-    padded = list(shape)
-    padded[dim] = layout.padded_size(shape[dim])
-    data = jax.ShapeDtypeStruct(tuple(padded), dtype, sharding=_sharding(layout, dim))
-    return _leaf(layout, data, shape, dtype, dim)
+def _abstract_leaf(layout: _bridge.RankLayout, shape, dtype, dim: int) -> fs.Sharded:
+    leaf = _leaf_layout(layout, shape, dtype, dim)
+    data = jax.ShapeDtypeStruct(leaf.padded_shape, dtype, sharding=leaf.sharding)
+    return fs.Sharded.from_layout(leaf, data)
 
 
-def _chunk_of_full(layout: _bridge.Layout, full: torch.Tensor) -> torch.Tensor:
+def _chunk_of_full(layout: _bridge.RankLayout, full: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a tensor every rank holds whole (a buffer), on dim 0."""
     start, count = layout.chunk(full.shape[0])
     return full.narrow(0, start, count)
@@ -115,7 +113,7 @@ def _chunk_of_full(layout: _bridge.Layout, full: torch.Tensor) -> torch.Tensor:
 
 
 def _model_tree(module: nn.Module, local: dict, managed: dict[int, Managed],
-                base: _bridge.Layout, copy: bool) -> dict:
+                base: _bridge.RankLayout, copy: bool) -> dict:
     tree: dict[str, Any] = {}
     leaves: dict[int, fs.Sharded] = {}  # tied parameters: one leaf under each name
     for key, t in local.items():
@@ -170,7 +168,7 @@ def _param_not_in_module(group: int, index: int, shape) -> str:
 
 
 def _state_leaf(fqn: str, name: str, value, param: torch.Tensor, entry: Managed | None,
-                base: _bridge.Layout):
+                base: _bridge.RankLayout):
     if isinstance(value, (bool, int, float)):
         return value
     if not isinstance(value, torch.Tensor):
@@ -297,7 +295,7 @@ def _stored(path: str) -> dict[str, dict]:
     return {leaf["path"]: leaf for leaf in fs.io.leaf_records(path)}
 
 
-def _like_model(local: dict, managed: dict[int, Managed], base: _bridge.Layout) -> dict:
+def _like_model(local: dict, managed: dict[int, Managed], base: _bridge.RankLayout) -> dict:
     like = {}
     for key, t in local.items():
         entry = managed.get(id(t))
@@ -311,7 +309,7 @@ def _like_model(local: dict, managed: dict[int, Managed], base: _bridge.Layout) 
     return like
 
 
-def _like_entry(record: dict, full_shape, entry: Managed | None, base: _bridge.Layout):
+def _like_entry(record: dict, full_shape, entry: Managed | None, base: _bridge.RankLayout):
     """A `like` leaf for a stored optimizer-state record; None if it cannot fit."""
     shape = tuple(record["shape"])
     if record["kind"] == "scalar" or (record["kind"] == "array" and not shape):
@@ -398,7 +396,7 @@ def _module_mismatch(detail: str) -> str:
     )
 
 
-def _gather_sharded(leaves: list[fs.Sharded], base: _bridge.Layout) -> list[torch.Tensor]:
+def _gather_sharded(leaves: list[fs.Sharded], base: _bridge.RankLayout) -> list[torch.Tensor]:
     """The full tensors of restored leaves of tensors every rank holds whole (one gather)."""
     if not leaves:
         return []

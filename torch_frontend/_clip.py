@@ -27,7 +27,7 @@ def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
-def _gathered_norms(partials: dict[_bridge.Layout, list[torch.Tensor]],
+def _gathered_norms(partials: dict[_bridge.RankLayout, list[torch.Tensor]],
                     norm_type: float) -> list[torch.Tensor]:
     """Each layout's norm over every rank's shards: one row per rank, one all-gather."""
     pending = []
@@ -72,7 +72,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     norm_type = float(norm_type)
     if not (norm_type > 0):
         raise errors.ShardingValueError(_bad_norm_type(norm_type))
-    partials: dict[_bridge.Layout, list[torch.Tensor]] = {}
+    partials: dict[_bridge.RankLayout, list[torch.Tensor]] = {}
     replicated: list[torch.Tensor] = []
     for param in params:
         owner = managed(param)

@@ -124,7 +124,7 @@ def default_mesh() -> Mesh:
     return _runtime.mesh if _runtime is not None else init_distributed()
 
 
-def layout_of(mesh: Mesh) -> _bridge.Layout:
+def layout_of(mesh: Mesh) -> _bridge.RankLayout:
     """This process's layout on `mesh`, with the runtime's collective launcher."""
     default_mesh()
     return _bridge.layout_of(mesh, _runtime.comm)

@@ -338,7 +338,7 @@ def _placement_out_of_range(fqn: str, dim: int, shape: tuple) -> str:
     )
 
 
-def _post_forward_world(reshard_after_forward: bool | int | None, layout: _bridge.Layout):
+def _post_forward_world(reshard_after_forward: bool | int | None, layout: _bridge.RankLayout):
     """True / False, or the hpZ group size k (1 < k < world), as FSDP2 normalises it."""
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
         return reshard_after_forward is not False

@@ -55,7 +55,7 @@ class ParamGroup:
     floating gradients, which JAX cannot sum without x64, reduce in torch's group).
     """
 
-    def __init__(self, params: list[FSDPParam], layout: _bridge.Layout,
+    def __init__(self, params: list[FSDPParam], layout: _bridge.RankLayout,
                  mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int,
                  device_mesh=None):
         self.params, self.layout, self.mp_policy = params, layout, mp_policy
@@ -70,7 +70,7 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self._pending: list | None = None  # a dispatched, not yet bound all-gather
         self._buckets: list | None = None  # its flat buffers (None: one per parameter)
-        self._parts: _bridge.Layout | None = None  # hpZ: the group layout of kept parts
+        self._parts: _bridge.RankLayout | None = None  # hpZ: the group layout of kept parts
 
     @property
     def is_unsharded(self) -> bool:

@@ -87,7 +87,7 @@ class FSDPParam:
     """
 
     def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], fqn: str,
-                 layout: _bridge.Layout, spec: ShardSpec, dim: int = 0):
+                 layout: _bridge.RankLayout, spec: ShardSpec, dim: int = 0):
         if param.ndim == 0:
             raise errors.ShardingValueError(_scalar_param(fqn))
         self.fqn, self.uses, self.dim = fqn, uses, dim
@@ -195,7 +195,7 @@ class FSDPParam:
         self._bind(self.sharded)
         self.sync_padded()
 
-    def keep_part(self, layout: _bridge.Layout, hpz: _bridge.Layout) -> None:
+    def keep_part(self, layout: _bridge.RankLayout, hpz: _bridge.RankLayout) -> None:
         """Keeps this rank's part of the gathered parameter for an hpZ re-gather.
 
         The part is the rank's 1/k of the padded full tensor in the gather dtype (its

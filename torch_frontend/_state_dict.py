@@ -30,7 +30,7 @@ class Managed:
     """A managed parameter and the layout of its group."""
 
     param: FSDPParam
-    layout: _bridge.Layout
+    layout: _bridge.RankLayout
 
     def chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full tensor (`torch.chunk(full, world, dim)[rank]`)."""
@@ -83,7 +83,7 @@ def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
 
     Every process must call it with the same entries in the same order.
     """
-    by_layout: dict[_bridge.Layout, list[FSDPParam]] = {}
+    by_layout: dict[_bridge.RankLayout, list[FSDPParam]] = {}
     for entry in entries:
         params = by_layout.setdefault(entry.layout, [])
         if all(p is not entry.param for p in params):

@@ -1,4 +1,4 @@
-"""Row arithmetic of a dim-sharded array, written once: chunk sizes, padding, rank slices.
+"""A sharded array's layout and its row arithmetic, written once.
 
 Every sharded array in funshard, the JAX core's `Sharded` leaves and the torch
 frontend's DTensor shards alike, is split as `torch.chunk(x, n, dim)` splits it: each of
@@ -8,7 +8,15 @@ block is zero-padded to `ceil(size / n)` rows so that every device holds the sam
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
 from funshard import errors
+from funshard.comm import _mesh
 
 
 def rows_per_shard(size: int, shards: int) -> int:
@@ -49,3 +57,78 @@ def _group_size_not_divisor(fn: str, k: int, shards: int) -> str:
         f"(it keeps 1/k of the parameters after the forward and gathers them again within "
         f"groups of k shards); pass one of {divisors}, or True / False."
     )
+
+
+class LayoutFacts:
+    """What follows from a layout's fields: shard count, padding, block shapes, sharding."""
+
+    @property
+    def num_shards(self) -> int:
+        """Number of devices the sharded dimension is split over."""
+        return _mesh.axes_size(self.mesh, self.shard_axis)
+
+    @property
+    def rows_per_shard(self) -> int:
+        """Size of each device's block along `dim`: `ceil(shape[dim] / num_shards)`."""
+        return rows_per_shard(self.shape[self.dim], self.num_shards)
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """Global shape of `data` (`dim` zero-padded to a multiple of the shard count)."""
+        return self._with_dim(self.rows_per_shard * self.num_shards)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of one device's block of `data`."""
+        return self._with_dim(self.rows_per_shard)
+
+    def _with_dim(self, size: int) -> tuple[int, ...]:
+        return (*self.shape[: self.dim], size, *self.shape[self.dim + 1:])
+
+    @property
+    def ndim(self) -> int:
+        """Logical number of dimensions."""
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Logical number of elements."""
+        return math.prod(self.shape)
+
+    def chunk(self, index: int) -> tuple[int, int]:
+        """`(start, rows)` of shard `index`'s logical rows along `dim` (see `chunk`)."""
+        return chunk(self.shape[self.dim], self.num_shards, index)
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """The sharding of `data` outside a step."""
+        return NamedSharding(self.mesh, _mesh.spec(self.shard_axis, self.dim))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(LayoutFacts):
+    """Where one sharded array lives, without the array: the one description of a leaf.
+
+    A JAX `funshard.Sharded` leaf carries these fields as its static metadata
+    (`Sharded.layout`); the planner and the torch frontend's checkpoints describe a
+    parameter with it. Everything else (shard count, rows per shard, padded and local
+    shapes, a shard's rows, the sharding) follows from the fields (`LayoutFacts`).
+
+    Attributes:
+      shape: the logical (unpadded) shape.
+      dtype: the logical dtype.
+      mesh: the mesh the array lives on.
+      shard_axis: mesh axes `dim` is split over.
+      replicate_axis: mesh axes the shards are replicated over (HSDP); may be empty.
+      mp_policy: the mixed-precision policy for its gathers and reductions (a
+        `funshard.MixedPrecisionPolicy`), or None.
+      dim: the sharded dimension.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    mesh: Mesh
+    shard_axis: tuple[str, ...]
+    replicate_axis: tuple[str, ...] = ()
+    mp_policy: Any = None
+    dim: int = 0

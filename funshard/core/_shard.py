@@ -15,7 +15,7 @@ from funshard import _text, comm, errors
 from funshard.core import _context, _in_step, _options, _placement, _tree
 from funshard.core._placement import Replicate
 from funshard.core._policy import MixedPrecisionPolicy
-from funshard.core._sharded import Layout, Sharded, is_array, is_key, is_sharded
+from funshard.core._sharded import Sharded, is_array, is_key, is_sharded
 from funshard.core._tree import common_mesh, sharded_leaves
 
 
@@ -152,15 +152,16 @@ def _shard_leaf(
     where = _placement.resolve(path, x, placement, min_size) if x.ndim else Replicate()
     if isinstance(where, Replicate):
         return _replicate(_strong(x), mesh, traced)
-    layout = Layout(tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim)
+    layout = comm.Layout(
+        tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim)
     stacked = placement is _stacked_placement
     if where.dim and not stacked and x.shape[where.dim] % layout.num_shards:
         raise errors.ShardingValueError(
             _dim_not_divisible(path, x.shape, where.dim, layout.num_shards))
-    return layout.with_data(_place(x, layout, traced))
+    return Sharded.from_layout(layout, _place(x, layout, traced))
 
 
-def _place(x, layout: Layout, traced: bool) -> jax.Array:
+def _place(x, layout: comm.Layout, traced: bool) -> jax.Array:
     """`x` padded and laid out as `layout.data`, each process slicing its own shards.
 
     Under a trace (`shard` under `jax.jit` / `jax.eval_shape`) the padded value gets a

@@ -4,76 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import dis
-import math
 import sys
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from funshard import comm, errors
 from funshard.core._policy import MixedPrecisionPolicy
-
-
-class _LayoutFacts:
-    """What follows from a layout's fields: shard count, padding, block shapes, sharding."""
-
-    @property
-    def num_shards(self) -> int:
-        """Number of devices the sharded dimension is split over."""
-        return comm.axes_size(self.mesh, self.shard_axis)
-
-    @property
-    def rows_per_shard(self) -> int:
-        """Size of each device's block along `dim`: `ceil(shape[dim] / num_shards)`."""
-        return comm.rows_per_shard(self.shape[self.dim], self.num_shards)
-
-    @property
-    def padded_shape(self) -> tuple[int, ...]:
-        """Global shape of `data` (`dim` zero-padded to a multiple of the shard count)."""
-        return self._with_dim(self.rows_per_shard * self.num_shards)
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        """Shape of one device's block of `data`."""
-        return self._with_dim(self.rows_per_shard)
-
-    def _with_dim(self, size: int) -> tuple[int, ...]:
-        return (*self.shape[: self.dim], size, *self.shape[self.dim + 1:])
-
-    @property
-    def ndim(self) -> int:
-        """Logical number of dimensions."""
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        """Logical number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def sharding(self) -> NamedSharding:
-        """The sharding of `data` outside a step."""
-        return NamedSharding(self.mesh, comm.spec(self.shard_axis, self.dim))
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout(_LayoutFacts):
-    """Where one parameter's sharded array lives, without the array: a `Sharded` leaf's
-    static fields (see `Sharded` for their meaning)."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    mesh: Mesh
-    shard_axis: tuple[str, ...]
-    replicate_axis: tuple[str, ...] = ()
-    mp_policy: MixedPrecisionPolicy | None = None
-    dim: int = 0
-
-    def with_data(self, data: Any) -> "Sharded":
-        """The `Sharded` leaf holding `data` (the global padded array) in this layout."""
-        return Sharded(data, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
 
 def _sharded_in_user_code(shape, dtype) -> str:
@@ -86,7 +25,7 @@ def _sharded_in_user_code(shape, dtype) -> str:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Sharded(_LayoutFacts):
+class Sharded(comm.LayoutFacts):
     """One parameter, sharded on dim 0 across the data-parallel devices.
 
     A registered pytree node: its only child is `data`, the padded global array, so
@@ -142,9 +81,15 @@ class Sharded(_LayoutFacts):
             object.__setattr__(self, "data", abstract)
 
     @property
-    def layout(self) -> Layout:
-        """This leaf's `Layout` (its static fields)."""
-        return Layout(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Layout)})
+    def layout(self) -> comm.Layout:
+        """This leaf's `funshard.comm.Layout` (its static fields)."""
+        return comm.Layout(**{f.name: getattr(self, f.name)
+                              for f in dataclasses.fields(comm.Layout)})
+
+    @classmethod
+    def from_layout(cls, layout: comm.Layout, data: Any) -> "Sharded":
+        """The leaf holding `data` (the padded global array) in `layout`."""
+        return cls(data, **{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)})
 
     def __repr__(self) -> str:
         # One line of layout: a model's state holds hundreds of these, and printing
