@@ -21,9 +21,14 @@ import numpy as np
 from funshard import _jax_compat
 
 
-def _is_array(x: Any) -> bool:
-    # As `funshard.core.is_array`: what the step moves to devices (jax, numpy, tracers).
-    return not isinstance(x, (str, bytes)) and isinstance(x, (jax.Array, np.ndarray, np.generic))
+def is_array(x: Any) -> bool:
+    """Whether `x` is an array leaf funshard moves to devices (jax, numpy or tracer).
+
+    Also what `filter_custom_vjp` differentiates; `funshard.core` re-exports it.
+    """
+    if isinstance(x, (str, bytes)):  # np.str_ / np.bytes_ are np.generic too
+        return False
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 class filter_custom_vjp:  # noqa: N801 (a decorator, named like jax.custom_vjp)
@@ -51,7 +56,7 @@ class filter_custom_vjp:  # noqa: N801 (a decorator, named like jax.custom_vjp)
 
     def __call__(self, *args):
         leaves, treedef = jax.tree_util.tree_flatten(args)
-        positions = [i for i, x in enumerate(leaves) if _is_array(x)]
+        positions = [i for i, x in enumerate(leaves) if is_array(x)]
         # The primals' types (the mesh axes each varies over) are static: read them now.
         varying = [_varying(leaves[i]) for i in positions]
 

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from funshard import comm, errors
+from funshard._custom_vjp import is_array as is_array
 from funshard.core._policy import MixedPrecisionPolicy
 
 
@@ -216,11 +217,6 @@ def is_sharded(x: Any) -> bool:
     return isinstance(x, Sharded)
 
 
-def is_array(x: Any) -> bool:
-    """Whether `x` is an array leaf funshard moves to devices (jax, numpy or tracer)."""
-    if isinstance(x, (str, bytes)):  # np.str_ / np.bytes_ are np.generic too
-        return False
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def is_key(x: Any) -> bool:
