@@ -77,6 +77,15 @@ def test_global_array_aliases_the_blocks_and_counts_them():
 
 
 @pytest.mark.torch
+def test_eager_collectives_refuse_traced_values():
+    mesh = mesh_for("2")
+    gather = jax.jit(lambda a, b: comm.all_gather([[a, b]], mesh, ("fsdp",))[0])
+    ones = np.ones(2, np.float32)
+    with pytest.raises(TypeError, match="outside jax.jit .* fs.unshard"):
+        gather(ones, ones)
+
+
+@pytest.mark.torch
 def test_row_arithmetic_is_torch_chunks():
     import torch  # the dev extra's CPU build: torch.chunk is the reference
     for size in range(0, 11):

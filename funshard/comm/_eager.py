@@ -29,12 +29,22 @@ def _per_device(blocks: Blocks, mesh: Mesh) -> list[jax.Array]:
     """`blocks` as one array per local device of `mesh`, each placed on its device."""
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     arrays = [blocks] if isinstance(blocks, (jax.Array, np.ndarray)) else list(blocks)
+    if any(isinstance(a, jax.core.Tracer) for a in arrays):
+        raise errors.ShardingTypeError(_traced_block())
     if len(arrays) != len(local):
         raise errors.ShardingValueError(
             f"funshard.comm: got {len(arrays)} block(s) for a process that holds "
             f"{len(local)} device(s) of the mesh; pass one block per local device, in the "
             "mesh's device order.")
     return [jax.device_put(a, d) for a, d in zip(arrays, local, strict=True)]
+
+
+def _traced_block() -> str:
+    return (
+        "funshard.comm: the eager collectives take concrete process-local buffers and run "
+        "outside jax.jit and other transforms, but got a traced value. Inside a jitted "
+        "step, gather with fs.unshard (or a fs.fully_shard unit) instead."
+    )
 
 
 def global_array(blocks: Blocks, mesh: Mesh, axes: tuple[str, ...], dim: int = 0) -> jax.Array:
