@@ -4,10 +4,13 @@ Reads torchrun-style RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, trains a one
 model with a jitted funshard step for `--steps` steps (`--leaving-steps` on the process
 `--leaving-rank`, which then returns normally), and prints one line per step. With
 `--no-shard-batch` every process builds the global batch itself, so only the watchdog
-can notice the departure.
+can notice the departure (`--count-steps`: and counts its steps with `count_step`).
+With `--extra-unshard R` process R alone calls an eager `fs.unshard` before step 2
+(the others go on training); with `--other-unshard R` every process calls it there, but
+process R on a different tree: different collectives outside a step.
 
     python tests/_departed_worker.py --steps S --leaving-rank R --leaving-steps K
-        [--no-shard-batch]
+        [--no-shard-batch [--count-steps]] [--extra-unshard R | --other-unshard R]
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def main() -> int:
     parser.add_argument("--leaving-rank", type=int, required=True)
     parser.add_argument("--leaving-steps", type=int, required=True)
     parser.add_argument("--no-shard-batch", action="store_true")
+    parser.add_argument("--count-steps", action="store_true")
+    parser.add_argument("--extra-unshard", type=int, default=None)
+    parser.add_argument("--other-unshard", type=int, default=None)
     args = parser.parse_args()
 
     mesh = funshard.distributed.initialize()
@@ -49,11 +55,18 @@ def main() -> int:
     rows = np.ones((2 * jax.process_count(), 16), np.float32)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
     for i in range(steps):
+        if i == 2 and rank == args.extra_unshard:
+            fs.unshard(state)
+        if i == 2 and args.other_unshard is not None:
+            other = fs.shard({"v": jnp.ones((8, 4))}, mesh)
+            fs.unshard(other if rank == args.other_unshard else state)
         if args.no_shard_batch:
             batch = jax.make_array_from_callback(rows.shape, sharding, lambda idx: rows[idx])
         else:
             batch = funshard.distributed.shard_batch(rows[:2], mesh)
         value, _ = step(state, batch)
+        if args.count_steps:
+            funshard.distributed.count_step()
         print(f"rank {rank}: step {i} loss {float(value):.4f} at "
               f"{time.monotonic() - START:.1f} s", flush=True)
     print(f"rank {rank}: returning after {steps} steps", flush=True)

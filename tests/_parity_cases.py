@@ -1373,9 +1373,7 @@ def microbatching_1f1b(t: T, impl: Impl):
 
 
 @case("training", "TestFullyShardHSDPTraining::test_train_parity_hsdp", world=4,
-      note="on CPU upstream's grid leaves only CPUOffloadPolicy(pin_memory=False)",
-      xfail={"frontend": "offload_policy=CPUOffloadPolicy(...) is not supported yet"
-                         " (NotImplementedError), and every subtest upstream runs on CPU uses it"})
+      note="on CPU upstream's grid leaves only CPUOffloadPolicy(pin_memory=False)")
 def train_parity_hsdp(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -2606,8 +2604,8 @@ def set_reduce_scatter_divide_factor_2x(t: T, impl: Impl):
 
 @case("init", "TestFullyShardMeshArg::test_invalid_mesh_ndim"
       " + test_2d_mesh_without_mesh_dim_names", note="world 2 (upstream: 4 threads)",
-      xfail={"frontend": "a 3-D mesh raises ValueError with its own message; a 2-D mesh without"
-                         " dim names is accepted (FSDP2 raises AssertionError)"})
+      xfail={"frontend": "a 2-D mesh without dim names is accepted, as (replicate, shard)"
+                         " (FSDP2 raises AssertionError); the 3-D part passes"})
 def mesh_arg_validation(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -40,15 +40,19 @@ def _finish(job) -> tuple[list[int], list[str]]:
     return list(codes.values()), list(job.logs().values())
 
 
-@pytest.mark.parametrize("leaving,shard_batch", [(1, True), (0, False)],
-                         ids=["rank1-leaves-shard_batch-raises", "rank0-leaves-watchdog"])
-def test_jax_survivor_gives_up_naming_who_left(tmp_path, leaving, shard_batch):
+@pytest.mark.parametrize("leaving,shard_batch,count_steps",
+                         [(1, True, False), (0, False, False), (0, False, True)],
+                         ids=["rank1-leaves-shard_batch-raises", "rank0-leaves-watchdog",
+                              "rank0-leaves-watchdog-count_step"])
+def test_jax_survivor_gives_up_naming_who_left(tmp_path, leaving, shard_batch, count_steps):
     # rank 0 is also the coordination service: when it leaves, it must stay up until the
     # survivor has given up, or JAX would terminate the survivor with its own message.
     survivor = 1 - leaving
     args = ["--steps", "6", "--leaving-rank", str(leaving), "--leaving-steps", "2"]
+    if not shard_batch:
+        args += ["--no-shard-batch", *(["--count-steps"] if count_steps else [])]
     start = time.monotonic()
-    with _job(tmp_path, *args, *([] if shard_batch else ["--no-shard-batch"])) as job:
+    with _job(tmp_path, *args) as job:
         codes, logs = _finish(job)
     elapsed = time.monotonic() - start
     assert codes[leaving] == 0, logs[leaving]
@@ -59,9 +63,15 @@ def test_jax_survivor_gives_up_naming_who_left(tmp_path, leaving, shard_batch):
         assert (f"process {leaving} returned normally and left the job after 2 steps "
                 "(shard_batch calls)") in text, text
         assert "The last step both reached is step 2" in text, text
+    elif count_steps:  # stuck in XLA, the watchdog ends it: the loop counted its steps
+        assert (f"process {leaving} returned normally and left the job after 2 steps "
+                "(count_step calls), and") in text, text
+        assert "The last step both reached is step 2" in text, text
     else:  # the main thread is stuck in XLA: the watchdog ends the process
         assert f"process {leaving} returned normally and left the job, and" in text, text
         assert "cannot name the last step both reached" in text, text  # none were counted
+        assert "call fs.distributed.count_step() once per step" in text, text
+    if not shard_batch:
         assert re.search(r"has made no progress for \d+ s", text), text
         assert "departure_timeout=3 s" in text, text
     assert "Terminating process because the JAX distributed service" not in text, text
@@ -89,3 +99,37 @@ def test_torch_frontend_survivor_raises_naming_who_left(tmp_path, monkeypatch):
     assert re.search(r"has made no progress for \d+ s", error), error
     # Bounded: the survivor gave up a few seconds after the other rank left.
     assert float(survivor["left_at"]) - float(leaver["left_at"]) < 30
+
+
+@pytest.mark.parametrize("shard_batch", [True, False], ids=["shard_batch", "own-batch"])
+def test_eager_unshard_on_one_process_only_is_a_bounded_named_error(tmp_path, shard_batch):
+    # Process 1 alone calls an eager fs.unshard before step 2 while process 0 goes on to
+    # the step: before the check, that all-gather paired with the step's first one and
+    # both processes waited silently (still waiting after 150 s). Now process 1 raises
+    # after departure_timeout naming process 0, and process 0 (waiting in shard_batch,
+    # or in the step's collective) fails naming process 1.
+    start = time.monotonic()
+    with _job(tmp_path, "--steps", "4", "--leaving-rank", "-1", "--leaving-steps", "0",
+              "--extra-unshard", "1", *([] if shard_batch else ["--no-shard-batch"])) as job:
+        codes, logs = _finish(job)
+    elapsed = time.monotonic() - start
+    assert codes == [1, 1], logs
+    assert "DistributedTimeoutError: unshard outside a step: process 1 of 2" in logs[1], logs[1]
+    assert "process 0 has not issued it after 3 s" in logs[1], logs[1]
+    assert "every process must issue the same collectives" in logs[1], logs[1]
+    assert "process 1 raised DistributedTimeoutError and left the job" in logs[0], logs[0]
+    assert "rank 0: step 2" not in logs[0], logs[0]  # the step never completed
+    assert elapsed < 60, elapsed
+
+
+def test_eager_unshard_of_different_trees_fails_on_every_process_at_once(tmp_path):
+    with _job(tmp_path, "--steps", "4", "--leaving-rank", "-1", "--leaving-steps", "0",
+              "--other-unshard", "1") as job:
+        codes, logs = _finish(job)
+    assert codes == [1, 1], logs
+    for rank, other in ((0, 1), (1, 0)):
+        text = logs[rank]
+        assert f"DistributedError: unshard outside a step: process {rank} is about to issue" \
+            in text, text
+        assert f"but process {other} issues an all-gather of 1 leaf" in text, text
+        assert "pass the same tree to unshard on every process" in text, text

@@ -453,6 +453,15 @@ def test_a_0d_parameter_is_a_value_error_in_fsdp2s_words():
         tf.fully_shard(model)
 
 
+def test_a_3d_mesh_is_a_value_error_in_fsdp2s_words():
+    _mesh1()
+    mesh = init_device_mesh("cpu", (1, 1, 1))
+    for shard in (tf.fully_shard, fsdp2_shard):
+        with pytest.raises(ValueError, match=r"fully_shard expects a 1D or 2D DeviceMesh but "
+                                             r"got DeviceMesh"):
+            shard(nn.Linear(2, 2), mesh=mesh)
+
+
 def test_forward_on_meta_parameters_is_a_clear_error():
     tf.init_distributed()
     with torch.device("meta"):

@@ -705,6 +705,46 @@ def test_arguments_not_supported_yet_say_so(kwargs, match):
         fully_shard(nn.Linear(2, 2), **kwargs)
 
 
+def test_cpu_offload_on_a_cpu_mesh_trains_as_plain_torch():
+    # FSDP2's CPUOffloadPolicy keeps shards, gradients and the optimizer step in host
+    # memory: on a CPU mesh, where they already are, training is unchanged (as FSDP2's).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    policy = torch_frontend.CPUOffloadPolicy(pin_memory=False)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference)]
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        for m, opt in zip((model, reference), opts):
+            opt.zero_grad()
+            m(x).pow(2).sum().backward()
+        _assert_same(model, reference)
+        for opt in opts:
+            opt.step()
+    _assert_same(model, reference, what="param")
+
+
+def test_offload_policies_that_cannot_hold_here_are_errors_that_change_nothing():
+    model = nn.Linear(2, 2)
+    weight = model.weight
+    custom = type("MyOffload", (torch_frontend.OffloadPolicy,), {})()
+    with pytest.raises(NotImplementedError,
+                       match=r"offload_policy=.*MyOffload.* is not supported by torch_frontend"):
+        fully_shard(model, offload_policy=custom)
+    assert type(model) is nn.Linear and model.weight is weight
+    pinned = torch_frontend.CPUOffloadPolicy()  # pin_memory=True: needs an accelerator
+    if torch.accelerator.is_available():
+        fully_shard(model, offload_policy=pinned)  # host memory, pinnable: accepted
+        return
+    with pytest.raises(RuntimeError, match=r"CPUOffloadPolicy\(pin_memory=True\) pins host "
+                                           r"memory .* none is available"):
+        fully_shard(model, offload_policy=pinned)
+    assert type(model) is nn.Linear and model.weight is weight
+
+
 @pytest.mark.parametrize("placement, error, match", [
     (lambda p: 1, TypeError, r"returned 1 for parameter 'weight'; return torch.distributed"),
     (lambda p: Shard(2), ValueError, r"Shard\(2\) for parameter 'weight' of shape \(3, 2\)"),

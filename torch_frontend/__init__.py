@@ -18,7 +18,9 @@ from torch_frontend._checkpoint import save as save
 from torch_frontend._clip import clip_grad_norm_ as clip_grad_norm_
 from torch_frontend._distributed import device_mesh as device_mesh
 from torch_frontend._distributed import init_distributed as init_distributed
+from torch_frontend._fully_shard import CPUOffloadPolicy as CPUOffloadPolicy
 from torch_frontend._fully_shard import FSDPModule as FSDPModule
+from torch_frontend._fully_shard import OffloadPolicy as OffloadPolicy
 from torch_frontend._fully_shard import UnshardHandle as UnshardHandle
 from torch_frontend._fully_shard import fully_shard as fully_shard
 from torch_frontend._fully_shard import register_fsdp_forward_method as register_fsdp_forward_method
@@ -27,8 +29,10 @@ from torch_frontend._state_dict import full_state_dict as full_state_dict
 from torch_frontend._state_dict import load_full_state_dict as load_full_state_dict
 
 __all__ = [
+    "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "UnshardHandle",
     "clip_grad_norm_",
     "device_mesh",

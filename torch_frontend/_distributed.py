@@ -177,7 +177,7 @@ def jax_mesh(mesh: DeviceMesh) -> Mesh:
     if mesh in _jax_meshes:
         return _jax_meshes[mesh]
     if mesh.ndim not in (1, 2):
-        raise errors.ShardingValueError(_device_mesh_rank(mesh.ndim))
+        raise errors.ShardingValueError(_device_mesh_rank(mesh))
     default_mesh()
     ranks = mesh.mesh.cpu().reshape(-1).tolist()
     devices = [jax.local_devices(process_index=r)[0] for r in ranks]
@@ -188,10 +188,11 @@ def jax_mesh(mesh: DeviceMesh) -> Mesh:
     return made
 
 
-def _device_mesh_rank(ndim: int) -> str:
+def _device_mesh_rank(mesh: DeviceMesh) -> str:
+    # FSDP2's sentence first: code written for FSDP2 may match it.
     return (
-        f"fully_shard: a DeviceMesh with {ndim} dimensions is not supported; pass a 1-D "
-        "mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), as init_device_mesh makes."
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: pass a 1-D mesh "
+        "(FSDP) or a 2-D (replicate, shard) mesh (HSDP), as init_device_mesh makes."
     )
 
 

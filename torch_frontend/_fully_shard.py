@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from funshard import comm, errors
@@ -235,11 +236,33 @@ def _fsdp_class(cls: type) -> type:
     return _fsdp_classes[cls]
 
 
-def _check_not_yet(offload_policy, dp_mesh_dims) -> None:
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+def _check_offload(offload_policy, layout: _bridge.RankLayout) -> None:
+    """Accepts FSDP2's policies where they hold: on a CPU mesh everything is host memory.
+
+    `CPUOffloadPolicy` keeps the shards, their gradients and the optimizer step in host
+    memory and gathers on the device. On a CPU mesh that is where they are already, so
+    it changes nothing, as FSDP2's does there; pinning needs an accelerator, as FSDP2's
+    `pin_memory()` does. On a GPU mesh it would need host-to-device copies not built yet.
+    """
+    if offload_policy is None or type(offload_policy) is OffloadPolicy:
+        return
+    if type(offload_policy) is not CPUOffloadPolicy:
         raise errors.UnsupportedError(_not_supported_yet(
-            f"offload_policy={offload_policy!r}", "parameters already live in host memory "
-            "on CPU; pass None."))
+            f"offload_policy={offload_policy!r}", "pass None, OffloadPolicy() or "
+            "CPUOffloadPolicy()."))
+    if layout.device.platform != "cpu":
+        raise errors.UnsupportedError(_not_supported_yet(
+            f"offload_policy={offload_policy!r} on a {layout.device.platform.upper()} mesh",
+            "pass None to keep the shards in device memory, or run on a CPU mesh."))
+    if offload_policy.pin_memory and not torch.accelerator.is_available():
+        raise RuntimeError(
+            "fully_shard: CPUOffloadPolicy(pin_memory=True) pins host memory for copies to "
+            "an accelerator, and none is available (FSDP2's pin_memory() raises: Cannot "
+            "access accelerator device when none is available). Pass "
+            "CPUOffloadPolicy(pin_memory=False).")
+
+
+def _check_not_yet(dp_mesh_dims) -> None:
     if dp_mesh_dims is not None:
         raise errors.UnsupportedError(_not_supported_yet(
             "dp_mesh_dims", "pass None and a mesh from init_distributed()."))
@@ -401,7 +424,9 @@ def fully_shard(
       shard_placement_fn: called on each parameter; returns
         `torch.distributed.tensor.Shard(dim)` to shard it on `dim` (this rank keeps
         `torch.chunk(p, world, dim)[rank]`), or None for dim 0, as in FSDP2.
-      offload_policy: not supported yet (None, or FSDP2's default `OffloadPolicy()`).
+      offload_policy: None or FSDP2's default `OffloadPolicy()`, or `CPUOffloadPolicy()`
+        on a CPU mesh, where parameters, gradients and the optimizer step already live
+        in host memory (as FSDP2 on CPU, it changes nothing there).
       ignored_params: parameters to leave alone: not sharded, not gathered, their
         gradients not reduced (as in FSDP2).
       dp_mesh_dims: not supported yet (must be None).
@@ -413,15 +438,18 @@ def fully_shard(
       TypeError: a bad argument type (not a module, a policy, a placement).
       ValueError: a module already sharded, an hpZ size that does not divide the
         world, a placement out of range, or a 0-d parameter (as FSDP2).
-      NotImplementedError: an argument not supported yet (`offload_policy` other
-        than None or FSDP2's default, `dp_mesh_dims`).
+      NotImplementedError: an argument not supported yet (`CPUOffloadPolicy` on a GPU
+        mesh, `dp_mesh_dims`).
+      RuntimeError: `CPUOffloadPolicy(pin_memory=True)` without an accelerator (as
+        FSDP2).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn)
-    _check_not_yet(offload_policy, dp_mesh_dims)
+    _check_not_yet(dp_mesh_dims)
     ignored = {id(p) for p in ignored_params or ()}
     jax_mesh, device_mesh = _distributed.both_meshes(mesh)
     layout = _distributed.layout_of(jax_mesh)
+    _check_offload(offload_policy, layout)
     post_forward = _post_forward_world(reshard_after_forward, layout)
     names = _param_names(modules)
     placed = []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 from typing import Any
 
 import jax
@@ -11,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import tree_unflatten
 
-from funshard import _text, comm, errors
+from funshard import _text, comm, distributed, errors
 from funshard.core import _context, _in_step, _options, _placement, _tree
 from funshard.core._placement import Replicate
 from funshard.core._policy import MixedPrecisionPolicy
@@ -303,6 +305,7 @@ def unshard_as(tree: Any, name: str) -> Any:
         if ctx is not None:
             fulls = _in_step.unshard_in_step(leaves, name)
         else:
+            _same_on_every_process(name, mesh, leaves)
             fulls = comm.eager_all_gather(
                 [x.data for x in leaves],
                 mesh,
@@ -313,6 +316,26 @@ def unshard_as(tree: Any, name: str) -> Any:
         gathered.update(zip(idx, fulls, strict=True))
     parts = _tree.Partition(tuple(items), treedef, tuple(sorted(gathered)))
     return parts.combine([gathered[i] for i in parts.positions])
+
+
+def _same_on_every_process(fn: str, mesh, leaves: list[Sharded]) -> None:
+    """Checks that every process of a multi-process mesh issues this eager all-gather.
+
+    Inside a user's `jax.jit` (traced leaves) the gather is part of a compiled program,
+    which every process runs whole: nothing to check.
+    """
+    if any(isinstance(x.data, jax.core.Tracer) for x in leaves):
+        return
+    processes = {d.process_index for d in mesh.devices.flat}
+    if len(processes) < 2:
+        return
+    exact = ";".join(f"{x.shape}/{x.dim}/{x.data.dtype}" for x in leaves)
+    digest = hashlib.sha256(exact.encode()).hexdigest()[:8]
+    elements = sum(math.prod(x.shape) for x in leaves)
+    noun = "leaf" if len(leaves) == 1 else "leaves"
+    distributed.same_collective(
+        fn, f"an all-gather of {len(leaves)} {noun} ({elements:,} elements in all, "
+            f"layout digest {digest})", processes)
 
 
 def _shape_mismatch(fn: str, path, shape, expected) -> str:

@@ -10,6 +10,7 @@
 See docs/distributed.md for launch commands and the timeout knobs.
 """
 
+from funshard.distributed._agreement import same_collective as same_collective
 from funshard.distributed._departure import OrderedWorker as OrderedWorker
 from funshard.distributed._departure import count_step as count_step
 from funshard.distributed._runtime import Launch as Launch
@@ -27,5 +28,6 @@ __all__ = [
     "global_devices",
     "initialize",
     "resolve_launch",
+    "same_collective",
     "shard_batch",
 ]

@@ -133,7 +133,8 @@ def _last_common_step(step: int, kind: str, notes) -> str:
         return (
             "funshard names steps by counting calls of fs.distributed.shard_batch (or a "
             "torch_frontend model's backward passes); this job made none, so it cannot "
-            "name the last step both reached."
+            "name the last step both reached (call fs.distributed.count_step() once per "
+            "step to have it named)."
         )
     return f"The last step both reached is step {min(counted)}."
 
@@ -329,8 +330,18 @@ def start(client, rank: int, count: int, timeout: float, shutdown_timeout: float
         _monitor.watchdog.start()
 
 
-def count_step(kind: str) -> None:
-    """Counts one step of this process (named in the messages about a process that left)."""
+def count_step(kind: str = "count_step call") -> None:
+    """Counts one step of this process, so that messages about a process that left name it.
+
+    `fs.distributed.shard_batch` and torch_frontend's backward passes count steps by
+    themselves. A jitted loop that builds its batches another way has no per-step hook
+    funshard could count without a cost; calling this once per step (a Python counter:
+    no collective, no host sync) makes the departure messages say "the last step both
+    reached is step N" there too.
+
+    Args:
+      kind: what a step is, in the messages ("after 4 steps (count_step calls)").
+    """
     if _monitor is not None:
         _monitor.step += 1
         _monitor.kind = kind
@@ -392,6 +403,13 @@ def stuck_error(since: float, what: str) -> str | None:
         return None
     waited = monitor.stuck_for(since)
     return monitor.message(waited, what) if waited >= monitor.timeout else None
+
+
+def wait_limit() -> float:
+    """This job's `departure_timeout` (from the environment where no job was started)."""
+    if _monitor is not None:
+        return _monitor.timeout
+    return departure_timeout(None, os.environ)
 
 
 @contextlib.contextmanager
