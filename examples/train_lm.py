@@ -677,6 +677,9 @@ def default_run_dir() -> Path:
     return Path("runs") / "train_lm" / time.strftime("%Y%m%d-%H%M%S")
 
 
+UNIT_TRACE = "funshard_trace.json.gz"  # the trace with its collectives named by unit
+
+
 class Profiler:
     """`--profile DIR`: a `jax.profiler` trace of a few steps, and the step's HLO beside it.
 
@@ -714,6 +717,12 @@ class Profiler:
     def unit_times(self, devices: int) -> dict[str, float]:
         """Milliseconds per step and device in each funshard scope, read from the trace.
 
+        Also writes `DIR/UNIT_TRACE`: the trace with each of those spans named after its
+        scope, then its HLO instruction (`funshard/Block/all_gather (all_gather.48)`;
+        the collective's own padding and slicing are fusions of the same scope). On CPU,
+        XLA names a span after its instruction only, so this is the trace in which
+        Perfetto shows the units.
+
         Keys are `<unit>/<collective>` (`Block/all_gather`); empty if the trace names no
         instruction of the step (another backend's trace layout).
         """
@@ -723,11 +732,16 @@ class Profiler:
             return {}
         scopes = dict(re.findall(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?op_name="[^"]*?'
                                  r'funshard/(\w+/\w+)', self.hlo_text, re.M))
+        trace = json.loads(gzip.decompress(traces[-1].read_bytes()))
         totals = Counter()
-        for event in json.loads(gzip.decompress(traces[-1].read_bytes()))["traceEvents"]:
-            scope = scopes.get(event.get("args", {}).get("hlo_op"))
+        for event in trace["traceEvents"]:
+            args = event.get("args", {})
+            scope = scopes.get(args.get("hlo_op"))
             if scope is not None and "dur" in event:
                 totals[scope] += event["dur"] / 1000  # microseconds
+                event["name"] = f"funshard/{scope} ({event.get('name')})"
+        if totals:
+            (self.directory / UNIT_TRACE).write_bytes(gzip.compress(json.dumps(trace).encode()))
         steps = self.last - self.first + 1
         return {scope: ms / steps / devices for scope, ms in sorted(totals.items())}
 
@@ -923,6 +937,7 @@ def print_profile(console, directory: Path, unit_times: dict[str, float]) -> Non
     console.print(f"profile: {directory} (tensorboard --logdir {directory}, or "
                   "plugins/profile/*/perfetto_trace.json.gz in ui.perfetto.dev)")
     if unit_times:
+        console.print(f"  spans named by unit: {directory / UNIT_TRACE} (ui.perfetto.dev)")
         times = "  ".join(f"{scope} {ms:.2f}" for scope, ms in unit_times.items())
         console.print(f"  each unit's collectives, ms per step and device (waits included): "
                       f"{times}")

@@ -12,12 +12,14 @@ tests/test_train_torch.py. train_lm.py's flag checks and run-folder rules run
 in-process in tests/test_train_lm.py.)
 """
 
+import gzip
 import importlib.util
 import json
 import math
 import os
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -217,6 +219,14 @@ def test_train_lm_profile_shows_the_units(fsdp_run):
     assert set(times) == {f"{unit}/{collective}" for unit in ("Block", "GPT")
                           for collective in ("all_gather", "reduce_scatter")}
     assert all(float(ms) > 0 for ms in times.values())
+    # ... and writes the trace again with those spans named by unit, for Perfetto.
+    assert f"spans named by unit: {profile / 'funshard_trace.json.gz'}" in fsdp_run[0]
+    events = json.loads(gzip.decompress((profile / "funshard_trace.json.gz").read_bytes()))
+    spans = [e["name"] for e in events["traceEvents"] if e.get("ph") == "X"]
+    for scope in times:
+        collective = scope.split("/")[1].replace("_", "[-_]")
+        assert any(re.fullmatch(rf"funshard/{scope} \({collective}[\w.-]*\)", name)
+                   for name in spans), (scope, Counter(spans).most_common(20))
 
 
 def _load_train_lm():
