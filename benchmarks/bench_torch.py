@@ -77,6 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run torch_frontend and FSDP2 (reshard=True) with block.compile() "
                         "per block, one job each with an empty Inductor cache, and report "
                         "the first step (compilation included) and the median step after")
+    p.add_argument("--malloc", choices=("trimmed", "default"), default="trimmed",
+                   help="trimmed (default): glibc hands freed blocks over 64 KiB back at "
+                        "once, so resident memory follows allocations; default: glibc's "
+                        "own settings, as a training script runs")
     p.add_argument("--rss", action="store_true",
                    help="also run torch_frontend and FSDP2 (reshard=True) alone, one job "
                         "each, and report each process's peak resident memory")
@@ -133,7 +137,8 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def run_job(args, out: Path, only: str, compile_blocks: bool = False) -> int:
+def run_job(args, out: Path, only: str, compile_blocks: bool = False,
+            sample_memory: bool = False) -> int:
     """Runs the torchrun job; kills torchrun and its workers (by pid) on the way out."""
     model = [f"--{k}={getattr(args, k)}" for k in ("blocks", "width", "heads", "seq", "batch")
              if getattr(args, k) is not None]
@@ -143,6 +148,7 @@ def run_job(args, out: Path, only: str, compile_blocks: bool = False) -> int:
                "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--profile-steps", str(args.profile_steps), "--deadline", str(args.timeout),
                *(["--only", only] if only else []), *(["--compile"] if compile_blocks else []),
+               *(["--sample-memory"] if sample_memory else []), "--malloc", args.malloc,
                *model]
     env = _env()
     if compile_blocks:  # a cold start for every job: nothing compiled by an earlier one
@@ -159,12 +165,13 @@ def run_job(args, out: Path, only: str, compile_blocks: bool = False) -> int:
         proc.wait()
 
 
-def measure(args, only: str = "", compile_blocks: bool = False) -> list[dict] | None:
+def measure(args, only: str = "", compile_blocks: bool = False,
+            sample_memory: bool = False) -> list[dict] | None:
     """Runs the job; returns every rank's raw result (None if the job failed)."""
     load_start, started = _command("uptime"), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_torch-") as tmp:
         out = Path(tmp)
-        code = run_job(args, out, only, compile_blocks)
+        code = run_job(args, out, only, compile_blocks, sample_memory)
         files = sorted(out.glob("rank*.json"))
         if code != 0 or len(files) != args.processes:
             print(f"bench_torch: the torchrun job failed (exit {code})", file=sys.stderr)
@@ -247,14 +254,18 @@ RSS_NOTE = ("One job per implementation, each building only that variant (the FS
             "never imports JAX) and running the same steps: `start` is a rank's resident "
             "memory right after start-up (process group, and JAX's runtime for the "
             "frontend), `peak` its peak resident memory (VmHWM) over start-up, building "
-            "and the steps; the larger rank's.")
+            "and the steps; the larger rank's. `anon` and `file` are the peaks of its two "
+            "parts, sampled every 5 ms: anonymous memory is the process's own; "
+            "file-backed memory is shared libraries' code pages (torch's, and jaxlib's "
+            "for the frontend), shared by every rank and reclaimable by the kernel.")
 
 
-def each_alone(args, summary, compile_blocks: bool = False) -> dict | None:
+def each_alone(args, summary, compile_blocks: bool = False,
+               sample_memory: bool = False) -> dict | None:
     """{variant key: summary(its ranks' results)}, one job per key of ALONE."""
     out = {}
     for key in ALONE:
-        ranks = measure(args, key, compile_blocks)
+        ranks = measure(args, key, compile_blocks, sample_memory)
         if ranks is None:
             return None
         out[key] = summary(ranks)
@@ -264,7 +275,8 @@ def each_alone(args, summary, compile_blocks: bool = False) -> dict | None:
 def process_memory(args) -> dict | None:
     """{variant key: {"start", "peak"} bytes (the larger rank's)}, one job each."""
     return each_alone(args, lambda ranks: {
-        f: max(r["rss_process"][f] for r in ranks) for f in ("start", "peak")})
+        f: max(r["rss_process"][f] for r in ranks)
+        for f in ("start", "peak", "peak_anon", "peak_file")}, sample_memory=True)
 
 
 COMPILE_NOTE = ("One job per implementation, each building only that variant with "
@@ -295,8 +307,11 @@ def compile_table(compiled: dict) -> tuple[list[str], list[list[str]]]:
 def rss_table(alone: dict) -> tuple[list[str], list[list[str]]]:
     peer = alone["fsdp2-True"]
     rows = [[key, f"{v['start'] / report.MIB:,.0f}", f"{v['peak'] / report.MIB:,.0f}",
-             f"{v['peak'] / peer['peak']:.2f}"] for key, v in alone.items()]
-    return ["alone", "start MiB", "peak MiB", "peak / FSDP2"], rows
+             f"{v['peak'] / peer['peak']:.2f}", f"{v['peak_anon'] / report.MIB:,.0f}",
+             f"{v['peak_anon'] / peer['peak_anon']:.2f}", f"{v['peak_file'] / report.MIB:,.0f}"]
+            for key, v in alone.items()]
+    return ["alone", "start MiB", "peak MiB", "peak / FSDP2", "anon peak MiB",
+            "anon / FSDP2", "file peak MiB"], rows
 
 
 def main(argv=None) -> int:

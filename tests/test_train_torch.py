@@ -98,3 +98,19 @@ def test_bench_torch_quick_runs_every_variant(tmp_path):
     assert {p["variant"] for p in facts["profile"]} == {"torch_frontend reshard=True",
                                                         "torch_frontend reshard=False"}
     assert "| torch_frontend reshard=True |" in (tmp_path / "result.md").read_text()
+
+
+def test_the_benchmarks_memory_sampler_sees_an_anonymous_peak():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import numpy as np
+    from torch_bench import measure
+
+    before = measure.anonymous_bytes()
+    sampler = measure.ResidentSampler(period_s=0.001)
+    block = np.ones(64 * 2**20, np.uint8)  # 64 MiB, every page touched
+    time.sleep(0.05)
+    del block
+    peaks = sampler.stop()
+    # The block raised the anonymous peak by its size; the file-backed part is code.
+    assert peaks["peak_anon"] >= before + 60 * 2**20, (before, peaks)
+    assert 0 < peaks["peak_file"] < measure.peak_resident_bytes()

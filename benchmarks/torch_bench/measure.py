@@ -7,7 +7,9 @@
 * Memory: `VmHWM` (peak resident set) of `/proc/self/status`, reset by writing 5 to
   `/proc/self/clear_refs` before a step. glibc is first told to return every block over
   64 KiB to the system on free (`mallopt(M_MMAP_THRESHOLD)`), so the resident set
-  follows what is allocated rather than what malloc keeps cached.
+  follows what is allocated rather than what malloc keeps cached (`--malloc default`
+  keeps glibc's defaults, as a training script runs). `ResidentSampler` splits the
+  process's peak into anonymous and file-backed memory.
 * The frontend's profile: time spent inside `torch_frontend._bridge`'s calls, by
   wrapping them (the files are not touched).
 """
@@ -18,6 +20,7 @@ import collections
 import contextlib
 import ctypes
 import functools
+import threading
 import time
 from pathlib import Path
 
@@ -43,8 +46,43 @@ def resident_bytes() -> int:
     return 1024 * _status_kib("VmRSS")
 
 
+def anonymous_bytes() -> int:
+    return 1024 * _status_kib("RssAnon")
+
+
 def peak_resident_bytes() -> int:
     return 1024 * _status_kib("VmHWM")
+
+
+class ResidentSampler:
+    """The peaks of this process's anonymous and file-backed resident memory.
+
+    The kernel keeps only the total's peak (`VmHWM`). Its two parts differ in kind:
+    anonymous memory (`RssAnon`: heaps, tensors, Python objects) is this process's own,
+    file-backed memory (`RssFile`: the code pages of torch's and jaxlib's shared
+    libraries) is shared with every other process mapping the same files, and the kernel
+    can drop it under pressure. A thread reads both every `period_s` seconds.
+    """
+
+    def __init__(self, period_s: float = 0.005):
+        self.peaks = {"RssAnon": 0, "RssFile": 0}
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            for field in self.peaks:
+                self.peaks[field] = max(self.peaks[field], 1024 * _status_kib(field))
+            if self._stop.wait(self._period_s):
+                return
+
+    def stop(self) -> dict:
+        """Ends sampling; {"peak_anon", "peak_file"} in bytes."""
+        self._stop.set()
+        self._thread.join()
+        return {"peak_anon": self.peaks["RssAnon"], "peak_file": self.peaks["RssFile"]}
 
 
 def reset_peak() -> bool:

@@ -40,6 +40,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, gpt.Config]:
     p.add_argument("--deadline", type=float, default=3600.0)
     p.add_argument("--only", default="", help="comma-separated variant keys (default: all)")
     p.add_argument("--compile", action="store_true", help="block.compile() every block")
+    p.add_argument("--sample-memory", action="store_true",
+                   help="sample the peaks of anonymous and file-backed resident memory")
+    p.add_argument("--malloc", choices=("trimmed", "default"), default="trimmed",
+                   help="trimmed: glibc returns freed blocks over 64 KiB at once (default)")
     for field in dataclasses.fields(gpt.Config):
         p.add_argument(f"--{field.name}", type=int, default=None)
     args = p.parse_args(argv)
@@ -153,7 +157,8 @@ def main(argv=None) -> int:
     # From the start, not just before the memory pass: blocks malloc'd earlier from the
     # heap and freed stay resident, and would count against whichever variant frees
     # and re-allocates its buffers in its measured step.
-    measure.return_freed_memory()
+    if args.malloc == "trimmed":
+        measure.return_freed_memory()
 
     import torch.distributed as dist
 
@@ -167,6 +172,7 @@ def main(argv=None) -> int:
 
         mesh = torch_frontend.init_distributed()  # JAX's runtime and torch's gloo group
     rss_start = measure.resident_bytes()
+    sampler = measure.ResidentSampler() if args.sample_memory else None
     world = dist.get_world_size()
     if cfg.batch % world:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {world} ranks")
@@ -176,7 +182,8 @@ def main(argv=None) -> int:
     timing = run_rounds(vs, cfg, rank, world, args.warmup + args.steps, args.warmup)
     # The whole process's peak so far (start-up, build, timed steps), before the memory
     # pass resets the kernel's counter per step.
-    rss_process = {"start": rss_start, "peak": measure.peak_resident_bytes()}
+    rss_process = {"start": rss_start, "peak": measure.peak_resident_bytes(),
+                   **(sampler.stop() if sampler is not None else {})}
     memory = memory_pass(vs, cfg, rank, world)
     profile = profile_pass(vs, cfg, rank, world, args.profile_steps) if args.profile_steps else {}
     result = {
