@@ -7,6 +7,8 @@ Run from the repository root (2 processes on gloo, this machine's CPUs):
     python benchmarks/bench_torch.py --preset nano-10.8m --rss   # nanoGPT's 6 x 384, and
                                                            # each process's peak RSS
     python benchmarks/bench_torch.py --out-md result.md --out-json result.json
+    python benchmarks/bench_torch.py --preset nano-0.8m --alone-repeats 5   # and each variant
+                                                           # timed in jobs of its own
 
 One torchrun job (`torch_bench/worker.py`, 2 ranks) builds every variant on the same
 model (`torch_bench/model.py`: a 4-block, width-1024 byte-level GPT), the same initial
@@ -42,6 +44,7 @@ import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="trimmed (default): glibc hands freed blocks over 64 KiB back at "
                         "once, so resident memory follows allocations; default: glibc's "
                         "own settings, as a training script runs")
+    p.add_argument("--alone-repeats", type=int, default=0, metavar="N",
+                   help="also time torch_frontend and FSDP2 (reshard True / False) each in "
+                        "a job of its own, N jobs each in alternating order")
     p.add_argument("--rss", action="store_true",
                    help="also run torch_frontend and FSDP2 (reshard=True) alone, one job "
                         "each, and report each process's peak resident memory")
@@ -304,6 +310,41 @@ def compile_table(compiled: dict) -> tuple[list[str], list[list[str]]]:
     return ["compiled", "first step s", "first / FSDP2", "then ms"], rows
 
 
+STEP_ALONE = ("frontend-True", "fsdp2-True", "frontend-False", "fsdp2-False")
+STEP_ALONE_NOTE = ("Each variant in a job of its own (the FSDP2 jobs never import JAX), "
+                   "`--alone-repeats` jobs per variant in alternating order: a job's figure "
+                   "is the median over its timed steps of the slower rank's step time; "
+                   "`pairs` is the median of the frontend / FSDP2 ratios of the jobs run "
+                   "next to each other, `medians` the ratio of the two medians.")
+
+
+def step_times_alone(args) -> dict | None:
+    """{variant key: [each job's median step seconds]}, every variant alone, in turn."""
+    out: dict[str, list[float]] = {key: [] for key in STEP_ALONE}
+    for repeat in range(args.alone_repeats):
+        for key in STEP_ALONE if repeat % 2 == 0 else STEP_ALONE[::-1]:
+            ranks = measure(args, key)
+            if ranks is None:
+                return None
+            per_rank = [r["variants"][0]["times"] for r in ranks]
+            out[key].append(statistics.median(max(ts) for ts in zip(*per_rank)))
+    return out
+
+
+def step_alone_table(times: dict) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    for reshard in ("True", "False"):
+        ours, peer = times[f"frontend-{reshard}"], times[f"fsdp2-{reshard}"]
+        pairs = statistics.median(a / b for a, b in zip(ours, peer))
+        medians = statistics.median(ours) / statistics.median(peer)
+        for key, values in ((f"frontend-{reshard}", ours), (f"fsdp2-{reshard}", peer)):
+            mine = key.startswith("frontend")
+            rows.append([key, " ".join(f"{v * 1e3:,.0f}" for v in values),
+                         f"{statistics.median(values) * 1e3:,.1f}",
+                         f"{pairs:.3f}" if mine else "", f"{medians:.3f}" if mine else ""])
+    return ["alone", "each job, ms", "median ms", "pairs / FSDP2", "medians / FSDP2"], rows
+
+
 def rss_table(alone: dict) -> tuple[list[str], list[list[str]]]:
     peer = alone["fsdp2-True"]
     rows = [[key, f"{v['start'] / report.MIB:,.0f}", f"{v['peak'] / report.MIB:,.0f}",
@@ -328,6 +369,9 @@ def main(argv=None) -> int:
         if ranks is None:
             return 1
         load = tuple(ranks[0]["load"])
+    stepped = step_times_alone(args) if args.alone_repeats else None
+    if args.alone_repeats and stepped is None:
+        return 1
     alone = process_memory(args) if args.rss else None
     if args.rss and alone is None:
         return 1
@@ -351,6 +395,8 @@ def main(argv=None) -> int:
     if prof:
         report.print_table("frontend profile: ms per step (calls per step)",
                            *report.profile_table(prof))
+    if stepped:
+        report.print_table("each variant alone: step time", *step_alone_table(stepped))
     if alone:
         report.print_table("each implementation alone, reshard=True: resident memory per rank",
                            *rss_table(alone))
@@ -362,6 +408,10 @@ def main(argv=None) -> int:
     m = machine()
     if args.out_md:
         text = markdown(args, m, rows, losses, targets, prof, load, wall, cfg, params)
+        if stepped:
+            header, srows = step_alone_table(stepped)
+            text += "\n".join(["", "## Each variant alone (step time)", "", STEP_ALONE_NOTE,
+                               "", *report.markdown_table(header, srows), ""])
         if alone:
             header, rrows = rss_table(alone)
             text += "\n".join(["", "## Each implementation alone (peak resident memory)", "",
@@ -375,7 +425,8 @@ def main(argv=None) -> int:
         args.out_json.write_text(json.dumps({
             "machine": m, "load": load, "config": cfg, "wall_s": wall,
             "variants": list(rows.values()), "loss_checks": losses, "targets": targets,
-            "profile": prof, "alone": alone, "compiled": compiled}, indent=1))
+            "profile": prof, "alone": alone, "compiled": compiled,
+            "step_times_alone": stepped}, indent=1))
     return 0
 
 

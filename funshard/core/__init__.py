@@ -32,6 +32,7 @@ from funshard.core._shard import reshard as reshard
 from funshard.core._shard import reshard_leaf as reshard_leaf
 from funshard.core._shard import shard as shard
 from funshard.core._shard import unshard as unshard
+from funshard.core._shard import unshard_as as unshard_as
 from funshard.core._sharded import Sharded as Sharded
 from funshard.core._sharded import is_array as is_array
 from funshard.core._sharded import is_key as is_key

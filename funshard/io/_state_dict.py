@@ -51,7 +51,7 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
     has_sharded = any(isinstance(x, Sharded) for x in items)
     full_items = items
     if has_sharded:
-        full_items = core.sharded_leaves(core.unshard(tree))[1]
+        full_items = core.sharded_leaves(core.unshard_as(tree, "state_dict"))[1]
     return {
         keystr(tuple(p)): _host(full)
         for p, x, full in zip(paths, items, full_items, strict=True)
