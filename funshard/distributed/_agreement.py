@@ -68,7 +68,9 @@ def same_collective(fn: str, signature: str, processes: Collection[int]) -> None
             if theirs is None:
                 raise errors.DistributedTimeoutError(
                     _not_issued(fn, rank, other, signature, call, time.monotonic() - since))
-            if theirs != signature:
+            if theirs != signature:  # every process sees it and raises
+                _departure.announce_failure()
+                _departure.await_failures(group)
                 raise errors.DistributedError(_issued_other(fn, rank, other, signature, theirs))
 
 

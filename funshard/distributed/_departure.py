@@ -46,6 +46,7 @@ from funshard.distributed._rendezvous import not_seconds
 DEPARTURE_TIMEOUT = 30.0
 DEPARTURE_TIMEOUT_ENV = "FUNSHARD_DEPARTURE_TIMEOUT"
 _NOTES = "funshard/left/"
+_FAILING = "funshard/failing/"  # processes about to raise an error every process raises
 # Below this share of one core a process is idle: a blocked collective uses ~0.3 %
 # (heartbeats, this watchdog), any computation far more.
 _IDLE_CPU_SHARE = 0.05
@@ -250,9 +251,18 @@ class _Monitor:
         self.post(how, barrier=False)
         deadline = time.monotonic() + (_SERVICE_GRACE_S if self.rank == 0 else 0)
         while time.monotonic() < deadline:
-            if all(not n.barrier for n in self.refresh().values()):
+            notes = self.refresh()
+            if all(not n.barrier for n in notes.values()) and self.failing() <= set(notes):
                 return
             time.sleep(_EXIT_POLL_S)
+
+    def failing(self) -> set[int]:
+        """The other processes that announced an error of their own (`announce_failure`)."""
+        try:
+            pairs = self.client.key_value_dir_get(_FAILING)
+        except Exception:  # noqa: BLE001 -- a dead service: nobody left to wait for
+            return set()
+        return {int(key.rsplit("/", 1)[1]) for key, _ in pairs} - {self.rank}
 
     def at_exit(self) -> None:
         """Posts this process's note; waits for every other one before JAX's barrier."""
@@ -345,6 +355,33 @@ def count_step(kind: str = "count_step call") -> None:
     if _monitor is not None:
         _monitor.step += 1
         _monitor.kind = kind
+
+
+def announce_failure() -> None:
+    """Says that this process is about to raise an error that every process raises.
+
+    Process 0, leaving on its own copy of that error, then keeps the coordination
+    service up (at most a few seconds) until this process has left too, so that each
+    process ends on its own message rather than on JAX's "the distributed service
+    detected fatal errors".
+    """
+    if _monitor is not None:
+        with contextlib.suppress(Exception):  # the service may be gone already
+            _monitor.client.key_value_set(f"{_FAILING}{_monitor.rank}", "1", True)
+
+
+def await_failures(ranks) -> None:
+    """On process 0: waits (a few seconds at most) until `ranks` announced their failure.
+
+    Process 0 hosts the coordination service: leaving before the others have said they
+    are failing too would end them with JAX's message instead of their own.
+    """
+    monitor = _monitor
+    if monitor is None or monitor.rank != 0:
+        return
+    deadline = time.monotonic() + _SERVICE_GRACE_S
+    while not set(ranks) - {0} <= monitor.failing() and time.monotonic() < deadline:
+        time.sleep(_EXIT_POLL_S)
 
 
 def post_leaving(how: str) -> None:
