@@ -2,10 +2,12 @@
 
     torchrun --nproc-per-node 2 tests/_departed_torch_worker.py --out DIR --deadline S
         --steps N --leaving-rank R --leaving-steps K [--how fewer|caught]
+        [--extra-full-state-dict R]
 
 Every rank trains a small fully_shard model; rank R stops after K steps, either by
 running fewer steps ("fewer") or by raising an exception of its own that it catches
-before returning normally ("caught"). Each rank writes `rank{r}.npz` with the steps it
+before returning normally ("caught"). With `--extra-full-state-dict R`, rank R alone
+calls `full_state_dict` before step 2 (and nobody leaves on purpose). Each rank writes `rank{r}.npz` with the steps it
 finished, what it raised (if anything) and how long after the leaving rank left.
 """
 
@@ -35,6 +37,8 @@ def main() -> int:
     ap.add_argument("--leaving-rank", type=int, required=True)
     ap.add_argument("--leaving-steps", type=int, required=True)
     ap.add_argument("--how", default="fewer", choices=["fewer", "caught"])
+    ap.add_argument("--extra-full-state-dict", type=int, default=None,
+                    help="this rank alone calls full_state_dict before step 2")
     args = ap.parse_args()
     out, rank = Path(args.out), int(os.environ["RANK"])
     (out / f"pid-rank{rank}").write_text(str(os.getpid()))
@@ -60,6 +64,8 @@ def main() -> int:
                 if args.how == "caught":
                     raise Planned("this rank's own failure, caught below")
                 break
+            if i == 2 and rank == args.extra_full_state_dict:
+                torch_frontend.full_state_dict(model)
             model(torch.ones(4, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
@@ -67,7 +73,7 @@ def main() -> int:
             print(f"rank {rank}: step {i} at {time.monotonic():.1f}", flush=True)
     except Planned:
         pass
-    except RuntimeError as exc:  # the survivor: the frontend gives up on the rank that left
+    except (RuntimeError, TimeoutError) as exc:  # the frontend gives up on the other rank
         error = str(exc)
     np.savez(out / f"rank{rank}.npz", done=done, error=error, left_at=time.monotonic())
     print(f"rank {rank}: returning ({'error' if error else 'ok'})", flush=True)

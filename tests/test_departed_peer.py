@@ -101,6 +101,28 @@ def test_torch_frontend_survivor_raises_naming_who_left(tmp_path, monkeypatch):
     assert float(survivor["left_at"]) - float(leaver["left_at"]) < 30
 
 
+@pytest.mark.slow
+@pytest.mark.torch
+def test_torch_full_state_dict_on_one_rank_only_is_a_bounded_named_error(tmp_path, monkeypatch):
+    # FSDP users write `if rank == 0: sd = full_state_dict(model)`: its gathers would
+    # pair with the other rank's next training gathers (wrong tensors, or a hang). Now
+    # rank 0 raises after departure_timeout naming rank 1, returns, and rank 1 (waiting
+    # for its forward's gather) gives up naming rank 0.
+    monkeypatch.setenv("FUNSHARD_DEPARTURE_TIMEOUT", str(TIMEOUT_S))  # read by clean_env
+    with Job(TORCH_WORKER, tmp_path, 2, free_port(pair=True), HARD_CAP_S, "--steps", "6",
+             "--leaving-rank", "-1", "--leaving-steps", "0",
+             "--extra-full-state-dict", "0") as job:
+        _, ranks = job.result()
+    caller, other = (str(r["error"]) for r in ranks)
+    assert [int(r["done"]) for r in ranks] == [2, 2], (caller, other)
+    assert "full_state_dict outside a step: process 0 of 2 is about to issue an all-gather" \
+        in caller, caller
+    assert f"process 1 has not issued it after {TIMEOUT_S} s" in caller, caller
+    assert ("process 0 returned normally and left the job after 2 steps (backward passes)"
+            in other), other
+    assert float(ranks[1]["left_at"]) - float(ranks[0]["left_at"]) < 30
+
+
 @pytest.mark.parametrize("shard_batch", [True, False], ids=["shard_batch", "own-batch"])
 def test_eager_unshard_on_one_process_only_is_a_bounded_named_error(tmp_path, shard_batch):
     # Process 1 alone calls an eager fs.unshard before step 2 while process 0 goes on to

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import math
 from typing import Mapping
 
 import jax
 import torch
 from torch import nn
 
-from funshard import errors
+from funshard import distributed, errors
 from torch_frontend import _bridge
 from torch_frontend._group import ParamGroup
 from torch_frontend._param import FSDPParam
@@ -88,6 +90,7 @@ def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
         params = by_layout.setdefault(entry.layout, [])
         if all(p is not entry.param for p in params):
             params.append(entry.param)
+    _same_on_every_rank(by_layout)
     pending = []
     for layout, params in by_layout.items():
         blocks = [_bridge.global_block(layout, p.sync_padded(), p.dim) for p in params]
@@ -101,13 +104,31 @@ def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
     return fulls
 
 
+def _same_on_every_rank(by_layout: dict[_bridge.RankLayout, list[FSDPParam]]) -> None:
+    """Checks, before any gather, that every rank is gathering the same parameters.
+
+    A `full_state_dict` called on some ranks only (`if rank == 0:`) would otherwise pair
+    its all-gathers with the others' next training gathers: wrong tensors, or a hang.
+    This is not a per-step path, so it can afford the key-value round trip.
+    """
+    processes = {d.process_index for layout in by_layout for d in layout.mesh.devices.flat}
+    params = [p for group in by_layout.values() for p in group]
+    exact = ";".join(f"{tuple(p.shape)}/{p.dim}/{p.dtype}" for p in params)
+    digest = hashlib.sha256(exact.encode()).hexdigest()[:8]
+    elements = sum(math.prod(p.shape) for p in params)
+    distributed.same_collective(
+        "full_state_dict", f"an all-gather of {len(params)} parameters ({elements:,} "
+                           f"elements in all, layout digest {digest})", processes)
+
+
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The module's state dict with full, unpadded tensors, as an unsharded copy holds them.
 
     Every managed parameter is all-gathered (one collective per mesh layout, over the
     shard axis only on an HSDP mesh); buffers and unmanaged parameters are copied.
-    Every process must call it (it runs collectives). The result is what
-    `nn.Module.load_state_dict` of the unsharded model accepts.
+    Every process must call it (it runs collectives): the ranks first check through
+    JAX's coordination service that they all gather the same parameters. The result is
+    what `nn.Module.load_state_dict` of the unsharded model accepts.
 
     Args:
       module: a module fully sharded with `fully_shard` (or containing such modules).
@@ -116,6 +137,11 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
 
     Returns:
       The state dict's keys (the usual names) -> new tensors owned by the caller.
+
+    Raises:
+      RuntimeError: another rank gathers other parameters, or left the job.
+      TimeoutError: another rank did not call it within `departure_timeout` seconds
+        (FUNSHARD_DEPARTURE_TIMEOUT, 30 by default).
     """
     local = module.state_dict(keep_vars=True)
     managed = managed_params(module)
