@@ -653,9 +653,11 @@ def _check_same_batch(signature: list, wait_s: float) -> None:
             client.key_value_delete(f"funshard/batch/{call - 1}/")
     else:
         agreed = _wait_for(client, f"{root}verdict", wait_s) != "different"
-    if not agreed:
-        raise errors.ShardingValueError(_batch_differs_across_processes(
-            _all_signatures(client, root, text, wait_s)))
+    if not agreed:  # every process got the same verdict, and raises
+        message = _batch_differs_across_processes(_all_signatures(client, root, text, wait_s))
+        _departure.announce_failure()
+        _departure.await_failures(range(count))
+        raise errors.ShardingValueError(message)
 
 
 def _wait_for(client, key: str, wait_s: float) -> str | None:
