@@ -539,7 +539,6 @@ def _record_gathers(monkeypatch) -> list[int]:
 
 
 def test_default_forward_prefetch_follows_the_last_iterations_order(monkeypatch):
-    from torch_frontend import _bridge
 
     reference, model = _stack_pair()
     gathers = _record_gathers(monkeypatch)
@@ -564,7 +563,6 @@ def test_only_the_last_backward_ends_the_iteration(monkeypatch):
     # Two microbatches, the first backward marked not last: its gradients add up as in
     # plain torch, and the forward order is learned once, from one pass (the default
     # prefetch of the next iteration starts each block's gather one block early).
-    from torch_frontend import _bridge
 
     reference, model = _stack_pair()
     gathers = _record_gathers(monkeypatch)
@@ -583,7 +581,6 @@ def test_only_the_last_backward_ends_the_iteration(monkeypatch):
 
 
 def test_explicit_prefetch_dispatches_the_next_gathers_early(monkeypatch):
-    from torch_frontend import _bridge
 
     reference, model = _stack_pair()
     blocks = list(model.blocks)
@@ -865,7 +862,6 @@ class _Embedder(nn.Module):
 
 
 def test_set_unshard_in_backward_false_skips_the_backward_gather(monkeypatch):
-    from torch_frontend import _bridge
 
     reference = _Embedder()
     model = copy.deepcopy(reference)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import math
 from typing import Mapping
 
 import jax
@@ -112,13 +110,9 @@ def _same_on_every_rank(by_layout: dict[_bridge.RankLayout, list[FSDPParam]]) ->
     This is not a per-step path, so it can afford the key-value round trip.
     """
     processes = {d.process_index for layout in by_layout for d in layout.mesh.devices.flat}
-    params = [p for group in by_layout.values() for p in group]
-    exact = ";".join(f"{tuple(p.shape)}/{p.dim}/{p.dtype}" for p in params)
-    digest = hashlib.sha256(exact.encode()).hexdigest()[:8]
-    elements = sum(math.prod(p.shape) for p in params)
-    distributed.same_collective(
-        "full_state_dict", f"an all-gather of {len(params)} parameters ({elements:,} "
-                           f"elements in all, layout digest {digest})", processes)
+    leaves = [(p.shape, p.dim, p.dtype) for group in by_layout.values() for p in group]
+    distributed.same_collective("full_state_dict", leaves, processes,
+                                noun=("parameter", "parameters"))
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import math
 from typing import Any
 
 import jax
@@ -327,15 +325,7 @@ def _same_on_every_process(fn: str, mesh, leaves: list[Sharded]) -> None:
     if any(isinstance(x.data, jax.core.Tracer) for x in leaves):
         return
     processes = {d.process_index for d in mesh.devices.flat}
-    if len(processes) < 2:
-        return
-    exact = ";".join(f"{x.shape}/{x.dim}/{x.data.dtype}" for x in leaves)
-    digest = hashlib.sha256(exact.encode()).hexdigest()[:8]
-    elements = sum(math.prod(x.shape) for x in leaves)
-    noun = "leaf" if len(leaves) == 1 else "leaves"
-    distributed.same_collective(
-        fn, f"an all-gather of {len(leaves)} {noun} ({elements:,} elements in all, "
-            f"layout digest {digest})", processes)
+    distributed.same_collective(fn, [(x.shape, x.dim, x.data.dtype) for x in leaves], processes)
 
 
 def _shape_mismatch(fn: str, path, shape, expected) -> str:

@@ -20,9 +20,11 @@ step's: compiled steps and the torch frontend's collectives do not come here.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import math
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import jax
 
@@ -34,14 +36,16 @@ _calls: dict[tuple[int, ...], itertools.count] = {}
 _WAIT_SLICE_MS = 500
 
 
-def same_collective(fn: str, signature: str, processes: Collection[int]) -> None:
-    """Returns once every process of `processes` issues the same eager collective.
+def same_collective(fn: str, leaves: Sequence[tuple], processes: Collection[int],
+                    noun: tuple[str, str] = ("leaf", "leaves")) -> None:
+    """Returns once every process of `processes` issues the same eager all-gather.
 
     Args:
       fn: the public function issuing it, for messages ("unshard").
-      signature: what this process is about to issue (kind, shapes, dtypes), as text;
-        every process must post the same.
+      leaves: `(shape, sharded dim, dtype)` of each gathered leaf, in order; every
+        process must pass the same.
       processes: the processes taking part (those with devices in the mesh).
+      noun: what a leaf is called in messages, singular and plural.
 
     Raises:
       DistributedError: another process issues a different collective, or left the job.
@@ -52,6 +56,7 @@ def same_collective(fn: str, signature: str, processes: Collection[int]) -> None
     group = tuple(sorted(processes))
     if client is None or len(group) < 2:
         return
+    signature = _describe(leaves, noun)
     rank = jax.process_index()
     call = next(_calls.setdefault(group, itertools.count()))
     prefix = f"{_ROOT}{'-'.join(map(str, group))}/"
@@ -72,6 +77,15 @@ def same_collective(fn: str, signature: str, processes: Collection[int]) -> None
                 _departure.announce_failure()
                 _departure.await_failures(group)
                 raise errors.DistributedError(_issued_other(fn, rank, other, signature, theirs))
+
+
+def _describe(leaves: Sequence[tuple], noun: tuple[str, str]) -> str:
+    """ "an all-gather of 2 leaves (272 elements in all, layout digest 4d8c6bf2)"."""
+    exact = ";".join(f"{tuple(shape)}/{dim}/{dtype}" for shape, dim, dtype in leaves)
+    digest = hashlib.sha256(exact.encode()).hexdigest()[:8]
+    elements = sum(math.prod(shape) for shape, _, _ in leaves)
+    return (f"an all-gather of {len(leaves)} {noun[len(leaves) != 1]} ({elements:,} elements "
+            f"in all, layout digest {digest})")
 
 
 def _wait_for(client, key: str, other: int, since: float, fn: str) -> str | None:
