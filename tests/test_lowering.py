@@ -77,8 +77,8 @@ def test_eager_reduce_scatter_without_all_reduce_keeps_each_replicas_sum():
 
 _GLOO_CHILD = """
 import socket, sys
-import jax, numpy as np
-jax.config.update("jax_num_cpu_devices", 2)
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_num_cpu_devices", 4)
 from jax.sharding import NamedSharding
 from funshard import _jax_compat
 from funshard.comm import _lowering, _mesh
@@ -89,23 +89,36 @@ with socket.socket() as s:
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 assert _jax_compat.cpu_collectives_over_gloo()
 mesh = fs.make_mesh()
-rows = np.random.default_rng(0).normal(size=(2, 4, 3)).astype(np.float32)
+rows = np.random.default_rng(0).normal(size=(4, 8, 3)).astype(np.float32)
 stacked = jax.device_put(rows, NamedSharding(mesh, _mesh.spec(("fsdp",))))
 fn = _lowering._eager_reduce_scatter_fn(mesh, ("fsdp",), (), (0,), True)
 text = fn.lower(stacked).compile().as_text()
-print("HLO", "reduce-scatter(" in text, "all-reduce(" in text)
+print("HLO", "reduce-scatter(" in text, "all-reduce(" in text, "all-to-all(" in text)
 (out,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",))
-np.testing.assert_allclose(np.asarray(out), rows.sum(0), rtol=1e-6)
+want = ((rows[0] + rows[1]) + rows[2]) + rows[3]  # float32 adds in device order
+np.testing.assert_array_equal(np.asarray(out), want)
+# bf16 moves as its bits (XLA CPU would widen it to f32) and each add rounds to bf16.
+half = rows.astype(jnp.bfloat16)
+stacked = jax.device_put(half, NamedSharding(mesh, _mesh.spec(("fsdp",))))
+text = fn.lower(stacked).compile().as_text()
+print("A2A", [line.split("=")[1].split("all-to-all")[0].strip() for line in text.splitlines()
+              if "all-to-all(" in line])
+(out,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",))
+want = half[0]
+for row in half[1:]:
+    want = (want.astype(np.float32) + row.astype(np.float32)).astype(jnp.bfloat16)
+np.testing.assert_array_equal(np.asarray(out), want)
 jax.distributed.shutdown()
 """
 
 
 @pytest.mark.multiprocess
-def test_gloo_reduce_scatter_is_an_all_reduce_and_a_slice():
+def test_gloo_reduce_scatter_is_an_all_to_all_and_a_sum_in_device_order():
     # XLA CPU's gloo reduce-scatter silently corrupts the end of rank 0's result for
     # results over ~256 KiB (jax-ml/jax#40830; benchmarks/torch_bench/collective_probe.py
-    # reproduces it across 2 processes). With jax.distributed on CPU the library sums
-    # with an all-reduce instead; without it (these tests' 8 devices) it reduce-scatters.
+    # reproduces it across 2 processes). With jax.distributed on CPU the library sends
+    # each device its rows (all-to-all, a reduce-scatter's bytes) and sums them there;
+    # without it (these tests' 8 devices) it reduce-scatters.
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -113,7 +126,9 @@ def test_gloo_reduce_scatter_is_an_all_reduce_and_a_slice():
                timeout=120, env={**env, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
     hlo_line = [line for line in done.stdout.splitlines() if line.startswith("HLO ")]
-    assert hlo_line == ["HLO False True"], done.stdout[-2000:]
+    assert hlo_line == ["HLO False False True"], done.stdout[-2000:]
+    a2a_line = [line for line in done.stdout.splitlines() if line.startswith("A2A ")]
+    assert a2a_line and "u16[" in a2a_line[0] and "f32[" not in a2a_line[0], done.stdout[-2000:]
     text = _lowering._eager_reduce_scatter_fn(
         mesh_for("2"), ("fsdp",), (), (0,), True).lower(
         jax.device_put(np.zeros((2, 4, 3), np.float32),
