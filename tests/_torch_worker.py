@@ -292,14 +292,37 @@ def main() -> int:
             return reduce_scatter(layout, fulls, dims, all_reduce)
 
         _bridge.start_all_gather, _bridge.start_reduce_scatter = recording, recording_reduce
+
+        from funshard import comm
+        from torch_frontend import _flat
+
+        flats: list[tuple[int, int]] = []  # (address, bytes) of each flat gradient buffer
+        rows_in_place: list[bool] = []  # per reduce-scatter by rows: rows read in place
+        reduce_input, reduce_rows = _flat.reduce_input, comm.eager_reduce_scatter_rows
+
+        def recording_input(*args):
+            flat = reduce_input(*args)
+            flats.append((flat.data_ptr(), flat.numel() * flat.element_size()))
+            return flat
+
+        def recording_rows(rows, *args, **kwargs):
+            def inside(row) -> bool:
+                at = row.addressable_shards[0].data.unsafe_buffer_pointer()
+                return any(start <= at < start + size for start, size in flats)
+            rows_in_place.append(all(inside(r) for parts in rows for r in parts))
+            return reduce_rows(rows, *args, **kwargs)
+
+        _flat.reduce_input, comm.eager_reduce_scatter_rows = recording_input, recording_rows
         for case in cases:
             gather_worlds.clear()
             all_reduces.clear()
+            rows_in_place.clear()
             result = train(case, lambda m, flat=False, **kw: torch_frontend.fully_shard(
                 m, mesh=flat_mesh if flat else mesh, **kw), torch_frontend.MixedPrecisionPolicy, rank)
             np.savez(out / f"{case}-frontend-rank{rank}.npz",
                      gather_worlds=np.asarray(gather_worlds),
-                     all_reduces=np.asarray(all_reduces), **result)
+                     all_reduces=np.asarray(all_reduces),
+                     rows_in_place=np.asarray(rows_in_place), **result)
     if "fsdp2" in impls:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

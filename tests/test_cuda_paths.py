@@ -86,9 +86,9 @@ def test_a_gpu_program_keeps_its_reduce_scatter_in_a_gloo_job(monkeypatch, gloo)
     mesh = fs.make_mesh(devices=jax.devices()[:2])
     x = jnp.ones((2, 4, 3))
     cuda = jax.export.export(_reduce_scatter_fn(mesh), platforms=["cuda"])(x).mlir_module()
-    assert "stablehlo.reduce_scatter" in cuda and "stablehlo.all_to_all" not in cuda
+    assert "stablehlo.reduce_scatter" in cuda and "stablehlo.collective_permute" not in cuda
     cpu = _reduce_scatter_fn(mesh).lower(x).compile().as_text()
-    assert ("all-to-all(" in cpu) is gloo
+    assert ("collective-permute(" in cpu) is gloo
     assert "all-reduce(" not in cpu
     assert ("reduce-scatter(" in cpu) is not gloo
 

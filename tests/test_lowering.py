@@ -89,46 +89,76 @@ with socket.socket() as s:
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 assert _jax_compat.cpu_collectives_over_gloo()
 mesh = fs.make_mesh()
-rows = np.random.default_rng(0).normal(size=(4, 8, 3)).astype(np.float32)
-stacked = jax.device_put(rows, NamedSharding(mesh, _mesh.spec(("fsdp",))))
 fn = _lowering._eager_reduce_scatter_fn(mesh, ("fsdp",), (), (0,), True)
-text = fn.lower(stacked).compile().as_text()
-print("HLO", "reduce-scatter(" in text, "all-reduce(" in text, "all-to-all(" in text)
-(out,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",))
-want = ((rows[0] + rows[1]) + rows[2]) + rows[3]  # float32 adds in device order
-np.testing.assert_array_equal(np.asarray(out), want)
-# bf16 moves as its bits (XLA CPU would widen it to f32) and each add rounds to bf16.
-half = rows.astype(jnp.bfloat16)
-stacked = jax.device_put(half, NamedSharding(mesh, _mesh.spec(("fsdp",))))
-text = fn.lower(stacked).compile().as_text()
-print("A2A", [line.split("=")[1].split("all-to-all")[0].strip() for line in text.splitlines()
-              if "all-to-all(" in line])
-(out,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",))
-want = half[0]
-for row in half[1:]:
-    want = (want.astype(np.float32) + row.astype(np.float32)).astype(jnp.bfloat16)
-np.testing.assert_array_equal(np.asarray(out), want)
+
+
+def expected(rows):
+    # Device i adds its own rows first, then those of devices i-1, i-2, ... (mod 4),
+    # rounding to the dtype after each add.
+    n, r = len(rows), rows.shape[1] // len(rows)
+    parts = []
+    for i in range(n):
+        total = rows[i][i * r:(i + 1) * r]
+        for k in range(1, n):
+            got = rows[(i - k) % n][i * r:(i + 1) * r]
+            total = (total.astype(np.float32) + got.astype(np.float32)).astype(rows.dtype)
+        parts.append(total)
+    return np.concatenate(parts)
+
+
+for dtype in (np.float32, jnp.bfloat16):
+    rows = np.random.default_rng(0).normal(size=(4, 1024, 3)).astype(dtype)
+    stacked = jax.device_put(rows, NamedSharding(mesh, _mesh.spec(("fsdp",))))
+    text = fn.lower(stacked).compile().as_text()
+    print("HLO", np.dtype(dtype).name, [k for k in ("reduce-scatter(", "all-reduce(",
+          "all-to-all(", "collective-permute(") if k in text])
+    print("MOVED", np.dtype(dtype).name, sorted({line.split("=")[1].split()[0]
+          for line in text.splitlines() if "collective-permute(" in line}))
+    (out,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",))
+    np.testing.assert_array_equal(np.asarray(out), expected(rows))
+    # The same sums from the rows given apart (device i's k-th: its row for i + k).
+    devices = list(mesh.devices.flat)
+    flat = rows.reshape(4, 4, -1)  # [device, destination, cols]
+    apart = [jax.make_array_from_single_device_arrays(
+        (4, flat.shape[2]), NamedSharding(mesh, _mesh.spec(("fsdp",))),
+        [jax.device_put(flat[i, (i + k) % 4][None], d) for i, d in enumerate(devices)])
+        for k in range(4)]
+    (out,) = _lowering.eager_reduce_scatter_rows([apart], mesh, ("fsdp",))
+    np.testing.assert_array_equal(np.asarray(out), expected(rows).reshape(-1))
+    # ... without copying the rows it sends out of a slab first (XLA's temporaries).
+    temp = [f.lower(*args).compile().memory_analysis().temp_size_in_bytes for f, args in (
+        (fn, [stacked]), (_lowering._eager_row_sum_fn(mesh, ("fsdp",), (), 1, True), apart))]
+    print("TEMP", np.dtype(dtype).name, temp[1] < temp[0], temp)
 jax.distributed.shutdown()
 """
 
 
 @pytest.mark.multiprocess
-def test_gloo_reduce_scatter_is_an_all_to_all_and_a_sum_in_device_order():
+def test_gloo_reduce_scatter_is_permutes_and_adds_in_a_fixed_order():
     # XLA CPU's gloo reduce-scatter silently corrupts the end of rank 0's result for
     # results over ~256 KiB (jax-ml/jax#40830; benchmarks/torch_bench/collective_probe.py
     # reproduces it across 2 processes). With jax.distributed on CPU the library sends
-    # each device its rows (all-to-all, a reduce-scatter's bytes) and sums them there;
-    # without it (these tests' 8 devices) it reduce-scatters.
+    # each device its rows by N - 1 collective permutes (a reduce-scatter's bytes) and
+    # adds them there; without it (these tests' 8 devices) it reduce-scatters. Given
+    # the rows apart (`eager_reduce_scatter_rows`, torch_frontend's flat gradients), it
+    # sends them without first copying them out of the slab.
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = run([sys.executable, "-c", _GLOO_CHILD], capture_output=True, text=True,
                timeout=120, env={**env, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
-    hlo_line = [line for line in done.stdout.splitlines() if line.startswith("HLO ")]
-    assert hlo_line == ["HLO False False True"], done.stdout[-2000:]
-    a2a_line = [line for line in done.stdout.splitlines() if line.startswith("A2A ")]
-    assert a2a_line and "u16[" in a2a_line[0] and "f32[" not in a2a_line[0], done.stdout[-2000:]
+    lines = [line.split(" [")[0] if line.startswith("TEMP") else line
+             for line in done.stdout.splitlines() if line.startswith(("HLO", "MOVED", "TEMP"))]
+    assert lines == [
+        "HLO float32 ['collective-permute(']",
+        "MOVED float32 ['f32[768]{0}']",
+        "TEMP float32 True",
+        # bf16 moves as its bits: XLA CPU would widen a bf16 collective to f32.
+        "HLO bfloat16 ['collective-permute(']",
+        "MOVED bfloat16 ['u16[768]{0}']",
+        "TEMP bfloat16 True",
+    ], done.stdout[-2000:]
     text = _lowering._eager_reduce_scatter_fn(
         mesh_for("2"), ("fsdp",), (), (0,), True).lower(
         jax.device_put(np.zeros((2, 4, 3), np.float32),

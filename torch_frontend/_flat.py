@@ -122,23 +122,36 @@ def copy_out(bucket: Bucket, gathered: torch.Tensor, targets: Sequence[torch.Ten
             out.copy_(full.narrow(dims[i], 0, shapes[i][dims[i]]))
 
 
-def reduce_input(grads: Sequence[torch.Tensor], dims: Sequence[int], world: int) -> torch.Tensor:
+def reduce_input(grads: Sequence[torch.Tensor], dims: Sequence[int], world: int,
+                 row_align: int = 1) -> torch.Tensor:
     """One flat, rank-major buffer of full gradients (same dtype), padded per member.
 
     The reduce-scatter of it leaves rank r with the sum of every rank's row r: its
     blocks, in order (`split_reduced`).
+
+    Args:
+      grads: the full gradients.
+      dims: each one's sharded dim.
+      world: the number of ranks.
+      row_align: each row's length is rounded up to a multiple of this many elements
+        (zeros after the blocks), so that every row starts as aligned as the buffer.
     """
     sizes = [math.prod(block_shape(g.shape, d, world)) for g, d in zip(grads, dims)]
-    flat = torch.empty(world, sum(sizes), dtype=grads[0].dtype, device=grads[0].device)
+    total = sum(sizes)
+    length = -(-total // row_align) * row_align
+    flat = torch.empty(world, length, dtype=grads[0].dtype, device=grads[0].device)
+    if length != total:
+        flat[:, total:].zero_()
+    blocks = flat[:, :total]
     if all(d == 0 for d in dims):
-        torch._chunk_cat(list(grads), dim=0, num_chunks=world, out=flat)
+        torch._chunk_cat(list(grads), dim=0, num_chunks=world, out=blocks)
         return flat.view(-1)
     offset = 0
     for grad, dim, size in zip(grads, dims, sizes):
         chunks = torch.chunk(grad, world, dim=dim)
         block = block_shape(grad.shape, dim, world)
         for rank in range(world):
-            target = flat[rank].narrow(0, offset, size).view(block)
+            target = blocks[rank].narrow(0, offset, size).view(block)
             target.zero_()
             if rank < len(chunks):
                 target.narrow(dim, 0, chunks[rank].shape[dim]).copy_(chunks[rank])
@@ -157,5 +170,6 @@ def split_reduced(reduced: torch.Tensor, shapes: Sequence[Sequence[int]], dims: 
       world: the number of ranks.
     """
     blocks = [block_shape(shape, d, world) for shape, d in zip(shapes, dims)]
-    parts = reduced.split([math.prod(b) for b in blocks])
+    sizes = [math.prod(b) for b in blocks]
+    parts = reduced.narrow(0, 0, sum(sizes)).split(sizes)  # a row may end in padding
     return [part.view(block) for part, block in zip(parts, blocks)]

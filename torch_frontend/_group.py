@@ -253,6 +253,9 @@ class ParamGroup:
         if not with_grad:
             return
         dims, shapes = [p.dim for p in with_grad], [g.shape for g in grads]
+        # As FSDP2: the previous group's reduce-scatter ends (it had this group's
+        # backward to run in) and frees its flat input before this one's is allocated.
+        self.layout.comm.finish_reduce()
         pending, blocks = self._start_reduce_scatter(grads, dims, all_reduce)
 
         def finish() -> None:  # once the reduce-scatter is done: write the gradients
@@ -289,7 +292,8 @@ class ParamGroup:
             return None, blocks
         world = self.layout.world
         members = list(by_dtype.values())
-        flats = [_flat.reduce_input([grads[i] for i in m], [dims[i] for i in m], world)
+        flats = [_flat.reduce_input([grads[i] for i in m], [dims[i] for i in m], world,
+                                    _bridge.row_align(self.layout, grads[m[0]].dtype))
                  for m in members]
         pending = _bridge.start_reduce_scatter(self.layout, flats, all_reduce=all_reduce)
         return (pending, members, flats), blocks

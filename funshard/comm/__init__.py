@@ -9,7 +9,8 @@ goes through these names:
   `regather_values`, `reduce_values`, `all_gather_blocks`, `reduce_scatter_blocks`;
 - eagerly, outside a step: `all_gather`, `reduce_scatter` and `all_reduce` over
   process-local buffers (semi-public: documented in docs/architecture.md, used by
-  `torch_frontend`), and `eager_all_gather` / `eager_reduce_scatter` over global arrays.
+  `torch_frontend`), and `eager_all_gather` / `eager_reduce_scatter` /
+  `eager_reduce_scatter_rows` over global arrays.
 """
 
 from funshard.comm._eager import all_gather as all_gather
@@ -37,7 +38,9 @@ from funshard.comm._lowering import UINT as UINT
 from funshard.comm._lowering import all_gather_blocks as all_gather_blocks
 from funshard.comm._lowering import eager_all_gather as eager_all_gather
 from funshard.comm._lowering import eager_reduce_scatter as eager_reduce_scatter
+from funshard.comm._lowering import eager_reduce_scatter_rows as eager_reduce_scatter_rows
 from funshard.comm._lowering import is_inexact_array as is_inexact_array
+from funshard.comm._lowering import reduce_scatter_by_permutes as reduce_scatter_by_permutes
 from funshard.comm._lowering import materialize as materialize
 from funshard.comm._lowering import packing_of as packing_of
 from funshard.comm._lowering import reduce_scatter_blocks as reduce_scatter_blocks

@@ -292,16 +292,13 @@ def _scatter_sum(slab: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
     XLA CPU's multi-process collectives (gloo) return wrong values at the end of rank
     0's reduce-scatter result, intermittently and silently, for results over ~256 KiB
     (jax-ml/jax#40830; reproduced here by benchmarks/torch_bench/collective_probe.py:
-    1 of 20 reduce-scatters of 64 MiB wrong). There each device sends row `j` of its
-    slab to device `j` (one all-to-all, the same bytes as a reduce-scatter) and sums the
-    N rows it receives, in device order. Summing with an all-reduce instead, as
-    PyTorch's gloo backend does, is also correct but moves twice the bytes: measured on
-    2 processes, 1.1 ms against 0.3 ms for 256 KiB, 4.1 ms against 2.3 ms for 4 MiB.
+    1 of 20 reduce-scatters of 64 MiB wrong). There the sum is N - 1 collective
+    permutes instead (`_scatter_sum_by_permutes`), which move a reduce-scatter's bytes.
     Elsewhere it is one reduce-scatter.
 
     "There" (`_jax_compat.collectives_over_gloo`) is decided at trace time (a
     multi-process job whose CPU collectives are gloo) and again per lowering platform
-    (`platform_dependent`): only a CPU lowering takes the all-to-all, so a GPU program
+    (`platform_dependent`): only a CPU lowering takes the permutes, so a GPU program
     (NCCL) keeps its reduce-scatter even in a job whose CPU collectives are gloo.
     """
     def native(x):
@@ -310,21 +307,56 @@ def _scatter_sum(slab: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
     if not _jax_compat.cpu_collectives_over_gloo():
         return native(slab)
 
-    def via_all_to_all(x):
-        # 16-bit floats travel as their bits: XLA CPU would widen them to f32 (twice
-        # the bytes); an all-to-all only moves them, so the bits are exact.
-        bits = x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
-        moved = jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x
-        rows = jax.lax.all_to_all(moved, shard_axes, 0, 0, tiled=True)
-        rows = jax.lax.bitcast_convert_type(rows, x.dtype) if bits else rows
-        # Adds in device order, not `sum(0)`, whose order is XLA's choice: the same
-        # sum on every device and in every run.
-        total = rows[0]
-        for i in range(1, rows.shape[0]):
-            total = total + rows[i]
-        return total
+    def permutes(x):
+        return _scatter_sum_by_permutes(x, shard_axes)
 
-    return jax.lax.platform_dependent(slab, cpu=via_all_to_all, default=native)
+    return jax.lax.platform_dependent(slab, cpu=permutes, default=native)
+
+
+def reduce_scatter_by_permutes(platform: str) -> bool:
+    """Whether this process's reduce-scatters for `platform` run as collective permutes.
+
+    True for CPU programs of a multi-process job whose CPU collectives are gloo (see
+    `_scatter_sum`): there `eager_reduce_scatter_rows` saves a copy per row.
+    """
+    return platform == "cpu" and _jax_compat.cpu_collectives_over_gloo()
+
+
+def _scatter_sum_by_permutes(slab: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
+    """`_scatter_sum` as N - 1 collective permutes (`_sum_rows`), rows sliced out of
+    `slab` here.
+
+    Measured on 2 processes against the all-reduce that PyTorch's gloo backend uses for
+    a reduce-scatter (also correct, twice the bytes): 0.3 ms against 0.6 ms for 256 KiB,
+    1.9 against 3.9 ms for 4 MiB, and XLA keeps one row-sized buffer (the row it sends)
+    where the all-reduce keeps the whole slab. An all-to-all moves the same bytes, but
+    XLA CPU first copies the slab into one buffer per row.
+    """
+    n = slab.shape[0]
+    me = jax.lax.axis_index(shard_axes)
+    rows = [jax.lax.dynamic_index_in_dim(slab, (me + k) % n, 0, keepdims=False)
+            for k in range(n)]
+    return _sum_rows(rows[0], rows[1:], shard_axes)
+
+
+def _sum_rows(own: jax.Array, sends: Sequence[jax.Array], shard_axes: tuple[str, ...]) -> jax.Array:
+    """This device's row of a reduce-scatter, from its rows for devices i, i+1, ... (mod N).
+
+    At shift k every device sends `sends[k - 1]` (its row for device i + k) there and
+    adds the row it receives from device i - k. So device i's sum is its own row, then
+    the rows of devices i-1, i-2, ...: one fixed order per device, the same from run to
+    run, and with 2 devices equal to any other order.
+    """
+    n = len(sends) + 1
+    # 16-bit floats travel as their bits: XLA CPU would widen them to f32 (twice the
+    # bytes); a permute only moves them, so the bits are exact.
+    bits = own.dtype.itemsize == 2 and jnp.issubdtype(own.dtype, jnp.floating)
+    total = own
+    for k, send in enumerate(sends, start=1):
+        send = jax.lax.bitcast_convert_type(send, jnp.uint16) if bits else send
+        got = jax.lax.ppermute(send, shard_axes, [(j, (j + k) % n) for j in range(n)])
+        total = total + (jax.lax.bitcast_convert_type(got, own.dtype) if bits else got)
+    return total
 
 
 def reduce_scatter_blocks(
@@ -481,3 +513,78 @@ def eager_reduce_scatter(
     fn = _eager_reduce_scatter_fn(
         mesh, tuple(shard_axes), tuple(replicate_axes), dims, bool(all_reduce))
     return list(fn(*stacked))
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_row_sum_fn(mesh, shard_axes, replicate_axes, leaves: int, all_reduce: bool):
+    dp_axes = (*replicate_axes, *shard_axes)
+    summed_over = replicate_axes if all_reduce else ()
+    out_axes = shard_axes if all_reduce else dp_axes  # partial sums differ per replica
+    n = _mesh_size(mesh, shard_axes)
+
+    def body(*rows):
+        sums = []
+        for leaf in range(leaves):
+            mine = [r.reshape(r.shape[1:]) for r in rows[leaf * n:(leaf + 1) * n]]
+            total = _sum_rows(mine[0], mine[1:], shard_axes)
+            sums.append(jax.lax.psum(total, summed_over) if summed_over else total)
+        return tuple(sums)
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(_mesh.spec(dp_axes),) * (leaves * n),
+        out_specs=(_mesh.spec(out_axes),) * leaves,
+    )
+    return jax.jit(mapped)
+
+
+def _mesh_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def eager_reduce_scatter_rows(
+    rows: Sequence[Sequence[jax.Array]],
+    mesh: Mesh,
+    shard_axes: tuple[str, ...],
+    replicate_axes: tuple[str, ...] = (),
+    all_reduce: bool = True,
+) -> list[jax.Array]:
+    """`eager_reduce_scatter` of flat leaves whose rows are given apart, by collective permutes.
+
+    For CPU collectives over gloo, where a reduce-scatter is N - 1 collective permutes
+    (see `_scatter_sum`): given as separate arrays, the rows a device sends are read in
+    place, where `eager_reduce_scatter` copies each out of its slab first. A caller
+    whose rows are views of one buffer (torch_frontend's flat gradients, their rows
+    64-byte aligned so that DLPack imports them without a copy) saves that copy.
+
+    Args:
+      rows: for each leaf, N arrays of shape `(W, cols)` sharded over all data-parallel
+        axes (W devices). On device i, the block of `rows[leaf][k]` is its contribution
+        to the result of device i + k (mod N) on the shard axes.
+      mesh: the mesh.
+      shard_axes: axes to scatter over (N devices).
+      replicate_axes: axes to all-reduce over (HSDP).
+      all_reduce: False skips the all-reduce over `replicate_axes`.
+
+    Returns:
+      For each leaf, the sums sharded over `shard_axes`, shape `(N * cols,)` (with
+      `all_reduce=False`, over `replicate_axes + shard_axes`: one partial sum per
+      replica). Device i's block adds its own row first, then those of devices i-1,
+      i-2, ... (mod N).
+
+    Raises:
+      ValueError: a leaf does not have one row per device of `shard_axes`.
+    """
+    if not rows:
+        return []
+    n = _mesh_size(mesh, tuple(shard_axes))
+    for leaf, parts in enumerate(rows):
+        if len(parts) != n:
+            raise ValueError(
+                f"eager_reduce_scatter_rows: leaf {leaf} has {len(parts)} rows; the "
+                f"shard axes {tuple(shard_axes)} have {n} devices, and each device "
+                "gives one row per device (its own first).")
+    fn = _eager_row_sum_fn(
+        mesh, tuple(shard_axes), tuple(replicate_axes), len(rows), bool(all_reduce))
+    return list(fn(*(r for parts in rows for r in parts)))
