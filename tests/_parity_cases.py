@@ -25,7 +25,8 @@ What differs from upstream, for every case:
   `RegisterPostBackwardFunction` counts, `_get_fsdp_state()`. Collective counts go through
   `impl.count_collectives()`: for FSDP2 upstream's `CommDebugMode`, for torch_frontend a
   count of the core's eager collectives (`funshard.comm.eager_all_gather` /
-  `eager_reduce_scatter`; an HSDP reduce-scatter that also all-reduces over the replicas
+  `eager_reduce_scatter` / `eager_reduce_scatter_rows`, the form a gloo job takes; an
+  HSDP reduce-scatter that also all-reduces over the replicas
   counts as a reduce-scatter plus an all-reduce, as in FSDP2).
 - CUDA-only parts are left out: streams, `device_sleep` (kept as `time.sleep` where it
   only delays the compute, dropped where it patches torch's collectives), memory stats,
@@ -178,27 +179,37 @@ def _count_core_collectives() -> Iterator[Counter]:
     from funshard import comm
 
     counts: Counter = Counter()
-    real_gather, real_reduce = comm.eager_all_gather, comm.eager_reduce_scatter
-    reduce_signature = inspect.signature(real_reduce)
+    real_gather = comm.eager_all_gather
+    reduces = {name: getattr(comm, name) for name in ("eager_reduce_scatter",
+                                                      "eager_reduce_scatter_rows")}
 
     def gather(*args, **kwargs):
         counts["all_gather"] += 1
         return real_gather(*args, **kwargs)
 
-    def reduce(*args, **kwargs):
-        bound = reduce_signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        mesh, replicas = bound.arguments["mesh"], bound.arguments["replicate_axes"]
-        counts["reduce_scatter"] += 1
-        if bound.arguments["all_reduce"] and math.prod(mesh.shape[a] for a in replicas) > 1:
-            counts["all_reduce"] += 1
-        return real_reduce(*args, **kwargs)
+    def counting(real):
+        signature = inspect.signature(real)
 
-    comm.eager_all_gather, comm.eager_reduce_scatter = gather, reduce
+        def reduce(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            mesh, replicas = bound.arguments["mesh"], bound.arguments["replicate_axes"]
+            counts["reduce_scatter"] += 1
+            if bound.arguments["all_reduce"] and math.prod(mesh.shape[a] for a in replicas) > 1:
+                counts["all_reduce"] += 1
+            return real(*args, **kwargs)
+
+        return reduce
+
+    comm.eager_all_gather = gather
+    for name, real in reduces.items():
+        setattr(comm, name, counting(real))
     try:
         yield counts
     finally:
-        comm.eager_all_gather, comm.eager_reduce_scatter = real_gather, real_reduce
+        comm.eager_all_gather = real_gather
+        for name, real in reduces.items():
+            setattr(comm, name, real)
 
 
 def make_impls() -> dict[str, Impl]:
