@@ -75,6 +75,46 @@ def test_eager_reduce_scatter_without_all_reduce_keeps_each_replicas_sum():
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5)
 
 
+def _rows_apart(mesh, dp, contributions):
+    """Each device's flat contribution as its rows for devices f, f+1, ... on "fsdp"."""
+    n = mesh.shape["fsdp"]
+    flat = contributions.reshape(len(contributions), n, -1)  # [device, destination, cols]
+    shape = (len(contributions), flat.shape[2])
+    sharding = NamedSharding(mesh, _mesh.spec(dp))
+    index = sharding.addressable_devices_indices_map(shape)
+    # Device p of the data-parallel order ("fsdp" last) is at p % n on "fsdp".
+    place = {d: index[d][0].indices(shape[0])[0] for d in index}
+    return [jax.make_array_from_single_device_arrays(shape, sharding, [
+        jax.device_put(flat[p, (p + k) % n][None], d) for d, p in place.items()])
+        for k in range(n)]
+
+
+@pytest.mark.parametrize("mesh_name", ["1", "2", "4", "2x4"])
+@pytest.mark.parametrize("all_reduce", [True, False])
+def test_eager_reduce_scatter_rows_matches_the_stacked_form(mesh_name, all_reduce):
+    # The rows given apart (torch_frontend's aligned flat gradients over gloo) sum to
+    # what the slab form sums to, HSDP's replica all-reduce (or its absence) included.
+    mesh = mesh_for(mesh_name)
+    replicate = ("replicate",) if "replicate" in mesh.axis_names else ()
+    dp = (*replicate, "fsdp")
+    world, n = _mesh.axes_size(mesh, dp), mesh.shape["fsdp"]
+    contributions = np.random.default_rng(3).integers(-8, 8, size=(world, 3 * n)).astype(np.float32)
+    stacked = jax.device_put(contributions, NamedSharding(mesh, _mesh.spec(dp)))
+    (want,) = _lowering.eager_reduce_scatter(
+        [stacked], mesh, ("fsdp",), replicate, all_reduce=all_reduce)
+    (got,) = _lowering.eager_reduce_scatter_rows(
+        [_rows_apart(mesh, dp, contributions)], mesh, ("fsdp",), replicate, all_reduce)
+    assert got.sharding.is_equivalent_to(want.sharding, 1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # integers: exact
+
+
+def test_eager_reduce_scatter_rows_needs_one_row_per_device():
+    mesh = mesh_for("4")
+    rows = _rows_apart(mesh, ("fsdp",), np.zeros((4, 8), np.float32))
+    with pytest.raises(ValueError, match=r"leaf 0 has 3 rows; the shard axes \('fsdp',\) have 4"):
+        _lowering.eager_reduce_scatter_rows([rows[:3]], mesh, ("fsdp",))
+
+
 _GLOO_CHILD = """
 import socket, sys
 import jax, jax.numpy as jnp, numpy as np
