@@ -8,8 +8,10 @@ is copied out of the result (the copy-out) or viewed in it.
 
 Layout of a flat buffer of `world` ranks: rank-major, `(world, sum(sizes))`, where
 member i's columns hold its rank block (the padded `torch.chunk` of the parameter on its
-sharded dim, contiguous, `sizes[i]` elements). A 64-bit member crosses as int32 pairs
-(`_bridge.as_words`), as JAX without x64 holds no 64-bit value.
+sharded dim, contiguous, `sizes[i]` elements). A gradient buffer's rows may end in
+zeros (`reduce_input`'s `row_align`: over gloo each row crosses to JAX on its own, and
+must start 64-byte aligned to cross without a copy). A 64-bit member crosses as int32
+pairs (`_bridge.as_words`), as JAX without x64 holds no 64-bit value.
 """
 
 from __future__ import annotations
