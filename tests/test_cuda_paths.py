@@ -70,6 +70,15 @@ def test_cpu_collectives_over_gloo_reads_this_process(monkeypatch):
     assert _jax_compat.cpu_collectives_over_gloo()
 
 
+def test_reduce_scatter_by_permutes_only_for_cpu_programs_of_a_gloo_job(monkeypatch):
+    from funshard import comm
+
+    assert not comm.reduce_scatter_by_permutes("cpu")  # one process, no jax.distributed
+    monkeypatch.setattr(_jax_compat, "coordination_client", lambda: object())
+    assert comm.reduce_scatter_by_permutes("cpu")
+    assert not comm.reduce_scatter_by_permutes("gpu")  # NCCL keeps its reduce-scatter
+
+
 def _reduce_scatter_fn(mesh):
     # A fresh function each call: jit's cache must not hand back an earlier trace, made
     # under the other answer of `cpu_collectives_over_gloo`.

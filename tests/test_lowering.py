@@ -108,6 +108,23 @@ def test_eager_reduce_scatter_rows_matches_the_stacked_form(mesh_name, all_reduc
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # integers: exact
 
 
+@pytest.mark.parametrize("dtype", [np.int32, jnp.bfloat16])
+def test_eager_reduce_scatter_rows_under_jit_with_ints_nan_and_bf16(dtype):
+    # Composed with jit (the same program, traced), on integer leaves and a NaN: the
+    # slab form's numbers, NaN where a contribution had one.
+    mesh = mesh_for("4")
+    contributions = np.random.default_rng(4).integers(-8, 8, size=(4, 12)).astype(dtype)
+    if dtype != np.int32:
+        contributions[2, 5] = np.nan
+    stacked = jax.device_put(contributions, NamedSharding(mesh, _mesh.spec(("fsdp",))))
+    (want,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",))
+    rows = _rows_apart(mesh, ("fsdp",), contributions)
+    (got,) = jax.jit(lambda *r: _lowering.eager_reduce_scatter_rows([r], mesh, ("fsdp",)))(*rows)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.isnan(np.asarray(got, np.float32)).sum() == (dtype != np.int32)
+
+
 def test_eager_reduce_scatter_rows_needs_one_row_per_device():
     mesh = mesh_for("4")
     rows = _rows_apart(mesh, ("fsdp",), np.zeros((4, 8), np.float32))

@@ -348,14 +348,14 @@ def _sum_rows(own: jax.Array, sends: Sequence[jax.Array], shard_axes: tuple[str,
     run, and with 2 devices equal to any other order.
     """
     n = len(sends) + 1
-    # 16-bit floats travel as their bits: XLA CPU would widen them to f32 (twice the
-    # bytes); a permute only moves them, so the bits are exact.
-    bits = own.dtype.itemsize == 2 and jnp.issubdtype(own.dtype, jnp.floating)
+    # 16-bit floats travel as their bits, as in a gather (`_carrier`): XLA CPU would
+    # widen them to f32; a permute only moves them, so the bits are exact.
+    width = own.dtype.itemsize if _carrier([own.dtype]) is None else None
     total = own
     for k, send in enumerate(sends, start=1):
-        send = jax.lax.bitcast_convert_type(send, jnp.uint16) if bits else send
+        send = _to_words(send, width) if width else send
         got = jax.lax.ppermute(send, shard_axes, [(j, (j + k) % n) for j in range(n)])
-        total = total + (jax.lax.bitcast_convert_type(got, own.dtype) if bits else got)
+        total = total + (_from_words(got, own.shape, own.dtype, width) if width else got)
     return total
 
 
@@ -520,7 +520,7 @@ def _eager_row_sum_fn(mesh, shard_axes, replicate_axes, leaves: int, all_reduce:
     dp_axes = (*replicate_axes, *shard_axes)
     summed_over = replicate_axes if all_reduce else ()
     out_axes = shard_axes if all_reduce else dp_axes  # partial sums differ per replica
-    n = _mesh_size(mesh, shard_axes)
+    n = _mesh.axes_size(mesh, shard_axes)
 
     def body(*rows):
         sums = []
@@ -537,10 +537,6 @@ def _eager_row_sum_fn(mesh, shard_axes, replicate_axes, leaves: int, all_reduce:
         out_specs=(_mesh.spec(out_axes),) * leaves,
     )
     return jax.jit(mapped)
-
-
-def _mesh_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
-    return int(np.prod([mesh.shape[a] for a in axes]))
 
 
 def eager_reduce_scatter_rows(
@@ -578,7 +574,7 @@ def eager_reduce_scatter_rows(
     """
     if not rows:
         return []
-    n = _mesh_size(mesh, tuple(shard_axes))
+    n = _mesh.axes_size(mesh, tuple(shard_axes))
     for leaf, parts in enumerate(rows):
         if len(parts) != n:
             raise ValueError(
