@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import tree_flatten_with_path
 
-from funshard import _jax_compat, _text, comm, errors
+from funshard import _jax_compat, _text, comm, distributed, errors
 from funshard.core import _callbacks, _context, _in_step, _tree
 from funshard.core._batch import check_batch
 from funshard.core._options import RootOptions, root_options, trainable_flags
@@ -518,6 +518,7 @@ def value_and_grad(
     def step(state, batch, *args):
         _jax_compat.check()
         _callbacks.warn_outer_callbacks("fs.value_and_grad")
+        distributed.same_state("value_and_grad", state)  # multi-process jobs only
         root = _read_state(state, batch, trainable, opts)
         arg_values, rebuild_args = split_arrays(args)
         mapped = jax.shard_map(

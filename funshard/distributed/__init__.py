@@ -19,6 +19,7 @@ from funshard.distributed._runtime import global_devices as global_devices
 from funshard.distributed._runtime import initialize as initialize
 from funshard.distributed._runtime import resolve_launch as resolve_launch
 from funshard.distributed._runtime import shard_batch as shard_batch
+from funshard.distributed._state_agreement import same_state as same_state
 
 __all__ = [
     "Launch",
@@ -29,5 +30,6 @@ __all__ = [
     "initialize",
     "resolve_launch",
     "same_collective",
+    "same_state",
     "shard_batch",
 ]
