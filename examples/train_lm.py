@@ -19,6 +19,7 @@ Run: python examples/train_lm.py [--steps N] [--devices 8] [--replicate K]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gzip
 import importlib
@@ -27,10 +28,19 @@ import json
 import math
 import os
 import re
+import shlex
+import signal
+import socket
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: run folders are not locked
+    fcntl = None
 
 # The devices are simulated on the CPU; must be set before JAX picks a backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -231,9 +241,15 @@ def _shown(value) -> str:
     return str(value)
 
 
-def check_settings(parser, settings: Settings, args) -> None:
-    """Refuses every bad flag at once, before JAX starts, naming the flag and the fix."""
-    problems = [p for p in (*_setting_problems(settings), *_invocation_problems(args)) if p]
+def check_settings(parser, settings: Settings, args, run_path: Path | None = None) -> None:
+    """Refuses every bad flag at once, before JAX starts, naming the flag and the fix.
+
+    `run_path` is the run folder (`--run-dir`, or the default one): it must be writable.
+    """
+    problems = [*_setting_problems(settings), *_invocation_problems(args)]
+    if run_path is not None:
+        problems.append(_run_dir_problem(run_path))
+    problems = [p for p in problems if p]
     if problems:
         parser.error("\n".join(problems))
 
@@ -285,6 +301,39 @@ def _invocation_problems(args) -> list[str | None]:
         "--tensorboard needs a TensorBoard writer: pip install tensorboardX (or tensorboard, "
         "for torch.utils.tensorboard), or leave --tensorboard out",
     ]
+
+
+def _run_dir_problem(path: Path) -> str | None:
+    """Why no run can write to the run folder `path`, as a flag error; None if it can."""
+    blocker = None if path.is_file() else _unwritable(path)  # a file: reported already
+    if blocker is None:
+        return None
+    if not path.exists():
+        return (f"--run-dir {path}: cannot create it: {blocker} is read-only (or not "
+                "yours): pass a --run-dir in a folder you can write to")
+    return (f"--run-dir {path}: {blocker} is read-only (or not yours), and a run writes its "
+            "lock, settings, metrics and checkpoints there: pass a --run-dir you can write "
+            f"to (to resume this run from there, copy it first: cp -r {path} NEW_DIR)")
+
+
+def _unwritable(path: Path) -> Path | None:
+    """The first thing a run must write in the run folder `path` and may not, or None.
+
+    That is the folder itself and what a resume rewrites in it, or for a new folder the
+    nearest existing folder above it, where it would be created. `os.access` also sees a
+    read-only file system, for root too.
+    """
+    if not path.exists():
+        parent = path.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+        return None if os.access(parent, os.W_OK | os.X_OK) else parent
+    for p in (path, path / "checkpoints", path / "config.json", path / "metrics.jsonl",
+              path / RunDir.LOCK):
+        mode = os.W_OK | os.X_OK if p.is_dir() else os.W_OK
+        if p.exists() and not os.access(p, mode):
+            return p
+    return None
 
 
 def _at_least(name: str, value: int, least: int, what: str) -> str | None:
@@ -583,12 +632,42 @@ def readout(row: dict, platform: str) -> str:
 class RunDir:
     """Checkpoints, settings, metrics and the loss plot of one run; reopening it resumes."""
 
+    LOCK = "lock"  # held by the run training in the folder; names it
+
     def __init__(self, path: Path):
         self.path = path
+        self.lock_file = path / self.LOCK
         self.checkpoints = path / "checkpoints"
         self.metrics_file = path / "metrics.jsonl"
         self.config_file = path / "config.json"
         self.scalars = None  # a TensorBoard SummaryWriter, once `write_tensorboard` is called
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Holds the folder's lock for this process (creating the folder) while in the block.
+
+        The lock is `fcntl.flock` on the file `lock`, so the kernel releases it when the
+        process ends, however it ends (SIGKILL too): a file left behind locks nothing.
+        The holder writes its pid, host and start time into the file for the message of
+        a run it refuses.
+
+        Raises:
+          RunDirInUse: another process holds the lock.
+          OSError: the folder or its lock file cannot be created.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise RunDirInUse(self.path, _read_holder(fd)) from None
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(_holder()).encode() + b"\n")
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def saved_settings(self) -> dict | None:
         """The settings the run folder was trained with, or None for a new folder.
@@ -639,9 +718,13 @@ class RunDir:
                     found.append((int(m.group(1)), p))
         return max(found) if found else None
 
+    def checkpoint(self, step: int) -> Path:
+        """Where the checkpoint of `step` goes."""
+        return self.checkpoints / f"step_{step:06d}"
+
     def save(self, step: int, tree) -> fs.PendingSave:
         """Starts writing `tree` as the checkpoint of `step`, in the background."""
-        return fs.save(self.checkpoints / f"step_{step:06d}", tree, asynchronous=True)
+        return fs.save(self.checkpoint(step), tree, asynchronous=True)
 
     def metrics(self, upto: int) -> list[dict]:
         """Metrics logged up to step `upto` (later ones belong to steps that will be redone)."""
@@ -670,6 +753,115 @@ class RunDir:
         """Closes the TensorBoard writer, if any."""
         if self.scalars is not None:
             self.scalars.close()
+
+
+class RunDirInUse(Exception):
+    """Another process trains in the run folder: its lock names that process."""
+
+    def __init__(self, path: Path, holder: dict):
+        super().__init__(_in_use(path, holder))
+        self.holder = holder
+
+
+def _in_use(path: Path, holder: dict) -> str:
+    """The refusal of a second run on `path`, naming the run that holds it."""
+    pid = holder.get("pid")
+    if pid is None:  # between the holder's lock and its note
+        who = "another run (it is just starting)"
+    else:
+        who = f"pid {pid} on host {holder.get('host', '?')}"
+        if "started" in holder:
+            ago = max(0, round(time.time() - holder.get("started_unix", time.time())))
+            who += f", started {holder['started']} ({ago} s ago)"
+    stop = f"stop it (kill -TERM {pid} saves a checkpoint first), " if pid else ""
+    return (f"--run-dir {path} is in use by {who}. Two runs in one folder would overwrite "
+            f"each other's checkpoints and metrics: wait for it to end, {stop}or pass "
+            "another --run-dir.")
+
+
+def _holder() -> dict:
+    """What the lock file says about the run holding it."""
+    now = time.time()
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started_unix": now,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(now))}
+
+
+def _read_holder(fd: int) -> dict:
+    """The lock file's note on its holder; {} if it is not written yet."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, while in the block, ask the training loop to stop.
+
+    The handler only records the signal: the loop finishes its step, saves a checkpoint
+    and returns (an exception raised in the handler could land anywhere, e.g. in a JAX
+    callback that swallows it). A second signal ends the process at once, by the signal
+    itself. A signal the process was started ignoring (`nohup`, `cmd &`) stays ignored,
+    and the previous handlers come back when the block ends.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # else signal.signal fails
+            for signum in self.SIGNALS:
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    @property
+    def name(self) -> str:
+        """The received signal's name (SIGTERM); '' if none came."""
+        return "" if self.received is None else signal.Signals(self.received).name
+
+    @property
+    def exit_status(self) -> int:
+        """What the run exits with after stopping: 128 + the signal, as a shell reports it."""
+        return 128 + self.received
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            # os.write: the interrupted code may be inside a print to the same stream.
+            os.write(2, f"\ntrain_lm: {name} again: exiting at once, without saving\n".encode())
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signum
+        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
+        os.write(2, f"\ntrain_lm: {name}: finishing the current step, then saving a "
+                    f"checkpoint and exiting ({again} to exit at once, without saving)\n"
+                    .encode())
+
+
+def resume_command(argv: list[str], run_path: Path) -> str:
+    """The command that resumes this run: this one, with `--run-dir` the run folder."""
+    script = (sys.argv[0] if sys.argv and sys.argv[0]
+              and Path(sys.argv[0]).resolve() == Path(__file__).resolve() else __file__)
+    rest, skip = [], False
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if skip:
+            skip = False
+        elif len(name) >= 4 and "--run-dir".startswith(name):  # argparse takes prefixes
+            skip = "=" not in arg
+        else:
+            rest.append(arg)
+    return shlex.join([sys.executable, script, *rest, "--run-dir", str(run_path)])
 
 
 def default_run_dir() -> Path:
@@ -713,6 +905,11 @@ class Profiler:
         writing = time.perf_counter()
         jax.profiler.stop_trace()
         return time.perf_counter() - writing
+
+    def cut_short(self, step: int) -> None:
+        """Ends the trace after `step` if the run stops there, before the last profiled step."""
+        if self.directory is not None and self.first <= step < self.last:
+            jax.profiler.stop_trace()
 
     def unit_times(self, devices: int) -> dict[str, float]:
         """Milliseconds per step and device in each funshard scope, read from the trace.
@@ -946,23 +1143,38 @@ def print_profile(console, directory: Path, unit_times: dict[str, float]) -> Non
 def main(argv=None) -> None:
     """Checks the flags, trains (or resumes), then reports, plots and samples."""
     started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir or default_run_dir())
     settings, changes = resolve_settings(parser, args, run.saved_settings())
-    check_settings(parser, settings, args)
-    console = Console(soft_wrap=True)  # long paths stay on one line for copy-paste
-    latest = run.latest()
-    done_before = latest[0] if latest else 0
-    if done_before >= settings.steps:
-        console.print(f"{run.path} is finished: trained to step {done_before} of --steps "
-                      f"{settings.steps}. Pass a larger --steps to train on, or another "
-                      "--run-dir to start afresh.")
-        return
-    start_devices(parser, settings.devices)
-    run.save_settings(settings, done_before, changes)
-    print_changes(console, changes, settings, done_before)
-    train(console, run, settings, args, started)
+    check_settings(parser, settings, args, run.path)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(run.hold())
+        except (RunDirInUse, OSError) as e:
+            parser.exit(2, f"{parser.prog}: error: {_hold_error(run.path, e)}\n")
+        stop = held.enter_context(StopSignals())
+        console = Console(soft_wrap=True)  # long paths stay on one line for copy-paste
+        latest = run.latest()
+        done_before = latest[0] if latest else 0
+        if done_before >= settings.steps:
+            console.print(f"{run.path} is finished: trained to step {done_before} of "
+                          f"--steps {settings.steps}. Pass a larger --steps to train on, or "
+                          "another --run-dir to start afresh.")
+            return
+        start_devices(parser, settings.devices)
+        run.save_settings(settings, done_before, changes)
+        print_changes(console, changes, settings, done_before)
+        train(console, run, settings, args, started, stop, resume_command(argv, run.path))
+
+
+def _hold_error(path: Path, error: Exception) -> str:
+    """Why the run folder could not be taken: in use, or not creatable."""
+    if isinstance(error, RunDirInUse):
+        return str(error)
+    return (f"--run-dir {path}: cannot write there ({error.strerror or error}): pass a "
+            "--run-dir you can write to")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -981,8 +1193,16 @@ class Trained:
     compile_s: float
 
 
-def train(console, run: RunDir, settings: Settings, args, started: float) -> None:
-    """Builds, shards, compiles and trains the model; then reports."""
+def train(console, run: RunDir, settings: Settings, args, started: float,
+          stop: StopSignals, resume_with: str) -> None:
+    """Builds, shards, compiles and trains the model; then reports.
+
+    Stopped by a signal (`stop`) before the last step, it saves a checkpoint of the step
+    it finished, prints `resume_with` and exits with `stop.exit_status` instead.
+
+    Raises:
+      SystemExit: stopped by a signal.
+    """
     cfg = settings.model
     mesh = fs.make_mesh(replicate=None if settings.replicate == 1 else settings.replicate)
     model = GPT(cfg, scan=settings.scan, rngs=nnx.Rngs(settings.seed))
@@ -1013,11 +1233,16 @@ def train(console, run: RunDir, settings: Settings, args, started: float) -> Non
     if args.tensorboard:
         run.write_tensorboard(summary_writer_class())
     evaluate, val_batches = jax.jit(loss_fn), text.val_batches(EVAL_BATCHES)
-    state, opt_state, history = train_loop(
+    state, opt_state, history, done = train_loop(
         console, run, step_fn, lambda s: float(np.mean([evaluate(s, b) for b in val_batches])),
-        meter, profiler, state, opt_state, start, settings, history, text.train_batch,
+        meter, profiler, state, opt_state, start, settings, history, text.train_batch, stop,
     )
     run.close()
+    if done < settings.steps:
+        console.print(f"{stop.name}: stopped after step {done} of {settings.steps}; "
+                      f"checkpoint {run.checkpoint(done)}. Resume with:\n{resume_with}",
+                      markup=False, highlight=False)
+        raise SystemExit(stop.exit_status)
     if args.profile is not None:
         print_profile(console, args.profile, profiler.unit_times(len(jax.devices())))
     report(console, run, settings, args, started, Trained(
@@ -1084,17 +1309,19 @@ class TrainingProgress(Progress):
 
 
 def train_loop(console, run, step_fn, val_loss, meter, profiler, state, opt_state, start,
-               settings, history, batch_for):
+               settings, history, batch_for, stop):
     """Runs steps `start..settings.steps`: logs, evaluates and checkpoints as it goes.
 
     A row is logged after the first step, every `LOG_EVERY` steps, and at every
     evaluation and checkpoint; its loss is the mean over the steps since the last row.
+    Once `stop` (`StopSignals`) has received a signal, the step under way is finished,
+    logged and checkpointed, and the loop ends there.
 
     A row's step time leaves out evaluation, checkpoints and starting or writing the
     profile.
 
     Returns:
-      The final state and optimizer state, and the metrics history.
+      The final state and optimizer state, the metrics history, and the last step done.
     """
     columns = (
         TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
@@ -1103,7 +1330,7 @@ def train_loop(console, run, step_fn, val_loss, meter, profiler, state, opt_stat
     )
     last_val = next((r["val"] for r in reversed(history) if "val" in r), None)
     platform = jax.devices()[0].platform
-    pending, window, excluded = None, [], 0.0
+    pending, window, excluded, done = None, [], 0.0, start
     with TrainingProgress(*columns, console=console) as progress:
         task = progress.add_task("train", total=settings.steps, completed=start, loss="-",
                                  val="-" if last_val is None else f"{last_val:.3f}")
@@ -1115,8 +1342,9 @@ def train_loop(console, run, step_fn, val_loss, meter, profiler, state, opt_stat
             excluded += profiler.after(step, metrics)
             window.append(metrics)  # device arrays: reading them now would stall the pipeline
             done = step + 1
+            stopping = stop.received is not None
             evaluate = done % settings.eval_every == 0 or done == settings.steps
-            save = done % settings.checkpoint_every == 0 or done == settings.steps
+            save = done % settings.checkpoint_every == 0 or done == settings.steps or stopping
             if done != start + 1 and done % LOG_EVERY and not (evaluate or save):
                 continue
             jax.block_until_ready(window)
@@ -1140,10 +1368,13 @@ def train_loop(console, run, step_fn, val_loss, meter, profiler, state, opt_stat
                 # Returns once the arrays are copied off the devices (the next step
                 # donates them); the files are written in the background.
                 pending = run.save(done, {"params": state, "opt": opt_state, "step": done})
+            if stopping:
+                profiler.cut_short(step)
+                break
             tick = time.perf_counter()
     if pending is not None:
         pending.wait()
-    return state, opt_state, history
+    return state, opt_state, history, done
 
 
 if __name__ == "__main__":

@@ -298,3 +298,107 @@ def test_tensorboard_writes_event_files(tmp_path):
     run.log({"step": 1, "loss": 5.5})
     run.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# ------------------------------------------------- read-only, lock, signal handlers
+
+
+def _deny_writes_under(monkeypatch, top: Path) -> None:
+    """`os.access` says no write under `top`, as on a read-only mount (root included)."""
+    real = train_lm.os.access
+
+    def access(path, mode, *args, **kwargs):
+        if mode & train_lm.os.W_OK and Path(path).absolute().is_relative_to(top):
+            return False
+        return real(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(train_lm.os, "access", access)
+
+
+def test_a_read_only_run_folder_is_a_flag_error(tmp_path, capsys, no_jax, monkeypatch):
+    run = saved_run(tmp_path / "run", tiny=True, steps=20)
+    before = (tmp_path / "run" / "config.json").read_text()
+    _deny_writes_under(monkeypatch, tmp_path / "run")
+    err = refused(["--run-dir", str(run.path)], capsys)
+    assert f"error: --run-dir {run.path}: {run.path} is read-only (or not yours)" in err
+    assert f"cp -r {run.path} NEW_DIR" in err and "Traceback" not in err
+    assert no_jax == [] and (tmp_path / "run" / "config.json").read_text() == before
+    assert not (tmp_path / "run" / "lock").exists()
+
+
+def test_a_run_folder_in_a_read_only_folder_is_a_flag_error(tmp_path, capsys, no_jax,
+                                                            monkeypatch):
+    _deny_writes_under(monkeypatch, tmp_path / "ro")
+    (tmp_path / "ro").mkdir()
+    err = refused(["--run-dir", str(tmp_path / "ro" / "new" / "run")], capsys)
+    assert f"cannot create it: {tmp_path / 'ro'} is read-only" in err
+    assert no_jax == [] and not (tmp_path / "ro" / "new").exists()
+
+
+def test_a_chmod_read_only_run_folder_is_refused(tmp_path, capsys, no_jax):
+    if train_lm.os.geteuid() == 0:
+        pytest.skip("root writes through chmod 555; the mocked tests above cover the message")
+    run = saved_run(tmp_path / "run", tiny=True, steps=20)
+    run.path.chmod(0o555)
+    try:
+        err = refused(["--run-dir", str(run.path)], capsys)
+    finally:
+        run.path.chmod(0o755)
+    assert f"{run.path} is read-only (or not yours)" in err
+
+
+def test_a_held_run_folder_is_refused_naming_the_holder(tmp_path, capsys, no_jax):
+    run = saved_run(tmp_path, tiny=True, steps=20)
+    with run.hold():
+        with pytest.raises(SystemExit) as exit_:
+            train_lm.main(["--run-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and no_jax == []
+    err = capsys.readouterr().err.strip()
+    prog = train_lm.build_parser().prog  # train_lm.py when run as a script
+    assert err.startswith(f"{prog}: error: --run-dir {tmp_path} is in use by pid "
+                          f"{train_lm.os.getpid()} on host ")
+    assert ", started 20" in err and "kill -TERM" in err and len(err.splitlines()) == 1
+    # Released at the end of the block: the next run takes the folder.
+    with pytest.raises(Started):
+        train_lm.main(["--run-dir", str(tmp_path)])
+    assert no_jax == [8]
+
+
+def test_main_restores_the_signal_handlers_however_it_ends(tmp_path, monkeypatch):
+    before = {s: train_lm.signal.getsignal(s) for s in train_lm.StopSignals.SIGNALS}
+    during = []
+
+    def train(console, run, settings, args, started, stop, resume_with):
+        during.append({s: train_lm.signal.getsignal(s) for s in before})
+        raise SystemExit(143)
+
+    monkeypatch.setattr(train_lm, "start_devices", lambda parser, count: None)
+    monkeypatch.setattr(train_lm, "train", train)
+    argv = ["--tiny", "--steps", "5", "--run-dir", str(tmp_path)]
+    for _ in range(2):  # the lock is released too: the second call is not refused
+        with pytest.raises(SystemExit):
+            train_lm.main(argv)
+    assert all(h != before[s] for s, h in during[0].items())
+    assert len(during) == 2
+    assert {s: train_lm.signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.parametrize("signum", train_lm.StopSignals.SIGNALS, ids=lambda s: s.name)
+def test_a_signal_only_asks_the_loop_to_stop(signum):
+    previous = train_lm.signal.getsignal(signum)
+    with train_lm.StopSignals() as stop:
+        train_lm.os.kill(train_lm.os.getpid(), signum)  # handled before kill returns
+        assert stop.received == signum  # no exception: nothing a JAX callback could swallow
+    assert stop.name == signum.name and stop.exit_status == 128 + signum
+    assert train_lm.signal.getsignal(signum) == previous
+
+
+def test_the_resume_command_names_the_run_folder(tmp_path):
+    argv = ["--tiny", "--steps", "40", "--sample", "", "--run-dir", "old", "--lr=0.01"]
+    command = train_lm.shlex.split(train_lm.resume_command(argv, tmp_path / "a b"))
+    assert command[0] == sys.executable and Path(command[1]) == EXAMPLES / "train_lm.py"
+    assert command[2:] == ["--tiny", "--steps", "40", "--sample", "", "--lr=0.01",
+                           "--run-dir", str(tmp_path / "a b")]
+    for given in (["--run-dir=old"], ["--run", "old"]):
+        assert train_lm.shlex.split(
+            train_lm.resume_command(given, tmp_path))[2:] == ["--run-dir", str(tmp_path)]
