@@ -6,9 +6,11 @@ AdamW on the public-domain text in `examples/data/`. It checks every flag before
 is compiled, prints funshard's plan for the step, trains under a progress bar (loss, step
 time, tokens/s, MFU, gradient norm, learning rate, peak memory per device) with validation
 every 100 steps, checkpoints into its run folder together with the run's settings (and
-resumes from there when run again with the same `--run-dir`), and ends with a summary
-table (memory per device, collectives per step read from the compiled program, losses
-against the unigram baseline, speed), a loss-curve PNG and a sample of generated text.
+resumes from there when run again with the same `--run-dir`; one run at a time holds the
+folder, and SIGTERM or Ctrl-C saves a checkpoint of the step under way before exiting),
+and ends with a summary table (memory per device, collectives per step read from the
+compiled program, losses against the unigram baseline, speed), a loss-curve PNG and a
+sample of generated text.
 
 Run: python examples/train_lm.py [--steps N] [--devices 8] [--replicate K]
          [--batch B] [--lr LR] [--warmup W] [--clip NORM] [--seed S]
