@@ -8,7 +8,8 @@ re-gathers parameters without recomputing the forward).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import inspect
+from typing import Any, Callable
 
 from funshard import _text, comm, errors
 from funshard.core import _context, _unit
@@ -48,12 +49,15 @@ def fully_shard(
         `jax.profiler` traces and in the compiled program's metadata.
 
     Returns:
-      The unit taking sharded parameters. Outside `funshard.value_and_grad` it gathers
+      The unit taking sharded parameters, by position or by `fn`'s own name for them
+      (`unit(params=state, x=x)`), and `fn`'s other arguments as `fn` takes them
+      (keyword arguments too: array ones are traced and cast like positional ones,
+      others are static). Outside `funshard.value_and_grad` it gathers
       to replicated parameters and runs `fn` (e.g. for evaluation).
 
     Raises:
       TypeError: `reshard_after_forward` is not a bool or int, or `name` is not a
-        non-empty string.
+        non-empty string; the unit is called without its parameters.
       ValueError: `reshard_after_forward` is an int below 1 or one that does not
         divide the shard count (raised when the unit is called); the parameters have no
         `Sharded` leaves, or mix meshes or policies; or units are nested (`fn` is
@@ -68,18 +72,21 @@ def fully_shard(
     if getattr(fn, "_funshard_unit", False):
         raise errors.ShardingValueError(_text.nested_units("fully_shard(fully_shard(fn))"))
 
+    params_name = _first_parameter(fn)
+
     @functools.wraps(fn)
-    def wrapped(params, *args):
+    def wrapped(*args, **kwargs):
+        params, args = _split_params(label, params_name, args, kwargs)
         unit = _unit.prepare("fully_shard", params)
-        args = _unit.cast_inputs(unit, args)
+        args, kwargs = _unit.cast_inputs(unit, (args, kwargs))
         group = _unit.group_size(reshard_after_forward, unit.sharded)
         ctx = _context.current()
         if ctx is not None and group != 1:
-            out = _unit.call_resharded(fn, unit, args, group, label)
+            out = _unit.call_resharded(_with_keywords(fn), unit, (args, kwargs), group, label)
         else:
             full = _unit.cast_floating(unshard_as(params, label), unit.param_dtype)
             with _context.unit_body():
-                out = fn(full, *args)
+                out = fn(full, *args, **kwargs)
         if ctx is not None:
             # Unit outputs (and, by transposition, their cotangents) become fusion
             # boundaries, as module outputs are in eager frameworks.
@@ -88,3 +95,39 @@ def fully_shard(
 
     wrapped._funshard_unit = True
     return wrapped
+
+
+def _first_parameter(fn: Callable) -> str | None:
+    """The name `fn` takes its parameters under, if they can be passed by keyword."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return None
+    if parameters and parameters[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        return parameters[0].name
+    return None
+
+
+def _split_params(label: str, name: str | None, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+    """(the unit's parameters, the other positional arguments), as `fn` would bind them.
+
+    `kwargs` loses the parameters when they came by keyword (`unit(params=s, x=x)`).
+    """
+    if args:
+        return args[0], args[1:]
+    if name is not None and name in kwargs:
+        return kwargs.pop(name), ()
+    raise errors.ShardingTypeError(_no_params(label, name))
+
+
+def _no_params(label: str, name: str | None) -> str:
+    by_keyword = f" (or as {name}=...)" if name else ""
+    return (
+        f"fully_shard: unit {label!r} was called without its parameters; pass the sharded "
+        f"parameters first{by_keyword}, e.g. unit(state['block'], x)."
+    )
+
+
+def _with_keywords(fn: Callable) -> Callable:
+    """`fn(params, *args, **kwargs)` as a function of `(params, args, kwargs)`."""
+    return lambda params, args, kwargs: fn(params, *args, **kwargs)

@@ -27,7 +27,23 @@ def _as_float_dtype(field: str, value: Any) -> np.dtype | None:
         raise errors.ShardingTypeError(_policy_dtype(field, value, "is not a dtype")) from exc
     if not jnp.issubdtype(dtype, jnp.floating):
         raise errors.ShardingValueError(_policy_dtype(field, value, "is not a floating dtype"))
+    if dtype.itemsize < 2:
+        raise errors.ShardingValueError(_policy_narrow_float(field, dtype))
     return dtype
+
+
+def _policy_narrow_float(field: str, dtype: np.dtype) -> str:
+    finfo = jnp.finfo(dtype)
+    return (
+        f"MixedPrecisionPolicy: {field}={dtype.name} is an {finfo.bits}-bit float (largest "
+        f"value {float(finfo.max):g}, {finfo.nmant} mantissa bits). The policy casts without "
+        "scaling: parameters beyond that range would become NaN or saturate, small ones "
+        "flush to zero, and gradients summed over the devices in 8 bits keep almost no "
+        "precision, so the step would not train what the unsharded model does. FSDP2 "
+        "gathers float8 only with per-tensor scales (torchao's Float8Linear). Use "
+        "jnp.bfloat16 or jnp.float16 here, and run float8 matmuls with their own scales "
+        "inside the model (e.g. jax.nn.scaled_matmul)."
+    )
 
 
 def _policy_flag_not_bool(field: str, value) -> str:
@@ -54,7 +70,9 @@ class MixedPrecisionPolicy:
 
     Raises:
       TypeError: a field is not a dtype.
-      ValueError: a field is a dtype that is not floating (e.g. int32).
+      ValueError: a field is a dtype that is not floating (e.g. int32), or an 8-bit (or
+        narrower) float such as `jnp.float8_e4m3fn`, which an unscaled cast would
+        overflow (NaN beyond 448) and reduce without precision.
     """
 
     param_dtype: Any = None

@@ -189,6 +189,16 @@ def _stacked_and_placement() -> str:
     return "shard: pass either stacked=True or a placement, not both."
 
 
+def _shard_in_step() -> str:
+    return (
+        "shard: called inside a funshard step (the loss function, or a unit, runs on each "
+        "device under the step's jax.shard_map, where arrays are per-device blocks and "
+        "cannot be placed on the mesh). Shard the parameters once, outside the step "
+        "(state = fs.shard(params, mesh)), and pass the state to the step; inside it, "
+        "fs.unshard gives full arrays and fs.reshard(full, like) this device's rows of them."
+    )
+
+
 def shard(
     params: Any,
     mesh: Mesh,
@@ -224,14 +234,17 @@ def shard(
       over the mesh, and other leaves (None, Python numbers, strings) are unchanged.
 
     Raises:
-      ValueError: an axis is not in the mesh (or is both a shard and a replicate
-        axis), a leaf is already `Sharded`, `stacked` is combined with `placement`, a
+      ValueError: called inside a step (the loss function of `value_and_grad`); an
+        axis is not in the mesh (or is both a shard and a replicate axis), a leaf is
+        already `Sharded`, `stacked` is combined with `placement`, a
         placement names a dim the leaf does not have, or it names a dim other than 0
         whose size the shard count does not divide.
       TypeError: `mesh` is not a `jax.sharding.Mesh`, a leaf has a non-numeric dtype,
         `mp_policy` is not a policy, or `placement` returns something other than
         `Shard`, `Replicate` or None.
     """
+    if _context.current() is not None:
+        raise errors.ShardingValueError(_shard_in_step())
     shard_axes, replicate_axes = comm.resolve_axes("shard", mesh, shard_axis, replicate_axis)
     if stacked:
         if placement is not None:
@@ -271,7 +284,9 @@ def unshard(tree: Any) -> Any:
       tree: a pytree with at least one `Sharded` leaf; other leaves pass through.
 
     Returns:
-      The tree with full arrays in place of the `Sharded` leaves.
+      The tree with full arrays in place of the `Sharded` leaves. A leaf stacked by
+      `jax.vmap` (the gradients of `jax.vmap(step, in_axes=(None, 0))`) gives the stack
+      of full arrays, `(batches, *shape)`, as `jax.vmap(jax.grad(...))` would.
 
     Raises:
       ValueError: the tree has no `Sharded` leaves, has leaves from different meshes,
@@ -304,16 +319,39 @@ def unshard_as(tree: Any, name: str) -> Any:
             fulls = _in_step.unshard_in_step(leaves, name)
         else:
             _same_on_every_process(name, mesh, leaves)
+            stacked = [_stacked_dims(paths[i], x) for i, x in zip(idx, leaves, strict=True)]
             fulls = comm.eager_all_gather(
                 [x.data for x in leaves],
                 mesh,
                 shard_axes,
                 [x.shape[x.dim] for x in leaves],
-                [x.dim for x in leaves],
+                [k + x.dim for k, x in zip(stacked, leaves, strict=True)],
             )
         gathered.update(zip(idx, fulls, strict=True))
     parts = _tree.Partition(tuple(items), treedef, tuple(sorted(gathered)))
     return parts.combine([gathered[i] for i in parts.positions])
+
+
+def _stacked_dims(path, leaf: Sharded) -> int:
+    """How many leading axes `jax.vmap` stacked onto `leaf.data` (0 for a plain leaf).
+
+    A step mapped with `jax.vmap(step, in_axes=(None, 0))` returns gradients whose
+    `data` carries one padded block per batch on new leading axes; their logical
+    `shape` (static metadata) is that of one batch.
+    """
+    extra = leaf.data.ndim - len(leaf.padded_shape)
+    if extra < 0 or tuple(leaf.data.shape[extra:]) != leaf.padded_shape:
+        raise errors.ShardingValueError(_data_does_not_fit(path, leaf))
+    return extra
+
+
+def _data_does_not_fit(path, leaf: Sharded) -> str:
+    return (
+        f"{_text.where('unshard', path)} holds data of shape {tuple(leaf.data.shape)}, which "
+        f"is not its padded layout {leaf.padded_shape} (logical shape {leaf.shape}), nor a "
+        "stack of it from jax.vmap. Build Sharded leaves with fs.shard or fs.reshard, and "
+        "change `data` only through functions that keep its shape (jax.tree.map, optax)."
+    )
 
 
 def _same_on_every_process(fn: str, mesh, leaves: list[Sharded]) -> None:
@@ -325,7 +363,11 @@ def _same_on_every_process(fn: str, mesh, leaves: list[Sharded]) -> None:
     if any(isinstance(x.data, jax.core.Tracer) for x in leaves):
         return
     processes = {d.process_index for d in mesh.devices.flat}
-    distributed.same_collective(fn, [(x.shape, x.dim, x.data.dtype) for x in leaves], processes)
+    # A leaf stacked by jax.vmap gathers its stack: its leading axes count too.
+    shapes = [(*x.data.shape[:x.data.ndim - x.ndim], *x.shape) for x in leaves]
+    distributed.same_collective(
+        fn, [(shape, x.dim, x.data.dtype) for shape, x in zip(shapes, leaves, strict=True)],
+        processes)
 
 
 def _shape_mismatch(fn: str, path, shape, expected) -> str:

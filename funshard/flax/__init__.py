@@ -33,7 +33,11 @@ from typing import Any
 from flax import nnx
 
 import funshard as fs
-from funshard.flax import _nnx
+from funshard.flax import _linen_guard, _nnx
+
+# A linen module applied to sharded parameters it does not gather gets funshard's error,
+# not linen's shape mismatch (see _linen_guard).
+_linen_guard.install()
 
 
 def fully_shard(

@@ -31,11 +31,12 @@ import jax
 import numpy as np
 from flax import traverse_util
 from flax.core import meta
+from flax.core import scope as flax_scope
 
 import funshard as fs
 from funshard import errors
 from funshard.flax import _data_parallel
-from funshard.flax._nnx import UnitOptions, marked_twice
+from funshard.flax._nnx import UnitOptions, marked_twice, sliced_by_transform, sliced_leaves
 
 # Set while a unit traces its module abstractly to find its descendant units: the
 # (scope path, options) of every unit called.
@@ -254,6 +255,20 @@ def _sync_batch_norm(dp_axes):
     return interceptor
 
 
+def _mutable_collections(module: nn.Module):
+    """The collections the unit's pure apply may write: the caller's filter, less params.
+
+    The filter itself, not the collections that exist already: `sow` writes a
+    collection ("intermediates") the variables do not hold yet, and a unit that listed
+    only existing ones applied its module with that collection immutable, where `sow`
+    silently stores nothing.
+    """
+    mutable = flax_scope.subtract_filters(module.scope.mutable, "params")
+    if flax_scope.is_filter_empty(mutable):
+        return False
+    return sorted(mutable) if isinstance(mutable, (set, frozenset)) else mutable
+
+
 def _put_updates(module: nn.Module, updates: dict) -> None:
     """Writes a pure apply's mutable updates (relative to `module`) into its scope."""
     for collection, tree in updates.items():
@@ -272,13 +287,17 @@ def _unit_call(self, *args, **kwargs):
     variables = dict(self.variables)
     if self.is_initializing() or not _has_sharded(variables.get("params", {})):
         return base.__call__(self, *args, **kwargs)
+    sliced = sliced_leaves(variables["params"])
+    if sliced:
+        raise errors.UnsupportedError(
+            sliced_by_transform(base.__name__, sliced, "nn.scan / nn.vmap over a marked class"))
     variables["params"] = unbox(variables["params"])
-    mutable = [c for c in variables if c != "params" and self.is_mutable_collection(c)]
+    mutable = _mutable_collections(self)
     plain = _plain(self)
     dp_axes, outermost = _data_parallel.step_axes(), _data_parallel.is_outermost()
 
     def apply(variables, args, kwargs, rngs):
-        return plain.apply(variables, *args, rngs=rngs, mutable=mutable or False, **kwargs)
+        return plain.apply(variables, *args, rngs=rngs, mutable=mutable, **kwargs)
 
     # Discovered paths are relative to this unit: `plain` is applied as a root. The
     # abstract trace needs the streams' names only, not this unit's keys.
@@ -306,7 +325,7 @@ def _unit_call(self, *args, **kwargs):
     own = _with_policy(own, options.mp_policy)
     # The call's inputs first: the unit's gather waits for its first varying array.
     out = unit(own, args, kwargs, rest, others, _rngs(self))
-    if not mutable:
+    if mutable is False:
         return out
     out, updates = out
     _put_updates(self, updates)

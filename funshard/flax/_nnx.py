@@ -162,6 +162,34 @@ def _own_params(module) -> tuple:
     return nnx.split(module, own, ...)
 
 
+def sliced_leaves(tree) -> list:
+    """Key paths of the `Sharded` leaves of `tree` that a lifted transform sliced.
+
+    `nnx.scan` / `nnx.vmap` / `nn.scan` over stacked parameters slice every array of a
+    variable on its layer axis, `Sharded.data` too, while the leaf's static logical
+    shape still describes the whole stack: its data then has fewer axes than its shape.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharded)[0]
+    return [path for path, x in leaves
+            if _is_sharded(x) and jax.tree.leaves(x)[0].ndim < len(x.shape)]
+
+
+def sliced_by_transform(unit: str, paths, how: str) -> str:
+    """The error of a unit whose sharded parameters a lifted transform sliced per layer."""
+    listing = ", ".join(jax.tree_util.keystr(tuple(p)) for p in paths[:3])
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    return (
+        f"fs.flax.fully_shard: unit {unit} runs inside a lifted transform that slices its "
+        f"parameters per layer ({how}), and its sharded parameters {listing}{more} arrive "
+        "cut through their padded shards: funshard shards each parameter's dim 0, which "
+        "here is the layer axis. Mark the module that runs the scan instead of the "
+        "scanned one (its unit gathers the whole stack once, then the scan slices full "
+        "arrays), or write the stack as a function of stacked parameters and run it with "
+        "fs.scan over fs.shard(params, mesh, stacked=True), which gathers one layer at a "
+        "time (docs/flax.md, 'Stacked layers')."
+    )
+
+
 def _unit_call(self, *args, **kwargs):
     """`__call__` of a marked module: the original `__call__` as one funshard unit."""
     cls = type(self)
@@ -170,6 +198,10 @@ def _unit_call(self, *args, **kwargs):
     if not jax.tree.leaves(params, is_leaf=_is_sharded):
         # Full parameters (before fs.flax.shard), or a unit owning none: plain call.
         return base.__call__(self, *args, **kwargs)
+    sliced = sliced_leaves(params)
+    if sliced:
+        raise errors.UnsupportedError(
+            sliced_by_transform(base.__name__, sliced, "nnx.scan / nnx.vmap over stacked modules"))
     own_paths = set(_flat(params))
     dp_axes, outermost = _data_parallel.step_axes(), _data_parallel.is_outermost()
 

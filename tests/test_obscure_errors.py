@@ -1,0 +1,282 @@
+"""Mistakes and compositions that used to fail with someone else's obscure error.
+
+Each case either works exactly as plain JAX / Flax does on the unsharded parameters
+(compared with that reference), or raises a typed funshard error whose message names
+the function, the leaf or unit, and the fix.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import funshard as fs
+from conftest import mesh_for
+from funshard import errors
+
+
+def _params(key=0, rows=10):
+    k = jax.random.split(jax.random.key(key), 2)
+    return {"w1": jax.random.normal(k[0], (rows, 4)), "w2": jax.random.normal(k[1], (3, rows))}
+
+
+def _plain_loss(p, x):
+    return jnp.mean((jnp.tanh(x @ p["w1"].T) @ p["w2"].T) ** 2)
+
+
+def _assert_close(got, want):
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                            strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+# ---- fs.shard inside the loss function --------------------------------------------------
+
+
+def test_shard_inside_the_loss_function_is_a_clear_error():
+    mesh = mesh_for("8")
+    state = fs.shard(_params(), mesh)
+
+    def loss(state, x):
+        again = fs.shard(fs.unshard(state), mesh)  # already inside the step's shard_map
+        return _plain_loss(fs.unshard(again), x)
+
+    with pytest.raises(errors.ShardingValueError) as info:
+        fs.value_and_grad(loss)(state, jnp.ones((8, 4)))
+    msg = str(info.value)
+    assert msg.startswith("shard: called inside a funshard step")
+    assert "state = fs.shard(params, mesh)" in msg and "fs.reshard(full, like)" in msg
+    # fs.reshard is the in-step way, and fs.shard under a plain jit still works.
+    ok = fs.value_and_grad(lambda s, x: _plain_loss(fs.unshard(fs.reshard(fs.unshard(s), s)), x))
+    ok(state, jnp.ones((8, 4)))
+    jitted = jax.jit(lambda p: fs.shard(p, mesh))(_params())
+    _assert_close(fs.unshard(jitted), _params())
+
+
+# ---- a unit called with its parameters as a keyword argument ----------------------------
+
+
+def _layer(params, x, *, scale=1.0):
+    return jnp.tanh(x @ params["w1"].T) * scale
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_unit_takes_its_params_and_arguments_by_keyword(reshard_after_forward):
+    params, x = _params(), jax.random.normal(jax.random.key(5), (16, 4))
+    state = fs.shard(params, mesh_for("8"))
+    unit = fs.fully_shard(_layer, reshard_after_forward=reshard_after_forward)
+
+    def loss(state, x):
+        h = unit(params={"w1": state["w1"]}, x=x, scale=2.0)
+        return jnp.mean((h @ fs.unshard(state["w2"]).T) ** 2)
+
+    def plain(p, x):
+        return jnp.mean((_layer(params={"w1": p["w1"]}, x=x, scale=2.0) @ p["w2"].T) ** 2)
+
+    got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, x)
+    want_loss, want = jax.value_and_grad(plain)(params, x)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
+    # Outside a step (evaluation), and with mixed positional / keyword arguments.
+    _assert_close(unit(params={"w1": state["w1"]}, x=x), _layer({"w1": params["w1"]}, x))
+    _assert_close(unit({"w1": state["w1"]}, x, scale=3.0),
+                  _layer({"w1": params["w1"]}, x, scale=3.0))
+
+
+def test_unit_called_without_its_params_names_the_unit():
+    unit = fs.fully_shard(_layer)
+    with pytest.raises(errors.ShardingTypeError,
+                       match=r"unit '_layer' was called without its parameters.*params=\.\.\."):
+        unit(x=jnp.ones((2, 4)))
+
+
+# ---- float8 as the policy's dtype ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype"])
+def test_float8_policy_is_refused_at_construction(field, dtype):
+    with pytest.raises(errors.ShardingValueError) as info:
+        fs.MixedPrecisionPolicy(**{field: dtype})
+    msg = str(info.value)
+    assert msg.startswith(f"MixedPrecisionPolicy: {field}={np.dtype(dtype).name} is an 8-bit")
+    assert "per-tensor scales" in msg and "jnp.bfloat16" in msg
+    # Why: the unscaled cast the policy would run turns 1000.0 into NaN (e4m3fn).
+    if dtype is jnp.float8_e4m3fn:
+        assert np.isnan(np.asarray(jnp.float32(1000.0).astype(dtype), np.float32))
+
+
+# ---- jax.vmap over a whole step -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+def test_vmap_over_the_step_matches_plain_jax_per_batch(mesh_name):
+    params = _params()
+    xs = jax.random.normal(jax.random.key(3), (3, 16, 4))
+    state = fs.shard(params, mesh_for(mesh_name))
+    first = fs.fully_shard(lambda p, x: jnp.tanh(x @ p["w1"].T))
+
+    def loss(state, x):
+        return jnp.mean((first({"w1": state["w1"]}, x) @ fs.unshard(state["w2"]).T) ** 2)
+
+    losses, grads = jax.jit(jax.vmap(fs.value_and_grad(loss), in_axes=(None, 0)))(state, xs)
+    want_losses, want = jax.vmap(jax.value_and_grad(_plain_loss), in_axes=(None, 0))(params, xs)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)  # the stack of full gradients, (3, *shape)
+    for k in range(3):  # and batch k's gradients as a state
+        _assert_close(fs.unshard(jax.tree.map(lambda g: g[k], grads)),
+                      jax.tree.map(lambda g: g[k], want))
+
+
+def test_unshard_of_data_that_is_not_the_layout_names_the_leaf():
+    import dataclasses
+
+    state = fs.shard(_params(), mesh_for("8"))
+    broken = dataclasses.replace(state["w1"], data=jnp.zeros((3, 5)))
+    with pytest.raises(errors.ShardingValueError,
+                       match=r"unshard: leaf \['w1'\] holds data of shape \(3, 5\).*\(16, 4\)"):
+        fs.unshard({"w1": broken})
+
+
+# ---- Flax -------------------------------------------------------------------------------
+
+flax = pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import funshard.flax  # noqa: E402,F401
+
+X = jax.random.normal(jax.random.key(7), (8, 4))
+
+
+def test_linen_module_applied_to_sharded_params_it_does_not_gather():
+    dense = nn.Dense(3)
+    variables = dense.init(jax.random.key(0), X)
+    params = fs.shard(variables["params"], mesh_for("8"))
+    hint = r"scope '/' read its parameter 'kernel' as an fs.Sharded leaf of shape \(4, 3\)"
+    with pytest.raises(errors.ShardingTypeError,
+                       match=hint + r".*fs\.flax\.fully_shard\(nn\.Dense\)"):
+        fs.value_and_grad(lambda p, x: jnp.mean(dense.apply({"params": p}, x)))(params, X)
+    with pytest.raises(errors.ShardingTypeError, match=hint):
+        dense.apply({"params": params}, X)  # outside a step too
+    # The fix the message gives trains as plain linen does.
+    unit = fs.flax.fully_shard(nn.Dense)(3)
+    loss, grads = fs.value_and_grad(lambda p, x: jnp.mean(unit.apply({"params": p}, x) ** 2))(
+        params, X)
+    want_loss, want = jax.value_and_grad(
+        lambda p, x: jnp.mean(dense.apply({"params": p}, x) ** 2))(variables["params"], X)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
+
+
+class _Sowing(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4)(x)
+        self.sow("intermediates", "h", h)
+        return nn.Dense(2)(jnp.tanh(h))
+
+
+def test_linen_sow_inside_a_unit_comes_out_as_plain_linen():
+    variables = _Sowing().init(jax.random.key(0), X)
+    model = fs.flax.fully_shard(_Sowing)()
+    params = fs.shard(variables["params"], mesh_for("8"))
+
+    def loss(p, x):
+        out, sown = model.apply({"params": p}, x, mutable=["intermediates"])
+        return jnp.mean(out ** 2), sown
+
+    def plain(p, x):
+        out, sown = _Sowing().apply({"params": p}, x, mutable=["intermediates"])
+        return jnp.mean(out ** 2), sown
+
+    (got, sown), grads = fs.value_and_grad(loss, has_aux=True)(params, X)
+    (want, want_sown), want_grads = jax.value_and_grad(plain, has_aux=True)(
+        variables["params"], X)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    _assert_close(sown, want_sown)  # per-example values, gathered in batch order
+    _assert_close(fs.unshard(grads), want_grads)
+    _, outside = model.apply({"params": params}, X, mutable=True)  # evaluation, mutable=True
+    _assert_close(outside["intermediates"], want_sown["intermediates"])
+
+
+class _Layer(nn.Module):
+    @nn.compact
+    def __call__(self, c, _):
+        return jnp.tanh(nn.Dense(4)(c)), None
+
+
+def _linen_stack(layer_cls):
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scanned = nn.scan(layer_cls, variable_axes={"params": 0},
+                              split_rngs={"params": True}, length=3)
+            return scanned()(x, None)[0]
+
+    return Stack
+
+
+def test_linen_scan_over_a_marked_class_is_a_clear_error_and_the_outer_unit_works():
+    plain = _linen_stack(_Layer)()
+    variables = plain.init(jax.random.key(0), X)
+    params = fs.shard(variables["params"], mesh_for("8"))
+    marked_inner = fs.flax.fully_shard(_linen_stack(fs.flax.fully_shard(_Layer)))()
+    with pytest.raises(errors.UnsupportedError,
+                       match=r"unit _Layer runs inside a lifted transform.*nn\.scan.*"
+                             r"\['Dense_0'\]\['bias'\].*Mark the module that runs the scan"):
+        fs.value_and_grad(lambda p, x: jnp.mean(marked_inner.apply({"params": p}, x)))(params, X)
+    outer = fs.flax.fully_shard(_linen_stack(_Layer))()
+    loss, grads = fs.value_and_grad(lambda p, x: jnp.mean(outer.apply({"params": p}, x) ** 2))(
+        params, X)
+    want_loss, want = jax.value_and_grad(
+        lambda p, x: jnp.mean(plain.apply({"params": p}, x) ** 2))(variables["params"], X)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
+
+
+class _NBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.linear(x))
+
+
+class _NStack(nnx.Module):
+    def __init__(self, key):
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make(key):
+            return _NBlock(nnx.Rngs(key))
+
+        self.blocks = make(jax.random.split(key, 3))
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):
+            return block(x)
+
+        return run(x, self.blocks)
+
+
+def test_nnx_scan_stacked_blocks_marked_as_a_unit_is_a_clear_error_and_the_outer_unit_works():
+    mesh = mesh_for("8")
+    model = _NStack(jax.random.key(0))
+    fs.flax.fully_shard(model.blocks)
+    fs.flax.fully_shard(model)
+    graphdef, state = fs.flax.shard(model, mesh)
+    with pytest.raises(errors.UnsupportedError,
+                       match=r"unit _NBlock runs inside a lifted transform.*nnx\.scan"):
+        fs.value_and_grad(lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x)))(state, X)
+
+    reference = _NStack(jax.random.key(0))
+    outer = fs.flax.fully_shard(_NStack(jax.random.key(0)))  # the model alone is the unit
+    graphdef, state = fs.flax.shard(outer, mesh)
+    loss, grads = fs.value_and_grad(
+        lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2))(state, X)
+    ref_graph, ref_state = nnx.split(reference)
+    want_loss, want = jax.value_and_grad(
+        lambda s, x: jnp.mean(nnx.merge(ref_graph, s)(x) ** 2))(ref_state, X)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    _assert_close(jax.tree.leaves(fs.unshard(grads)), jax.tree.leaves(want))
