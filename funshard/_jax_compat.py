@@ -27,6 +27,30 @@ def varying_axes(x: Any) -> frozenset[str]:
     return jax.typeof(x).manual_axis_type.varying
 
 
+def aval_varying_axes(aval: Any) -> frozenset[str]:
+    """The manual mesh axes a jaxpr variable's abstract value varies over (its vma type).
+
+    Relies on `aval.manual_axis_type.varying` on the avals of a jaxpr traced inside
+    `jax.shard_map` (jax 0.10). Avals without it (tokens, abstract refs) vary over none.
+    Guarded by tests/test_control_flow.py.
+    """
+    axis_type = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(axis_type, "varying", ()) or ())
+
+
+def source_line(eqn: Any) -> str:
+    """"file:line (function)" of the user's code that traced a jaxpr equation.
+
+    Relies on `jax._src.source_info_util.summarize` (no public way to read an
+    equation's source). Guarded by tests/test_control_flow.py.
+    """
+    try:
+        from jax._src import source_info_util
+    except ImportError:
+        return "an unknown place"
+    return source_info_util.summarize(eqn.source_info)
+
+
 def vjp_residuals(vjp_fn: Callable) -> tuple[list, Any]:
     """The residual arrays a `jax.vjp` function holds, and the structure to rebuild it.
 

@@ -217,9 +217,14 @@ def _vmapped(layer):
 
 
 def _in_cond(layer):
-    # A data-dependent predicate (always true here); both branches run a unit.
-    return lambda p, h: jax.lax.cond(jnp.all(jnp.isfinite(h)), layer,
-                                     lambda p, h: 0.0 * layer(p, h), p, h)
+    # A data-dependent predicate (always true here), made equal on every device by a pmin
+    # over the data axis (a predicate that varies is an error: tests/test_control_flow.py);
+    # both branches run a unit.
+    def run(p, h):
+        finite = jax.lax.pmin(jnp.all(jnp.isfinite(h)).astype(jnp.int32), "fsdp") > 0
+        return jax.lax.cond(finite, layer, lambda p, h: 0.0 * layer(p, h), p, h)
+
+    return run
 
 
 WRAPPERS = {"checkpoint": _checkpointed, "checkpoint_dots": _checkpointed_dots,

@@ -94,16 +94,23 @@ def _rewrite(jaxpr) -> tuple[Any, bool]:
     return (jaxpr.replace(eqns=eqns), True) if found else (jaxpr, False)
 
 
-def deferring_errors(fn: Callable) -> Callable:
+def deferring_errors(fn: Callable, inspect: Callable[[Any], None] | None = None) -> Callable:
     """`fn` with the exceptions of its host callbacks recorded instead of raised.
 
     Returns a function `(*args) -> (fn(*args), has_callbacks)`: `fn` runs as its traced
     program, with every callback wrapped if it has any; then the caller must end the
     step with `raise_pending`.
+
+    Args:
+      fn: the function to run.
+      inspect: called with `fn`'s traced jaxpr before it runs (it may raise): the root
+        checks the program it has traced anyway here.
     """
 
     def run(*args):
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        if inspect is not None:
+            inspect(closed.jaxpr)
         jaxpr, found = _rewrite(closed.jaxpr)
         flat = jax.tree.leaves(args)
         core, _ = _jax_compat.jaxpr_internals()

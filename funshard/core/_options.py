@@ -30,6 +30,8 @@ class RootOptions:
       gradient_divide_factor: what the gradients' sum over the devices is divided by
         (None: the data-parallel world size).
       has_aux: the loss function returns `(loss, aux)`.
+      per_device_keys: fold each device's (and microbatch's) index into the typed PRNG
+        keys among the step's arguments, and refuse draws from keys equal on every device.
     """
 
     microbatches: int = 1
@@ -37,6 +39,7 @@ class RootOptions:
     all_reduce_every_microbatch: bool = True
     gradient_divide_factor: float | None = None
     has_aux: bool = False
+    per_device_keys: bool = True
 
 
 def root_options(
@@ -47,14 +50,16 @@ def root_options(
     all_reduce_every_microbatch: bool = True,
     gradient_divide_factor: float | None = None,
     has_aux: bool = False,
+    per_device_keys: bool = True,
 ) -> RootOptions:
     """The root's options as `fn` received them, each checked (see `RootOptions`)."""
     check_microbatches(fn, microbatches)
     check_gradient_divide_factor(fn, gradient_divide_factor)
     check_flag(fn, "sync_every_microbatch", sync_every_microbatch)
     check_flag(fn, "all_reduce_every_microbatch", all_reduce_every_microbatch)
+    check_flag(fn, "per_device_keys", per_device_keys)
     return RootOptions(microbatches, sync_every_microbatch, all_reduce_every_microbatch,
-                       gradient_divide_factor, has_aux)
+                       gradient_divide_factor, has_aux, per_device_keys)
 
 
 def check_microbatches(fn: str, value: Any) -> None:

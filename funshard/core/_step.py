@@ -20,7 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import tree_flatten_with_path
 
 from funshard import _jax_compat, _text, comm, distributed, errors
-from funshard.core import _callbacks, _context, _in_step, _tree
+from funshard.core import _callbacks, _context, _control_flow, _in_step, _random, _tree
 from funshard.core._batch import check_batch
 from funshard.core._options import RootOptions, root_options, trainable_flags
 from funshard.core._routes import LeafRoute, leaf_routes, state_axes
@@ -198,12 +198,15 @@ def _per_device(loss_fn, root: _Root, rebuild_args, values, local_batch, arg_val
 
     callbacks = []  # whether the user's step has host callbacks (trace time)
 
-    def one(microbatch):
-        out, found = _callbacks.deferring_errors(
-            lambda mb: _microbatch(loss_fn, root, values, mb, args)
+    def one(microbatch, index=None):
+        keyed_values, keyed_args = _keys_for(root, values, args, index)
+        (loss, aux, grads, sums), found = _callbacks.deferring_errors(
+            lambda mb: _microbatch(loss_fn, root, keyed_values, mb, keyed_args),
+            inspect=functools.partial(_inspect, root),
         )(microbatch)
         callbacks.append(found)
-        return out
+        aux = _random.restore_keys(aux, (keyed_values, keyed_args), (values, args))
+        return loss, aux, grads, sums
 
     if opts.microbatches == 1:
         loss, aux, grads, sums = one(local_batch)
@@ -223,6 +226,30 @@ def _per_device(loss_fn, root: _Root, rebuild_args, values, local_batch, arg_val
     if any(callbacks):
         _callbacks.raise_pending((loss, aux, grads))
     return loss, aux, grads
+
+
+def _keys_for(root: _Root, values: list, args, microbatch_index):
+    """(values, args) with the typed PRNG keys one microbatch on this device draws from.
+
+    Keys among `args` get the index of this device's microbatch in the global batch;
+    keys in the state (Flax's RNG streams) the microbatch's index only, since
+    `funshard.flax`'s units fold the device's index into them themselves.
+    """
+    if not root.opts.per_device_keys:
+        return values, args
+    index = jax.lax.axis_index(root.dp_axes)
+    if microbatch_index is not None:
+        index = index * root.opts.microbatches + microbatch_index
+        values = [_random.fold_in(v, microbatch_index) if _random.is_key(v) else v
+                  for v in values]
+    return values, _random.fold_in_keys(args, index)
+
+
+def _inspect(root: _Root, jaxpr) -> None:
+    """What the root refuses in a microbatch's traced program (see the modules named)."""
+    _control_flow.check(jaxpr)
+    if root.opts.per_device_keys:
+        _random.check_draws(jaxpr, root.dp_axes)
 
 
 def _microbatch(loss_fn, root: _Root, values, batch, args):
@@ -340,12 +367,12 @@ def _over_microbatches(one, local_batch, k: int, zeros: tuple[dict, dict]):
     """
     split = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), local_batch)
 
-    def body(carry, microbatch):
+    def body(carry, indexed):
         grads, sums = carry
-        loss, aux, g, s = one(microbatch)
+        loss, aux, g, s = one(*indexed)
         return (_add(grads, g), _add(sums, s)), (loss, aux)
 
-    (grads, sums), (losses, auxes) = jax.lax.scan(body, zeros, split)
+    (grads, sums), (losses, auxes) = jax.lax.scan(body, zeros, (split, jnp.arange(k)))
     return losses, auxes, grads, sums
 
 
@@ -358,8 +385,11 @@ def _add(total: dict, new: dict) -> dict:
 
 def _combine_microbatches(stacked: Any) -> Any:
     """Per-microbatch aux values (stacked on axis 0) as one: scalars averaged (floating)
-    or summed, arrays (per-example values) concatenated in batch order."""
+    or summed, arrays (per-example values) concatenated in batch order, PRNG keys (RNG
+    streams written back) the last microbatch's."""
     def combine(x):
+        if _random.is_key(x):
+            return x[-1]
         if x.ndim > 1:
             return x.reshape(-1, *x.shape[2:])
         return x.mean(0) if is_inexact_array(x) else x.sum(0)
@@ -451,6 +481,7 @@ def value_and_grad(
     sync_every_microbatch: bool = True,
     all_reduce_every_microbatch: bool = True,
     gradient_divide_factor: float | None = None,
+    per_device_keys: bool = True,
 ) -> Callable:
     """Turns a per-device loss into the FSDP training root.
 
@@ -481,6 +512,13 @@ def value_and_grad(
       gradient_divide_factor: the gradients' sum over the data-parallel devices is
         divided by this (default: the data-parallel world size, giving the gradient of
         the global mean loss; 1.0 gives the plain sum, FSDP2's sum reduction).
+      per_device_keys: True (default) folds each device's index over the data axes
+        (and the microbatch's index) into every typed PRNG key (`jax.random.key`) among
+        `args`, so draws such as a dropout mask differ between examples as on the
+        global batch while staying a function of the key; and a draw from a key that is
+        the same on every device (a raw `jax.random.PRNGKey` argument, a key made in the
+        loss from a constant) is a ValueError at trace time. False passes keys
+        unchanged and checks nothing, for draws meant to be shared by every example.
 
     Returns:
       A function `(state, batch, *args) -> (loss, grads)` (or `((loss, aux), grads)`)
@@ -501,7 +539,9 @@ def value_and_grad(
         or `all_reduce_every_microbatch` that is not a bool); the state has no `Sharded` leaves or mixes
         meshes or axes, the global batch size is not a multiple of the data-parallel
         world size times `microbatches`, batch leaves have different leading sizes, or
-        `trainable` does not fit the state.
+        `trainable` does not fit the state; a `cond` / `switch` / `while_loop` whose
+        predicate differs between devices guards a unit or another collective; a random
+        draw uses a key equal on every device (see `per_device_keys`).
       TypeError: the state has integer or bool leaves (they have no gradient, yet an
         optimizer would change them) that `trainable` does not mark False; the loss
         function's output does not match `has_aux`, its loss is not a floating
@@ -512,6 +552,7 @@ def value_and_grad(
         sync_every_microbatch=sync_every_microbatch,
         all_reduce_every_microbatch=all_reduce_every_microbatch,
         gradient_divide_factor=gradient_divide_factor, has_aux=has_aux,
+        per_device_keys=per_device_keys,
     )
 
     @functools.wraps(loss_fn)
