@@ -802,9 +802,11 @@ class StopSignals:
 
     The handler only records the signal: the loop finishes its step, saves a checkpoint
     and returns (an exception raised in the handler could land anywhere, e.g. in a JAX
-    callback that swallows it). A second signal ends the process at once, by the signal
-    itself. A signal the process was started ignoring (`nohup`, `cmd &`) stays ignored,
-    and the previous handlers come back when the block ends.
+    callback that swallows it). It also hands both signals back to the system's default
+    action, so that a second one ends the process at once, even inside a long call into
+    XLA, where no Python handler runs. A signal the process was started ignoring
+    (`nohup`, `cmd &`) stays ignored, and the previous handlers come back when the block
+    ends.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -836,15 +838,12 @@ class StopSignals:
         return 128 + self.received
 
     def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.received is not None:
-            # os.write: the interrupted code may be inside a print to the same stream.
-            os.write(2, f"\ntrain_lm: {name} again: exiting at once, without saving\n".encode())
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
         self.received = signum
+        for other in self._previous:
+            signal.signal(other, signal.SIG_DFL)
+        name = signal.Signals(signum).name
         again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
+        # os.write: the interrupted code may be inside a print to the same stream.
         os.write(2, f"\ntrain_lm: {name}: finishing the current step, then saving a "
                     f"checkpoint and exiting ({again} to exit at once, without saving)\n"
                     .encode())

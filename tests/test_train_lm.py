@@ -389,6 +389,9 @@ def test_a_signal_only_asks_the_loop_to_stop(signum):
     with train_lm.StopSignals() as stop:
         train_lm.os.kill(train_lm.os.getpid(), signum)  # handled before kill returns
         assert stop.received == signum  # no exception: nothing a JAX callback could swallow
+        # The next one is the system's: it ends the process even inside XLA.
+        assert all(train_lm.signal.getsignal(s) == train_lm.signal.SIG_DFL
+                   for s in train_lm.StopSignals.SIGNALS)
     assert stop.name == signum.name and stop.exit_status == 128 + signum
     assert train_lm.signal.getsignal(signum) == previous
 

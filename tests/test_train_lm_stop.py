@@ -221,6 +221,7 @@ with train_lm.StopSignals() as stop:
     print("first:", stop.received, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
     print("still running after the second", flush=True)
+print("still running after the block", flush=True)
 """
 
 
@@ -229,4 +230,4 @@ def test_a_second_signal_exits_at_once(tmp_path):
                env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
     assert proc.stdout == f"first: {int(signal.SIGTERM)}\n"
-    assert "SIGTERM again: exiting at once, without saving" in proc.stderr
+    assert "send SIGTERM again to exit at once" in proc.stderr
