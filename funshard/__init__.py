@@ -19,6 +19,7 @@ from funshard.core import init_optimizer as init_optimizer
 from funshard.core import reshard as reshard
 from funshard.core import scan as scan
 from funshard.core import shard as shard
+from funshard.core import shard_optimizer as shard_optimizer
 from funshard.core import unshard as unshard
 from funshard.core import value_and_grad as value_and_grad
 from funshard.io import PendingSave as PendingSave
@@ -61,6 +62,7 @@ __all__ = [
     "save",
     "scan",
     "shard",
+    "shard_optimizer",
     "state_dict",
     "unshard",
     "value_and_grad",

@@ -16,8 +16,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from funshard import errors
-from funshard.core import _tree
+from funshard import _text, comm, errors
+from funshard.core import _padding_probe, _tree
+from funshard.core._shard_optimizer import is_shard_optimizer
 from funshard.core._sharded import Sharded, is_sharded
 
 
@@ -33,13 +34,38 @@ def sharding_on(mesh: Mesh, x: Any) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def _node_sharding(leaf: Sharded, x: Any) -> NamedSharding:
+    """Where one array of an optimizer state's `Sharded` node lives.
+
+    A moment shaped like the padded parameter is laid out like it. Another array that
+    spans the padded sharded dimension (adafactor's per-row statistics of an even leaf)
+    is split along it, as XLA lays out a jitted update's output: placed otherwise, the
+    step's second call would compile again. Anything else is replicated.
+    """
+    shape = tuple(x.shape)
+    if shape == leaf.padded_shape:
+        return leaf.sharding
+    dim = leaf.dim
+    if dim < len(shape) and shape[dim] == leaf.padded_shape[dim]:
+        return NamedSharding(leaf.mesh, comm.spec(leaf.shard_axis, dim))
+    return NamedSharding(leaf.mesh, PartitionSpec())
+
+
+def _place_in_node(leaf: Sharded, x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        # An abstract state array says where it will live, as a concrete one does.
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_node_sharding(leaf, x),
+                                    weak_type=x.weak_type)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        sharding = _node_sharding(leaf, x)
+        return x if x.sharding == sharding else jax.device_put(x, sharding)
+    return x
+
+
 def _place(mesh: Mesh, x: Any) -> Any:
     if isinstance(x, Sharded):
-        if isinstance(x.data, jax.ShapeDtypeStruct):
-            # An abstract moment says where it will live, as a concrete one does.
-            data = jax.ShapeDtypeStruct(x.data.shape, x.data.dtype, sharding=x.sharding)
-            return dataclasses.replace(x, data=data)
-        return x  # a concrete moment is laid out like its parameter already
+        data = jax.tree.map(lambda a: _place_in_node(x, a), x.data)
+        return dataclasses.replace(x, data=data)
     if isinstance(x, jax.core.Tracer):
         return x  # under a trace, the enclosing jit decides where its outputs go
     if isinstance(x, jax.ShapeDtypeStruct):
@@ -59,6 +85,31 @@ def _no_state_mesh(fn: str) -> str:
         f"{fn}: the state has no fs.Sharded leaves, so there is no mesh to place the "
         "optimizer state on. Pass the state returned by fs.shard(params, mesh)."
     )
+
+
+def _sees_padding(updates: list, states: list) -> str:
+    if updates:
+        leaves = ", ".join(_padding_probe.describe(path, x) for path, x in updates)
+        what = f"its update of leaf {leaves} depends"
+    else:
+        leaves = ", ".join(_text.leaf_name(path) for path, _ in states)
+        what = f"its state at {leaves} depends"
+    return (
+        f"init_optimizer: the optimizer computes on the padded arrays of uneven leaves, and "
+        f"{what} on the zero padding rows (a transform that looks at whole matrices, such "
+        "as optax.adafactor or optax.contrib.muon), so opt.update on the sharded state would "
+        "not give optax's numbers on the unsharded parameters. Wrap it: opt = "
+        "fs.shard_optimizer(opt), then fs.init_optimizer(opt, state) and opt.update(grads, "
+        "opt_state, state) as before (it gathers each uneven leaf to run the optimizer on its "
+        "logical shape), or give those leaves a size the shard count divides."
+    )
+
+
+def _check_padding(opt: Any, state: Any) -> None:
+    """Refuses `opt` if its plain update on `state` would depend on padding rows."""
+    updates, states = _padding_probe.padding_dependence(opt, state)
+    if updates or states:
+        raise errors.ShardingValueError(_sees_padding(updates, states))
 
 
 def init_optimizer(opt: Any, state: Any) -> Any:
@@ -81,11 +132,17 @@ def init_optimizer(opt: Any, state: Any) -> Any:
 
     Raises:
       ValueError: `state` has no `Sharded` leaves (so no mesh), or they live on
-        different meshes.
+        different meshes; or `opt`, run on the padded array of a leaf the shard count
+        does not divide, would update its real rows differently from optax on the
+        logical array (adafactor, muon: wrap them with `fs.shard_optimizer`). A probe
+        on single-device host copies of the uneven leaves decides this once per
+        transform and layout (see docs/concepts.md, "Optimizers and padding").
     """
     paths, items, _ = _tree.sharded_leaves(state)
     mesh = _tree.common_mesh("init_optimizer", paths, items)
     if mesh is None:
         raise errors.ShardingValueError(_no_state_mesh("init_optimizer"))
+    if not is_shard_optimizer(opt):
+        _check_padding(opt, state)
     opt_state = jax.eval_shape(opt.init, state) if _is_abstract(state) else opt.init(state)
     return jax.tree.map(lambda x: _place(mesh, x), opt_state, is_leaf=is_sharded)

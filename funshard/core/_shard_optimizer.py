@@ -1,0 +1,173 @@
+"""`shard_optimizer`: any optax transform on a sharded state, with optax's numbers.
+
+optax maps over each `Sharded` leaf's `.data`, the padded global array. A transform that
+works element by element (SGD, Adam, AdamW, Lion) leaves the zero padding rows zero and
+computes the real rows exactly as on the unsharded parameters. A transform that looks at
+a whole matrix (adafactor's row and column means, muon's orthogonalisation and its
+shape-dependent scale) sees the padding rows and the padded shape instead, and its numbers
+drift from optax's on the unsharded parameters.
+
+`shard_optimizer(opt)` runs `opt` on each uneven leaf's logical array: the leaf's update,
+parameter and parameter-shaped optimizer state are gathered (replicated on the mesh), cut
+to the logical shape, updated, then padded again and put back in the sharded layout.
+Leaves the shard count divides pass through untouched, so a tree of even leaves compiles
+to plain optax's program. docs/concepts.md ("Optimizers and padding") states the costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from funshard.core._sharded import Sharded, is_sharded
+
+# Set while `init_optimizer`'s probe runs a transform on single-device host copies: there
+# a wrapped transform inside it cuts and pads but places nothing on the mesh.
+_PROBING: contextvars.ContextVar[bool] = contextvars.ContextVar("funshard_probing", default=False)
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """Within this context `shard_optimizer`'s transforms leave arrays where they are."""
+    token = _PROBING.set(True)
+    try:
+        yield
+    finally:
+        _PROBING.reset(token)
+
+
+def is_uneven(x: Any) -> bool:
+    """Whether `x` is a `Sharded` leaf whose sharded dimension carries padding."""
+    return isinstance(x, Sharded) and x.padded_shape != tuple(x.shape)
+
+
+def _has_uneven(tree: Any) -> bool:
+    return any(is_uneven(x) for x in jax.tree.leaves(tree, is_leaf=is_sharded))
+
+
+def _constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    # `with_sharding_constraint` places a concrete array too (an eager init), and under
+    # jit it is the annotation that makes the partitioner gather or slice right here.
+    if _PROBING.get():
+        return x
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _replicated(leaf: Sharded) -> NamedSharding:
+    return NamedSharding(leaf.mesh, PartitionSpec())
+
+
+def _cut(leaf: Sharded, x: Any) -> Any:
+    """One array under `leaf`: padded-shaped ones gathered and cut to the logical shape."""
+    if getattr(x, "shape", None) is None or tuple(x.shape) != leaf.padded_shape:
+        return x
+    full = _constrain(x, _replicated(leaf))  # the all-gather of this array
+    return jax.lax.slice_in_dim(full, 0, leaf.shape[leaf.dim], axis=leaf.dim)
+
+
+def _pad(leaf: Sharded, x: Any) -> Any:
+    """One array under `leaf` after the update: logical-shaped ones padded and resharded.
+
+    Arrays of other shapes (adafactor's row and column statistics, placeholders) were
+    computed from gathered inputs and stay replicated on the mesh.
+    """
+    if getattr(x, "shape", None) is None:
+        return x
+    if tuple(x.shape) != tuple(leaf.shape):
+        return _constrain(x, _replicated(leaf))
+    widths = [(0, 0)] * x.ndim
+    widths[leaf.dim] = (0, leaf.padded_shape[leaf.dim] - leaf.shape[leaf.dim])
+    # Every device keeps only its own block: a local slice of a replicated value.
+    return _constrain(jnp.pad(x, widths), leaf.sharding)
+
+
+def _map_uneven(fn, tree: Any) -> Any:
+    """`tree` with `fn(leaf, array)` applied to every array under its uneven `Sharded` nodes.
+
+    A `Sharded` node in an optimizer state may hold a subtree (a masked transform's
+    `MaskedNode`, a factored state's pieces) rather than one array; each array of it is
+    mapped with the node's layout.
+    """
+    def node(x):
+        if not is_uneven(x):
+            return x
+        return dataclasses.replace(x, data=jax.tree.map(lambda a: fn(x, a), x.data))
+
+    return jax.tree.map(node, tree, is_leaf=is_sharded)
+
+
+def to_logical(tree: Any) -> Any:
+    """`tree` with every uneven `Sharded` node holding its gathered, unpadded array(s)."""
+    return _map_uneven(_cut, tree)
+
+
+def to_padded(tree: Any) -> Any:
+    """The inverse of `to_logical`: logical arrays padded and back in the sharded layout."""
+    return _map_uneven(_pad, tree)
+
+
+def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transform so that it sees every parameter's logical (unpadded) shape.
+
+    On a sharded state optax computes on each leaf's padded array. For element-wise
+    transforms (SGD, Adam, AdamW, Lion) that changes nothing; transforms that look at a
+    whole matrix (`optax.adafactor`, `optax.contrib.muon`, anything normalising by a row
+    or column count) see the padding rows of leaves the shard count does not divide, and
+    `fs.init_optimizer` refuses them on such leaves. The wrapped transform gives plain
+    optax's numbers on every leaf; use it in place of the transform:
+
+        opt = fs.shard_optimizer(optax.adafactor(1e-3))
+        opt_state = fs.init_optimizer(opt, state)
+        updates, opt_state = opt.update(grads, opt_state, state)
+
+    For each uneven leaf, its update, its parameter and each optimizer-state array shaped
+    like it are all-gathered (replicated on the mesh), cut to the logical shape, and the
+    transform runs on the full leaf on every device; its outputs are padded with zero rows
+    and each device keeps its own block (a local slice, no collective). Cost per uneven
+    leaf and step: one all-gather of the update, of the parameter if the transform reads
+    it, and of each parameter-shaped state array (Adam's two moments), plus that many
+    full-leaf temporaries. Leaves the shard count divides pass through untouched: for a
+    state of even leaves the compiled update is plain optax's.
+
+    Optimizer state shaped like its parameter stays padded and sharded like it (so
+    checkpoints and memory stay sharded); state of other shapes belonging to an uneven
+    leaf (adafactor's row and column statistics) is replicated on the mesh.
+
+    Args:
+      opt: any optax `GradientTransformation` (extra arguments of its `update`, such as
+        `value=` for `optax.contrib.reduce_on_plateau`, are passed through).
+
+    Returns:
+      A `GradientTransformationExtraArgs` whose `init` and `update` take and return the
+      sharded state, updates and optimizer state in funshard's padded layout.
+    """
+    inner = optax.with_extra_args_support(opt)
+
+    def init(params):
+        if not _has_uneven(params):
+            return inner.init(params)
+        return to_padded(inner.init(to_logical(params)))
+
+    def update(updates, state, params=None, **extra_args):
+        if not (_has_uneven(updates) or _has_uneven(params)):
+            return inner.update(updates, state, params, **extra_args)
+        new_updates, new_state = inner.update(
+            to_logical(updates), to_logical(state), to_logical(params), **extra_args)
+        return to_padded(new_updates), to_padded(new_state)
+
+    # `init_optimizer` skips its padding probe for this transform (and only this one:
+    # a chain around it is probed, and passes, since this part computes logically).
+    init.funshard_logical_shapes = True
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def is_shard_optimizer(opt: Any) -> bool:
+    """Whether `opt` is a transform `shard_optimizer` returned."""
+    return getattr(getattr(opt, "init", None), "funshard_logical_shapes", False)
