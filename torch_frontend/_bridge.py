@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
@@ -26,6 +27,39 @@ from torch_frontend import _cuda
 
 SHARD_AXIS = "fsdp"
 REPLICATE_AXIS = "replicate"
+DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
+
+
+def check_collective(layout: "RankLayout", kind: str, label: str, leaves: list[tuple]) -> None:
+    """Raises unless every process of `layout` issues the same collective now.
+
+    The signature is the collective's kind, the unit it serves and its operands'
+    (shape, dim, dtype): two units of the same shapes differ by name.
+
+    Raises:
+      RuntimeError: (`funshard.errors.DistributedError`) another process issues a
+        different collective at this point, or left the job.
+      TimeoutError: (`funshard.errors.DistributedTimeoutError`) another process has
+        not issued one within the departure timeout.
+    """
+    from funshard import distributed
+
+    processes = {d.process_index for d in layout.mesh.devices.flat}
+    nouns = (f"tensor for the {kind} of {label}", f"tensors for the {kind} of {label}")
+    try:
+        distributed.same_collective(f"torch_frontend's {kind} of {label}", leaves, processes,
+                                    nouns)
+    except (errors.DistributedError, errors.DistributedTimeoutError) as exc:
+        raise type(exc)(_different_collectives(str(exc))) from None
+
+
+def _different_collectives(detail: str) -> str:
+    return (
+        f"torch_frontend ({DEBUG_ENV}=DETAIL): the ranks do not issue the same "
+        "collectives (a module that runs on some ranks only, a rank-dependent branch, an "
+        "extra forward on one rank): without this check gloo pairs them anyway, and "
+        f"aborts on a size mismatch or computes with another unit's shards. {detail}"
+    )
 
 
 class CommContext:
@@ -50,6 +84,36 @@ class CommContext:
         self._count_step = distributed.count_step
         self._held: tuple[Future | None, Callable[[], None]] | None = None
         self._finish_queued = False
+        # torch's switch for checking that every rank issues the same collective
+        # (its ProcessGroupWrapper): here each collective's signature is compared
+        # first, through JAX's coordination service (`check_collective`).
+        self.check_collectives = os.environ.get(DEBUG_ENV, "").upper() == "DETAIL"
+        self._label: str | None = None
+
+    def label_next(self, label: str) -> None:
+        """Names the next collective for `check_collectives`' messages and signature."""
+        self._label = label
+
+    def take_label(self, default: str) -> str:
+        label, self._label = self._label, None
+        return label or default
+
+    def submit_checked(self, layout: RankLayout, kind: str, leaves: list[tuple], fn,
+                       *args) -> Future:
+        """`submit(fn, *args)`; first, with `check_collectives`, the signature check.
+
+        The check runs on the collective thread, right before the collective, so it
+        sees the collectives in the order every process issues them.
+        """
+        label = self.take_label("torch_frontend")
+        if not self.check_collectives:
+            return self.submit(fn, *args)
+
+        def checked():
+            check_collective(layout, kind, label, leaves)
+            return fn(*args)
+
+        return self.submit(checked)
 
     def submit(self, fn, *args, **kwargs) -> Future:
         """Queues `fn` behind every collective launched before it; returns its future."""
@@ -302,7 +366,10 @@ def start_all_gather(layout: RankLayout, blocks: Sequence[jax.Array], rows: Sequ
     Returns:
       A future of the gathered arrays, for `finish_all_gather`.
     """
-    return layout.comm.submit(_gather_now, layout, blocks, rows, dims)
+    leaves = [(tuple(b.shape), 0 if dims is None else dims[i], str(b.dtype))
+              for i, b in enumerate(blocks)]
+    return layout.comm.submit_checked(layout, "all-gather", leaves, _gather_now,
+                                      layout, blocks, rows, dims)
 
 
 def finish_all_gather(pending: Future) -> list[torch.Tensor]:
@@ -373,19 +440,22 @@ def start_reduce_scatter(layout: RankLayout, fulls: Sequence[torch.Tensor],
       A future of this rank's blocks, for `finish_reduce_scatter`.
     """
     dims = tuple(dims) if dims is not None else (0,) * len(fulls)
+    leaves = [(tuple(f.shape), d, str(f.dtype)) for f, d in zip(fulls, dims)]
     dp_axes = (*layout.replicate_axes, *layout.shard_axes)
     sharding = NamedSharding(layout.mesh, comm.spec(dp_axes))
     if (comm.reduce_scatter_by_permutes(layout.device.platform)
             and all(full.dim() == 1 and dim == 0 for full, dim in zip(fulls, dims, strict=True))):
         rows = [_rows(layout, sharding, padded_full(layout, full, 0)) for full in fulls]
-        return layout.comm.submit(_reduce_rows_now, layout, rows, all_reduce)
+        return layout.comm.submit_checked(layout, "reduce-scatter", leaves, _reduce_rows_now,
+                                          layout, rows, all_reduce)
     stacked = []
     for full, dim in zip(fulls, dims, strict=True):
         block = _stacked_block(layout, full, dim)
         shape = (layout.data_parallel, *block.shape[1:])
         stacked.append(jax.make_array_from_single_device_arrays(
             shape, sharding, [_import(layout, block)]))
-    return layout.comm.submit(_reduce_now, layout, stacked, dims, all_reduce)
+    return layout.comm.submit_checked(layout, "reduce-scatter", leaves, _reduce_now,
+                                      layout, stacked, dims, all_reduce)
 
 
 def _rows(layout: RankLayout, sharding: NamedSharding, flat: torch.Tensor) -> list[jax.Array]:

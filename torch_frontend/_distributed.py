@@ -11,6 +11,7 @@ variables, and the same rank is the same process in both.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import numpy as np
@@ -101,14 +102,32 @@ def _replicate_changed(before, now) -> str:
 def _init_process_group() -> None:
     if not dist.is_initialized():
         backend = _cuda.torch_backend(_cuda.device_type(jax.local_devices()[0]))
+        hook = sys.excepthook
         if jax.process_count() == 1:
             # No launcher: a private in-memory store, no port to find.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             dist.init_process_group(backend)  # torchrun's MASTER_ADDR / MASTER_PORT
+        _keep_excepthook(hook)
     if (dist.get_rank(), dist.get_world_size()) != (jax.process_index(), jax.process_count()):
         raise errors.DistributedError(_ranks_disagree(
             dist.get_rank(), dist.get_world_size(), jax.process_index(), jax.process_count()))
+
+
+def _keep_excepthook(hook) -> None:
+    """Puts back the excepthook that was installed before torch's process group opened.
+
+    `init_process_group` wraps `sys.excepthook` in one that sends sys.stderr to a
+    buffer while the wrapped hook runs and prints the buffer with a `[rankN]:` prefix
+    after it returns. funshard's fail-fast hook (installed by
+    `fs.distributed.initialize`) prints the traceback and the reason, then ends the
+    process with `os._exit(1)` inside that call: under the wrapper all of it went into
+    the buffer and was lost, so a rank left by another ended with status 1 and no
+    message at all. A hook the script or funshard installed is therefore kept as it
+    was (tracebacks lose torch's rank prefix; funshard's text names the process).
+    """
+    if hook is not sys.__excepthook__ and sys.excepthook is not hook:
+        sys.excepthook = hook
 
 
 def _ranks_disagree(rank: int, world: int, jax_rank: int, jax_world: int) -> str:

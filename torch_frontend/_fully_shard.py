@@ -20,8 +20,39 @@ from torch_frontend._state import FSDPState, state_of
 _fsdp_classes: dict[type, type] = {}
 
 
+# FSDP2 raises built-in types that say little for these mistakes (IndexError,
+# AssertionError, TypeError); each class here is that type, so code written for FSDP2
+# still catches it, and also funshard's, with a message naming the module and the fix.
+class EmptyGroupError(errors.ShardingValueError, IndexError):
+    """`fully_shard([])`: FSDP2 fails with IndexError (tuple index out of range)."""
+
+
+class ShardedTwiceError(errors.ShardingValueError, AssertionError):
+    """A module fully sharded twice (or listed twice): FSDP2's contract AssertionError."""
+
+
+class SharedParameterError(errors.ShardingValueError, TypeError):
+    """A parameter another group already manages: FSDP2 fails with a TypeError."""
+
+
+class DeepcopyError(errors.UnsupportedError, AssertionError):
+    """`copy.deepcopy` of a sharded module: FSDP2 raises AssertionError."""
+
+
 class FSDPModule:
     """Mixed into every module `fully_shard` was applied to (class `FSDP<Cls>`)."""
+
+    def __deepcopy__(self, memo):
+        raise DeepcopyError(_deepcopy_message(self))
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # Dynamo traces the call itself, not this
+            return super().__call__(*args, **kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except RuntimeError as exc:
+            _note_converted_dtype(self, exc)
+            raise
 
     def _fsdp_state(self) -> FSDPState:
         state = state_of(self)
@@ -168,6 +199,51 @@ class FSDPModule:
         self._fsdp_state().backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
 
 
+def _deepcopy_message(module: nn.Module) -> str:
+    # FSDP2's sentence first: code written for FSDP2 may match it.
+    return (
+        f"FSDP does not support deepcopy. Please use state dict for serialization. "
+        f"({type(module).__name__} is fully sharded: its parameters are this rank's "
+        "shards, tied to collectives of this job.) Deep-copy the model before "
+        "fully_shard, or build a new model and load torch_frontend.full_state_dict(model) "
+        "into it."
+    )
+
+
+_DTYPE_WORDS = ("dtype", "scalar type")
+
+
+def _note_converted_dtype(module: nn.Module, exc: RuntimeError) -> None:
+    """Adds a note to a dtype mismatch caused by converting parameters after fully_shard.
+
+    `model.to(torch.float64)` after `fully_shard` converts the shards (as FSDP2's
+    does), so the forward computes in float64 and float32 inputs fail inside torch
+    (`mat1 and mat2 must have the same dtype`) without a word about why. The
+    exception keeps its type and text (FSDP2's); the note says what changed.
+    """
+    if getattr(exc, "_torch_frontend_noted", False) or not any(
+            w in str(exc) for w in _DTYPE_WORDS):
+        return
+    state = state_of(module)
+    states = [state, *state.ctx.all_states] if state is not None else []
+    for param in (p for s in states for p in s.group.params):
+        if param.dtype != param.orig_dtype:
+            exc._torch_frontend_noted = True
+            exc.add_note(_converted_dtype(param.fqn, param.orig_dtype, param.dtype))
+            return
+
+
+def _converted_dtype(fqn: str, before: torch.dtype, after: torch.dtype) -> str:
+    return (
+        f"torch_frontend: parameter {fqn!r} (and others) became {after} after "
+        f"fully_shard (module.to({after}) or similar), while it was {before} at "
+        f"fully_shard; the forward computes in {after}, so inputs of another dtype fail "
+        f"as above (as with FSDP2). Cast the inputs to {after}, or convert the model "
+        "before fully_shard; to compute in a lower precision, keep the parameters and "
+        "pass MixedPrecisionPolicy(param_dtype=...) instead."
+    )
+
+
 def _states_of(modules, method: str) -> list[FSDPState]:
     states = []
     for module in modules:
@@ -273,12 +349,17 @@ def _not_supported_yet(what: str, how: str) -> str:
 
 
 def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn) -> None:
-    for module in modules:
+    if not modules:
+        raise EmptyGroupError(_empty_group())
+    for i, module in enumerate(modules):
         if not isinstance(module, nn.Module):
             raise errors.ShardingTypeError(
                 f"fully_shard: expected an nn.Module or a list of them, got {type(module).__name__}.")
-        if state_of(module) is not None:
-            raise errors.ShardingValueError(_sharded_twice(module))
+        if state_of(module) is not None or any(m is module for m in modules[:i]):
+            raise ShardedTwiceError(_sharded_twice(module))
+        if (isinstance(module, (nn.ModuleList, nn.ModuleDict))
+                and type(module).forward is nn.Module.forward):
+            raise errors.ShardingValueError(_container_without_forward(module))
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise errors.ShardingTypeError(_bad_reshard_after_forward(reshard_after_forward))
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -289,8 +370,28 @@ def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_
 
 def _sharded_twice(module: nn.Module) -> str:
     return (
-        f"fully_shard: {type(module).__name__} is already fully sharded; call "
-        "fully_shard once per module (list modules to group them)."
+        f"fully_shard: {type(module).__name__} is already fully sharded (or listed twice "
+        "in one call); call fully_shard once per module, and list each module of a "
+        "group once."
+    )
+
+
+def _empty_group() -> str:
+    return (
+        "fully_shard: got an empty list of modules (FSDP2 fails with IndexError: tuple "
+        "index out of range). Pass a module, or a non-empty list of modules that form "
+        "one group."
+    )
+
+
+def _container_without_forward(module: nn.Module) -> str:
+    # FSDP2's sentence first (its ValueError), without the module's repr.
+    return (
+        f"fully_shard does not support containers that do not implement forward: "
+        f"{type(module).__name__} of {len(module)} modules. Its modules run forward one by "
+        "one from the parent's forward, so no hook of the container would gather their "
+        "parameters. Shard each of them (`for block in model.blocks: "
+        "fully_shard(block)`), or list them as one group (`fully_shard(list(model.blocks))`)."
     )
 
 
@@ -315,9 +416,13 @@ def _bad_placement_fn(fn) -> str:
     )
 
 
-def _check_unmanaged(param: nn.Parameter, fqn: str) -> None:
-    if _param.managed(param) is not None:
-        raise errors.ShardingValueError(_already_managed(fqn))
+def _check_unmanaged(param: nn.Parameter, fqn: str, modules: list[nn.Module]) -> None:
+    owner = _param.managed(param)
+    if owner is not None:
+        outer = any(m is o or any(m is d for d in o.modules())
+                    for m in modules for o in owner.group_modules)
+        raise SharedParameterError(
+            _already_managed(fqn) if outer else _shared_with_group(fqn, owner.fqn))
     if isinstance(param, DTensor):
         raise errors.UnsupportedError(_not_supported_yet(
             f"the DTensor parameter {fqn!r} (tensor parallelism)",
@@ -329,6 +434,18 @@ def _already_managed(fqn: str) -> str:
         f"fully_shard: parameter {fqn!r} is already managed by another FSDP group (an "
         "outer module was fully sharded first). Apply fully_shard bottom-up: the inner "
         "modules (e.g. each block) first, then their parent."
+    )
+
+
+def _shared_with_group(fqn: str, other: str) -> str:
+    # FSDP2's lazy-init wording (PyTorch's tests match it); FSDP2 itself fails here with
+    # "TypeError: Invariant encountered" (it takes the shard for a tensor-parallel one).
+    return (
+        f"Parameter {fqn!r} is shared with a parameter already managed by another FSDP "
+        f"group (as {other!r}): the module holding it is reachable through two parents, "
+        "and fully_shard was applied to the other one first. For shared/tied parameters, "
+        "use fully_shard([module_a, module_b]) to place them in the same FSDP group, or "
+        "fully_shard the shared module itself before either parent."
     )
 
 
@@ -458,11 +575,13 @@ def fully_shard(
             continue
         owner, attr = uses[0]
         fqn = f"{names[id(owner)]}.{attr}" if names[id(owner)] else attr
-        _check_unmanaged(param, fqn)
+        _check_unmanaged(param, fqn, modules)
         placed.append((param, uses, fqn, _shard_dim(shard_placement_fn, param, fqn)))
     # Every placement is checked before any module changes: an error loses nothing.
     spec = ShardSpec(device_mesh)
     params = [FSDPParam(param, uses, fqn, layout, spec, dim) for param, uses, fqn, dim in placed]
+    for param in params:
+        param.group_modules = tuple(modules)
     group = ParamGroup(params, layout, mp_policy, post_forward, device_mesh)
     FSDPState(tuple(modules), group, mp_policy, reshard_after_forward is None)
     _state_dict.register_hooks(group)

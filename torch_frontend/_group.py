@@ -71,6 +71,7 @@ class ParamGroup:
         self._pending: list | None = None  # a dispatched, not yet bound all-gather
         self._buckets: list | None = None  # its flat buffers (None: one per parameter)
         self._parts: _bridge.RankLayout | None = None  # hpZ: the group layout of kept parts
+        self.name = "the root"  # the module's name under the root (set at lazy init)
 
     @property
     def is_unsharded(self) -> bool:
@@ -102,6 +103,7 @@ class ParamGroup:
             if self.params and self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
                 # hpZ: gather the kept parts within the group of k ranks only.
                 blocks = [p.part_block() for p in self.params]
+                self.layout.comm.label_next(f"{self.name!r} (hpZ re-gather)")
                 self._pending = _bridge.start_all_gather(
                     self._parts, blocks, *self._rows_and_dims())
             elif self.params:
@@ -127,6 +129,7 @@ class ParamGroup:
         world = self.layout.world
         blocks = [_bridge.global_block(self.layout, _flat.copy_in(b, sources, dtypes))
                   for b in buckets]
+        self.layout.comm.label_next(f"{self.name!r}")
         future = _bridge.start_all_gather(
             self.layout, blocks, [world * b.total for b in buckets])
         self._pending = future
@@ -284,7 +287,12 @@ class ParamGroup:
         blocks: list[torch.Tensor | None] = [None] * len(grads)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, grad in enumerate(grads):
-            if grad.element_size() == 8:
+            if grad.numel() == 0:
+                # Nothing to sum (a parameter with a size-0 dim); torch's flat packing
+                # (`_chunk_cat`) rejects empty tensors, as in FSDP2's backward.
+                world = self.layout.world
+                blocks[i] = grad.new_zeros(_flat.block_shape(grad.shape, dims[i], world))
+            elif grad.element_size() == 8:
                 blocks[i] = self._torch_reduce_scatter(grad, dims[i], all_reduce)
             else:
                 by_dtype.setdefault(grad.dtype, []).append(i)
@@ -295,6 +303,7 @@ class ParamGroup:
         flats = [_flat.reduce_input([grads[i] for i in m], [dims[i] for i in m], world,
                                     _bridge.row_align(self.layout, grads[m[0]].dtype))
                  for m in members]
+        self.layout.comm.label_next(f"{self.name!r}")
         pending = _bridge.start_reduce_scatter(self.layout, flats, all_reduce=all_reduce)
         return (pending, members, flats), blocks
 

@@ -94,6 +94,8 @@ class FSDPParam:
         self.orig_uid = original_uid(param)
         self.layout, self.spec = layout, spec
         self.shape, self.dtype = tuple(param.shape), param.dtype
+        self.orig_dtype = param.dtype  # at fully_shard: `module.to(...)` may change dtype
+        self.group_modules: tuple[nn.Module, ...] = ()  # the fully_shard call's modules
         self.rows = param.shape[dim]
         self.local_rows = layout.local_rows(self.rows)
         self._dtensor_spec: DTensorSpec | None = None
@@ -112,7 +114,7 @@ class FSDPParam:
         # HSDP without all-reduce: this replica's reduce-scattered sum, not yet reduced
         # over the replicas (FSDP2's partial reduce output).
         self.partial_grad: torch.Tensor | None = None
-        self.to_sharded()
+        self._bind(self.sharded)
 
     def _padded_shape(self) -> list[int]:
         shape = list(self.shape)
@@ -146,10 +148,15 @@ class FSDPParam:
         """Raises if a module attribute no longer holds the sharded parameter.
 
         Raises:
+          AttributeError: the parameter was set to None (removed) after fully_shard,
+            as FSDP2's lazy initialisation raises.
           ValueError: the parameter was replaced after fully_shard.
         """
         for module, name in self.uses:
-            if module._parameters.get(name) is not self.sharded:
+            held = module._parameters.get(name)
+            if held is None:
+                raise AttributeError(_removed_param(self.fqn))
+            if held is not self.sharded:
                 raise errors.ShardingValueError(_replaced_param(self.fqn))
 
     def sync_padded(self) -> torch.Tensor:
@@ -181,7 +188,9 @@ class FSDPParam:
         """
         module, name = self.uses[0]
         new = module._parameters.get(name)
-        if new is not None and new is not self.sharded:
+        if new is None:
+            raise AttributeError(_removed_param(self.fqn))
+        if new is not self.sharded:
             if (not isinstance(new, DTensor) or new.shape != self.sharded.shape
                     or new.device_mesh != self.spec.device_mesh
                     or tuple(new.placements) != self.spec.placements(self.dim)):
@@ -257,7 +266,16 @@ class FSDPParam:
         self.bind_unsharded()
 
     def bind_unsharded(self) -> None:
-        """Makes the modules hold the unsharded parameter (filled by the caller)."""
+        """Makes the modules hold the unsharded parameter (filled by the caller).
+
+        It takes the sharded parameter's `requires_grad` first, as FSDP2's
+        `to_unsharded` does: `requires_grad_(False)` between steps (on the module's
+        parameter, the shard) freezes it from the next forward on, and `True` trains
+        it again. Without this the unsharded parameter kept the flag it was made with
+        and a frozen parameter still got gradients (and optimizer updates).
+        """
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
         self._bind(self.unsharded)
 
     def to_sharded(self) -> None:
@@ -270,7 +288,14 @@ class FSDPParam:
         """
         if self.unsharded is not None:
             self.unsharded.untyped_storage().resize_(0)
-        self._bind(self.sharded)
+        for module, name in self.uses:
+            # A slot the user changed while it held the unsharded parameter (`lin.bias
+            # = None` between a kept-gathered forward and its backward) keeps the
+            # change, so that the next gather's `check_bound` names it: binding the
+            # shard again would silently undo it.
+            held = module._parameters.get(name)
+            if held is self.sharded or (held is self.unsharded and held is not None):
+                module._parameters[name] = self.sharded
 
     def take_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The gradient accumulated since the last reduction, in `dtype`; clears it."""
@@ -335,6 +360,21 @@ def _scalar_param(fqn: str) -> str:
         f"fully_shard: parameter {fqn!r} is 0-dimensional, and FSDP shards on dim 0. "
         f"Change {fqn} to a 1D tensor with numel equal to 1 (or keep it out of the "
         "sharded module, e.g. as a buffer)."
+    )
+
+
+def _removed_param(fqn: str) -> str:
+    # FSDP2's lazy initialisation fails on the None with this AttributeError's text;
+    # after its first forward it silently binds the parameter again.
+    module, _, name = fqn.rpartition(".")
+    holder = f"{module}.{name}" if module else name
+    return (
+        f"'NoneType' object has no attribute '_local_tensor': fully_shard: parameter "
+        f"{fqn!r} was set to None after fully_shard, and fully_shard cannot remove a "
+        f"parameter from its group (it would still be gathered, and used). Set "
+        f"`{holder} = None` before calling fully_shard, or keep the parameter and zero "
+        "it in place (`with torch.no_grad(): p.zero_()`) and freeze it "
+        "(`p.requires_grad_(False)`)."
     )
 
 

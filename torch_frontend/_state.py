@@ -185,25 +185,42 @@ class FSDPState:
                 if state.is_root is not None:
                     raise RuntimeError(_child_ran_forward_first(name, type(root).__name__))
                 state.is_root = False
-                state.fqn = name
+                state.fqn = state.group.name = name
             state.ctx = self.ctx
             self.ctx.all_states.append(state)
         if self.auto_reshard_after_forward:
             # The root's parameters would be gathered again at once for the backward pass.
             self.group.reshard_after_forward = False
+        self._name_params(root)  # first: the errors below name parameters from the root
         # As FSDP2's lazy init: a parameter replaced since fully_shard by a DTensor of
         # the same sharding (computed from other sharded parameters, e.g. DoRA's
         # magnitudes) becomes the managed one.
         for state in self.ctx.all_states:
             for param in state.group.params:
                 param.reset_sharded_param()
-        self._name_params(root)
+        self._check_names()
 
     def _name_params(self, root: nn.Module) -> None:
+        """Names every managed parameter by its path from the root, for messages."""
         by_param = {id(p.sharded): p for s in self.ctx.all_states for p in s.group.params}
+        module_names: dict[int, str] = {}
+        for name, module in root.named_modules(remove_duplicate=False):
+            module_names.setdefault(id(module), name)
+        for param in by_param.values():  # also those no module holds now (set to None)
+            module, attr = param.uses[0]
+            if id(module) in module_names:
+                prefix = module_names[id(module)]
+                param.fqn = f"{prefix}.{attr}" if prefix else attr
         for name, param in root.named_parameters(remove_duplicate=False):
             if id(param) in by_param:
                 by_param[id(param)].fqn = name
+
+    def _check_names(self) -> None:
+        """Raises if one original parameter is managed by two groups (tied weights).
+
+        Raises:
+          ValueError: FSDP2's lazy-init error, naming both users of the parameter.
+        """
         owners: dict[int, str] = {}
         for state in self.ctx.all_states:
             for param in state.group.params:
