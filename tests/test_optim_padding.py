@@ -219,3 +219,25 @@ def test_uneven_leaf_costs_its_gathers():
     gathers = [c for c in collectives(wrapped.as_text()) if c["kind"] == "all-gather"]
     assert not collectives(plain.as_text())
     assert sorted(c["elements"] for c in gathers) == [16 * 32] * 4
+
+
+def test_probe_reports_every_leaf_a_line_each():
+    state = fs.shard(_params({"a": (130, 128), "b": (13,), "even": (16,)}), mesh_for("8"))
+    with pytest.raises(fs.errors.ShardingValueError) as info:
+        fs.init_optimizer(_adafactor(), state)
+    lines = str(info.value).splitlines()
+    assert [line.split(" (shape")[0] for line in lines] == [
+        "init_optimizer: leaf ['a']", "init_optimizer: leaf ['b']"]
+
+
+def test_transform_that_needs_extra_arguments_is_not_refused(caplog):
+    # reduce_on_plateau's update needs value=: the probe cannot run it, says so in the
+    # log, and lets it through; the wrapper passes the extra argument on.
+    state = fs.shard(_params({"uneven": (13, 32)}), mesh_for("8"))
+    make_opt = lambda: optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau())
+    fs.init_optimizer(make_opt(), state)
+    assert "could not probe" in caplog.text
+    opt = fs.shard_optimizer(make_opt())
+    opt_state = fs.init_optimizer(opt, state)
+    updates, _ = opt.update(state, opt_state, state, value=jnp.float32(1.0))
+    assert updates["uneven"].data.shape == (16, 32)

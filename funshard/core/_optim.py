@@ -87,29 +87,40 @@ def _no_state_mesh(fn: str) -> str:
     )
 
 
-def _sees_padding(updates: list, states: list) -> str:
-    if updates:
-        leaves = ", ".join(_padding_probe.describe(path, x) for path, x in updates)
-        what = f"its update of leaf {leaves} depends"
-    else:
-        leaves = ", ".join(_text.leaf_name(path) for path, _ in states)
-        what = f"its state at {leaves} depends"
+_WRAP = (
+    "Wrap the optimizer: opt = fs.shard_optimizer(opt), then fs.init_optimizer(opt, state) "
+    "and opt.update(grads, opt_state, state) as before (it runs the optimizer on each uneven "
+    "leaf's logical array, at the cost of gathering that leaf), or give the leaf a size the "
+    "shard count divides."
+)
+
+
+def _update_sees_padding(path, leaf: Sharded) -> str:
     return (
-        f"init_optimizer: the optimizer computes on the padded arrays of uneven leaves, and "
-        f"{what} on the zero padding rows (a transform that looks at whole matrices, such "
-        "as optax.adafactor or optax.contrib.muon), so opt.update on the sharded state would "
-        "not give optax's numbers on the unsharded parameters. Wrap it: opt = "
-        "fs.shard_optimizer(opt), then fs.init_optimizer(opt, state) and opt.update(grads, "
-        "opt_state, state) as before (it gathers each uneven leaf to run the optimizer on its "
-        "logical shape), or give those leaves a size the shard count divides."
+        f"{_text.where('init_optimizer', None)} leaf {_padding_probe.describe(path, leaf)}: "
+        "the optimizer's update of its real rows depends on its zero padding rows (it looks "
+        "at the whole padded matrix, as optax.adafactor and optax.contrib.muon do), so "
+        "opt.update on the sharded state would not give optax's numbers on the unsharded "
+        f"parameters. {_WRAP}"
+    )
+
+
+def _state_sees_padding(path) -> str:
+    return (
+        f"init_optimizer: the optimizer state at {_text.leaf_name(path)} depends on the zero "
+        "padding rows of an uneven leaf (its shape or values differ from optax's on the "
+        f"unsharded parameters). {_WRAP}"
     )
 
 
 def _check_padding(opt: Any, state: Any) -> None:
     """Refuses `opt` if its plain update on `state` would depend on padding rows."""
     updates, states = _padding_probe.padding_dependence(opt, state)
-    if updates or states:
-        raise errors.ShardingValueError(_sees_padding(updates, states))
+    problems = [_update_sees_padding(path, leaf) for path, leaf in updates]
+    if not problems:  # state that differs is reported only when no update does
+        problems = [_state_sees_padding(path) for path, _ in states]
+    if problems:
+        raise errors.ShardingValueError(_text.joined(problems))
 
 
 def init_optimizer(opt: Any, state: Any) -> Any:

@@ -113,9 +113,13 @@ def _close(logical: np.ndarray, padded_real: np.ndarray) -> bool:
     return bool(np.all(np.abs(logical - padded_real) <= tolerance))
 
 
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(jax.random.key_data(x) if is_key(x) else x)
+
+
 def _agrees(node: Sharded, logical: Any, padded: Any, check_padding: bool) -> bool:
     """Whether one array of the padded run matches the logical run on `node`'s real rows."""
-    logical, padded = np.asarray(logical), np.asarray(padded)
+    logical, padded = _host(logical), _host(padded)
     if logical.shape == padded.shape:
         return _close(logical, padded)
     if logical.shape != tuple(node.shape) or padded.shape != node.padded_shape:
@@ -128,7 +132,7 @@ def _agrees(node: Sharded, logical: Any, padded: Any, check_padding: bool) -> bo
 def _item_agrees(logical: Any, padded: Any, check_padding: bool) -> bool:
     """Whether the two runs agree on one flattened item (a `Sharded` node or an array)."""
     if not isinstance(padded, Sharded):
-        return _close(np.asarray(logical), np.asarray(padded))
+        return _close(_host(logical), _host(padded))
     if not is_uneven(padded):
         return True  # a stand-in: the same in both runs
     pairs = zip(jax.tree.leaves(logical.data), jax.tree.leaves(padded.data), strict=True)
@@ -201,8 +205,8 @@ def _probe_or_none(opt: Any, state: Any) -> tuple[list, list] | None:
     except Exception:  # noqa: BLE001
         # E.g. an update that needs extra arguments (`value=` of reduce_on_plateau).
         logger.warning("init_optimizer could not probe the optimizer on the uneven leaves "
-                       "(it raised; see the debug record); if it looks at whole matrices, "
-                       "wrap it with fs.shard_optimizer", exc_info=True)
+                       "(it raised the error below); if it looks at whole matrices, wrap it "
+                       "with fs.shard_optimizer", exc_info=True)
         return None
 
 
