@@ -22,11 +22,13 @@ from funshard.core._options import trainable_flags as trainable_flags
 from funshard.core._placement import Replicate as Replicate
 from funshard.core._placement import Shard as Shard
 from funshard.core._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
+from funshard.core._random import fold_in as fold_in_key
 from funshard.core._policy import param_dtype_for as param_dtype_for
 from funshard.core._routes import LeafRoute as LeafRoute
 from funshard.core._routes import leaf_routes as leaf_routes
 from funshard.core._routes import state_axes as state_axes
 from funshard.core._scan import scan as scan
+from funshard.core._shard_optimizer import LeafStatistics as LeafStatistics
 from funshard.core._shard_optimizer import shard_optimizer as shard_optimizer
 from funshard.core._shard import dtype_problem as dtype_problem
 from funshard.core._shard import reshard as reshard

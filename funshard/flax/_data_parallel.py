@@ -71,11 +71,9 @@ def device_index(dp_axes: tuple[str, ...]) -> jax.Array:
 
 
 def fold_in(key: jax.Array, index: jax.Array) -> jax.Array:
-    """`jax.random.fold_in` of every key of a (possibly shaped) typed key array."""
-    if key.ndim == 0:
-        return jax.random.fold_in(key, index)
-    flat = key.reshape(-1)
-    return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(key.shape)
+    """`jax.random.fold_in` of every key of a (possibly shaped) typed key array (the
+    root's own fold for the step's key arguments)."""
+    return core.fold_in_key(key, index)
 
 
 def check_no_other_mesh(fn: str, mesh) -> None:
