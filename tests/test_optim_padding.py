@@ -139,6 +139,23 @@ def test_factored_statistics_of_uneven_leaves_are_replicated():
     assert v_col.shape == (130,) and v_col.sharding.is_fully_replicated
 
 
+def test_wrapped_state_saves_restores_and_has_a_state_dict(tmp_path):
+    # adafactor's statistics are not Sharded leaves of the wrapper's state, so the
+    # checkpoint functions treat them as plain arrays (inside a Sharded node they fail).
+    state = fs.shard(_params({"uneven": (130, 128), "even": (136, 128)}), mesh_for("8"))
+    opt = fs.shard_optimizer(_adafactor())
+    opt_state = fs.init_optimizer(opt, state)
+    _, opt_state = jax.jit(opt.update)(state, opt_state, state)
+    fs.save(tmp_path / "opt", opt_state)
+    restored = fs.restore(tmp_path / "opt", fs.init_optimizer(opt, jax.eval_shape(lambda: state)))
+    for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(restored), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(a, b)
+    shapes = {k: v.shape for k, v in fs.state_dict(opt_state).items()}
+    assert shapes["[0].v_col['uneven'].data"] == (130,)
+    assert shapes["[0].v_col['even'].data"] == (136,)
+
+
 @pytest.mark.parametrize("make_opt, shape, padded", [
     (_adafactor, (130, 128), (136, 128)),
     # muon on a (130, 128) leaf is exact padded: it orthogonalises the 128 columns.

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from funshard import _text, comm, errors
 from funshard.core import _padding_probe, _tree
-from funshard.core._shard_optimizer import is_shard_optimizer
+from funshard.core._shard_optimizer import LeafStatistics, is_shard_optimizer
 from funshard.core._sharded import Sharded, is_sharded
 
 
@@ -34,7 +34,7 @@ def sharding_on(mesh: Mesh, x: Any) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _node_sharding(leaf: Sharded, x: Any) -> NamedSharding:
+def _node_sharding(leaf: comm.LayoutFacts, x: Any) -> NamedSharding:
     """Where one array of an optimizer state's `Sharded` node lives.
 
     A moment shaped like the padded parameter is laid out like it. Another array that
@@ -51,7 +51,7 @@ def _node_sharding(leaf: Sharded, x: Any) -> NamedSharding:
     return NamedSharding(leaf.mesh, PartitionSpec())
 
 
-def _place_in_node(leaf: Sharded, x: Any) -> Any:
+def _place_in_node(leaf: comm.LayoutFacts, x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         # An abstract state array says where it will live, as a concrete one does.
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_node_sharding(leaf, x),
@@ -66,6 +66,9 @@ def _place(mesh: Mesh, x: Any) -> Any:
     if isinstance(x, Sharded):
         data = jax.tree.map(lambda a: _place_in_node(x, a), x.data)
         return dataclasses.replace(x, data=data)
+    if isinstance(x, LeafStatistics):
+        return LeafStatistics(jax.tree.map(lambda a: _place_in_node(x.layout, a), x.data),
+                              x.layout)
     if isinstance(x, jax.core.Tracer):
         return x  # under a trace, the enclosing jit decides where its outputs go
     if isinstance(x, jax.ShapeDtypeStruct):
@@ -156,4 +159,5 @@ def init_optimizer(opt: Any, state: Any) -> Any:
     if not is_shard_optimizer(opt):
         _check_padding(opt, state)
     opt_state = jax.eval_shape(opt.init, state) if _is_abstract(state) else opt.init(state)
-    return jax.tree.map(lambda x: _place(mesh, x), opt_state, is_leaf=is_sharded)
+    return jax.tree.map(lambda x: _place(mesh, x), opt_state,
+                        is_leaf=lambda x: isinstance(x, (Sharded, LeafStatistics)))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from funshard import comm
 from funshard.core._sharded import Sharded, is_sharded
 
 # Set while `init_optimizer`'s probe runs a transform on single-device host copies: there
@@ -41,6 +42,59 @@ def probing() -> Iterator[None]:
         yield
     finally:
         _PROBING.reset(token)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LeafStatistics:
+    """Optimizer state of one sharded parameter that is not shaped like the parameter.
+
+    optax maps its `init` over each `Sharded` leaf's `.data`, so an array it derives
+    from a parameter lands inside that parameter's `Sharded` node even when it is not a
+    moment of the parameter's shape: adafactor's row and column statistics are vectors.
+    A `Sharded` node whose `data` is not its padded layout is no leaf funshard can gather,
+    save or restore; `shard_optimizer` keeps such arrays in this node instead, with the
+    parameter's layout as static metadata, and hands them back to the transform as the
+    `Sharded` node it built.
+
+    Attributes:
+      data: the array (or subtree of arrays), replicated on the mesh, or split along the
+        sharded dimension when it spans the parameter's padded rows.
+      layout: the parameter's `funshard.comm.Layout`.
+    """
+
+    data: Any
+    layout: comm.Layout = dataclasses.field(metadata=dict(static=True))
+
+    def __repr__(self) -> str:
+        return f"LeafStatistics(param_shape={self.layout.shape}, data={self.data!r})"
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, (Sharded, LeafStatistics))
+
+
+def _in_layout(x: Sharded) -> bool:
+    """Whether every array of the node is a (padded) moment of its parameter."""
+    return all(tuple(getattr(a, "shape", ())) == x.padded_shape for a in jax.tree.leaves(x.data))
+
+
+def state_out(state: Any) -> Any:
+    """The transform's state as stored: odd-shaped arrays moved out of `Sharded` nodes."""
+    def node(x):
+        if isinstance(x, Sharded) and not _in_layout(x):
+            return LeafStatistics(x.data, x.layout)
+        return x
+
+    return jax.tree.map(node, state, is_leaf=is_sharded)
+
+
+def state_in(state: Any) -> Any:
+    """The stored state as the transform built it (the inverse of `state_out`)."""
+    def node(x):
+        return Sharded.from_layout(x.layout, x.data) if isinstance(x, LeafStatistics) else x
+
+    return jax.tree.map(node, state, is_leaf=_is_node)
 
 
 def is_uneven(x: Any) -> bool:
@@ -137,8 +191,10 @@ def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransfor
     state of even leaves the compiled update is plain optax's.
 
     Optimizer state shaped like its parameter stays padded and sharded like it (so
-    checkpoints and memory stay sharded); state of other shapes belonging to an uneven
-    leaf (adafactor's row and column statistics) is replicated on the mesh.
+    checkpoints and memory stay sharded). State of other shapes derived from a parameter
+    (adafactor's row and column statistics) is held in a `LeafStatistics` node, so that
+    `fs.save`, `fs.restore` and `fs.state_dict` treat it as plain arrays: replicated on
+    the mesh for an uneven leaf; for an even leaf where a jitted update puts it.
 
     Args:
       opt: any optax `GradientTransformation` (extra arguments of its `update`, such as
@@ -150,17 +206,21 @@ def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransfor
     """
     inner = optax.with_extra_args_support(opt)
 
+    # Moving arrays between `Sharded` and `LeafStatistics` nodes changes the pytree, not
+    # the program: for even leaves the compiled update stays plain optax's.
     def init(params):
         if not _has_uneven(params):
-            return inner.init(params)
-        return to_padded(inner.init(to_logical(params)))
+            return state_out(inner.init(params))
+        return state_out(to_padded(inner.init(to_logical(params))))
 
     def update(updates, state, params=None, **extra_args):
+        state = state_in(state)
         if not (_has_uneven(updates) or _has_uneven(params)):
-            return inner.update(updates, state, params, **extra_args)
+            new_updates, new_state = inner.update(updates, state, params, **extra_args)
+            return new_updates, state_out(new_state)
         new_updates, new_state = inner.update(
             to_logical(updates), to_logical(state), to_logical(params), **extra_args)
-        return to_padded(new_updates), to_padded(new_state)
+        return to_padded(new_updates), state_out(to_padded(new_state))
 
     # `init_optimizer` skips its padding probe for this transform (and only this one:
     # a chain around it is probed, and passes, since this part computes logically).
