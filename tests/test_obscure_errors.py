@@ -129,6 +129,22 @@ def test_vmap_over_the_step_matches_plain_jax_per_batch(mesh_name):
                       jax.tree.map(lambda g: g[k], want))
 
 
+def test_string_leaf_reaching_the_optimizer_is_named():
+    # A string passes through fs.shard and the step, but optax failed deep inside with
+    # "data type 'mlp' not understood"; plain optax fails on it too.
+    import optax
+
+    state = fs.shard({"w": jnp.ones((8, 4)), "name": "mlp"}, mesh_for("8"))
+    with pytest.raises(TypeError):
+        optax.adamw(1e-3).init({"w": jnp.ones((8, 4)), "name": "mlp"})
+    with pytest.raises(errors.ShardingTypeError) as info:
+        fs.init_optimizer(optax.adamw(1e-3), state)
+    assert "['name']: str" in str(info.value)
+    assert "extra argument" in str(info.value)
+    state = fs.shard({"w": jnp.ones((8, 4)), "lr_scale": 0.5, "none": None}, mesh_for("8"))
+    fs.init_optimizer(optax.adamw(1e-3), state)  # Python numbers and None are fine
+
+
 def test_unshard_of_data_that_is_not_the_layout_names_the_leaf():
     import dataclasses
 
