@@ -29,7 +29,6 @@ from funshard.core._routes import leaf_routes as leaf_routes
 from funshard.core._routes import state_axes as state_axes
 from funshard.core._scan import scan as scan
 from funshard.core._shard_optimizer import LeafStatistics as LeafStatistics
-from funshard.core._shard_optimizer import LeafStatistics as LeafStatistics
 from funshard.core._shard_optimizer import shard_optimizer as shard_optimizer
 from funshard.core._shard import dtype_problem as dtype_problem
 from funshard.core._shard import reshard as reshard
