@@ -7,6 +7,12 @@ the architecture (docs/architecture.md): `funshard.comm` (collectives), `funshar
 optional `funshard.flax`.
 """
 
+from funshard import _jax_compat
+
+# Before anything can start JAX's CPU backend: give its thread pool room for asynchronous
+# steps on simulated devices (docs/concepts.md, "Asynchronous steps on CPU devices").
+_jax_compat.widen_cpu_pool()
+
 from funshard import errors as errors
 from funshard.comm import make_mesh as make_mesh
 from funshard.core import MixedPrecisionPolicy as MixedPrecisionPolicy

@@ -10,6 +10,8 @@ one-file job.
 from __future__ import annotations
 
 import functools
+import os
+import re
 from typing import Any, Callable
 
 import jax
@@ -77,6 +79,84 @@ def backends_started() -> bool:
     except ImportError:
         return False
     return bool(getattr(xla_bridge, "backends_are_initialized", lambda: False)())
+
+# XLA's CPU client reads this (then NPROC) as its core count when it sizes its pool.
+_CPU_POOL_ENV = "PJRT_NPROC"
+
+
+def cpu_devices_requested() -> int:
+    """How many devices the CPU backend will create: `jax_num_cpu_devices` if set, else
+    `--xla_force_host_platform_device_count` in `XLA_FLAGS`, else 1. Starts no backend.
+    """
+    count = jax.config.jax_num_cpu_devices
+    if count >= 0:
+        return count
+    flags = re.findall(r"--xla_force_host_platform_device_count[= ](\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    return int(flags[-1]) if flags else 1
+
+
+def cpu_pool_threads(devices: int, cores: int) -> int | None:
+    """The `PJRT_NPROC` funshard sets for a CPU client of `devices` devices on `cores`
+    cores, or None where XLA's own pool is already large enough.
+
+    XLA's CPU client runs everything on one pool of max(cores, devices) threads. A
+    program over several devices takes one thread per device at once (its in-process
+    collectives wait for all of them), and the launch of the next program, also a pool
+    task, blocks on a thread when a device already has 32 programs in flight (the
+    client's pacing). An asynchronous loop reaches that limit within a few dozen steps;
+    then one blocked launch leaves the running program a thread short and XLA aborts
+    ("Expected 8 threads to join the rendezvous, but only 7 of them arrived"). Twice
+    the devices leaves room for the running program and the launch of the next one.
+    """
+    needed = 2 * devices
+    return needed if needed > cores else None
+
+
+def _xla_cpu_cores() -> int:
+    """The core count XLA's CPU client assumes: `NPROC` if set, else the cores this
+    process may run on (`tsl::port::MaxParallelism`)."""
+    nproc = os.environ.get("NPROC", "")
+    if nproc.isdigit():
+        return int(nproc)
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def widen_cpu_pool() -> None:
+    """Makes the CPU backend, when JAX creates it, size its thread pool by
+    `cpu_pool_threads` (called at `import funshard`; starts no backend).
+
+    Relies on `jax._src.xla_bridge._backend_factories["cpu"].factory` (JAX calls it
+    once, when the backend starts) and on XLA's CPU client reading `PJRT_NPROC` as its
+    core count (`xla::DefaultThreadPoolSize`). The variable is set only while the client
+    is created and only if the user has not set it; a backend already running is left
+    as it is. Guarded by tests/test_async_loop.py.
+    """
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return
+    registration = getattr(xla_bridge, "_backend_factories", {}).get("cpu")
+    factory = getattr(registration, "factory", None)
+    if factory is None or getattr(factory, "_funshard_pool", False):
+        return
+
+    @functools.wraps(factory)
+    def make_cpu_client(*args, **kwargs):
+        threads = cpu_pool_threads(cpu_devices_requested(), _xla_cpu_cores())
+        if threads is None or _CPU_POOL_ENV in os.environ:
+            return factory(*args, **kwargs)
+        os.environ[_CPU_POOL_ENV] = str(threads)
+        try:
+            return factory(*args, **kwargs)
+        finally:
+            os.environ.pop(_CPU_POOL_ENV, None)
+
+    make_cpu_client._funshard_pool = True
+    registration.factory = make_cpu_client
+
 
 
 def coordination_client() -> Any:
