@@ -80,6 +80,7 @@ def backends_started() -> bool:
         return False
     return bool(getattr(xla_bridge, "backends_are_initialized", lambda: False)())
 
+
 # XLA's CPU client reads this (then NPROC) as its core count when it sizes its pool.
 _CPU_POOL_ENV = "PJRT_NPROC"
 
@@ -156,7 +157,6 @@ def widen_cpu_pool() -> None:
 
     make_cpu_client._funshard_pool = True
     registration.factory = make_cpu_client
-
 
 
 def coordination_client() -> Any:
