@@ -13,6 +13,20 @@
 See docs/torch.md.
 """
 
+try:
+    import torch as _torch  # noqa: F401  (the optional extra, checked before the modules)
+except ModuleNotFoundError as error:
+    if error.name != "torch":
+        raise
+    # A subclass of ImportError with the missing module's name, as pytest.importorskip
+    # and `except ModuleNotFoundError` expect; the message names the extra to install.
+    raise ModuleNotFoundError(
+        'torch_frontend needs PyTorch, an optional extra of funshard: pip install "funshard[torch]" '
+        "(torch >=2.13,<2.15; on a CPU-only machine install torch from PyTorch's CPU wheel index "
+        "first, see docs/torch.md).",
+        name="torch",
+    ) from error
+
 from torch_frontend._checkpoint import restore as restore
 from torch_frontend._checkpoint import save as save
 from torch_frontend._clip import clip_grad_norm_ as clip_grad_norm_

@@ -30,7 +30,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from flax import nnx
+try:
+    from flax import nnx
+except ModuleNotFoundError as error:
+    if error.name != "flax":
+        raise
+    # A subclass of ImportError with the missing module's name, as pytest.importorskip
+    # and `except ModuleNotFoundError` expect; the message names the extra to install.
+    raise ModuleNotFoundError(
+        'funshard.flax needs Flax, an optional extra of funshard: pip install "funshard[flax]" '
+        '(or "funshard[examples]" for examples/train_lm.py).',
+        name="flax",
+    ) from error
 
 import funshard as fs
 from funshard.flax import _linen_guard, _nnx
