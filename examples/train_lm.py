@@ -47,6 +47,15 @@ except ImportError:  # not POSIX: run folders are not locked
 # The devices are simulated on the CPU; must be set before JAX picks a backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# The examples extra, named instead of a bare "No module named 'flax'".
+for _module in ("flax", "rich"):
+    if importlib.util.find_spec(_module) is None:
+        raise ModuleNotFoundError(
+            f"examples/train_lm.py needs {_module}, part of the examples extra: "
+            'pip install "funshard[examples]" (in a checkout: pip install -e ".[examples]")',
+            name=_module,
+        )
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

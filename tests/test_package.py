@@ -8,6 +8,7 @@ package were not installed.
 """
 
 import email.parser
+import json
 import shutil
 import subprocess
 import sys
@@ -77,34 +78,46 @@ def test_wheel_metadata(wheel):
 
 
 def _import_without(module: str, missing: str) -> tuple[str, str, str | None]:
-    """Imports `module` in a fresh interpreter where `missing` cannot be imported."""
+    """Imports `module` (or runs a script's path) in an interpreter without `missing`."""
+    if module.endswith(".py"):
+        # --help: were the check missing, argparse would exit instead of training.
+        load = f"sys.argv = [{module!r}, '--help']; runpy.run_path({module!r}, run_name='__main__')"
+    else:
+        load = f"import {module}"
     code = textwrap.dedent(
         f"""
-        import sys
+        import json, runpy, sys
         sys.modules[{missing!r}] = None
         try:
-            import {module}
+            {load}
         except BaseException as error:
-            print(type(error).__name__, isinstance(error, ImportError), error.name, sep="\\n")
-            print(error)
+            name = getattr(error, "name", None)
+            result = [type(error).__name__, isinstance(error, ImportError), name, str(error)]
         else:
-            print("imported")
+            result = None
+        print("RESULT", json.dumps(result))
         """
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert lines[0] != "imported", f"import {module} succeeded without {missing}"
-    kind, is_import_error, name, *message = lines
-    assert is_import_error == "True", f"{kind} is not an ImportError: {message}"
-    return kind, "\n".join(message), name
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result is not None, f"{module} loaded without {missing}"
+    kind, is_import_error, name, message = result
+    assert is_import_error, f"{kind} is not an ImportError: {message}"
+    return kind, message, name
 
 
 @pytest.mark.parametrize(
     "module, missing, extra",
-    [("torch_frontend", "torch", "funshard[torch]"), ("funshard.flax", "flax", "funshard[flax]")],
+    [
+        ("torch_frontend", "torch", "funshard[torch]"),
+        ("funshard.flax", "flax", "funshard[flax]"),
+        ("examples/train_lm.py", "flax", "funshard[examples]"),
+        ("examples/train_lm.py", "rich", "funshard[examples]"),
+    ],
 )
 def test_missing_extra_names_it(module, missing, extra):
     kind, message, name = _import_without(module, missing)
