@@ -22,6 +22,7 @@ from funshard.core import Sharded as Sharded
 from funshard.core import fully_shard as fully_shard
 from funshard.core import grad as grad
 from funshard.core import init_optimizer as init_optimizer
+from funshard.core import lax_scan as lax_scan
 from funshard.core import reshard as reshard
 from funshard.core import scan as scan
 from funshard.core import shard as shard
@@ -60,6 +61,7 @@ __all__ = [
     "fully_shard",
     "grad",
     "init_optimizer",
+    "lax_scan",
     "load_state_dict",
     "make_mesh",
     "plan",

@@ -115,3 +115,240 @@ def test_scan_requires_a_stacked_state():
     state = fs.shard(_stack(_layers()), mesh_for("8"))
     with pytest.raises(ValueError, match=r"stacked=True"):
         fs.scan(_layer, state, _x())
+
+
+# fs.lax_scan: jax.lax.scan's calling convention over the same sharded stack. The model
+# below is written as outside code writes it (a GPT-2-like residual block with a
+# per-layer auxiliary output), scanned with jax.lax.scan on plain parameters.
+
+def _block(h, x):
+    """One residual block in lax.scan's order: (carry, layer) -> (carry, per-layer y)."""
+    p, scale = x["params"], x["scale"]
+    out = h + jnp.tanh(h @ p["w"] + p["b"]) * p["gain"] * scale
+    return out, {"aux": jnp.mean(out**2), "first": out[:, 0]}
+
+
+def _per_layer_scale():
+    # An extra per-layer input (not a parameter) in xs beside the stacked layers.
+    return jnp.linspace(0.5, 1.5, LAYERS)
+
+
+def _model_loss(scan, blocks, h):
+    h, ys = scan(_block, h, {"params": blocks, "scale": _per_layer_scale()})
+    # The per-layer outputs enter the loss, so their cotangents flow back per layer.
+    return jnp.mean(h**2) + 0.1 * jnp.sum(ys["aux"]) + 0.01 * jnp.mean(ys["first"] ** 3)
+
+
+def _lax_scan_loss(reshard):
+    def scan(f, init, xs):
+        return fs.lax_scan(f, init, xs, reshard_after_forward=reshard)
+
+    return lambda state, h: _model_loss(scan, state, h)
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_lax_scan_matches_jax_lax_scan(mesh_name, reshard):
+    stack = _stack(_layers())
+    state = fs.shard(stack, mesh_for(mesh_name), stacked=True)
+    loss, grads = jax.jit(fs.value_and_grad(_lax_scan_loss(reshard)))(state, _x())
+    ref_loss, ref_grads = jax.value_and_grad(
+        lambda ps, h: _model_loss(jax.lax.scan, ps, h))(stack, _x())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    got = fs.unshard(grads)
+    assert jax.tree.structure(got) == jax.tree.structure(ref_grads)
+    for name in ("w", "b", "gain"):
+        np.testing.assert_allclose(got[name], ref_grads[name], atol=1e-6, rtol=1e-5)
+
+
+def test_lax_scan_outside_a_step_returns_what_jax_lax_scan_returns():
+    stack = _stack(_layers())
+    state = fs.shard(stack, mesh_for("4"), stacked=True)
+    xs = {"params": state, "scale": _per_layer_scale()}
+    got = fs.lax_scan(_block, _x(), xs)
+    want = jax.lax.scan(_block, _x(), {"params": stack, "scale": _per_layer_scale()})
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_lax_scan_takes_the_stacked_state_as_xs_and_no_per_layer_output():
+    # The one-call port: jax.lax.scan(block, h, params) -> fs.lax_scan(block, h, state).
+    def block(h, p):
+        return _layer(p, h), None
+
+    state = fs.shard(_stack(_layers()), mesh_for("8"), stacked=True)
+    loss, grads = jax.jit(fs.value_and_grad(
+        lambda s, h: jnp.mean(fs.lax_scan(block, h, s, length=LAYERS)[0] ** 2)))(state, _x())
+    ref_loss, ref_grads = jax.value_and_grad(
+        lambda s, h: jnp.mean(jax.lax.scan(block, h, s)[0] ** 2))(_stack(_layers()), _x())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(fs.unshard(grads)["w"], ref_grads["w"], atol=1e-6, rtol=1e-5)
+    assert fs.lax_scan(block, _x(), state)[1] is None
+
+
+def test_lax_scan_gathers_each_layer_once_inside_the_loop():
+    state = fs.shard(_stack(_layers()), mesh_for("8"), stacked=True)
+    text = compiled(fs.value_and_grad(_lax_scan_loss(True)), state, _x())[1]
+    comps = computations(text)
+    entry, total = count_by_kind(comps["ENTRY"]), count_by_kind(text)
+    # As for fs.scan: the first layer's gather (forward) and the last layer's (backward)
+    # outside the loops, every other gather a prefetch inside a loop body (one per
+    # layer: the unit's leaves travel in one collective), each layer's reduce-scatter
+    # inside the backward loop.
+    assert entry["all-gather"] == 2 and total["all-gather"] == 4
+    assert entry["reduce-scatter"] == 0 and total["reduce-scatter"] == 1
+    assert " while(" in comps["ENTRY"]
+
+
+def test_lax_scan_reshard_saves_memory_without_recompute():
+    state = fs.shard(_stack(_layers()), mesh_for("8"), stacked=True)
+    x = jax.random.normal(jax.random.key(5), (256, WIDTH))
+    exe = {r: compiled(fs.value_and_grad(_lax_scan_loss(r)), state, x)[0] for r in (True, False)}
+    temp = {r: e.memory_analysis().temp_size_in_bytes for r, e in exe.items()}
+    flops = {r: e.cost_analysis()["flops"] for r, e in exe.items()}
+    assert temp[True] < temp[False], temp
+    assert abs(flops[True] - flops[False]) <= 0.02 * flops[False], flops
+
+
+def _pair_block(h, p):
+    return _layer(p, h), None
+
+
+def _carry_only_block(h, p):
+    return _layer(p, h)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda s, h: fs.lax_scan(_pair_block, s, h), ValueError,
+         r"passed as init.*xs \(the\s+third argument\).*fs\.scan"),
+        (lambda s, h: fs.scan(_layer, h, s), ValueError, r"passed as the carry.*fs\.lax_scan"),
+        (lambda s, h: fs.lax_scan(_carry_only_block, h, s), TypeError,
+         r"_carry_only_block returned .*, not a pair \(carry, y\).*fs\.scan"),
+        (lambda s, h: fs.lax_scan(_pair_block, h, s, reverse=True), NotImplementedError,
+         r"reverse=True"),
+        (lambda s, h: fs.lax_scan(_pair_block, h, s, unroll=2), NotImplementedError,
+         r"unroll=2"),
+        (lambda s, h: fs.lax_scan(_pair_block, h, s, length=LAYERS + 1), ValueError,
+         rf"length={LAYERS + 1}, but xs stacks {LAYERS} layers"),
+        (lambda s, h: fs.lax_scan(_pair_block, h, (s, jnp.ones(LAYERS + 1))), ValueError,
+         r"disagree on the number of layers"),
+        (lambda s, h: fs.lax_scan(_pair_block, h, (s, jnp.float32(2.0))), ValueError,
+         r"leaf \[1\] of xs has shape \(\), no layer axis"),
+        (lambda s, h: fs.lax_scan(_pair_block, h, (s, "mlp")), ValueError,
+         r"leaf \[1\] of xs has a str, no layer axis"),
+        (lambda s, h: fs.lax_scan(_pair_block, h, _stack(_layers())), ValueError,
+         r"no fs\.Sharded leaves"),
+        (lambda s, h: fs.lax_scan(_pair_block, h, s, reshard_after_forward=2),
+         NotImplementedError, r"lax_scan: reshard_after_forward=2 \(hpZ\)"),
+    ],
+    ids=["init-holds-layers", "scan-carry-holds-layers", "not-a-pair", "reverse", "unroll",
+         "length", "extra-layer-count", "extra-0d", "extra-str", "plain-params", "hpz"],
+)
+def test_lax_scan_misuse_raises_clear_errors(call, error, match):
+    state = fs.shard(_stack(_layers()), mesh_for("8"), stacked=True)
+    with pytest.raises(error, match=match):
+        call(state, _x())
+
+
+def test_lax_scan_requires_a_stacked_state():
+    state = fs.shard(_stack(_layers()), mesh_for("8"))
+    with pytest.raises(ValueError, match=r"lax_scan: leaf .* stacked=True"):
+        fs.lax_scan(_pair_block, _x(), state)
+
+
+def test_lax_scan_integer_outputs_and_inputs_under_bf16_params():
+    # Integer per-layer outputs (argmax-like routing) and inputs (layer ids) have no
+    # gradient; a floating per-layer input that varies with the batch meets bf16 compute.
+    def block(h, x):
+        p, layer_id, noise = x
+        out = jnp.tanh(h @ p["w"] + p["b"]) + 0.1 * noise
+        return out, (jnp.argmax(out, axis=-1), layer_id * 2, jnp.mean(out))
+
+    def loss(scan, stack, h):
+        noise = jnp.stack([h * (i + 1) for i in range(LAYERS)])
+        h, (_, ids, means) = scan(block, h, (stack, jnp.arange(LAYERS), noise))
+        return jnp.mean(h**2) + jnp.sum(means) + 0 * jnp.sum(ids)
+
+    stack = _stack(_layers())
+    policy = fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
+    state = fs.shard(stack, mesh_for("8"), stacked=True, mp_policy=policy)
+    got, grads = jax.jit(fs.value_and_grad(lambda s, h: loss(fs.lax_scan, s, h)))(state, _x())
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), stack)
+    want, want_grads = jax.value_and_grad(
+        lambda s, h: loss(jax.lax.scan, s, h))(bf16, _x().astype(jnp.bfloat16))
+    assert grads["w"].dtype == jnp.float32
+    np.testing.assert_allclose(got, want.astype(jnp.float32), rtol=2e-2)
+    np.testing.assert_allclose(fs.unshard(grads)["w"], want_grads["w"].astype(jnp.float32),
+                               atol=2e-2, rtol=5e-2)
+
+
+# The GPT-2-like model of docs/training.md, written for jax.lax.scan: porting it to
+# funshard changes the scan call only.
+D, HEADS, T, VOCAB = 32, 4, 8, 64
+
+
+def _layer_norm(x, g):
+    x = x - x.mean(-1, keepdims=True)
+    return x * jax.lax.rsqrt((x**2).mean(-1, keepdims=True) + 1e-5) * g
+
+
+def _gpt2_block(h, p):
+    b, t, d = h.shape
+    q, k, v = jnp.split(_layer_norm(h, p["ln_1"]) @ p["c_attn"], 3, axis=-1)
+    q, k, v = (a.reshape(b, t, HEADS, d // HEADS) for a in (q, k, v))
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // HEADS)
+    att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -jnp.inf)
+    y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, -1), v).reshape(b, t, d)
+    h = h + y @ p["attn_proj"]
+    h = h + jax.nn.gelu(_layer_norm(h, p["ln_2"]) @ p["c_fc"]) @ p["mlp_proj"]
+    return h, jnp.mean(h**2)
+
+
+def _gpt2_loss(params, tokens, scan=jax.lax.scan):
+    h = params["wte"][tokens[:, :-1]] + params["wpe"][: tokens.shape[1] - 1]
+    h, act_sq = scan(_gpt2_block, h, params["blocks"])
+    logits = _layer_norm(h, params["ln_f"]) @ params["wte"].T
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)
+    return nll.mean() + 1e-3 * act_sq.sum()
+
+
+def _gpt2_params():
+    keys = iter(jax.random.split(jax.random.key(0), 8))
+
+    def normal(*shape):
+        return jax.random.normal(next(keys), shape) * 0.02
+
+    blocks = {"ln_1": jnp.ones((LAYERS, D)), "ln_2": jnp.ones((LAYERS, D)),
+              "c_attn": normal(LAYERS, D, 3 * D), "attn_proj": normal(LAYERS, D, D),
+              "c_fc": normal(LAYERS, D, 4 * D), "mlp_proj": normal(LAYERS, 4 * D, D)}
+    return {"wte": normal(VOCAB, D), "wpe": normal(T, D), "ln_f": jnp.ones(D), "blocks": blocks}
+
+
+def test_gpt2_style_model_ports_with_one_call():
+    mesh = mesh_for("2x4")  # HSDP: the parity tests above cover the 1-D mesh
+    params = _gpt2_params()
+    tokens = jax.random.randint(jax.random.key(1), (16, T + 1), 0, VOCAB)
+    state = fs.shard({k: v for k, v in params.items() if k != "blocks"}, mesh)
+    state["blocks"] = fs.shard(params["blocks"], mesh, stacked=True)
+
+    def sharded_loss(state, tokens):
+        rest = fs.unshard({k: v for k, v in state.items() if k != "blocks"})
+        return _gpt2_loss({**rest, "blocks": state["blocks"]}, tokens, scan=fs.lax_scan)
+
+    loss, grads = jax.jit(fs.value_and_grad(sharded_loss))(state, tokens)
+    ref_loss, ref_grads = jax.value_and_grad(_gpt2_loss)(params, tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    got = fs.unshard(grads)
+    for path, want in jax.tree_util.tree_leaves_with_path(ref_grads):
+        np.testing.assert_allclose(_at(got, path), want, atol=1e-7, rtol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree

@@ -27,6 +27,7 @@ from funshard.core._policy import param_dtype_for as param_dtype_for
 from funshard.core._routes import LeafRoute as LeafRoute
 from funshard.core._routes import leaf_routes as leaf_routes
 from funshard.core._routes import state_axes as state_axes
+from funshard.core._scan import lax_scan as lax_scan
 from funshard.core._scan import scan as scan
 from funshard.core._shard_optimizer import LeafStatistics as LeafStatistics
 from funshard.core._shard_optimizer import shard_optimizer as shard_optimizer

@@ -263,25 +263,27 @@ def _layer_layout(sharded, name: str):
     return dataclasses.replace(stack, leaves=layer)
 
 
-def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: bool):
-    """`carry = fn(layer, carry)` over a stack of sharded layers, one custom_vjp.
+def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: bool,
+                 name: str):
+    """`carry, y = fn(carry, layer)` over a stack of sharded layers, one custom_vjp.
 
-    The forward is a `lax.scan` carrying a double buffer (this layer's gathered
-    parameters and the next layer's, gathered before this layer computes); the backward
-    is a reverse `lax.scan` that re-gathers each layer (prefetching the previous one)
-    and reduce-scatters its gradient as soon as the layer is done.
+    `fn` follows `jax.lax.scan`'s convention, and so does the result: the final carry
+    and the per-layer outputs `y` stacked on a new leading axis. The forward is a
+    `lax.scan` carrying a double buffer (this layer's gathered parameters and the next
+    layer's, gathered before this layer computes); the backward is a reverse `lax.scan`
+    that re-gathers each layer (prefetching the previous one) and reduce-scatters its
+    gradient as soon as the layer is done. The stack's other leaves (replicated
+    per-layer values, extra per-layer inputs) are sliced per layer like `lax.scan`'s xs
+    and, if floating, cast to `param_dtype`.
     """
     sharded = unit.sharded
     datas = tuple(x.data for x in sharded)
     if _in_step.accumulators_for(sharded) is not None:
         raise errors.UnsupportedError(_scan_deferred_sync_unsupported())
-    layout = _layer_layout(sharded, f"scan/{getattr(fn, '__name__', 'layer')}")
+    layout = _layer_layout(sharded, f"scan/{name}")
     others = unit.parts.others
     layers = datas[0].shape[0]
     record = Residuals()
-
-    def layer_params(gathered, others_i):
-        return unit.parts.combine(gathered, others_i)
 
     def gather_layer(datas, i, dependency):
         blocks = [jax.lax.dynamic_index_in_dim(d, i, keepdims=False) for d in datas]
@@ -292,13 +294,18 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
         return jax.lax.cond(pred, lambda: gather_layer(datas, i, dependency), lambda: current)
 
     def run_layer(gathered, others_i, h):
+        # Replicated per-layer values compute in param_dtype too, as in `call_resharded`
+        # and as outside a step (where the whole gathered stack is cast).
+        layer = unit.parts.combine(gathered, cast_floating(others_i, unit.param_dtype))
         with _context.unit_body():
-            return fn(layer_params(gathered, others_i), h)
+            return fn(h, layer)
 
     @filter_custom_vjp
     def run(datas, others, carry):
-        body = lambda h, xs: (run_layer(gather_layer(datas, xs[0], None), xs[1], h), None)  # noqa
-        return jax.lax.scan(body, carry, (jnp.arange(layers), others))[0]
+        def body(h, xs):
+            return run_layer(gather_layer(datas, xs[0], None), xs[1], h)
+
+        return jax.lax.scan(body, carry, (jnp.arange(layers), others))
 
     def run_fwd(datas, others, carry):
         def body(c, xs):
@@ -306,26 +313,27 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
             i, others_i = xs
             upcoming = prefetch(datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1),
                                 dependency_of(h), current)
-            h, vjp_fn = jax.vjp(run_layer, current, others_i, h)
+            (h, y), vjp_fn = jax.vjp(run_layer, current, others_i, h)
             kept = record.drop_gathered(vjp_fn, current if reshard_after_forward else ())
-            return (h, upcoming), kept
+            return (h, upcoming), (kept, y)
 
         first = gather_layer(datas, 0, dependency_of(carry))
-        (h, _), kept = jax.lax.scan(body, (carry, first), (jnp.arange(layers), others))
-        return h, (datas, others, carry, kept)
+        (h, _), (kept, ys) = jax.lax.scan(body, (carry, first), (jnp.arange(layers), others))
+        return (h, ys), (datas, kept)
 
     def run_bwd(res, ct):
-        datas, others, carry, kept = res
+        datas, kept = res
+        ct_carry, ct_ys = ct
 
         def body(c, xs):
             ct_h, current = c
-            i, kept_i = xs
+            i, kept_i, ct_y = xs
             if reshard_after_forward:
-                dependency = dependency_of(ct_h)
+                dependency = dependency_of((ct_h, ct_y))
                 previous = prefetch(datas, i > 0, jnp.maximum(i - 1, 0), dependency, current)
             else:
                 previous = current  # every layer's parameters were kept: nothing to gather
-            ct_g, ct_others, ct_h = record.resume(kept_i, current)(ct_h)
+            ct_g, ct_others, ct_h = record.resume(kept_i, current)((ct_h, ct_y))
             ct_blocks = comm.backward_values(ct_g, layout, None)[0]
             return (ct_h, previous), (ct_blocks, ct_others)
 
@@ -334,7 +342,7 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
         else:
             last = tuple(jnp.zeros(leaf.shape, leaf.gather_dtype) for leaf in layout.leaves)
         (ct_carry, _), (ct_datas, ct_others) = jax.lax.scan(
-            body, (ct, last), (jnp.arange(layers), kept), reverse=True
+            body, (ct_carry, last), (jnp.arange(layers), kept, ct_ys), reverse=True
         )
         return ct_datas, ct_others, ct_carry
 
