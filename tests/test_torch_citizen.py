@@ -508,6 +508,20 @@ def test_fully_shard_of_a_child_after_its_parent_is_an_error():
         tf.fully_shard(model[0])
 
 
+# torch 2.14's Dynamo, wrapping a compiled block's non-leaf input (model[2] gets model[1]'s
+# output), reads its `.grad` in `wrap_tensor`: `hasattr(t, "grad")` in `safe_has_grad`
+# (torch/_dynamo/variables/builder.py:376 in 2.14.1), then `t.grad` in `safe_grad`
+# (torch/_subclasses/meta_utils.py:103). Both hide the non-leaf `.grad` warning by swapping
+# `warnings.showwarning` (`torch._logging.hide_warnings`), which a filter that turns
+# warnings into errors runs before, so it raises here. Plain torch does the same (an
+# `nn.Linear`'s `.compile()` fed a non-leaf, no fully_shard), as does FSDP2; on 2.13 this
+# test does not reach them. Ignored only where those two modules warn: an access from
+# torch_frontend or the test is still an error.
+_NON_LEAF_GRAD = "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning:"
+
+
+@pytest.mark.filterwarnings(_NON_LEAF_GRAD + r"torch\._dynamo\.variables\.builder\Z")
+@pytest.mark.filterwarnings(_NON_LEAF_GRAD + r"torch\._subclasses\.meta_utils\Z")
 def test_torch_compile_per_block_trains_as_fsdp2():
     # `block.compile()` after fully_shard compiles the module's call, hooks included:
     # Dynamo must run the frontend's hooks eagerly (FSDP2's default) rather than trace
