@@ -2,8 +2,9 @@
 
 The FSDP benchmark (`benchmarks/fsdp/`) and the tests (`tests/_hlo.py`) both read their
 collective facts through this module, so a change in XLA's text format is fixed once.
-It imports nothing but the standard library: the tests load it by path, without the
-benchmark package and its device setup.
+It imports nothing but the standard library and `funshard._hlo` (the replica-group
+parser, which reads XLA's explicit and iota forms alike): the tests load it by path,
+without the benchmark package and its device setup.
 
 Three layers, each usable on its own:
 
@@ -23,6 +24,8 @@ import math
 import re
 from typing import Iterable, Iterator
 
+from funshard import _hlo
+
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -33,9 +36,6 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
-_GROUPS = re.compile(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +69,19 @@ class Collective:
     @property
     def replica_groups(self) -> str | None:
         """The `replica_groups=` attribute as written (`{{0,1},{2,3}}`, `[2,4]<=[8]`)."""
-        m = _GROUPS.search(self.rest)
-        return m.group(1) if m else None
+        return _hlo.replica_groups_attribute(self.rest)
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...] | None:
+        """The replica groups, whichever form XLA wrote them in (None: no attribute;
+        `()`: `{}`, all devices)."""
+        value = self.replica_groups
+        return None if value is None else _hlo.replica_groups(value)
 
     def group_size(self, default: int) -> int:
         """Devices in each replica group; `default` (all devices) when none is given."""
-        m = _GROUPS_LIST.search(self.rest)
-        if m:
-            return max(1, len([x for x in m.group(1).split(",") if x]))
-        m = _GROUPS_IOTA.search(self.rest)
-        return int(m.group(2)) if m else default
+        groups = self.groups
+        return max(1, len(groups[0])) if groups else default
 
 
 def _dims(dims: str) -> list[int]:

@@ -171,16 +171,37 @@ def coordination_client() -> Any:
     return distributed.global_state.client
 
 
+@functools.cache
 def jaxpr_internals() -> tuple[Any, Any]:
-    """`(jax._src.core, debug_callback_p)`: jaxprs to rewrite and the callback primitive.
+    """`(core, debug_callback_p)`: a namespace of the jaxpr types to rewrite, and the
+    callback primitive.
 
-    Relies on `core.Jaxpr.replace`, `core.JaxprEqn.replace`, `core.ClosedJaxpr.replace`,
-    `core.eval_jaxpr` and a `callback` parameter on `debug_callback_p`. Guarded by
-    tests/test_callbacks.py.
+    `core` has `ClosedJaxpr`, `Jaxpr`, `JaxprEqn` and `eval_jaxpr`: each from
+    `jax.extend.core` where it is there (the types are, in jax 0.10 and 0.12), else from
+    `jax._src.core` (`eval_jaxpr` is not in `jax.extend.core`); a name neither has is
+    absent, which `check()` reports. Relies on `Jaxpr.replace`, `JaxprEqn.replace`,
+    `ClosedJaxpr.replace`, `eval_jaxpr` and a `callback` parameter on
+    `debug_callback_p`. Guarded by tests/test_callbacks.py.
     """
-    from jax._src import core, debugging
+    import types
 
-    return core, debugging.debug_callback_p
+    from jax._src import core as private_core
+    from jax._src import debugging
+
+    try:
+        from jax.extend import core as public_core
+    except ImportError:
+        public_core = None
+    found = {}
+    for name in _JAXPR_NAMES:
+        for source in (public_core, private_core):
+            if source is not None and hasattr(source, name):
+                found[name] = getattr(source, name)
+                break
+    return types.SimpleNamespace(**found), getattr(debugging, "debug_callback_p", None)
+
+
+_JAXPR_NAMES = ("ClosedJaxpr", "Jaxpr", "JaxprEqn", "eval_jaxpr")
 
 
 def collectives_over_gloo(platform: str, *, distributed: bool, cpu_implementation: str) -> bool:
@@ -271,22 +292,37 @@ def _gpu_import(jax_lib: Any, obj: Any, device: jax.Device) -> jax.Array:
 
 @functools.cache
 def check() -> None:
-    """Verifies the assumptions above once; raises naming the one that broke."""
+    """Verifies the assumptions above once; raises naming the one that broke.
+
+    Raises:
+      RuntimeError: an assumption does not hold for the installed JAX (an internal name
+        it relies on is missing too: never an AttributeError or ImportError from here).
+    """
+    try:
+        _check()
+    except (AttributeError, ImportError) as e:
+        _broken(f"{type(e).__name__}: {e}")
+
+
+def _check() -> None:
     import jax.numpy as jnp
 
     core, callback_p = jaxpr_internals()
-    for owner, name in [(core.Jaxpr, "replace"), (core.JaxprEqn, "replace"),
-                        (core.ClosedJaxpr, "replace"), (core, "eval_jaxpr")]:
-        if not hasattr(owner, name):
-            _broken(f"jax._src.core has no {getattr(owner, '__name__', owner)}.{name}")
-    if not hasattr(jax.typeof(jnp.zeros(())), "manual_axis_type"):
+    for name in _JAXPR_NAMES:
+        if not hasattr(core, name):
+            _broken(f"neither jax.extend.core nor jax._src.core has {name}")
+    for owner in ("Jaxpr", "JaxprEqn", "ClosedJaxpr"):
+        if not hasattr(getattr(core, owner), "replace"):
+            _broken(f"{owner} has no .replace")
+    if callback_p is None:
+        _broken("jax._src.debugging has no debug_callback_p")
+    if not hasattr(jax, "typeof") or not hasattr(jax.typeof(jnp.zeros(())), "manual_axis_type"):
         _broken("jax.typeof(x) has no .manual_axis_type (the shard_map varying-axes type)")
     x = jnp.ones(3)
     residuals, _ = vjp_residuals(jax.vjp(lambda a: a * a, x)[1])
     if not any(r is x for r in residuals):
         _broken("a jax.vjp function no longer holds a saved primal as the same array "
                 "object among its pytree leaves")
-    del callback_p
 
 
 def _broken(what: str) -> None:

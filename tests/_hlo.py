@@ -9,6 +9,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from funshard._hlo import format_groups
+
 
 def _load_parser():
     """Loads `benchmarks/hlo.py` by path: `benchmarks/` holds scripts, not a package on
@@ -34,11 +36,12 @@ def collectives(hlo_text: str) -> list[dict]:
     Returns:
         One dict per collective, in text order: `kind`, `dtype` (of its first result
         part), `elements` (of all result parts: a combined, tuple-shaped collective
-        counts once) and `groups` (its `replica_groups` attribute as written, or None).
+        counts once) and `groups` (its replica groups in the explicit form,
+        `{{0,1},{2,3}}`, whichever form XLA wrote them in; None without the attribute).
     """
     return [
         {"kind": c.kind, "dtype": c.arrays[0][0], "elements": c.elements,
-         "groups": c.replica_groups}
+         "groups": None if c.groups is None else format_groups(c.groups)}
         for c in _parser.parse_collectives(hlo_text.splitlines())
     ]
 

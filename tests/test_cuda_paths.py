@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 from _launch import run
 from jax.sharding import PartitionSpec as P
 

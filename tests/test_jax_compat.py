@@ -25,6 +25,37 @@ def test_a_broken_assumption_names_itself_and_the_fix(monkeypatch):
     _jax_compat.check.cache_clear()
 
 
+def test_a_missing_internal_name_is_a_runtime_error_not_an_attribute_error(monkeypatch):
+    import types
+
+    _jax_compat.check.cache_clear()
+    core, callback_p = _jax_compat.jaxpr_internals()
+    partial = types.SimpleNamespace(Jaxpr=core.Jaxpr, JaxprEqn=core.JaxprEqn,
+                                    eval_jaxpr=core.eval_jaxpr)
+    monkeypatch.setattr(_jax_compat, "jaxpr_internals", lambda: (partial, callback_p))
+    with pytest.raises(RuntimeError, match="has ClosedJaxpr.*jax>=0.10.2,<0.11"):
+        _jax_compat.check()
+    _jax_compat.check.cache_clear()
+
+    def no_typeof(*_):
+        raise AttributeError("module 'jax' has no attribute 'typeof'")
+
+    monkeypatch.setattr(_jax_compat, "jaxpr_internals", lambda: (core, callback_p))
+    monkeypatch.setattr(_jax_compat, "vjp_residuals", no_typeof)
+    with pytest.raises(RuntimeError, match="AttributeError: .*typeof.*jax>=0.10.2,<0.11"):
+        _jax_compat.check()
+    _jax_compat.check.cache_clear()
+
+
+def test_jaxpr_internals_prefer_jax_extend_core():
+    from jax.extend import core as public_core
+
+    core, _ = _jax_compat.jaxpr_internals()
+    for name in ("ClosedJaxpr", "Jaxpr", "JaxprEqn"):
+        assert getattr(core, name) is getattr(public_core, name)
+    assert callable(core.eval_jaxpr)
+
+
 def test_varying_axes_reads_the_shard_map_type():
     mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:2])

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 from _launch import Job, clean_env, free_port, run
 from _torch_worker import Stack
 from torch import nn

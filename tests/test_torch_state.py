@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 from _launch import Job, port_pairs
 from _torch_state_worker import CLIPS, LR, STEPS, Net, batch, build, local, loss_of, shard
 from torch import nn

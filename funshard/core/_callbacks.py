@@ -169,7 +169,8 @@ def outer_callbacks() -> list[str]:
         from jax._src import core, source_info_util
     except ImportError:
         return []
-    found, trace, seen = [], core.trace_ctx.trace, set()
+    found, seen = [], set()
+    trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
     while trace is not None and id(trace) not in seen:
         seen.add(id(trace))
         frame = getattr(trace, "frame", None)
