@@ -3,8 +3,8 @@
 The FSDP benchmark (`benchmarks/fsdp/`) and the tests (`tests/_hlo.py`) both read their
 collective facts through this module, so a change in XLA's text format is fixed once.
 It imports nothing but the standard library and `funshard._hlo` (the replica-group
-parser, which reads XLA's explicit and iota forms alike): the tests load it by path,
-without the benchmark package and its device setup.
+parser, which reads XLA's explicit, iota and mesh-axes forms alike): the tests load it
+by path, without the benchmark package and its device setup.
 
 Three layers, each usable on its own:
 

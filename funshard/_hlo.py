@@ -1,13 +1,18 @@
 """Reading the replica groups of a collective out of compiled HLO text.
 
-XLA writes a collective's `replica_groups=` attribute in one of two forms:
+XLA writes a collective's `replica_groups=` attribute in one of three forms:
 
 * explicit: `{{0,1,2,3},{4,5,6,7}}` (what jax 0.10's XLA prints);
-* iota: `[2,4]<=[8]` or `[2,4]<=[4,2]T(1,0)` (what jax 0.12's XLA prints): the device
-  ids `0 .. prod(reshape dims)-1` in order, reshaped to the dims after `<=`, transposed
-  by the permutation in `T(...)` if one is given, then reshaped to `[groups, size]`.
+* iota: `[2,4]<=[8]` or `[2,4]<=[4,2]T(1,0)`: the device ids `0 .. prod(reshape
+  dims)-1` in order, reshaped to the dims after `<=`, transposed by the permutation in
+  `T(...)` if one is given, then reshaped to `[groups, size]`;
+* mesh axes: `mesh['r'=2,'f'=4] {'f'}` (what jax 0.12's XLA prints for shard_map
+  collectives): the logical ids `0 .. prod(sizes)-1` laid out over the mesh in order;
+  each group is one position of the axes not listed, its members run over the listed
+  axes, the first listed slowest (`{'f','r'}` on that mesh is `{{0,4,1,5,2,6,3,7}}`,
+  as jax 0.10's XLA wrote it).
 
-`replica_groups` reads both into the same tuple of groups, so that what funshard, its
+`replica_groups` reads all three into the same tuple of groups, so that what funshard, its
 tests and its benchmarks learn from a compiled program does not depend on the form.
 Standard library only: the benchmarks' HLO reader (`benchmarks/hlo.py`) uses it too.
 """
@@ -19,7 +24,10 @@ import math
 import re
 
 # The attribute's value: an explicit list (no spaces inside), or the iota form.
-_ATTRIBUTE = re.compile(r"replica_groups=(\{[0-9,{}]*\}|\[[0-9,]*\]<=\[[0-9,]*\](?:T\([0-9,]*\))?)")
+_ATTRIBUTE = re.compile(r"replica_groups=(\{[0-9,{}]*\}|\[[0-9,]*\]<=\[[0-9,]*\](?:T\([0-9,]*\))?"
+                        r"|mesh\[[^\]]*\] \{[^}]*\})")
+_MESH = re.compile(r"^mesh\[([^\]]*)\] \{([^}]*)\}$")
+_MESH_AXIS = re.compile(r"^'([^']+)'=(\d+)$")
 _EXPLICIT = re.compile(r"^\{(\{[0-9,]*\}(,\{[0-9,]*\})*)?\}$")
 _IOTA = re.compile(r"^\[([0-9,]*)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?$")
 
@@ -31,11 +39,11 @@ def replica_groups_attribute(instruction: str) -> str | None:
 
 
 def replica_groups(value: str) -> tuple[tuple[int, ...], ...]:
-    """The replica groups an attribute value names, in either form.
+    """The replica groups an attribute value names, in any of the three forms.
 
     Args:
-      value: `{{0,1},{2,3}}`, `{}` (no groups: all devices), `[2,2]<=[4]` or
-        `[2,2]<=[2,2]T(1,0)`.
+      value: `{{0,1},{2,3}}`, `{}` (no groups: all devices), `[2,2]<=[4]`,
+        `[2,2]<=[2,2]T(1,0)` or `mesh['r'=2,'f'=2] {'f'}`.
 
     Returns:
       One tuple of device ids per group; `()` for `{}`.
@@ -49,9 +57,12 @@ def replica_groups(value: str) -> tuple[tuple[int, ...], ...]:
             raise ValueError(f"replica groups {value!r}: not a list of {{...}} groups")
         groups = re.findall(r"\{([0-9,]*)\}", value[1:-1])
         return tuple(tuple(int(d) for d in g.split(",") if d) for g in groups)
+    if value.startswith("mesh["):
+        return _mesh_groups(value)
     m = _IOTA.match(value)
     if not m:
-        raise ValueError(f"replica groups {value!r}: neither {{{{...}}}} nor [g,s]<=[...]")
+        raise ValueError(f"replica groups {value!r}: neither {{{{...}}}}, [g,s]<=[...] "
+                         "nor mesh[...] {...}")
     shape = _ints(m.group(1))
     dims = _ints(m.group(2))
     perm = _ints(m.group(3)) if m.group(3) is not None else list(range(len(dims)))
@@ -60,6 +71,23 @@ def replica_groups(value: str) -> tuple[tuple[int, ...], ...]:
         raise ValueError(f"replica groups {value!r}: the iota dims do not agree")
     ids = _transposed_iota(dims, perm)
     size = shape[1]
+    return tuple(tuple(ids[i:i + size]) for i in range(0, len(ids), size))
+
+
+def _mesh_groups(value: str) -> tuple[tuple[int, ...], ...]:
+    m = _MESH.match(value)
+    axes = [_MESH_AXIS.match(a.strip()) for a in m.group(1).split(",")] if m else [None]
+    if not m or not all(axes):
+        raise ValueError(f"replica groups {value!r}: not mesh['a'=n,...] {{'a',...}}")
+    names = [a.group(1) for a in axes]
+    dims = [int(a.group(2)) for a in axes]
+    listed = [a.strip().strip("'") for a in m.group(2).split(",") if a.strip()]
+    if len(set(listed)) != len(listed) or not set(listed) <= set(names):
+        raise ValueError(f"replica groups {value!r}: the listed axes are not the mesh's")
+    chosen = [names.index(a) for a in listed]
+    perm = [i for i in range(len(names)) if i not in chosen] + chosen
+    ids = _transposed_iota(dims, perm)
+    size = math.prod(dims[i] for i in chosen)
     return tuple(tuple(ids[i:i + size]) for i in range(0, len(ids), size))
 
 

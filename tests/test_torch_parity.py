@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import os
 
-import _parity_cases as pc
 import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed")
+import _parity_cases as pc  # imports torch
 from _parity_report import IMPLS, Jobs, selected
 
 pytestmark = [pytest.mark.torch, pytest.mark.multiprocess, pytest.mark.slow]
