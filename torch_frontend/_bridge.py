@@ -98,7 +98,8 @@ class CommContext:
         label, self._label = self._label, None
         return label or default
 
-    def submit_checked(self, layout: RankLayout, kind: str, leaves: list[tuple], fn,
+    def submit_checked(self, layout: RankLayout, kind: str,
+                       leaves: Callable[[], list[tuple]], fn,
                        *args) -> Future:
         """`submit(fn, *args)`; first, with `check_collectives`, the signature check.
 
@@ -110,7 +111,7 @@ class CommContext:
             return self.submit(fn, *args)
 
         def checked():
-            check_collective(layout, kind, label, leaves)
+            check_collective(layout, kind, label, leaves())
             return fn(*args)
 
         return self.submit(checked)
@@ -366,8 +367,9 @@ def start_all_gather(layout: RankLayout, blocks: Sequence[jax.Array], rows: Sequ
     Returns:
       A future of the gathered arrays, for `finish_all_gather`.
     """
-    leaves = [(tuple(b.shape), 0 if dims is None else dims[i], str(b.dtype))
-              for i, b in enumerate(blocks)]
+    def leaves():  # built only when the signature check runs (off the hot path)
+        return [(tuple(b.shape), 0 if dims is None else dims[i], str(b.dtype))
+                for i, b in enumerate(blocks)]
     return layout.comm.submit_checked(layout, "all-gather", leaves, _gather_now,
                                       layout, blocks, rows, dims)
 
@@ -440,7 +442,8 @@ def start_reduce_scatter(layout: RankLayout, fulls: Sequence[torch.Tensor],
       A future of this rank's blocks, for `finish_reduce_scatter`.
     """
     dims = tuple(dims) if dims is not None else (0,) * len(fulls)
-    leaves = [(tuple(f.shape), d, str(f.dtype)) for f, d in zip(fulls, dims)]
+    def leaves():  # built only when the signature check runs (off the hot path)
+        return [(tuple(f.shape), d, str(f.dtype)) for f, d in zip(fulls, dims)]
     dp_axes = (*layout.replicate_axes, *layout.shard_axes)
     sharding = NamedSharding(layout.mesh, comm.spec(dp_axes))
     if (comm.reduce_scatter_by_permutes(layout.device.platform)

@@ -50,7 +50,7 @@ def _axes_of(eqn: Any) -> frozenset[str]:
     return frozenset()
 
 
-def _sub_jaxprs(eqn: Any) -> Iterator[Any]:
+def sub_jaxprs(eqn: Any) -> Iterator[Any]:
     """Every jaxpr among an equation's parameters (branches, bodies, nested calls)."""
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
@@ -64,7 +64,7 @@ def _collectives(jaxpr: Any) -> Iterator[Any]:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _COMMUNICATING:
             yield eqn
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             yield from _collectives(sub)
 
 
@@ -97,7 +97,7 @@ def _first_conflict(jaxpr: Any) -> tuple[_Branching, list[Any]] | None:
                     if _axes_of(c) & branching.axes]
             if hits:
                 return branching, hits
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             found = _first_conflict(sub)
             if found is not None:
                 return found

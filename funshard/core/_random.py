@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import jax
 
 from funshard import _jax_compat, errors
+from funshard.core._control_flow import sub_jaxprs
 from funshard.core._sharded import is_key
 
 
@@ -65,11 +66,8 @@ def _draws(jaxpr: Any, where: str = "") -> Iterator[tuple[Any, str]]:
         line = where or _jax_compat.source_line(eqn)
         if eqn.primitive.name == "random_bits":
             yield eqn, line
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(item, "jaxpr", item)
-                if hasattr(sub, "eqns"):
-                    yield from _draws(sub, line)
+        for sub in sub_jaxprs(eqn):
+            yield from _draws(sub, line)
 
 
 def _same_key_everywhere(fn: str, where: str, dp_axes: tuple[str, ...]) -> str:
