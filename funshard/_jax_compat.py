@@ -1,7 +1,8 @@
 """Every JAX behaviour funshard relies on beyond the documented API, in one place.
 
-funshard pins `jax<0.11`. Each function here names the JAX behaviour it depends on and
-the test that guards it; `check()` verifies them on first use (never at import: importing
+funshard admits the JAX releases in `SUPPORTED_JAX` (pyproject.toml's pin; a test keeps
+the two equal). Each function here names the JAX behaviour it depends on and the test
+that guards it; `check()` verifies them on first use (never at import: importing
 funshard must not start a JAX backend, or `jax.distributed.initialize` could no longer
 run) and fails with a message naming the broken assumption, so that moving the pin is a
 one-file job.
@@ -18,6 +19,18 @@ import jax
 from jax.tree_util import tree_flatten, tree_unflatten
 
 from funshard import errors
+
+# The `jax` / `jaxlib` requirement in pyproject.toml (tests/test_jax_compat.py compares).
+SUPPORTED_JAX = ">=0.10.2,<0.13"
+
+# Imported with funshard, not at first use: importing `jax.extend` registers config
+# options (Pallas's, on jax 0.12), and an option registered after a user's `jax.jit` has
+# traced once changes that jit's cache key, so the user's first step would compile twice.
+# It starts no backend.
+try:
+    from jax.extend import core as _extend_core
+except ImportError:  # pragma: no cover - every supported JAX has it
+    _extend_core = None
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -188,13 +201,9 @@ def jaxpr_internals() -> tuple[Any, Any]:
     from jax._src import core as private_core
     from jax._src import debugging
 
-    try:
-        from jax.extend import core as public_core
-    except ImportError:
-        public_core = None
     found = {}
     for name in _JAXPR_NAMES:
-        for source in (public_core, private_core):
+        for source in (_extend_core, private_core):
             if source is not None and hasattr(source, name):
                 found[name] = getattr(source, name)
                 break
@@ -328,6 +337,6 @@ def _check() -> None:
 def _broken(what: str) -> None:
     raise RuntimeError(
         f"funshard: an assumption about JAX {jax.__version__} failed: {what}. funshard "
-        "supports jax>=0.10.2,<0.11; install a supported version, or update "
+        f"supports jax{SUPPORTED_JAX}; install a supported version, or update "
         "funshard/_jax_compat.py for this one."
     )
