@@ -108,7 +108,10 @@ def test_the_benchmarks_memory_sampler_sees_an_anonymous_peak():
     before = measure.anonymous_bytes()
     sampler = measure.ResidentSampler(period_s=0.001)
     block = np.ones(64 * 2**20, np.uint8)  # 64 MiB, every page touched
-    time.sleep(0.05)
+    # Wait until the sampler's thread has seen the block, however loaded the machine.
+    deadline = time.monotonic() + 30
+    while sampler.peaks["RssAnon"] < before + 60 * 2**20 and time.monotonic() < deadline:
+        time.sleep(0.001)
     del block
     peaks = sampler.stop()
     # The block raised the anonymous peak by its size; the file-backed part is code.
