@@ -10,7 +10,7 @@ from _launch import run
 from jax.sharding import NamedSharding, PartitionSpec
 
 import funshard as fs
-from funshard.comm import _lowering, _mesh
+from funshard.comm import _eager, _mesh
 from conftest import mesh_for
 
 
@@ -22,7 +22,7 @@ def test_eager_all_gather_matches_numpy(mesh_name):
     h = np.arange(9, dtype=np.float32).astype(jnp.bfloat16)
     state = fs.shard({"x": x, "b": b, "h": h}, mesh)
     leaves = [state["x"], state["b"], state["h"]]
-    fulls = _lowering.eager_all_gather(
+    fulls = _eager.eager_all_gather(
         [s.data for s in leaves], mesh, ("fsdp",), [s.shape[0] for s in leaves]
     )
     for full, want in zip(fulls, (x, b, h)):
@@ -40,7 +40,7 @@ def test_eager_reduce_scatter_sums_per_device_contributions(mesh_name):
     rows = -(-5 // n) * n
     contributions = np.random.default_rng(0).normal(size=(world, rows, 3)).astype(np.float32)
     stacked = jax.device_put(contributions, NamedSharding(mesh, _mesh.spec(dp)))
-    (out,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",), replicate)
+    (out,) = _eager.eager_reduce_scatter([stacked], mesh, ("fsdp",), replicate)
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("fsdp")), 2)
     np.testing.assert_allclose(np.asarray(out), contributions.sum(0), rtol=1e-5)
 
@@ -57,7 +57,7 @@ def test_eager_reduce_scatter_on_another_dimension(mesh_name):
     by_dim0 = rng.normal(size=(world, 2 * n, 3)).astype(np.float32)
     by_dim1 = rng.normal(size=(world, 3, 4 * n)).astype(np.float32)
     stacked = [jax.device_put(c, NamedSharding(mesh, _mesh.spec(dp))) for c in (by_dim0, by_dim1)]
-    outs = _lowering.eager_reduce_scatter(stacked, mesh, ("fsdp",), replicate, dims=(0, 1))
+    outs = _eager.eager_reduce_scatter(stacked, mesh, ("fsdp",), replicate, dims=(0, 1))
     assert outs[1].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(None, "fsdp")), 2)
     for out, contributions in zip(outs, (by_dim0, by_dim1)):
         np.testing.assert_allclose(np.asarray(out), contributions.sum(0), rtol=1e-5)
@@ -68,7 +68,7 @@ def test_eager_reduce_scatter_without_all_reduce_keeps_each_replicas_sum():
     dp = ("replicate", "fsdp")
     contributions = np.random.default_rng(2).normal(size=(8, 8, 3)).astype(np.float32)
     stacked = jax.device_put(contributions, NamedSharding(mesh, _mesh.spec(dp)))
-    (out,) = _lowering.eager_reduce_scatter(
+    (out,) = _eager.eager_reduce_scatter(
         [stacked], mesh, ("fsdp",), ("replicate",), all_reduce=False)
     # Replica r's devices sum only their own 4 contributions; blocks stack by replica.
     want = np.concatenate([contributions[:4].sum(0), contributions[4:].sum(0)])
@@ -100,9 +100,9 @@ def test_eager_reduce_scatter_rows_matches_the_stacked_form(mesh_name, all_reduc
     world, n = _mesh.axes_size(mesh, dp), mesh.shape["fsdp"]
     contributions = np.random.default_rng(3).integers(-8, 8, size=(world, 3 * n)).astype(np.float32)
     stacked = jax.device_put(contributions, NamedSharding(mesh, _mesh.spec(dp)))
-    (want,) = _lowering.eager_reduce_scatter(
+    (want,) = _eager.eager_reduce_scatter(
         [stacked], mesh, ("fsdp",), replicate, all_reduce=all_reduce)
-    (got,) = _lowering.eager_reduce_scatter_rows(
+    (got,) = _eager.eager_reduce_scatter_rows(
         [_rows_apart(mesh, dp, contributions)], mesh, ("fsdp",), replicate, all_reduce)
     assert got.sharding.is_equivalent_to(want.sharding, 1)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # integers: exact
@@ -117,9 +117,9 @@ def test_eager_reduce_scatter_rows_under_jit_with_ints_nan_and_bf16(dtype):
     if dtype != np.int32:
         contributions[2, 5] = np.nan
     stacked = jax.device_put(contributions, NamedSharding(mesh, _mesh.spec(("fsdp",))))
-    (want,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",))
+    (want,) = _eager.eager_reduce_scatter([stacked], mesh, ("fsdp",))
     rows = _rows_apart(mesh, ("fsdp",), contributions)
-    (got,) = jax.jit(lambda *r: _lowering.eager_reduce_scatter_rows([r], mesh, ("fsdp",)))(*rows)
+    (got,) = jax.jit(lambda *r: _eager.eager_reduce_scatter_rows([r], mesh, ("fsdp",)))(*rows)
     assert got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert np.isnan(np.asarray(got, np.float32)).sum() == (dtype != np.int32)
@@ -129,7 +129,7 @@ def test_eager_reduce_scatter_rows_needs_one_row_per_device():
     mesh = mesh_for("4")
     rows = _rows_apart(mesh, ("fsdp",), np.zeros((4, 8), np.float32))
     with pytest.raises(ValueError, match=r"leaf 0 has 3 rows; the shard axes \('fsdp',\) have 4"):
-        _lowering.eager_reduce_scatter_rows([rows[:3]], mesh, ("fsdp",))
+        _eager.eager_reduce_scatter_rows([rows[:3]], mesh, ("fsdp",))
 
 
 _GLOO_CHILD = """
@@ -138,7 +138,7 @@ import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_num_cpu_devices", 4)
 from jax.sharding import NamedSharding
 from funshard import _jax_compat
-from funshard.comm import _lowering, _mesh
+from funshard.comm import _eager, _mesh
 import funshard as fs
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -146,7 +146,7 @@ with socket.socket() as s:
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 assert _jax_compat.cpu_collectives_over_gloo()
 mesh = fs.make_mesh()
-fn = _lowering._eager_reduce_scatter_fn(mesh, ("fsdp",), (), (0,), True)
+fn = _eager._reduce_scatter_fn(mesh, ("fsdp",), (), (0,), True)
 
 
 def expected(rows):
@@ -171,7 +171,7 @@ for dtype in (np.float32, jnp.bfloat16):
           "all-to-all(", "collective-permute(") if k in text])
     print("MOVED", np.dtype(dtype).name, sorted({line.split("=")[1].split()[0]
           for line in text.splitlines() if "collective-permute(" in line}))
-    (out,) = _lowering.eager_reduce_scatter([stacked], mesh, ("fsdp",))
+    (out,) = _eager.eager_reduce_scatter([stacked], mesh, ("fsdp",))
     np.testing.assert_array_equal(np.asarray(out), expected(rows))
     # The same sums from the rows given apart (device i's k-th: its row for i + k).
     devices = list(mesh.devices.flat)
@@ -180,11 +180,11 @@ for dtype in (np.float32, jnp.bfloat16):
         (4, flat.shape[2]), NamedSharding(mesh, _mesh.spec(("fsdp",))),
         [jax.device_put(flat[i, (i + k) % 4][None], d) for i, d in enumerate(devices)])
         for k in range(4)]
-    (out,) = _lowering.eager_reduce_scatter_rows([apart], mesh, ("fsdp",))
+    (out,) = _eager.eager_reduce_scatter_rows([apart], mesh, ("fsdp",))
     np.testing.assert_array_equal(np.asarray(out), expected(rows).reshape(-1))
     # ... without copying the rows it sends out of a slab first (XLA's temporaries).
     temp = [f.lower(*args).compile().memory_analysis().temp_size_in_bytes for f, args in (
-        (fn, [stacked]), (_lowering._eager_row_sum_fn(mesh, ("fsdp",), (), 1, True), apart))]
+        (fn, [stacked]), (_eager._row_sum_fn(mesh, ("fsdp",), (), 1, True), apart))]
     print("TEMP", np.dtype(dtype).name, temp[1] < temp[0], temp)
 jax.distributed.shutdown()
 """
@@ -216,7 +216,7 @@ def test_gloo_reduce_scatter_is_permutes_and_adds_in_a_fixed_order():
         "MOVED bfloat16 ['u16[768]{0}']",
         "TEMP bfloat16 True",
     ], done.stdout[-2000:]
-    text = _lowering._eager_reduce_scatter_fn(
+    text = _eager._reduce_scatter_fn(
         mesh_for("2"), ("fsdp",), (), (0,), True).lower(
         jax.device_put(np.zeros((2, 4, 3), np.float32),
                        NamedSharding(mesh_for("2"), _mesh.spec(("fsdp",))))).compile().as_text()

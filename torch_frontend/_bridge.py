@@ -1,11 +1,12 @@
 """The DLPack bridge: torch tensors of this rank <-> the core's eager collectives.
 
-Private adapter over `funshard.comm.eager_all_gather` / `eager_reduce_scatter`
-(the same `all_gather_blocks` / `reduce_scatter_blocks` as the functional step). Every
-tensor crosses without a copy: a process-local torch buffer becomes this device's
-block of a global `jax.Array` (`make_array_from_single_device_arrays`), and the
-results come back as torch views of JAX's own buffers. Those results are immutable
-on the JAX side, so callers never write into them in place.
+Private adapter over funshard's eager collectives (`funshard.comm.eager_all_gather`,
+`eager_reduce_scatter`, `eager_reduce_scatter_rows`: the same `all_gather_blocks` /
+`reduce_scatter_blocks` as the functional step). Every tensor crosses without a copy: a
+process-local torch buffer becomes this device's block of a global `jax.Array`
+(`funshard.comm.global_array`), and the results come back as torch views of JAX's own
+buffers. Those results are immutable on the JAX side, so callers never write into them
+in place.
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 import torch
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from torch.autograd import Variable
 
 from funshard import comm, errors
+from funshard.comm import REPLICATE_AXIS, SHARD_AXIS
 from torch_frontend import _cuda
 
-SHARD_AXIS = "fsdp"
-REPLICATE_AXIS = "replicate"
 DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
 
 
@@ -332,12 +332,8 @@ def global_block(layout: RankLayout, padded: torch.Tensor, dim: int = 0) -> jax.
     write `padded` while a gather of it is in flight (`finish_all_gather` ends it).
     A 64-bit block crosses as int32 pairs (`as_words`); `from_words` restores it.
     """
-    padded = as_words(padded)
-    sharding = NamedSharding(layout.mesh, comm.spec(layout.shard_axes, dim))
-    shape = list(padded.shape)
-    shape[dim] *= layout.world
-    return jax.make_array_from_single_device_arrays(
-        tuple(shape), sharding, [_import(layout, padded)])
+    block = _import(layout, as_words(padded))
+    return comm.global_array(block, layout.mesh, layout.shard_axes, dim)
 
 
 def _export(block: jax.Array) -> torch.Tensor:
@@ -444,32 +440,32 @@ def start_reduce_scatter(layout: RankLayout, fulls: Sequence[torch.Tensor],
     dims = tuple(dims) if dims is not None else (0,) * len(fulls)
     def leaves():  # built only when the signature check runs (off the hot path)
         return [(tuple(f.shape), d, str(f.dtype)) for f, d in zip(fulls, dims)]
-    dp_axes = (*layout.replicate_axes, *layout.shard_axes)
-    sharding = NamedSharding(layout.mesh, comm.spec(dp_axes))
     if (comm.reduce_scatter_by_permutes(layout.device.platform)
             and all(full.dim() == 1 and dim == 0 for full, dim in zip(fulls, dims, strict=True))):
-        rows = [_rows(layout, sharding, padded_full(layout, full, 0)) for full in fulls]
+        rows = [_rows(layout, padded_full(layout, full, 0)) for full in fulls]
         return layout.comm.submit_checked(layout, "reduce-scatter", leaves, _reduce_rows_now,
                                           layout, rows, all_reduce)
-    stacked = []
-    for full, dim in zip(fulls, dims, strict=True):
-        block = _stacked_block(layout, full, dim)
-        shape = (layout.data_parallel, *block.shape[1:])
-        stacked.append(jax.make_array_from_single_device_arrays(
-            shape, sharding, [_import(layout, block)]))
+    stacked = [_contribution(layout, _stacked_block(layout, full, dim))
+               for full, dim in zip(fulls, dims, strict=True)]
     return layout.comm.submit_checked(layout, "reduce-scatter", leaves, _reduce_now,
                                       layout, stacked, dims, all_reduce)
 
 
-def _rows(layout: RankLayout, sharding: NamedSharding, flat: torch.Tensor) -> list[jax.Array]:
+def _contribution(layout: RankLayout, block: torch.Tensor) -> jax.Array:
+    """`block` (leading axis 1) as this rank's part of a global `(W, ...)` array.
+
+    Its leading axis is split over every data-parallel axis (W devices), the form the
+    eager reduce-scatters take each rank's contribution in.
+    """
+    dp_axes = (*layout.replicate_axes, *layout.shard_axes)
+    return comm.global_array(_import(layout, block), layout.mesh, dp_axes)
+
+
+def _rows(layout: RankLayout, flat: torch.Tensor) -> list[jax.Array]:
     """`flat`'s rows for ranks r, r+1, ... (mod world), each a global `(W, cols)` array."""
     cols = flat.numel() // layout.world
-    rows = []
-    for k in range(layout.world):
-        row = flat.narrow(0, (layout.rank + k) % layout.world * cols, cols).unsqueeze(0)
-        rows.append(jax.make_array_from_single_device_arrays(
-            (layout.data_parallel, cols), sharding, [_import(layout, row)]))
-    return rows
+    starts = [(layout.rank + k) % layout.world * cols for k in range(layout.world)]
+    return [_contribution(layout, flat.narrow(0, start, cols).unsqueeze(0)) for start in starts]
 
 
 def finish_reduce_scatter(pending: Future) -> list[torch.Tensor]:

@@ -7,18 +7,18 @@ goes through these names:
 - in a step (inside `jax.shard_map`): `gather` / `gather_deferred` (an all-gather whose
   transpose is a reduce-scatter, described by a `GroupLayout`), `gather_values`,
   `regather_values`, `reduce_values`, `all_gather_blocks`, `reduce_scatter_blocks`;
-- eagerly, outside a step: `all_gather`, `reduce_scatter` and `all_reduce` over
-  process-local buffers (semi-public: documented in docs/architecture.md, used by
-  `torch_frontend`), and `eager_all_gather` / `eager_reduce_scatter` /
-  `eager_reduce_scatter_rows` over global arrays.
+- eagerly, outside a step (semi-public: documented in docs/architecture.md, used by
+  `fs.unshard` and `torch_frontend`): `eager_all_gather`, `eager_reduce_scatter` and
+  `eager_reduce_scatter_rows` over global arrays, and `global_array`, which makes one
+  from process-local buffers without a copy.
 """
 
-from funshard.comm._eager import all_gather as all_gather
-from funshard.comm._eager import all_reduce as all_reduce
 from funshard.comm._eager import backends_started as backends_started
 from funshard.comm._eager import dlpack_import as dlpack_import
+from funshard.comm._eager import eager_all_gather as eager_all_gather
+from funshard.comm._eager import eager_reduce_scatter as eager_reduce_scatter
+from funshard.comm._eager import eager_reduce_scatter_rows as eager_reduce_scatter_rows
 from funshard.comm._eager import global_array as global_array
-from funshard.comm._eager import reduce_scatter as reduce_scatter
 from funshard.comm._gather import GroupLayout as GroupLayout
 from funshard.comm._gather import LeafLayout as LeafLayout
 from funshard.comm._gather import backward_values as backward_values
@@ -36,14 +36,11 @@ from funshard.comm._layout import padded_size as padded_size
 from funshard.comm._layout import rows_per_shard as rows_per_shard
 from funshard.comm._lowering import UINT as UINT
 from funshard.comm._lowering import all_gather_blocks as all_gather_blocks
-from funshard.comm._lowering import eager_all_gather as eager_all_gather
-from funshard.comm._lowering import eager_reduce_scatter as eager_reduce_scatter
-from funshard.comm._lowering import eager_reduce_scatter_rows as eager_reduce_scatter_rows
 from funshard.comm._lowering import is_inexact_array as is_inexact_array
-from funshard.comm._lowering import reduce_scatter_by_permutes as reduce_scatter_by_permutes
 from funshard.comm._lowering import materialize as materialize
 from funshard.comm._lowering import packing_of as packing_of
 from funshard.comm._lowering import reduce_scatter_blocks as reduce_scatter_blocks
+from funshard.comm._lowering import reduce_scatter_by_permutes as reduce_scatter_by_permutes
 from funshard.comm._lowering import vary as vary
 from funshard.comm._mesh import REPLICATE_AXIS as REPLICATE_AXIS
 from funshard.comm._mesh import SHARD_AXIS as SHARD_AXIS

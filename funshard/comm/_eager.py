@@ -1,10 +1,10 @@
-"""Eager collectives over process-local buffers: the comm layer's API for frontends.
+"""Eager collectives, outside a step: every collective funshard runs on concrete arrays.
 
-A process holds one block per device it owns on the mesh (a torch rank: one). These
-functions wrap those blocks into the global arrays JAX's collectives take, run the same
-compiled `shard_map` collectives as the training step (`_lowering.eager_all_gather`,
-`eager_reduce_scatter`, cached per mesh and layout), and hand back this process's part.
-They never see a training step.
+`unshard` outside a step and the torch frontend's hooks call these; nothing else in
+the package communicates eagerly. Each runs the collectives of `_lowering` (the very
+functions the training step runs per device) in a jitted `shard_map`, compiled once per
+mesh and layout, on global arrays. A frontend that holds process-local buffers (a torch
+rank holds its one shard) wraps them first with `global_array`, without a copy.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from funshard import _jax_compat, errors
 from funshard.comm import _lowering, _mesh
@@ -22,21 +22,43 @@ from funshard.comm import _lowering, _mesh
 dlpack_import = _jax_compat.dlpack_import
 backends_started = _jax_compat.backends_started
 
-Blocks = Any  # a jax.Array, or a sequence of them: one per local device of the mesh
+Blocks = Any  # a jax.Array or numpy array, or a sequence of them: one per local device
+
+
+@functools.lru_cache(maxsize=None)
+def _local_devices(mesh: Mesh) -> tuple[jax.Device, ...]:
+    """This process's devices of `mesh`, in the mesh's order."""
+    return tuple(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
+@functools.lru_cache(maxsize=None)
+def _sharding(mesh: Mesh, axes: tuple[str, ...], dim: int) -> NamedSharding:
+    # Cached: the torch frontend wraps a block per parameter group per call, and a
+    # NamedSharding costs as much to build as the wrapping itself.
+    return NamedSharding(mesh, _mesh.spec(axes, dim))
+
+
+def _on(block: Any, device: jax.Device) -> jax.Array:
+    """`block` on `device`: as it is when already there (no copy), else copied there."""
+    if isinstance(block, jax.Array) and block.sharding.device_set == {device}:
+        return block  # device_put would return an alias too, at ~40x the cost
+    return jax.device_put(block, device)
 
 
 def _per_device(blocks: Blocks, mesh: Mesh) -> list[jax.Array]:
-    """`blocks` as one array per local device of `mesh`, each placed on its device."""
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    """`blocks` as one array per local device of `mesh`, each placed on its device.
+
+    Raises:
+      TypeError: a block is traced.
+      ValueError: the number of blocks is not the number of local devices.
+    """
+    local = _local_devices(mesh)
     arrays = [blocks] if isinstance(blocks, (jax.Array, np.ndarray)) else list(blocks)
     if any(isinstance(a, jax.core.Tracer) for a in arrays):
         raise errors.ShardingTypeError(_traced_block())
     if len(arrays) != len(local):
-        raise errors.ShardingValueError(
-            f"funshard.comm: got {len(arrays)} block(s) for a process that holds "
-            f"{len(local)} device(s) of the mesh; pass one block per local device, in the "
-            "mesh's device order.")
-    return [jax.device_put(a, d) for a, d in zip(arrays, local, strict=True)]
+        raise errors.ShardingValueError(_block_count(len(arrays), len(local)))
+    return [_on(a, d) for a, d in zip(arrays, local, strict=True)]
 
 
 def _traced_block() -> str:
@@ -47,125 +69,233 @@ def _traced_block() -> str:
     )
 
 
+def _block_count(got: int, local: int) -> str:
+    return (
+        f"funshard.comm: got {got} block(s) for a process that holds {local} device(s) "
+        "of the mesh; pass one block per local device, in the mesh's device order."
+    )
+
+
 def global_array(blocks: Blocks, mesh: Mesh, axes: tuple[str, ...], dim: int = 0) -> jax.Array:
     """This process's blocks as their part of one global array split over `axes` on `dim`.
 
-    No data moves: each block stays where it is (a block already on its device is not
-    copied), so the result aliases them.
+    No data moves: a block already on its device is not copied, so the result aliases
+    it (the torch frontend's DLPack imports stay views of torch's memory). This is how
+    process-local buffers enter `eager_all_gather` and the reduce-scatters.
 
     Args:
-      blocks: this process's block (or one per local device of `mesh`, in its order).
+      blocks: this process's block (or one per local device of `mesh`, in its order),
+        the same shape on every device.
       mesh: the mesh.
       axes: the mesh axes `dim` is split over (replicated over the others).
       dim: the split dimension.
 
     Returns:
-      The global array, of `axes`' size times the block's size on `dim`.
+      The global array, `axes`' size times a block's size on `dim`.
 
     Raises:
+      TypeError: a block is traced (use `fs.unshard` inside a step).
       ValueError: the number of blocks is not the number of local devices.
     """
+    axes = tuple(axes)
     arrays = _per_device(blocks, mesh)
     shape = list(arrays[0].shape)
-    shape[dim] *= _mesh.axes_size(mesh, tuple(axes))
-    sharding = NamedSharding(mesh, _mesh.spec(tuple(axes), dim))
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
-
-
-def _local(x: jax.Array) -> jax.Array:
-    return x.addressable_shards[0].data
-
-
-def all_gather(
-    blocks: Sequence[Blocks],
-    mesh: Mesh,
-    shard_axes: tuple[str, ...],
-    *,
-    rows: Sequence[int] | None = None,
-    dims: Sequence[int] | None = None,
-) -> list[jax.Array]:
-    """All-gathers each leaf's process-local blocks into its full array, in one collective.
-
-    Args:
-      blocks: per leaf, this process's padded block (or one per local device).
-      mesh: the mesh.
-      shard_axes: the axes the leaves are split over.
-      rows: each leaf's logical size on its split dimension (padding cut off);
-        defaults to the padded size.
-      dims: each leaf's split dimension (default: all 0).
-
-    Returns:
-      Per leaf, the full array on this process's first device of the mesh.
-    """
-    dims = (0,) * len(blocks) if dims is None else tuple(dims)
-    datas = [global_array(b, mesh, shard_axes, d) for b, d in zip(blocks, dims, strict=True)]
-    fulls = _lowering.eager_all_gather(datas, mesh, tuple(shard_axes), rows=rows, dims=dims)
-    return [_local(f) for f in fulls]
-
-
-def _stacked(contributions: Blocks, mesh: Mesh, axes: tuple[str, ...]) -> jax.Array:
-    """Per-device contributions stacked on a new leading axis split over `axes`."""
-    arrays = [a[None] for a in _per_device(contributions, mesh)]
-    return global_array(arrays, mesh, axes, 0)
-
-
-def reduce_scatter(
-    fulls: Sequence[Blocks],
-    mesh: Mesh,
-    shard_axes: tuple[str, ...],
-    replicate_axes: tuple[str, ...] = (),
-    *,
-    dims: Sequence[int] | None = None,
-    all_reduce: bool = True,
-) -> list[jax.Array]:
-    """Sums every device's full-size contribution of each leaf and scatters the sum.
-
-    Args:
-      fulls: per leaf, this process's contribution (or one per local device), padded on
-        its dimension to a multiple of the shard count.
-      mesh: the mesh.
-      shard_axes: the axes the sum is scattered over.
-      replicate_axes: HSDP axes the scattered sums are also summed over.
-      dims: each leaf's scattered dimension (default: all 0).
-      all_reduce: False skips the sum over `replicate_axes` (each replica keeps its own).
-
-    Returns:
-      Per leaf, this process's block of the sum (its first device's).
-    """
-    dims = (0,) * len(fulls) if dims is None else tuple(dims)
-    dp_axes = (*replicate_axes, *shard_axes)
-    stacked = [_stacked(f, mesh, dp_axes) for f in fulls]
-    sums = _lowering.eager_reduce_scatter(
-        stacked, mesh, tuple(shard_axes), tuple(replicate_axes), dims, all_reduce)
-    return [_local(s) for s in sums]
+    shape[dim] *= _mesh.axes_size(mesh, axes)
+    return jax.make_array_from_single_device_arrays(
+        tuple(shape), _sharding(mesh, axes, dim), arrays)
 
 
 @functools.lru_cache(maxsize=None)
-def _all_reduce_fn(mesh: Mesh, axes: tuple[str, ...], count: int):
-    # Stacked over every mesh axis, so that values may differ along the axes not summed.
-    every = tuple(mesh.axis_names)
+def _gather_fn(mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...],
+               dims: tuple[int, ...]):
+    """The compiled gather of `eager_all_gather` for one mesh and layout."""
+    def body(*blocks):
+        # "invarying": the result is replicated, and nothing differentiates it here.
+        fulls = _lowering.all_gather_blocks(blocks, shard_axes, dims=dims, to="invarying")
+        return tuple(
+            jax.lax.slice_in_dim(f, 0, r, axis=d)
+            for f, r, d in zip(fulls, rows, dims, strict=True)
+        )
 
-    def body(*stacked):
-        return tuple(jax.lax.psum(s, axes) for s in stacked)
-
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(_mesh.spec(every),) * count,
-                           out_specs=(_mesh.spec(every),) * count)
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=tuple(_mesh.spec(shard_axes, d) for d in dims),
+        out_specs=(PartitionSpec(),) * len(rows),
+    )
     return jax.jit(mapped)
 
 
-def all_reduce(values: Sequence[Blocks], mesh: Mesh, axes: tuple[str, ...]) -> list[jax.Array]:
-    """Sums each leaf's process-local values over the devices of `axes` (all-reduce).
+def eager_all_gather(
+    datas: Sequence[jax.Array],
+    mesh: Mesh,
+    shard_axes: tuple[str, ...],
+    rows: Sequence[int] | None = None,
+    dims: Sequence[int] | None = None,
+) -> list[jax.Array]:
+    """All-gathers padded global arrays, each split over `shard_axes`, into replicated ones.
+
+    One compiled program (cached per mesh and layout) and one collective for all of
+    `datas`; the same `all_gather_blocks` as the training step runs inside it.
 
     Args:
-      values: per leaf, this process's value (or one per local device); same shape on
-        every device.
-      mesh: the mesh.
-      axes: the axes to sum over (values may differ along the others).
+      datas: padded global arrays (`Sharded.data`, or `global_array` of process-local
+        blocks), each split over `shard_axes` on its entry of `dims`.
+      mesh: their mesh.
+      shard_axes: the axes they are split over.
+      rows: logical size of each leaf's sharded dimension (the padding is cut off);
+        defaults to the padded size.
+      dims: the sharded dimension of each leaf (default: all 0).
 
     Returns:
-      Per leaf, the sum, on this process's first device of the mesh.
+      Replicated arrays, one per leaf.
     """
-    every = tuple(mesh.axis_names)
-    stacked = [_stacked(v, mesh, every) for v in values]
-    sums = _all_reduce_fn(mesh, tuple(axes), len(values))(*stacked)
-    return [_local(s)[0] for s in sums]
+    if not datas:
+        return []
+    dims = (0,) * len(datas) if dims is None else tuple(dims)
+    if rows is None:
+        rows = tuple(x.shape[d] for x, d in zip(datas, dims, strict=True))
+    return list(_gather_fn(mesh, tuple(shard_axes), tuple(rows), dims)(*datas))
+
+
+def _out_axes(shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...],
+              all_reduce: bool) -> tuple[str, ...]:
+    """The axes a reduce-scatter's result is split over."""
+    # Without the all-reduce, each replica keeps its own partial sum: the result differs
+    # along the replicate axes too.
+    return shard_axes if all_reduce else (*replicate_axes, *shard_axes)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_scatter_fn(mesh: Mesh, shard_axes: tuple[str, ...],
+                       replicate_axes: tuple[str, ...], dims: tuple[int, ...],
+                       all_reduce: bool):
+    """The compiled reduce-scatter of `eager_reduce_scatter` for one mesh and layout."""
+    summed_over = replicate_axes if all_reduce else ()
+    out_axes = _out_axes(shard_axes, replicate_axes, all_reduce)
+
+    def body(*stacked):
+        fulls = [s.reshape(s.shape[1:]) for s in stacked]
+        return tuple(_lowering.reduce_scatter_blocks(fulls, shard_axes, summed_over, dims=dims))
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(_mesh.spec((*replicate_axes, *shard_axes)),) * len(dims),
+        out_specs=tuple(_mesh.spec(out_axes, d) for d in dims),
+    )
+    return jax.jit(mapped)
+
+
+def eager_reduce_scatter(
+    stacked: Sequence[jax.Array],
+    mesh: Mesh,
+    shard_axes: tuple[str, ...],
+    replicate_axes: tuple[str, ...] = (),
+    dims: Sequence[int] | None = None,
+    all_reduce: bool = True,
+) -> list[jax.Array]:
+    """Sums every device's full-size contribution to each leaf and scatters the sum.
+
+    One compiled program (cached per mesh and layout); the same
+    `reduce_scatter_blocks` as the training step's backward runs inside it.
+
+    Args:
+      stacked: for each leaf, an array of shape `(W, ...)` split over all
+        data-parallel axes (`replicate_axes + shard_axes`, W devices), whose block on
+        device d is that device's padded full-size contribution (a gradient computed
+        by torch on that rank: `global_array` of it with a leading axis of 1), its
+        scattered dimension `N * r` long.
+      mesh: the mesh.
+      shard_axes: axes to scatter over (N devices).
+      replicate_axes: axes to all-reduce over (HSDP).
+      dims: the dimension each leaf is scattered on, in the leaf's own shape
+        (default: all 0).
+      all_reduce: False skips the all-reduce over `replicate_axes` (FSDP2's
+        `set_requires_all_reduce(False)`): each replica keeps its own partial sum.
+
+    Returns:
+      For each leaf, the summed padded array split over `shard_axes` on its dim
+      (with `all_reduce=False`, over `replicate_axes + shard_axes`: one partial sum
+      per replica).
+    """
+    if not stacked:
+        return []
+    dims = (0,) * len(stacked) if dims is None else tuple(dims)
+    fn = _reduce_scatter_fn(
+        mesh, tuple(shard_axes), tuple(replicate_axes), dims, bool(all_reduce))
+    return list(fn(*stacked))
+
+
+@functools.lru_cache(maxsize=None)
+def _row_sum_fn(mesh: Mesh, shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...],
+                leaves: int, all_reduce: bool):
+    """The compiled reduce-scatter of `eager_reduce_scatter_rows` for one mesh and layout."""
+    summed_over = replicate_axes if all_reduce else ()
+    n = _mesh.axes_size(mesh, shard_axes)
+
+    def body(*rows):
+        mine = [r.reshape(r.shape[1:]) for r in rows]
+        per_leaf = [mine[leaf * n:(leaf + 1) * n] for leaf in range(leaves)]
+        return tuple(_lowering.reduce_scatter_rows(per_leaf, shard_axes, summed_over))
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(_mesh.spec((*replicate_axes, *shard_axes)),) * (leaves * n),
+        out_specs=(_mesh.spec(_out_axes(shard_axes, replicate_axes, all_reduce)),) * leaves,
+    )
+    return jax.jit(mapped)
+
+
+def eager_reduce_scatter_rows(
+    rows: Sequence[Sequence[jax.Array]],
+    mesh: Mesh,
+    shard_axes: tuple[str, ...],
+    replicate_axes: tuple[str, ...] = (),
+    all_reduce: bool = True,
+) -> list[jax.Array]:
+    """`eager_reduce_scatter` of flat leaves whose rows are given apart, by collective permutes.
+
+    For CPU collectives over gloo (`funshard.comm.reduce_scatter_by_permutes`), where a
+    reduce-scatter is N - 1 collective permutes: given as separate arrays, the rows a
+    device sends are read in place, where `eager_reduce_scatter` copies each out of its
+    slab first. A caller whose rows are views of one buffer (torch_frontend's flat
+    gradients, their rows 64-byte aligned so that DLPack imports them without a copy)
+    saves that copy.
+
+    Args:
+      rows: for each leaf, N arrays of shape `(W, cols)` split over all data-parallel
+        axes (W devices). On device i, the block of `rows[leaf][k]` is its contribution
+        to the result of device i + k (mod N) on the shard axes.
+      mesh: the mesh.
+      shard_axes: axes to scatter over (N devices).
+      replicate_axes: axes to all-reduce over (HSDP).
+      all_reduce: False skips the all-reduce over `replicate_axes`.
+
+    Returns:
+      For each leaf, the sums split over `shard_axes`, shape `(N * cols,)` (with
+      `all_reduce=False`, over `replicate_axes + shard_axes`: one partial sum per
+      replica). Device i's block adds its own row first, then those of devices i-1,
+      i-2, ... (mod N).
+
+    Raises:
+      ValueError: a leaf does not have one row per device of `shard_axes`.
+    """
+    if not rows:
+        return []
+    shard_axes = tuple(shard_axes)
+    n = _mesh.axes_size(mesh, shard_axes)
+    for leaf, parts in enumerate(rows):
+        if len(parts) != n:
+            raise errors.ShardingValueError(_row_count(leaf, len(parts), shard_axes, n))
+    fn = _row_sum_fn(mesh, shard_axes, tuple(replicate_axes), len(rows), bool(all_reduce))
+    return list(fn(*(r for parts in rows for r in parts)))
+
+
+def _row_count(leaf: int, got: int, shard_axes: tuple[str, ...], n: int) -> str:
+    return (
+        f"eager_reduce_scatter_rows: leaf {leaf} has {got} rows; the shard axes "
+        f"{shard_axes} have {n} devices, and each device gives one row per device (its "
+        "own first)."
+    )

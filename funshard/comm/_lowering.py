@@ -2,8 +2,8 @@
 
 Everything here runs per device inside `jax.shard_map`. The functional training step
 calls these directly; eager callers (`unshard` outside a step, the torch frontend's
-hooks on process-local buffers) go through `eager_all_gather` / `eager_reduce_scatter`,
-which wrap the very same functions in a jitted `shard_map`.
+hooks on process-local buffers) go through `funshard.comm._eager`, which wraps the very
+same functions in a jitted `shard_map`.
 
 One unit = one collective of each kind: the unit's local blocks are flattened into a
 single buffer, gathered once and split (like FSDP2's copy-in / copy-out buffers).
@@ -15,16 +15,13 @@ normalisation would otherwise widen a bf16 all-gather to f32) and is exact every
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
 
 from funshard import _jax_compat
-from funshard.comm import _mesh
 
 
 def is_inexact_array(x: Any) -> bool:
@@ -317,7 +314,8 @@ def reduce_scatter_by_permutes(platform: str) -> bool:
     """Whether this process's reduce-scatters for `platform` run as collective permutes.
 
     True for CPU programs of a multi-process job whose CPU collectives are gloo (see
-    `_scatter_sum`): there `eager_reduce_scatter_rows` saves a copy per row.
+    `_scatter_sum`): there `reduce_scatter_rows`, given the rows apart, saves a copy per
+    row.
     """
     return platform == "cpu" and _jax_compat.cpu_collectives_over_gloo()
 
@@ -357,6 +355,34 @@ def _sum_rows(own: jax.Array, sends: Sequence[jax.Array], shard_axes: tuple[str,
         got = jax.lax.ppermute(send, shard_axes, [(j, (j + k) % n) for j in range(n)])
         total = total + (_from_words(got, own.shape, own.dtype, width) if width else got)
     return total
+
+
+def reduce_scatter_rows(
+    rows: Sequence[Sequence[jax.Array]],
+    shard_axes: tuple[str, ...],
+    replicate_axes: tuple[str, ...] = (),
+) -> list[jax.Array]:
+    """Sums each flat leaf over devices from rows given apart, by collective permutes.
+
+    `reduce_scatter_blocks` for flat leaves whose rows are separate arrays: the rows a
+    device sends are read where they are, never first sliced out of one slab (see
+    `_scatter_sum_by_permutes`, and `reduce_scatter_by_permutes` for where that pays).
+
+    Args:
+      rows: per leaf, this device's N rows (N = the size of `shard_axes`): its
+        contribution to the result of device i, i+1, ... (mod N), its own first.
+      shard_axes: mesh axes the result is scattered over.
+      replicate_axes: mesh axes the scattered result is also summed over (HSDP).
+
+    Returns:
+      This device's row of each summed leaf: its own row, then those of devices i-1,
+      i-2, ... (mod N) added in that order.
+    """
+    sums = []
+    for parts in rows:
+        total = _sum_rows(parts[0], parts[1:], shard_axes)
+        sums.append(jax.lax.psum(total, replicate_axes) if replicate_axes else total)
+    return sums
 
 
 def reduce_scatter_blocks(
@@ -407,180 +433,3 @@ def reduce_scatter_blocks(
 
 def _mesh_axes_size(axes: tuple[str, ...]) -> int:
     return int(np.prod([jax.lax.axis_size(a) for a in axes]))
-
-
-@functools.lru_cache(maxsize=None)
-def _eager_gather_fn(mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...], dims):
-    def body(*blocks):
-        fulls = all_gather_blocks(blocks, shard_axes, dims=dims, to="invarying")
-        return tuple(
-            jax.lax.slice_in_dim(f, 0, r, axis=d)
-            for f, r, d in zip(fulls, rows, dims, strict=True)
-        )
-
-    mapped = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=tuple(_mesh.spec(shard_axes, d) for d in dims),
-        out_specs=(PartitionSpec(),) * len(rows),
-    )
-    return jax.jit(mapped)
-
-
-def eager_all_gather(
-    datas: Sequence[jax.Array],
-    mesh: Mesh,
-    shard_axes: tuple[str, ...],
-    rows: Sequence[int] | None = None,
-    dims: Sequence[int] | None = None,
-) -> list[jax.Array]:
-    """All-gathers padded global arrays sharded `P(shard_axes)` into replicated ones.
-
-    One compiled program (cached per mesh and layout) and one collective for all of
-    `datas`; the same `all_gather_blocks` as the training step runs inside it.
-
-    Args:
-      datas: padded global arrays, dim 0 sharded over `shard_axes`.
-      mesh: their mesh.
-      shard_axes: the axes dim 0 is split over.
-      rows: logical size of each leaf's sharded dimension (the padding is cut off);
-        defaults to the padded size.
-      dims: the sharded dimension of each leaf (default: all 0).
-
-    Returns:
-      Replicated arrays, one per leaf.
-    """
-    if not datas:
-        return []
-    dims = (0,) * len(datas) if dims is None else tuple(dims)
-    if rows is None:
-        rows = tuple(x.shape[d] for x, d in zip(datas, dims, strict=True))
-    rows = tuple(rows)
-    return list(_eager_gather_fn(mesh, tuple(shard_axes), rows, dims)(*datas))
-
-
-@functools.lru_cache(maxsize=None)
-def _eager_reduce_scatter_fn(mesh, shard_axes, replicate_axes, dims: tuple[int, ...],
-                             all_reduce: bool):
-    dp_axes = (*replicate_axes, *shard_axes)
-    summed_over = replicate_axes if all_reduce else ()
-    out_axes = shard_axes if all_reduce else dp_axes  # partial sums differ per replica
-
-    def body(*stacked):
-        fulls = [s.reshape(s.shape[1:]) for s in stacked]
-        return tuple(reduce_scatter_blocks(fulls, shard_axes, summed_over, dims=dims))
-
-    mapped = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(_mesh.spec(dp_axes),) * len(dims),
-        out_specs=tuple(_mesh.spec(out_axes, d) for d in dims),
-    )
-    return jax.jit(mapped)
-
-
-def eager_reduce_scatter(
-    stacked: Sequence[jax.Array],
-    mesh: Mesh,
-    shard_axes: tuple[str, ...],
-    replicate_axes: tuple[str, ...] = (),
-    dims: Sequence[int] | None = None,
-    all_reduce: bool = True,
-) -> list[jax.Array]:
-    """Reduce-scatters per-device full-size contributions outside a step.
-
-    Args:
-      stacked: for each leaf, an array of shape `(W, ...)` sharded over all
-        data-parallel axes, whose block on device d is that device's padded full-size
-        contribution (e.g. a gradient computed by torch on that rank), its scattered
-        dimension `N * r` long.
-      mesh: the mesh.
-      shard_axes: axes to scatter over (N devices).
-      replicate_axes: axes to all-reduce over (HSDP).
-      dims: the dimension each leaf is scattered on, in the leaf's own shape
-        (default: all 0).
-      all_reduce: False skips the all-reduce over `replicate_axes` (FSDP2's
-        `set_requires_all_reduce(False)`): each replica keeps its own partial sum.
-
-    Returns:
-      For each leaf, the summed padded array sharded over `shard_axes` on its dim
-      (with `all_reduce=False`, over `replicate_axes + shard_axes`: one partial sum
-      per replica).
-    """
-    if not stacked:
-        return []
-    dims = (0,) * len(stacked) if dims is None else tuple(dims)
-    fn = _eager_reduce_scatter_fn(
-        mesh, tuple(shard_axes), tuple(replicate_axes), dims, bool(all_reduce))
-    return list(fn(*stacked))
-
-
-@functools.lru_cache(maxsize=None)
-def _eager_row_sum_fn(mesh, shard_axes, replicate_axes, leaves: int, all_reduce: bool):
-    dp_axes = (*replicate_axes, *shard_axes)
-    summed_over = replicate_axes if all_reduce else ()
-    out_axes = shard_axes if all_reduce else dp_axes  # partial sums differ per replica
-    n = _mesh.axes_size(mesh, shard_axes)
-
-    def body(*rows):
-        sums = []
-        for leaf in range(leaves):
-            mine = [r.reshape(r.shape[1:]) for r in rows[leaf * n:(leaf + 1) * n]]
-            total = _sum_rows(mine[0], mine[1:], shard_axes)
-            sums.append(jax.lax.psum(total, summed_over) if summed_over else total)
-        return tuple(sums)
-
-    mapped = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(_mesh.spec(dp_axes),) * (leaves * n),
-        out_specs=(_mesh.spec(out_axes),) * leaves,
-    )
-    return jax.jit(mapped)
-
-
-def eager_reduce_scatter_rows(
-    rows: Sequence[Sequence[jax.Array]],
-    mesh: Mesh,
-    shard_axes: tuple[str, ...],
-    replicate_axes: tuple[str, ...] = (),
-    all_reduce: bool = True,
-) -> list[jax.Array]:
-    """`eager_reduce_scatter` of flat leaves whose rows are given apart, by collective permutes.
-
-    For CPU collectives over gloo, where a reduce-scatter is N - 1 collective permutes
-    (see `_scatter_sum`): given as separate arrays, the rows a device sends are read in
-    place, where `eager_reduce_scatter` copies each out of its slab first. A caller
-    whose rows are views of one buffer (torch_frontend's flat gradients, their rows
-    64-byte aligned so that DLPack imports them without a copy) saves that copy.
-
-    Args:
-      rows: for each leaf, N arrays of shape `(W, cols)` sharded over all data-parallel
-        axes (W devices). On device i, the block of `rows[leaf][k]` is its contribution
-        to the result of device i + k (mod N) on the shard axes.
-      mesh: the mesh.
-      shard_axes: axes to scatter over (N devices).
-      replicate_axes: axes to all-reduce over (HSDP).
-      all_reduce: False skips the all-reduce over `replicate_axes`.
-
-    Returns:
-      For each leaf, the sums sharded over `shard_axes`, shape `(N * cols,)` (with
-      `all_reduce=False`, over `replicate_axes + shard_axes`: one partial sum per
-      replica). Device i's block adds its own row first, then those of devices i-1,
-      i-2, ... (mod N).
-
-    Raises:
-      ValueError: a leaf does not have one row per device of `shard_axes`.
-    """
-    if not rows:
-        return []
-    n = _mesh.axes_size(mesh, tuple(shard_axes))
-    for leaf, parts in enumerate(rows):
-        if len(parts) != n:
-            raise ValueError(
-                f"eager_reduce_scatter_rows: leaf {leaf} has {len(parts)} rows; the "
-                f"shard axes {tuple(shard_axes)} have {n} devices, and each device "
-                "gives one row per device (its own first).")
-    fn = _eager_row_sum_fn(
-        mesh, tuple(shard_axes), tuple(replicate_axes), len(rows), bool(all_reduce))
-    return list(fn(*(r for parts in rows for r in parts)))
