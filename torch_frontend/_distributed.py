@@ -25,9 +25,6 @@ import funshard.distributed
 from funshard import errors
 from torch_frontend import _bridge, _cuda
 
-SHARD_AXIS = "fsdp"
-REPLICATE_AXIS = "replicate"
-
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
