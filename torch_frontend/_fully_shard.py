@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Callable
 
@@ -18,6 +19,8 @@ from torch_frontend._policy import MixedPrecisionPolicy
 from torch_frontend._state import FSDPState, state_of
 
 _fsdp_classes: dict[type, type] = {}
+
+logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
 
 # FSDP2 raises built-in types that say little for these mistakes (IndexError,
@@ -506,6 +509,15 @@ def _param_names(modules: list[nn.Module]) -> dict[int, str]:
     return names
 
 
+def _log_group(modules: list[nn.Module], group: ParamGroup) -> None:
+    """One debug record per `fully_shard` call: what the new group holds and how."""
+    names = ", ".join(type(m).__name__ for m in modules)
+    params = ", ".join(f"{p.fqn} {tuple(p.shape)} dim {p.dim}" for p in group.params)
+    logger.debug("fully_shard: group of %s: %d parameters [%s] over %d ranks, "
+                 "reshard_after_forward=%s, %s", names, len(group.params), params,
+                 group.layout.world, group.reshard_after_forward, group.mp_policy)
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -583,6 +595,8 @@ def fully_shard(
     for param in params:
         param.group_modules = tuple(modules)
     group = ParamGroup(params, layout, mp_policy, post_forward, device_mesh)
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_group(modules, group)
     FSDPState(tuple(modules), group, mp_policy, reshard_after_forward is None)
     _state_dict.register_hooks(group)
     for m in modules:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,10 @@ from torch_frontend import _bridge, _flat
 from torch_frontend._param import FSDPParam
 from torch_frontend._policy import MixedPrecisionPolicy
 from torch_frontend._tree import map_tensors, tensors
+
+# One logger for the whole frontend, as FSDP2 has one ("torch.distributed.fsdp.fully_shard"):
+# silent unless the application configures it (no handler, level untouched).
+logger = logging.getLogger("torch_frontend")
 
 
 class TrainingState(enum.Enum):
@@ -72,6 +77,17 @@ class ParamGroup:
         self._buckets: list | None = None  # its flat buffers (None: one per parameter)
         self._parts: _bridge.RankLayout | None = None  # hpZ: the group layout of kept parts
         self.name = "the root"  # the module's name under the root (set at lazy init)
+        # FSDP2's `_module_fqn`: the module's path from the root ("" for the root, the
+        # paths joined by ", " for a group of modules); None until lazy init.
+        self.module_fqn: str | None = None
+
+    def with_fqn(self, label: str) -> str:
+        """`label` as FSDP2 names a profiler range or log record: "<label> (<fqn>)".
+
+        The root (fqn "") and a group not yet initialised keep the bare label, as in
+        FSDP2's `_with_fqn`.
+        """
+        return f"{label} ({self.module_fqn})" if self.module_fqn else label
 
     @property
     def is_unsharded(self) -> bool:
@@ -99,15 +115,20 @@ class ParamGroup:
             if not async_op:
                 self.wait_for_unshard()
             return
-        with record_function("FSDP::all_gather"):
+        label = self.with_fqn("FSDP::all_gather")
+        with record_function(label):
             if self.params and self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
                 # hpZ: gather the kept parts within the group of k ranks only.
                 blocks = [p.part_block() for p in self.params]
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("%s: all-gather of %d parameters within groups of %d "
+                                 "ranks (hpZ re-gather)%s", label, len(blocks),
+                                 self._parts.world, " (prefetch)" if async_op else "")
                 self.layout.comm.label_next(f"{self.name!r} (hpZ re-gather)")
                 self._pending = _bridge.start_all_gather(
                     self._parts, blocks, *self._rows_and_dims())
             elif self.params:
-                self._start_flat_gather()
+                self._start_flat_gather(label, async_op)
             else:
                 self.sharded_state = ShardedState.UNSHARDED
         if not async_op:
@@ -116,8 +137,13 @@ class ParamGroup:
     def _rows_and_dims(self) -> tuple[list[int], list[int]]:
         return [p.rows for p in self.params], [p.dim for p in self.params]
 
-    def _start_flat_gather(self) -> None:
-        """Starts one all-gather of the group's shards, one flat buffer per dtype."""
+    def _start_flat_gather(self, label: str, async_op: bool) -> None:
+        """Starts one all-gather of the group's shards, one flat buffer per dtype.
+
+        Args:
+          label: the profiler label of the gather, for its debug record.
+          async_op: whether this is a prefetch (said in the debug record).
+        """
         for param in self.params:
             param.check_bound()
         sources = [p.sync_padded() for p in self.params]
@@ -129,6 +155,10 @@ class ParamGroup:
         world = self.layout.world
         blocks = [_bridge.global_block(self.layout, _flat.copy_in(b, sources, dtypes))
                   for b in buckets]
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: all-gather of %d parameters over %d ranks, %s%s", label,
+                         len(self.params), world, _describe_buckets(buckets, world),
+                         " (prefetch)" if async_op else "")
         self.layout.comm.label_next(f"{self.name!r}")
         future = _bridge.start_all_gather(
             self.layout, blocks, [world * b.total for b in buckets])
@@ -139,7 +169,7 @@ class ParamGroup:
         """Completes a dispatched gather and binds the gathered parameters."""
         if self._pending is None:
             return
-        with record_function("FSDP::all_gather_copy_out"):
+        with record_function(self.with_fqn("FSDP::all_gather_copy_out")):
             fulls = _bridge.finish_all_gather(self._pending)
             buckets, self._pending, self._buckets = self._buckets, None, None
             if buckets is None:  # hpZ: one gathered tensor per parameter
@@ -230,16 +260,28 @@ class ParamGroup:
         the reduce dtype, until a backward that synchronises.
         """
         self.training_state = TrainingState.POST_BACKWARD
-        with record_function("FSDP::post_backward_reduce"):
-            self._post_backward()
-
-    def _post_backward(self) -> None:
+        logger.debug("%s", self.with_fqn("FSDP::post_backward"))
         if not self.reduce_grads:
-            for param in self.params:
-                param.accumulate_unsharded_grad(self.reduce_dtype(param))
+            with record_function(self.with_fqn("FSDP::post_backward_accumulate")):
+                for param in self.params:
+                    param.accumulate_unsharded_grad(self.reduce_dtype(param))
             self._reshard_after_backward()
             return
         all_reduce = self.all_reduce_grads or not self.layout.replicate_axes
+        with record_function(self.with_fqn("FSDP::post_backward_accumulate")):
+            with_grad, grads, posts = self._take_grads(all_reduce)
+        self._reshard_after_backward()
+        if not with_grad:
+            return
+        with record_function(self.with_fqn("FSDP::post_backward_rs_wait")):
+            # As FSDP2: the previous group's reduce-scatter ends (it had this group's
+            # backward to run in) and frees its flat input before this one's is allocated.
+            self.layout.comm.finish_reduce()
+        with record_function(self.with_fqn("FSDP::post_backward_reduce")):
+            self._reduce(with_grad, grads, posts, all_reduce)
+
+    def _take_grads(self, all_reduce: bool) -> tuple[list[FSDPParam], list, list]:
+        """(parameters with a gradient, their gradients pre-divided, post-divide factors)."""
         factor = self.gradient_divide_factor or float(self.layout.data_parallel)
         with_grad, grads, posts = [], [], []
         for param in self.params:
@@ -252,13 +294,12 @@ class ParamGroup:
                 with_grad.append(param)
                 grads.append(grad if pre is None else grad / pre)
                 posts.append(post)
-        self._reshard_after_backward()
-        if not with_grad:
-            return
+        return with_grad, grads, posts
+
+    def _reduce(self, with_grad: list[FSDPParam], grads: list[torch.Tensor],
+                posts: list, all_reduce: bool) -> None:
+        """Starts the reduce-scatter of `grads`; it writes the shards' `.grad` when done."""
         dims, shapes = [p.dim for p in with_grad], [g.shape for g in grads]
-        # As FSDP2: the previous group's reduce-scatter ends (it had this group's
-        # backward to run in) and frees its flat input before this one's is allocated.
-        self.layout.comm.finish_reduce()
         pending, blocks = self._start_reduce_scatter(grads, dims, all_reduce)
 
         def finish() -> None:  # once the reduce-scatter is done: write the gradients
@@ -303,9 +344,21 @@ class ParamGroup:
         flats = [_flat.reduce_input([grads[i] for i in m], [dims[i] for i in m], world,
                                     _bridge.row_align(self.layout, grads[m[0]].dtype))
                  for m in members]
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_reduce_scatter(flats, all_reduce)
         self.layout.comm.label_next(f"{self.name!r}")
         pending = _bridge.start_reduce_scatter(self.layout, flats, all_reduce=all_reduce)
         return (pending, members, flats), blocks
+
+    def _log_reduce_scatter(self, flats: list[torch.Tensor], all_reduce: bool) -> None:
+        label, layout = self.with_fqn("FSDP::post_backward_reduce"), self.layout
+        sizes = ", ".join(f"{f.numel()} x {f.dtype}" for f in flats)
+        logger.debug("%s: reduce-scatter over %d ranks of %d flat buffer(s) (%s)", label,
+                     layout.world, len(flats), sizes)
+        if all_reduce and layout.replicate_axes:
+            # HSDP: one JAX program sums over the replicas too (no collective of its own).
+            logger.debug("%s: all-reduce over %d replicas (in the same program)", label,
+                         layout.data_parallel // layout.world)
 
     def _finish_blocks(self, pending, shapes: list[torch.Size], dims: list[int],
                        blocks: list[torch.Tensor | None]) -> None:
@@ -322,8 +375,14 @@ class ParamGroup:
         # their own dtype (an all-reduce and this rank's rows, as FSDP2 on gloo).
         full = _bridge.padded_full(self.layout, grad, dim).clone()
         mesh = self.device_mesh
+        replicas = all_reduce and mesh.ndim > 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: all-reduce of a %s gradient %s in torch's group (JAX holds "
+                         "no 64-bit float)%s", self.with_fqn("FSDP::post_backward_reduce"),
+                         full.dtype, tuple(full.shape), ", then over the replicas" if replicas
+                         else "")
         dist.all_reduce(full, group=mesh.get_group(mesh.ndim - 1))
-        if all_reduce and mesh.ndim > 1:
+        if replicas:
             dist.all_reduce(full, group=mesh.get_group(0))
         rows = self.layout.padded_rows(grad.shape[dim])
         return full.narrow(dim, self.layout.rank * rows, rows)
@@ -353,7 +412,8 @@ class ParamGroup:
 
     def _reshard_after_backward(self) -> None:
         if self.reshard_after_backward:
-            self.reshard()
+            with record_function(self.with_fqn("FSDP::post_backward_reshard")):
+                self.reshard()
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         # Autograd runs the Function's backward once the gradients of the inputs are
@@ -365,6 +425,11 @@ class ParamGroup:
             return args, kwargs
         outs = iter(_PostBackward.apply(self, *needing))
         return map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
+
+
+def _describe_buckets(buckets: list, world: int) -> str:
+    """"<elements> x <dtype>" of each flat buffer a gather returns, for debug records."""
+    return ", ".join(f"{world * b.total} x {b.dtype}" for b in buckets)
 
 
 def _meta_forward(fqns: list[str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from typing import Any
 
@@ -17,6 +18,8 @@ from torch_frontend._policy import MixedPrecisionPolicy, cast_floating
 from torch_frontend._tree import map_tensors, tensors
 
 STATE_ATTR = "_torch_frontend_state"
+
+logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
 
 class IterationContext:
@@ -73,8 +76,7 @@ class FSDPState:
     def _module_pre_forward(self, module, _module, args, kwargs):
         if len(self.modules) > 1 and not self.modules_to_run:
             self.modules_to_run.update(self.modules)
-        with record_function(f"FSDP::pre_forward ({self.fqn})"):
-            return self.pre_forward(args, kwargs)
+        return self.pre_forward(args, kwargs)
 
     def _module_post_forward(self, module, _module, _args, output):
         if len(self.modules) > 1:
@@ -83,25 +85,34 @@ class FSDPState:
             self.modules_to_run.discard(module)
             if self.modules_to_run:  # the group's post-forward waits for its last module
                 return self.cast_output(output)
-        with record_function(f"FSDP::post_forward ({self.fqn})"):
+        with self._traced("FSDP::post_forward"):
             return self.post_forward(output)
+
+    def _traced(self, label: str) -> record_function:
+        """A profiler range named as FSDP2 names it ("<label> (<fqn>)"), logged at debug."""
+        label = self.group.with_fqn(label)
+        logger.debug("%s", label)
+        return record_function(label)
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Root set-up once per pass, input cast, ONE all-gather, post-backward hook."""
         if self.training_state == TrainingState.PRE_BACKWARD:
             # Activation checkpointing re-runs forward inside backward: parameters only.
-            self.group.unshard()
+            with self._traced("FSDP::pre_forward"):
+                self.group.unshard()
             return self.cast_inputs(args, kwargs)
         first_in_pass = self.training_state != TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
         if first_in_pass:
             self._root_pre_forward()
         args, kwargs = self.cast_inputs(args, kwargs)
-        args, kwargs = self.group.pre_forward(args, kwargs)
+        with self._traced("FSDP::pre_forward"):
+            args, kwargs = self.group.pre_forward(args, kwargs)
         if first_in_pass and torch.is_grad_enabled():
             self.ctx.pre_forward_order.append(self)
             for state in self._forward_prefetch_targets():  # dispatched now: they run
-                state.group.unshard(async_op=True)        # while we compute
+                with record_function(f"FSDP::forward_prefetch for {state.group.module_fqn}"):
+                    state.group.unshard(async_op=True)  # while we compute
         return args, kwargs
 
     def _forward_prefetch_targets(self) -> list[FSDPState]:
@@ -134,20 +145,25 @@ class FSDPState:
         if not (policy.cast_forward_inputs and policy.param_dtype):
             return args, kwargs
         cast = functools.partial(cast_floating, policy.param_dtype)
-        return map_tensors(cast, args), map_tensors(cast, kwargs)
+        with record_function("FSDP::cast_forward_inputs"):
+            return map_tensors(cast, args), map_tensors(cast, kwargs)
 
     def cast_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is None:
             return output
-        return map_tensors(functools.partial(cast_floating, self.mp_policy.output_dtype), output)
+        with record_function("FSDP::cast_forward_outputs"):
+            return map_tensors(functools.partial(cast_floating, self.mp_policy.output_dtype),
+                               output)
 
     def _root_pre_forward(self) -> None:
         self.lazy_init()
         if self.ctx.iter_forward_root is None:
+            logger.debug("FSDP::root_pre_forward")
             self.ctx.iter_forward_root = self
-            self.ctx.pre_forward_order.append(None)
-            for state in self.ctx.all_states:
-                state.group.drop_stale_parts()
+            with record_function("FSDP::root_pre_forward"):
+                self.ctx.pre_forward_order.append(None)
+                for state in self.ctx.all_states:
+                    state.group.drop_stale_parts()
 
     def _complete_unfinished_groups(self, output: Any) -> Any:
         # A grouped state whose modules did not all run forward never reached its
@@ -188,6 +204,7 @@ class FSDPState:
                 state.fqn = state.group.name = name
             state.ctx = self.ctx
             self.ctx.all_states.append(state)
+        self._name_groups(root)
         if self.auto_reshard_after_forward:
             # The root's parameters would be gathered again at once for the backward pass.
             self.group.reshard_after_forward = False
@@ -199,6 +216,26 @@ class FSDPState:
             for param in state.group.params:
                 param.reset_sharded_param()
         self._check_names()
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_lazy_init(root)
+
+    def _name_groups(self, root: nn.Module) -> None:
+        """Sets each group's `module_fqn` as FSDP2 does: its modules' paths, ", "-joined."""
+        names: dict[FSDPState, list[str]] = {}
+        for name, module in root.named_modules():
+            state = state_of(module)
+            if state is not None and state.ctx is self.ctx:
+                names.setdefault(state, []).append(name)
+        for state, paths in names.items():
+            state.group.module_fqn = ", ".join(paths)
+
+    def _log_lazy_init(self, root: nn.Module) -> None:
+        groups = "; ".join(
+            f"{s.group.module_fqn or '<root>'}: {len(s.group.params)} parameters, "
+            f"reshard_after_forward={s.group.reshard_after_forward}"
+            for s in self.ctx.all_states)
+        logger.debug("FSDP::lazy_init: root %s with %d fully_shard groups (%s)",
+                     type(root).__name__, len(self.ctx.all_states), groups)
 
     def _name_params(self, root: nn.Module) -> None:
         """Names every managed parameter by its path from the root, for messages."""
@@ -243,7 +280,12 @@ class FSDPState:
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        with record_function(f"FSDP::pre_backward ({self.fqn})"):
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            # A further output of this module: the group is gathered already (FSDP2
+            # names and logs only the first call).
+            self._run_pre_backward()
+            return
+        with self._traced("FSDP::pre_backward"):
             self._run_pre_backward()
 
     def _run_pre_backward(self) -> None:
@@ -253,7 +295,8 @@ class FSDPState:
         self.group.pre_backward()
         if not already:
             for state in self._backward_prefetch_targets():
-                state.group.prefetch_for_backward()
+                with record_function(f"FSDP::backward_prefetch for {state.group.module_fqn}"):
+                    state.group.prefetch_for_backward()
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         """Explicit targets, else the state whose post-forward ran just before ours."""
@@ -272,6 +315,7 @@ class FSDPState:
         Variable._execution_engine.queue_callback(root._root_post_backward_final_callback)
 
     def _root_post_backward_final_callback(self) -> None:
+        logger.debug("FSDP::root_post_backward")
         with record_function("FSDP::root_post_backward_callback"):
             self._end_backward()
 

@@ -1,0 +1,123 @@
+"""torch_frontend's debug records and profiler ranges, named as FSDP2 names them.
+
+FSDP2 logs at debug level ("torch.distributed.fsdp.fully_shard") and labels its
+profiler ranges "FSDP::<what> (<module fqn>)" (the root without the suffix). The
+frontend does the same under the logger "torch_frontend", silent unless configured.
+Single process (world size 1): the collectives still run, through JAX.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+from torch import nn
+
+import torch_frontend
+from torch_frontend import _fully_shard, _group, _state, fully_shard
+
+pytestmark = pytest.mark.torch
+
+LOGGER = "torch_frontend"
+
+
+class _Net(nn.Module):
+    """Two float32 units and a float64 one (its gradients all-reduce in torch's group)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 3)
+        self.c = nn.Linear(3, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x).relu()).double())
+
+
+def _sharded(grouped: bool = False) -> _Net:
+    torch_frontend.init_distributed()
+    model = _Net()
+    if grouped:
+        fully_shard([model.a, model.b])
+    else:
+        fully_shard(model.a)
+        fully_shard(model.b)
+    fully_shard(model.c)
+    return fully_shard(model)
+
+
+def _step(model: _Net) -> None:
+    model(torch.randn(2, 4)).sum().backward()
+
+
+def _messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER]
+
+
+def test_debug_records_name_lazy_init_groups_and_collectives(caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    model = _sharded()
+    built = _messages(caplog)
+    assert [m.split(":")[0] for m in built] == ["fully_shard"] * 4  # one per call
+    assert "group of Linear: 2 parameters [weight (3, 4) dim 0, bias (3,) dim 0]" in built[0]
+    caplog.clear()
+    _step(model)
+    _step(model)
+    records = _messages(caplog)
+    assert sum(m.startswith("FSDP::lazy_init") for m in records) == 1  # the first step only
+    assert "root FSDP_Net with 4 fully_shard groups" in records[0]
+    for fqn in ("a", "b"):  # forward, then backward (prefetched), per step
+        gathers = [m for m in records if m.startswith(f"FSDP::all_gather ({fqn}): all-gather")]
+        assert len(gathers) == 4, records
+        reduces = [m for m in records
+                   if m.startswith(f"FSDP::post_backward_reduce ({fqn}): reduce-scatter")]
+        assert len(reduces) == 2, records
+    # float64: weight and bias each all-reduced in torch's group, once per step.
+    all_reduces = [m for m in records if m.startswith("FSDP::post_backward_reduce (c): all-reduce")]
+    assert len(all_reduces) == 4, records
+    for hook in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
+        assert f"FSDP::{hook} (a)" in records
+    assert records.count("FSDP::root_pre_forward") == 2
+    assert records.count("FSDP::root_post_backward") == 2
+
+
+def test_nothing_is_logged_or_built_at_the_default_level(caplog, monkeypatch):
+    logger = logging.getLogger(LOGGER)
+    assert logger.level == logging.NOTSET and not logger.handlers  # the app decides
+    assert not logger.isEnabledFor(logging.DEBUG)
+
+    def built(*_args, **_kwargs):
+        raise AssertionError("a debug message was built with debug records off")
+
+    # The expensive messages are guarded by isEnabledFor: their builders never run.
+    monkeypatch.setattr(_fully_shard, "_log_group", built)
+    monkeypatch.setattr(_state.FSDPState, "_log_lazy_init", built)
+    monkeypatch.setattr(_group, "_describe_buckets", built)
+    monkeypatch.setattr(_group.ParamGroup, "_log_reduce_scatter", built)
+    model = _sharded()
+    _step(model)
+    assert _messages(caplog) == []
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["units", "grouped"])
+def test_profiler_ranges_carry_the_module_fqn(grouped):
+    model = _sharded(grouped)
+    _step(model)  # lazy init, and the forward order the prefetches follow
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(model)
+    names = {e.name for e in prof.events() if e.name.startswith("FSDP::")}
+    units = ["a, b"] if grouped else ["a", "b"]
+    expected = {"FSDP::root_pre_forward", "FSDP::root_post_backward_callback",
+                # the root: FSDP2 leaves its fqn ("") out
+                "FSDP::pre_forward", "FSDP::all_gather", "FSDP::post_forward"}
+    for fqn in [*units, "c"]:
+        expected |= {f"FSDP::{what} ({fqn})" for what in (
+            "pre_forward", "all_gather", "all_gather_copy_out", "post_forward",
+            "pre_backward", "post_backward_accumulate", "post_backward_reshard",
+            "post_backward_reduce")}
+    expected |= {f"FSDP::backward_prefetch for {fqn}" for fqn in units}
+    assert expected <= names, sorted(expected - names)
+    assert not any(n.endswith(("(_Net)", "(FSDP_Net)", "()")) for n in names), sorted(names)
