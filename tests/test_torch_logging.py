@@ -1,8 +1,9 @@
-"""torch_frontend's debug records and profiler ranges, named as FSDP2 names them.
+"""torch_frontend's debug records, profiler ranges and hook handles, as FSDP2's.
 
 FSDP2 logs at debug level ("torch.distributed.fsdp.fully_shard") and labels its
 profiler ranges "FSDP::<what> (<module fqn>)" (the root without the suffix). The
-frontend does the same under the logger "torch_frontend", silent unless configured.
+frontend does the same under the logger "torch_frontend", silent unless configured,
+and keeps the handles of the module hooks it registers where FSDP2 keeps them.
 Single process (world size 1): the collectives still run, through JAX.
 """
 
@@ -121,3 +122,27 @@ def test_profiler_ranges_carry_the_module_fqn(grouped):
     expected |= {f"FSDP::backward_prefetch for {fqn}" for fqn in units}
     assert expected <= names, sorted(expected - names)
     assert not any(n.endswith(("(_Net)", "(FSDP_Net)", "()")) for n in names), sorted(names)
+
+
+def test_hook_handles_remove_the_hooks_as_fsdp2s_do():
+    model = _sharded(grouped=True)
+    grouped, root = model.a._fsdp_state(), model._fsdp_state()
+    # A group of modules: ONE handle removes every module's pre- and post-hook.
+    assert grouped._pre_forward_hook_handle is grouped._post_forward_hook_handle
+    assert all(m._forward_pre_hooks and m._forward_hooks for m in (model.a, model.b))
+    grouped._pre_forward_hook_handle.remove()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in (model.a, model.b))
+    root._pre_forward_hook_handle.remove()
+    assert not model._forward_pre_hooks and model._forward_hooks
+    root._post_forward_hook_handle.remove()
+    assert not model._forward_hooks
+    group = model.c._fsdp_state().group
+    hooks = (model.c._state_dict_pre_hooks, model.c._load_state_dict_pre_hooks,
+             model.c._load_state_dict_post_hooks)
+    assert all(hooks)
+    for handles in (group._module_to_pre_save_state_dict_hook_handle,
+                    group._module_to_pre_load_state_dict_hook_handle,
+                    group._module_to_post_load_state_dict_hook_handle):
+        assert list(handles) == [model.c]
+        handles[model.c].remove()
+    assert not any(hooks)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
+from torch.utils.hooks import RemovableHandle
 
 from torch_frontend import _bridge, _flat
 from torch_frontend._param import FSDPParam
@@ -80,6 +81,11 @@ class ParamGroup:
         # FSDP2's `_module_fqn`: the module's path from the root ("" for the root, the
         # paths joined by ", " for a group of modules); None until lazy init.
         self.module_fqn: str | None = None
+        # The state-dict hooks on each module holding the group's parameters, by module
+        # (FSDP2's dicts; the post-load hook is FSDP2's per-parameter one, per module).
+        self._module_to_pre_save_state_dict_hook_handle: dict[nn.Module, RemovableHandle] = {}
+        self._module_to_pre_load_state_dict_hook_handle: dict[nn.Module, RemovableHandle] = {}
+        self._module_to_post_load_state_dict_hook_handle: dict[nn.Module, RemovableHandle] = {}
 
     def with_fqn(self, label: str) -> str:
         """`label` as FSDP2 names a profiler range or log record: "<label> (<fqn>)".

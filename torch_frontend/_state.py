@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.graph import _MultiHandle
+from torch.utils.hooks import RemovableHandle
 from torch.profiler import record_function
 
 from funshard import errors
@@ -60,16 +62,28 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None  # None: the default
         self.post_forward_indices: list[int] = []
         self.fqn = type(modules[0]).__name__
+        pre_handles, post_handles = [], []
         for module in modules:
             module.__dict__[STATE_ATTR] = self
             # Under torch.compile the hooks run eagerly, around the compiled forward (as
             # FSDP2's, by default): Dynamo must not trace the bridge into JAX.
-            module.register_forward_pre_hook(
+            pre_handles.append(module.register_forward_pre_hook(
                 torch.compiler.disable(functools.partial(self._module_pre_forward, module)),
-                prepend=True, with_kwargs=True)
-            module.register_forward_hook(
+                prepend=True, with_kwargs=True))
+            post_handles.append(module.register_forward_hook(
                 torch.compiler.disable(functools.partial(self._module_post_forward, module)),
-                prepend=False)
+                prepend=False))
+        # FSDP2's attributes, so code that removes its hooks finds them here too: a
+        # single module has one handle per hook; a group of modules one handle that
+        # removes all of them (pre and post: its hooks only work together).
+        self._pre_forward_hook_handle: RemovableHandle
+        self._post_forward_hook_handle: RemovableHandle
+        if len(modules) == 1:
+            self._pre_forward_hook_handle = pre_handles[0]
+            self._post_forward_hook_handle = post_handles[0]
+        else:
+            handle = _MultiHandle(tuple(pre_handles + post_handles))
+            self._pre_forward_hook_handle = self._post_forward_hook_handle = handle
 
     # ---- forward ----
 

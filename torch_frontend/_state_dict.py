@@ -47,9 +47,13 @@ def register_hooks(group: ParamGroup) -> None:
             modules.setdefault(id(module), module)
     for module in modules.values():
         reshard = functools.partial(_reshard, group)
-        module.register_state_dict_pre_hook(reshard)
-        module.register_load_state_dict_pre_hook(reshard)
-        module.register_load_state_dict_post_hook(functools.partial(_adopt_assigned, group))
+        # Kept, as FSDP2 keeps its handles, so the hooks can be removed.
+        group._module_to_pre_save_state_dict_hook_handle[module] = (
+            module.register_state_dict_pre_hook(reshard))
+        group._module_to_pre_load_state_dict_hook_handle[module] = (
+            module.register_load_state_dict_pre_hook(reshard))
+        group._module_to_post_load_state_dict_hook_handle[module] = (
+            module.register_load_state_dict_post_hook(functools.partial(_adopt_assigned, group)))
 
 
 def _reshard(group: ParamGroup, *_) -> None:
