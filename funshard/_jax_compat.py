@@ -5,7 +5,8 @@ the two equal). Each function here names the JAX behaviour it depends on and the
 that guards it; `check()` verifies them on first use (never at import: importing
 funshard must not start a JAX backend, or `jax.distributed.initialize` could no longer
 run) and fails with a message naming the broken assumption, so that moving the pin is a
-one-file job.
+one-file job. The CPython behaviours funshard relies on live in `funshard/_py_compat.py`,
+checked the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -57,13 +59,45 @@ def source_line(eqn: Any) -> str:
     """"file:line (function)" of the user's code that traced a jaxpr equation.
 
     Relies on `jax._src.source_info_util.summarize` (no public way to read an
-    equation's source). Guarded by tests/test_control_flow.py.
+    equation's source) and on an equation's `source_info`. Guarded by `check()` and
+    tests/test_control_flow.py.
     """
-    try:
-        from jax._src import source_info_util
-    except ImportError:
-        return "an unknown place"
+    from jax._src import source_info_util
+
     return source_info_util.summarize(eqn.source_info)
+
+
+def enclosing_equations() -> list[Any]:
+    """The equations the traces around this call have recorded so far, innermost first.
+
+    Lets a function traced inside a user's `jax.jit` see what the user's program did
+    before calling it (the root looks for host callbacks there). Relies on
+    `jax._src.core.trace_ctx.trace` (the running trace), on `parent_trace` leading out
+    of the JVP, batching and partial-evaluation traces (a jit's `DynamicJaxprTrace`
+    starts a trace stack of its own: the walk ends there), and on a
+    `DynamicJaxprTrace` keeping the equations it has recorded in `frame.tracing_eqns`
+    (equations, or weak references to them) with their `primitive`, `params` and
+    `source_info` (jax 0.10 to 0.12); traces without a `frame` record none. Guarded by
+    `check()` and tests/test_hardening.py.
+    """
+    from jax._src import core as private_core
+
+    found, seen = [], set()
+    trace = private_core.trace_ctx.trace
+    while trace is not None and id(trace) not in seen:
+        seen.add(id(trace))
+        found += _recorded_equations(trace)
+        trace = getattr(trace, "parent_trace", None)  # an eval trace has none: the end
+    return found
+
+
+def _recorded_equations(trace: Any) -> list[Any]:
+    """The equations `trace` has recorded so far (none unless it builds a jaxpr)."""
+    frame = getattr(trace, "frame", None)
+    if frame is None:
+        return []
+    entries = (e() if isinstance(e, weakref.ReferenceType) else e for e in frame.tracing_eqns)
+    return [eqn for eqn in entries if eqn is not None]
 
 
 def vjp_residuals(vjp_fn: Callable) -> tuple[list, Any]:
@@ -332,6 +366,39 @@ def _check() -> None:
     if not any(r is x for r in residuals):
         _broken("a jax.vjp function no longer holds a saved primal as the same array "
                 "object among its pytree leaves")
+    _check_enclosing_equations(callback_p)
+
+
+def _check_enclosing_equations(callback_p: Any) -> None:
+    """`enclosing_equations` sees a callback traced before it, from inside a `vmap`."""
+    assumption = ("the equations a jit trace has recorded so far (jax._src.core.trace_ctx"
+                  ".trace, out through .parent_trace, then .frame.tracing_eqns) no longer "
+                  "hold a jax.debug.callback traced before")
+    try:
+        seen = _equations_seen_after_a_callback()
+    except AttributeError as e:
+        _broken(f"{assumption} ({type(e).__name__}: {e})")
+    callbacks = [eqn for eqn in seen if eqn.primitive is callback_p]
+    if not callbacks or not hasattr(callbacks[0], "params"):
+        _broken(assumption)
+    if not re.search(r"\S+:\d+", source_line(callbacks[0])):
+        _broken("jax._src.source_info_util.summarize(eqn.source_info) no longer gives "
+                "the file:line that traced an equation")
+
+
+def _equations_seen_after_a_callback() -> list[Any]:
+    """What `enclosing_equations` returns inside a `vmap`, after a traced callback."""
+    import jax.numpy as jnp
+
+    seen: list[Any] = []
+
+    def traced(x):
+        jax.debug.callback(lambda _: None, x)
+        jax.vmap(lambda y: seen.extend(enclosing_equations()) or y)(jnp.stack([x, x]))
+        return x
+
+    jax.make_jaxpr(traced)(jnp.zeros(()))
+    return seen
 
 
 def _broken(what: str) -> None:

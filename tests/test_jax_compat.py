@@ -138,3 +138,52 @@ def test_dlpack_import_shares_memory_and_keeps_values(dtype):
     if dtype not in ("float64", "int64"):  # x64 is off: those are converted (a copy)
         assert array.dtype == host.dtype
         assert array.unsafe_buffer_pointer() == host.ctypes.data
+
+
+def test_enclosing_equations_see_a_callback_traced_before():
+    _, callback_p = _jax_compat.jaxpr_internals()
+    seen = []
+
+    def step(x):
+        jax.debug.callback(lambda _: None, x)
+        seen.extend(_jax_compat.enclosing_equations())
+        return x * 2
+
+    jax.jit(step).lower(jnp.ones(2))
+    callbacks = [eqn for eqn in seen if eqn.primitive is callback_p]
+    assert len(callbacks) == 1
+    assert "test_jax_compat.py" in _jax_compat.source_line(callbacks[0])
+    assert _jax_compat.enclosing_equations() == []  # no trace: nothing recorded
+
+
+def test_a_lost_trace_walk_names_itself_and_the_range(monkeypatch):
+    _jax_compat.check.cache_clear()
+    monkeypatch.setattr(_jax_compat, "enclosing_equations", list)  # sees nothing
+    with pytest.raises(RuntimeError, match=r"trace_ctx\.trace, out through \.parent_trace, "
+                       r"then \.frame\.tracing_eqns\) no longer hold a jax\.debug\.callback.*"
+                       r"jax" + _RANGE):
+        _jax_compat.check()
+    _jax_compat.check.cache_clear()
+
+
+def test_a_renamed_frame_attribute_names_the_assumption_not_only_the_name(monkeypatch):
+    import types
+
+    # As if JAX renamed `tracing_eqns`: the jaxpr trace's frame no longer has it.
+    recorded = _jax_compat._recorded_equations
+    monkeypatch.setattr(_jax_compat, "_recorded_equations",
+                        lambda trace: recorded(types.SimpleNamespace(frame=object())))
+    _jax_compat.check.cache_clear()
+    with pytest.raises(RuntimeError, match=r"\.frame\.tracing_eqns\) no longer hold .*"
+                       r"AttributeError: .*tracing_eqns.*jax" + _RANGE):
+        _jax_compat.check()
+    _jax_compat.check.cache_clear()
+
+
+def test_a_source_line_that_names_nothing_is_a_broken_assumption(monkeypatch):
+    _jax_compat.check.cache_clear()
+    monkeypatch.setattr(_jax_compat, "source_line", lambda eqn: "an unknown place")
+    with pytest.raises(RuntimeError, match=r"summarize\(eqn\.source_info\) no longer gives.*"
+                       r"jax" + _RANGE):
+        _jax_compat.check()
+    _jax_compat.check.cache_clear()

@@ -7,8 +7,8 @@ the core's interface to those layers; users import the public ones from `funshar
 
 from funshard.core._context import current as current_step
 from funshard.core._context import in_unit as in_unit
+from funshard.core._context import layout_of as layout_of
 from funshard.core._fully_shard import fully_shard as fully_shard
-from funshard.core._in_step import layout_of as layout_of
 from funshard.core._optim import init_optimizer as init_optimizer
 from funshard.core._optim import sharding_on as sharding_on
 from funshard.core._options import RootOptions as RootOptions

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from typing import Any, Callable
 
 import jax
@@ -156,30 +155,14 @@ def outer_callbacks() -> list[str]:
     """Where the user's step called `jax.debug.callback` before this root, outside it.
 
     Reads the equations the enclosing traces (the user's `jax.jit`, `vmap`, ...) have
-    recorded so far: `jax._src.core.trace_ctx.trace`, each trace's `parent_trace`, and a
-    `DynamicJaxprTrace`'s `frame.tracing_eqns` (TracingEqn, or weak references to them)
-    with their `primitive`, `params` and `source_info` (jax 0.10). Callbacks recorded
-    after the root returns are out of its sight. Guarded by tests/test_hardening.py.
+    recorded so far (`_jax_compat.enclosing_equations`). Callbacks recorded after the
+    root returns are out of its sight. Guarded by tests/test_hardening.py.
 
     Returns:
-      One "file:line (function)" per such callback, innermost trace first ([] if none, or if
-      these internals are not there).
+      One "file:line (function)" per such callback, innermost trace first ([] if none).
     """
-    try:
-        from jax._src import core, source_info_util
-    except ImportError:
-        return []
-    found, seen = [], set()
-    trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
-    while trace is not None and id(trace) not in seen:
-        seen.add(id(trace))
-        frame = getattr(trace, "frame", None)
-        for entry in getattr(frame, "tracing_eqns", ()):
-            eqn = entry() if isinstance(entry, weakref.ReferenceType) else entry
-            if eqn is not None and _user_callback(eqn):
-                found.append(source_info_util.summarize(eqn.source_info))
-        trace = getattr(trace, "parent_trace", None)
-    return found
+    return [_jax_compat.source_line(eqn) for eqn in _jax_compat.enclosing_equations()
+            if _user_callback(eqn)]
 
 
 def _callbacks_outside_root(fn: str, places) -> str:

@@ -1,4 +1,5 @@
-"""The running step: its mesh, its data-parallel axes, and what each sharded leaf is in it.
+"""The running step: its mesh, its data-parallel axes, what each sharded leaf is in it,
+and the gather of those leaves.
 
 Per-leaf facts (frozen, where a deferred gradient goes) travel on the `StepLeaf` the
 root hands to the loss function, as static metadata or pytree children, never keyed by
@@ -6,6 +7,10 @@ the identity of a traced value nor read from context: `jax.checkpoint`, `vmap`,
 `lax.cond` and `lax.scan` re-trace the loss and make new tracers (and
 `jax.checkpoint` caches its trace per function), but a pytree's children and static
 metadata travel through every transform.
+
+The comm layer (`funshard.comm`) gathers and reduces arrays described by a
+`GroupLayout`; `layout_of` reads what the step says of each leaf (frozen, deferred, its
+HSDP reduction) and builds that layout, so that the comm layer never reads the step.
 """
 
 from __future__ import annotations
@@ -13,12 +18,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
-from funshard.core._sharded import Sharded
+from funshard import _py_compat, comm, errors
+from funshard.core import _policy
+from funshard.core._sharded import Sharded, is_concrete
 
 
 @jax.tree_util.register_dataclass
@@ -44,6 +53,42 @@ class StepLeaf(Sharded):
     frozen: bool = dataclasses.field(metadata=dict(static=True), default=False)
     accumulator: Any = None
     skip_replicate_reduce: bool = dataclasses.field(metadata=dict(static=True), default=False)
+
+
+def _local_block_read(shape, local_shape) -> str:
+    return (
+        f"`.data` of a sharded parameter of shape {tuple(shape)} read inside a funshard "
+        f"step: there it is only this device's local block, of shape {tuple(local_shape)} "
+        "(its rows of the padded array), not the parameter. Call fs.unshard(state) (or use "
+        "an fs.fully_shard unit) for the full array. To compute on the local block on "
+        "purpose (e.g. a sum of squares followed by jax.lax.psum), take it as the leaf's "
+        "pytree child: jax.tree.leaves(leaf)[0]."
+    )
+
+
+def _local_block(self) -> Any:
+    # `Sharded`'s own getter first: it refuses donated buffers, as for every leaf.
+    data = Sharded.data.fget(self)
+    if not is_concrete(data) and _read_in_user_code(_py_compat.calling_frame()):
+        raise errors.ShardingTypeError(_local_block_read(self.shape, self.local_shape))
+    return data
+
+
+def _read_in_user_code(frame) -> bool:
+    """Whether `frame` (outside funshard) is executing a `.data` attribute read itself.
+
+    jax's flattening, and `getattr(leaf, "data")`, read the field through a call: only
+    the `.data` expression in the user's own code is the mistake (trace time only: a
+    step's leaves hold tracers).
+    """
+    if frame.f_globals.get("__name__", "").startswith("funshard"):
+        return False
+    return _py_compat.attribute_read_at(frame, "data")
+
+
+# Reading `.data` in a loss function is a TypeError on a step's leaves only: outside a
+# step it is the padded global array, as the user expects.
+StepLeaf.data = property(_local_block, Sharded.data.fset, doc=Sharded.data.__doc__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +157,53 @@ def skips_replicate_reduce(leaf: Sharded) -> bool:
 def accumulator_of(leaf: Sharded):
     """The deferred-gradient accumulator of `leaf` in the running step, or None."""
     return leaf.accumulator if isinstance(leaf, StepLeaf) else None
+
+
+def layout_of(
+    leaves: Sequence[Sharded], skip_replicate_reduce: bool | None = None, name: str = "unshard"
+) -> comm.GroupLayout:
+    """The gather layout of `leaves`, which share one mesh and one set of axes.
+
+    Frozen leaves, and whether the HSDP all-reduce waits for the end of the step, are
+    read from the step's metadata on each leaf unless `skip_replicate_reduce` is given.
+    `name` labels the group's collectives (see `scope`).
+    """
+    if skip_replicate_reduce is None:
+        skip_replicate_reduce = any(skips_replicate_reduce(s) for s in leaves)
+    first = leaves[0]
+    return comm.GroupLayout(
+        leaves=tuple(
+            comm.LeafLayout(
+                shape=s.shape,
+                dtype=np.dtype(s.dtype),
+                gather_dtype=_policy.param_dtype_for(s.mp_policy, np.dtype(s.dtype)),
+                reduce_dtype=_policy.reduce_dtype_for(s.mp_policy, np.dtype(s.dtype)),
+                rows=s.rows_per_shard,
+                frozen=is_frozen(s),
+                dim=s.dim,
+            )
+            for s in leaves
+        ),
+        shard_axes=first.shard_axis,
+        replicate_axes=first.replicate_axis,
+        num_shards=first.num_shards,
+        skip_replicate_reduce=skip_replicate_reduce,
+        name=name,
+    )
+
+
+def accumulators_for(leaves: Sequence[Sharded]) -> tuple | None:
+    """The deferred-gradient accumulators of `leaves` in the running step, if any."""
+    found = tuple(accumulator_of(leaf) for leaf in leaves)
+    return found if any(a is not None for a in found) else None
+
+
+def unshard_in_step(leaves: Sequence[Sharded], name: str = "unshard") -> list[jax.Array]:
+    """The step's differentiable gather of `leaves`, honouring frozen and deferred leaves."""
+    layout = layout_of(leaves, name=name)
+    datas = tuple(leaf.data for leaf in leaves)
+    accumulators = accumulators_for(leaves)
+    if accumulators is None:
+        return comm.gather(layout, datas)
+    deferred = tuple(a is not None for a in accumulators)
+    return comm.gather_deferred(layout, deferred, datas, accumulators)

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import tree_unflatten
 
 from funshard import _text, comm, distributed, errors
-from funshard.core import _context, _in_step, _options, _placement, _tree
+from funshard.core import _context, _options, _placement, _tree
 from funshard.core._placement import Replicate
 from funshard.core._policy import MixedPrecisionPolicy
 from funshard.core._sharded import Sharded, is_array, is_key, is_sharded
@@ -316,7 +316,7 @@ def unshard_as(tree: Any, name: str) -> Any:
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
-            fulls = _in_step.unshard_in_step(leaves, name)
+            fulls = _context.unshard_in_step(leaves, name)
         else:
             _same_on_every_process(name, mesh, leaves)
             stacked = [_stacked_dims(paths[i], x) for i, x in zip(idx, leaves, strict=True)]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import dis
-import sys
 from typing import Any
 
 import jax
@@ -134,65 +132,29 @@ def _sharded_deleted(shape, dtype) -> str:
     )
 
 
-def _local_block_read(shape, local_shape) -> str:
-    return (
-        f"`.data` of a sharded parameter of shape {tuple(shape)} read inside a funshard "
-        f"step: there it is only this device's local block, of shape {tuple(local_shape)} "
-        "(its rows of the padded array), not the parameter. Call fs.unshard(state) (or use "
-        "an fs.fully_shard unit) for the full array. To compute on the local block on "
-        "purpose (e.g. a sum of squares followed by jax.lax.psum), take it as the leaf's "
-        "pytree child: jax.tree.leaves(leaf)[0]."
-    )
-
-
 def _live_data(self) -> Any:
     # Reached by every read of `.data`, jax's own flattening included (jit's argument
     # handling reads the field through getattr): a jitted call given a state whose
     # buffers it donated before would segfault in XLA on a multi-device mesh (jax 0.10:
     # one device's "Buffer has been deleted or donated" error, the others crash).
     data = self.__dict__["data"]
+    concrete = _CONCRETE.get(type(data))  # inline: `is_concrete` is a call per read
+    if concrete is None:
+        concrete = is_concrete(data)
+    if concrete and data.is_deleted():
+        raise RuntimeError(_sharded_deleted(self.shape, self.dtype))
+    return data
+
+
+def is_concrete(data: Any) -> bool:
+    """Whether `data` is a concrete `jax.Array` (one with buffers), not a tracer or a
+    stand-in. Called on every read of a leaf's `.data`: cached per type."""
     kind = type(data)
     concrete = _CONCRETE.get(kind)
     if concrete is None:  # once per type: tracers are jax.Arrays too, without buffers
         concrete = _CONCRETE[kind] = (isinstance(data, jax.Array)
                                       and not isinstance(data, jax.core.Tracer))
-    if concrete:
-        if data.is_deleted():
-            raise RuntimeError(_sharded_deleted(self.shape, self.dtype))
-    elif _read_in_user_code(sys._getframe(1)) and _in_step(self):
-        raise errors.ShardingTypeError(_local_block_read(self.shape, self.local_shape))
-    return data
-
-
-def _in_step(leaf) -> bool:
-    from funshard.core import _context  # it imports this module
-
-    return isinstance(leaf, _context.StepLeaf)
-
-
-# Opcodes that read an attribute by name (`x.data`, `x.data.sum()`).
-_ATTRIBUTE_READS = {dis.opmap[op] for op in ("LOAD_ATTR", "LOAD_METHOD") if op in dis.opmap}
-
-
-def _read_in_user_code(frame) -> bool:
-    """Whether `frame` (outside funshard) is executing a `.data` attribute read itself.
-
-    jax's flattening, and `getattr(leaf, "data")`, read the field through a call: only
-    the `.data` expression in the user's own code is the mistake (trace time only: a
-    step's leaves hold tracers).
-    """
-    if frame.f_globals.get("__name__", "").startswith("funshard"):
-        return False
-    code, at = frame.f_code, frame.f_lasti
-    ops = code.co_code
-    if not 0 <= at < len(ops) - 1 or ops[at] not in _ATTRIBUTE_READS:
-        return False
-    arg, back, shift = ops[at + 1], at - 2, 8
-    while back >= 0 and ops[back] == dis.EXTENDED_ARG:
-        arg, back, shift = arg | ops[back + 1] << shift, back - 2, shift + 8
-    if sys.version_info >= (3, 12) and ops[at] == dis.opmap["LOAD_ATTR"]:
-        arg >>= 1  # the low bit says whether a method is loaded
-    return arg < len(code.co_names) and code.co_names[arg] == "data"
+    return concrete
 
 
 # Type of a `data` value -> whether it is a concrete jax.Array (whose buffers a donation
@@ -209,14 +171,12 @@ def _set_data(self, value: Any) -> None:
 Sharded.data = property(
     _live_data, _set_data,
     doc="The padded global array. Reading it raises RuntimeError once a jitted call has "
-        "donated it, and TypeError in a loss function inside a step (see the class).")
+        "donated it (and, on a step's leaf, TypeError in a loss function: see the class).")
 
 
 def is_sharded(x: Any) -> bool:
     """Whether `x` is a `Sharded` leaf (used as `is_leaf` in tree walks)."""
     return isinstance(x, Sharded)
-
-
 
 
 def is_key(x: Any) -> bool:

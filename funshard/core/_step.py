@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import tree_flatten_with_path
 
-from funshard import _jax_compat, _text, comm, distributed, errors
-from funshard.core import _callbacks, _context, _control_flow, _in_step, _random, _tree
+from funshard import _jax_compat, _py_compat, _text, comm, distributed, errors
+from funshard.core import _callbacks, _context, _control_flow, _random, _tree
 from funshard.core._batch import check_batch
 from funshard.core._options import RootOptions, root_options, trainable_flags
 from funshard.core._routes import LeafRoute, leaf_routes, state_axes
@@ -280,7 +280,7 @@ def _microbatch(loss_fn, root: _Root, values, batch, args):
 
 
 def _accumulator(item: Sharded, dp_axes):
-    dtype = _in_step.layout_of([item]).leaves[0].reduce_dtype
+    dtype = _context.layout_of([item]).leaves[0].reduce_dtype
     return comm.vary(jnp.zeros(item.shape, dtype), dp_axes)
 
 
@@ -403,7 +403,7 @@ def _reduce_deferred(root: _Root, sums: dict) -> dict:
         return {}
     order = sorted(sums)
     item_at = {r.position: x for r, x in root.traced}
-    layout = _in_step.layout_of([item_at[i] for i in order],
+    layout = _context.layout_of([item_at[i] for i in order],
                                 root.ctx.skip_replicate_reduce, name="root")
     reduced = comm.reduce_values([sums[i] for i in order], layout)
     return dict(zip(order, reduced, strict=True))
@@ -558,6 +558,7 @@ def value_and_grad(
     @functools.wraps(loss_fn)
     def step(state, batch, *args):
         _jax_compat.check()
+        _py_compat.check()
         _callbacks.warn_outer_callbacks("fs.value_and_grad")
         distributed.same_state("value_and_grad", state)  # multi-process jobs only
         root = _read_state(state, batch, trainable, opts)

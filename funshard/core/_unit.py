@@ -28,7 +28,7 @@ import numpy as np
 
 from funshard import _jax_compat, _text, comm, errors
 from funshard._custom_vjp import filter_custom_vjp
-from funshard.core import _context, _in_step, _tree
+from funshard.core import _context, _tree
 from funshard.core._options import check_reshard_after_forward as check_reshard_after_forward
 from funshard.core._policy import MixedPrecisionPolicy
 from funshard.core._sharded import Sharded, is_sharded
@@ -201,9 +201,9 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
     kept, within its group of k devices), resumes the vjp and reduce-scatters.
     """
     sharded = unit.sharded
-    layout = _in_step.layout_of(sharded, name=name)
+    layout = _context.layout_of(sharded, name=name)
     datas = tuple(x.data for x in sharded)
-    accumulators = _in_step.accumulators_for(sharded)
+    accumulators = _context.accumulators_for(sharded)
     deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
     keep_group = _keep_group(layout, group) if group else None
     record = Residuals()
@@ -256,7 +256,7 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
 
 def _layer_layout(sharded, name: str):
     """The gather layout of one layer of each stacked leaf (its layer axis dropped)."""
-    stack = _in_step.layout_of(sharded, name=name)
+    stack = _context.layout_of(sharded, name=name)
     layer = tuple(
         dataclasses.replace(leaf, shape=leaf.shape[1:], dim=leaf.dim - 1) for leaf in stack.leaves
     )
@@ -278,7 +278,7 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
     """
     sharded = unit.sharded
     datas = tuple(x.data for x in sharded)
-    if _in_step.accumulators_for(sharded) is not None:
+    if _context.accumulators_for(sharded) is not None:
         raise errors.UnsupportedError(_scan_deferred_sync_unsupported())
     layout = _layer_layout(sharded, f"scan/{name}")
     others = unit.parts.others
