@@ -43,6 +43,21 @@ def calling_frame(depth: int = 1) -> types.FrameType:
     return sys._getframe(depth + 1)
 
 
+def thread_position(ident: int | None) -> tuple[int, int, types.CodeType] | None:
+    """Where the thread `ident` is executing: (frame identity, instruction, code).
+
+    Two equal results, read a while apart, mean the thread has not moved (the departure
+    watchdog's test for a main thread stuck inside one call). None where the thread has
+    no Python frame (it ended, or `ident` is None).
+
+    Relies on `sys._current_frames()` (a CPython implementation detail) and on a frame's
+    `f_lasti` changing whenever Python code runs in it. Guarded by
+    tests/test_py_compat.py and tests/test_departed_peer.py.
+    """
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    return None if frame is None else (id(frame), frame.f_lasti, frame.f_code)
+
+
 def attribute_read_at(frame: types.FrameType, name: str) -> bool:
     """Whether `frame` is executing, right now, an attribute read `<expr>.<name>`.
 
@@ -151,6 +166,8 @@ def check() -> None:
             _broken(f"dis.opmap has no {opname}")
     if not hasattr(sys, "_getframe"):
         _broken("sys._getframe is missing")
+    if not hasattr(sys, "_current_frames"):
+        _broken("sys._current_frames is missing")
     probe = _Probe()
     for what, read, want in _probes():
         if read(probe) != want:

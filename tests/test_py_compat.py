@@ -80,3 +80,45 @@ def test_every_data_read_in_a_hot_loop_of_the_loss_is_refused():
 
     loss_value, _ = fs.value_and_grad(loss)(state, jnp.ones((4, 8)))
     assert loss_value == 8.0
+
+
+def test_thread_position_tells_a_stuck_thread_from_a_moving_one():
+    import threading
+    import time
+
+    stop, entered, done = threading.Event(), threading.Event(), [False]
+
+    def stuck():
+        entered.set()
+        stop.wait()  # one call, in C: the frame does not move
+
+    def moving():
+        # A thread only yields the GIL at certain instructions, so a tight loop may look
+        # still; one that waits in two different places does not.
+        entered.set()
+        while not done[0]:
+            time.sleep(0.001)
+            time.sleep(0.001)
+
+    try:
+        for target, moves in ((stuck, False), (moving, True)):
+            entered.clear()
+            done[0] = False
+            thread = threading.Thread(target=target, daemon=True)
+            thread.start()
+            entered.wait(30)
+            seen = set()
+            for _ in range(40):
+                seen.add(_py_compat.thread_position(thread.ident))
+                time.sleep(0.005)
+            assert None not in seen
+            assert (len(seen) > 1) == moves, (target.__name__, seen)
+            stop.set()
+            done[0] = True
+            thread.join(30)
+            stop.clear()
+        assert _py_compat.thread_position(thread.ident) is None
+        assert _py_compat.thread_position(None) is None
+    finally:
+        stop.set()
+        done[0] = True

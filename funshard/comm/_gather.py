@@ -6,7 +6,7 @@ the reduce-scatter, in the policy's `reduce_dtype`, written explicitly with a
 whatever autodiff would insert. `gather_values` / `reduce_values` are the two halves,
 reused by `fully_shard`'s re-gathering backward. A `GroupLayout` says everything this
 module needs to know: it reads no step (the core builds the layout from the step's
-view of each leaf, `funshard.core._in_step`).
+view of each leaf, `funshard.core._context`).
 """
 
 from __future__ import annotations

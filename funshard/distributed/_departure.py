@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from funshard import _jax_compat, errors
+from funshard import _jax_compat, _py_compat, errors
 from funshard.distributed._rendezvous import not_seconds
 
 # How long a process that others left may stay stuck before it gives up, in seconds.
@@ -312,8 +312,7 @@ _monitor: _Monitor | None = None
 
 def _main_place() -> tuple | None:
     """Where the main thread is: (frame identity, instruction, code); None if nowhere."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    return None if frame is None else (id(frame), frame.f_lasti, frame.f_code)
+    return _py_compat.thread_position(threading.main_thread().ident)
 
 
 def _exit_now(code: int) -> None:
