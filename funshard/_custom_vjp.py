@@ -4,11 +4,15 @@
 `nondiff_argnums`. funshard's rules take the pytrees a unit works with: parameters with
 `None` placeholders, Python numbers and strings among them, `fs.Sharded` leaves whose
 layout is static. Like `equinox.filter_custom_vjp`, this helper differentiates the array
-leaves and holds every other leaf in a closure, handing the rule back whole trees; and
-it gives each cotangent its primal's shard_map type, as autodiff would.
+leaves and holds every other leaf in a closure, handing the rule back whole trees.
+
+It adds no communication: a rule's cotangents must already have their primals' shard_map
+types (JAX checks). In particular the HSDP sum over the replicate axes is the rule's own
+all-reduce (`funshard.comm`'s reduce-scatter, in the policy's `reduce_dtype`), not an
+implicit sum here.
 
 Like `_jax_compat`, this module sits at the root floor: the comm layer and the core may
-both use it; it imports nothing of funshard but `_jax_compat`.
+both use it; it imports nothing of funshard.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-
-from funshard import _jax_compat
 
 
 def is_array(x: Any) -> bool:
@@ -41,8 +43,8 @@ class filter_custom_vjp:  # noqa: N801 (a decorator, named like jax.custom_vjp)
 
     `bwd(residuals, ct)` returns one cotangent per argument, each in that argument's
     structure: arrays at its array leaves (None: zero), anything at its static leaves
-    (ignored). A cotangent that varies over mesh axes its primal does not vary over is
-    summed over them (the transpose of `jax.lax.pvary`), as autodiff would.
+    (ignored). Each array cotangent must vary over exactly its primal's mesh axes:
+    JAX rejects one that varies over more (nothing here sums it).
     """
 
     def __init__(self, fn: Callable):
@@ -57,8 +59,6 @@ class filter_custom_vjp:  # noqa: N801 (a decorator, named like jax.custom_vjp)
     def __call__(self, *args):
         leaves, treedef = jax.tree_util.tree_flatten(args)
         positions = [i for i, x in enumerate(leaves) if is_array(x)]
-        # The primals' types (the mesh axes each varies over) are static: read them now.
-        varying = [_varying(leaves[i]) for i in positions]
 
         def rebuild(arrays) -> tuple:
             full = list(leaves)
@@ -75,20 +75,8 @@ class filter_custom_vjp:  # noqa: N801 (a decorator, named like jax.custom_vjp)
 
         def call_bwd(residuals, ct):
             flat = treedef.flatten_up_to(tuple(self.bwd(residuals, ct)))
-            return ([_typed_as(flat[i], axes) for i, axes in zip(positions, varying, strict=True)],)
+            return ([flat[i] for i in positions],)
 
         call.defvjp(call_fwd, call_bwd)
         return call([leaves[i] for i in positions])
 
-
-def _varying(x) -> frozenset[str]:
-    # numpy arrays are constants: the same on every device.
-    return _jax_compat.varying_axes(x) if isinstance(x, jax.Array) else frozenset()
-
-
-def _typed_as(ct, primal_axes: frozenset[str]):
-    """`ct` summed over the mesh axes it varies along but its primal does not."""
-    if ct is None or not hasattr(ct, "dtype") or ct.dtype == jax.dtypes.float0:
-        return ct
-    extra = tuple(a for a in _jax_compat.varying_axes(ct) if a not in primal_axes)
-    return jax.lax.psum(ct, extra) if extra else ct

@@ -394,7 +394,10 @@ def reduce_scatter_blocks(
     """Sums each padded `(N * r_i, ...)` array over devices and keeps this device's rows.
 
     Leaves sharing a dtype go through ONE reduce-scatter over `shard_axes` (and, for
-    HSDP, one all-reduce of the scattered result over `replicate_axes`).
+    HSDP, one all-reduce of the scattered result over `replicate_axes`). That all-reduce
+    is the step's only sum over the replicate axes: it runs in the dtype of `fulls` (the
+    policy's `reduce_dtype`), once per unit, and leaves the result typed like the local
+    shard, so neither autodiff nor the unit's `custom_vjp` adds another.
 
     Args:
       fulls: this device's padded full-size contribution to each leaf, already in the
