@@ -53,13 +53,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: torch_bench
 
-from torch_bench import report  # noqa: E402
-from torch_bench.model import PRESETS  # noqa: E402
+from torch_bench import report
+from torch_bench.model import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "torch_bench" / "worker.py"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "JAX_COORDINATOR_ADDRESS",
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,38 +75,74 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny model, 3 steps: a smoke run")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3)")
-    p.add_argument("--profile-steps", type=int, default=None,
-                   help="profiled frontend steps after the timed ones (default 5; 0: none)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="profiled frontend steps after the timed ones (default 5; 0: none)",
+    )
     p.add_argument("--processes", type=int, default=2)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="model shape and batch (default gpt-51m; --quick: quick); "
-                        "--blocks etc. override its fields")
-    p.add_argument("--only", default="", help="comma-separated variant keys to build "
-                   "(frontend-True, fsdp2-True, frontend-False, fsdp2-False, ddp, jax, "
-                   "single, floor; default all)")
-    p.add_argument("--compile", action="store_true",
-                   help="also run torch_frontend and FSDP2 (reshard=True) with block.compile() "
-                        "per block, one job each with an empty Inductor cache, and report "
-                        "the first step (compilation included) and the median step after")
-    p.add_argument("--malloc", choices=("trimmed", "default"), default="trimmed",
-                   help="trimmed (default): glibc hands freed blocks over 64 KiB back at "
-                        "once, so resident memory follows allocations; default: glibc's "
-                        "own settings, as a training script runs")
-    p.add_argument("--alone-repeats", type=int, default=0, metavar="N",
-                   help="also time torch_frontend and FSDP2 (reshard True / False) each in "
-                        "a job of its own, N jobs each in alternating order")
-    p.add_argument("--rss", action="store_true",
-                   help="also run torch_frontend and FSDP2 (reshard=True) alone, one job "
-                        "each, and report each process's peak resident memory")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model shape and batch (default gpt-51m; --quick: quick); "
+        "--blocks etc. override its fields",
+    )
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated variant keys to build "
+        "(frontend-True, fsdp2-True, frontend-False, fsdp2-False, ddp, jax, "
+        "single, floor; default all)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run torch_frontend and FSDP2 (reshard=True) with block.compile() "
+        "per block, one job each with an empty Inductor cache, and report "
+        "the first step (compilation included) and the median step after",
+    )
+    p.add_argument(
+        "--malloc",
+        choices=("trimmed", "default"),
+        default="trimmed",
+        help="trimmed (default): glibc hands freed blocks over 64 KiB back at "
+        "once, so resident memory follows allocations; default: glibc's "
+        "own settings, as a training script runs",
+    )
+    p.add_argument(
+        "--alone-repeats",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time torch_frontend and FSDP2 (reshard True / False) each in "
+        "a job of its own, N jobs each in alternating order",
+    )
+    p.add_argument(
+        "--rss",
+        action="store_true",
+        help="also run torch_frontend and FSDP2 (reshard=True) alone, one job "
+        "each, and report each process's peak resident memory",
+    )
     for name in ("blocks", "width", "heads", "seq", "batch"):
         p.add_argument(f"--{name}", type=int, default=None, help="model / global batch")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole job")
     p.add_argument("--out-json", type=Path, default=None)
     p.add_argument("--out-md", type=Path, default=None)
-    p.add_argument("--keep", type=Path, default=None,
-                   help="also keep each rank's raw result (rank*.json) in this folder")
-    p.add_argument("--report-only", type=Path, default=None, metavar="DIR",
-                   help="run nothing: report the raw results kept in DIR by --keep")
+    p.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="also keep each rank's raw result (rank*.json) in this folder",
+    )
+    p.add_argument(
+        "--report-only",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run nothing: report the raw results kept in DIR by --keep",
+    )
     args = p.parse_args(argv)
     preset = PRESETS[args.preset or ("quick" if args.quick else "gpt-51m")]
     for name in ("blocks", "width", "heads", "seq", "batch"):
@@ -132,9 +176,13 @@ def _env() -> dict:
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
     # One compute thread per rank, in torch and in XLA: the ranks share the cores.
     flags.append("--xla_cpu_multi_thread_eigen=false")
-    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-                   [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]))
+    env.update(
+        XLA_FLAGS=" ".join(flags),
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
+    )
     return env
 
 
@@ -143,19 +191,40 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def run_job(args, out: Path, only: str, compile_blocks: bool = False,
-            sample_memory: bool = False) -> int:
+def run_job(
+    args, out: Path, only: str, compile_blocks: bool = False, sample_memory: bool = False
+) -> int:
     """Runs the torchrun job; kills torchrun and its workers (by pid) on the way out."""
-    model = [f"--{k}={getattr(args, k)}" for k in ("blocks", "width", "heads", "seq", "batch")
-             if getattr(args, k) is not None]
-    command = [sys.executable, "-m", "torch.distributed.run",
-               f"--nproc-per-node={args.processes}", "--master-addr=127.0.0.1",
-               f"--master-port={_free_port_pair()}", str(WORKER), "--out", str(out),
-               "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--profile-steps", str(args.profile_steps), "--deadline", str(args.timeout),
-               *(["--only", only] if only else []), *(["--compile"] if compile_blocks else []),
-               *(["--sample-memory"] if sample_memory else []), "--malloc", args.malloc,
-               *model]
+    model = [
+        f"--{k}={getattr(args, k)}"
+        for k in ("blocks", "width", "heads", "seq", "batch")
+        if getattr(args, k) is not None
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={args.processes}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port_pair()}",
+        str(WORKER),
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--profile-steps",
+        str(args.profile_steps),
+        "--deadline",
+        str(args.timeout),
+        *(["--only", only] if only else []),
+        *(["--compile"] if compile_blocks else []),
+        *(["--sample-memory"] if sample_memory else []),
+        "--malloc",
+        args.malloc,
+        *model,
+    ]
     env = _env()
     if compile_blocks:  # a cold start for every job: nothing compiled by an earlier one
         env["TORCHINDUCTOR_CACHE_DIR"] = str(out / "inductor-cache")
@@ -171,8 +240,9 @@ def run_job(args, out: Path, only: str, compile_blocks: bool = False,
         proc.wait()
 
 
-def measure(args, only: str = "", compile_blocks: bool = False,
-            sample_memory: bool = False) -> list[dict] | None:
+def measure(
+    args, only: str = "", compile_blocks: bool = False, sample_memory: bool = False
+) -> list[dict] | None:
     """Runs the job; returns every rank's raw result (None if the job failed)."""
     load_start, started = _command("uptime"), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_torch-") as tmp:
@@ -205,19 +275,32 @@ def machine() -> dict:
     import jax
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"platform": platform.platform(), "cpu": cpu, "nproc": _command("nproc"),
-            "free": _command("free", "-h"), "python": platform.python_version(),
-            "torch": torch.__version__, "jax": jax.__version__,
-            "commit": _command("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD")}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "nproc": _command("nproc"),
+        "free": _command("free", "-h"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "jax": jax.__version__,
+        "commit": _command("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"),
+    }
 
 
-def markdown(args, m: dict, rows: dict, losses, targets, prof, load, wall: float,
-             cfg: dict, params: int) -> str:
+def markdown(
+    args, m: dict, rows: dict, losses, targets, prof, load, wall: float, cfg: dict, params: int
+) -> str:
     lines = [
-        "# torch_frontend benchmark", "",
+        "# torch_frontend benchmark",
+        "",
         f"- command: `python {shlex.join(sys.argv)}`",
         f"- machine: {m['cpu']}, `nproc` {m['nproc']}, `{m['platform']}`; Python "
         f"{m['python']}, torch {m['torch']}, jax {m['jax']}; commit {m['commit']}",
@@ -228,46 +311,64 @@ def markdown(args, m: dict, rows: dict, losses, targets, prof, load, wall: float
         "one compute thread each",
         f"- timing: median over {args.steps} steps after {args.warmup} warm-up steps, each "
         "step the slower rank's; variants interleaved; run wall time "
-        f"{wall:.0f} s", "",
-        "```", m["free"], "```", "",
+        f"{wall:.0f} s",
+        "",
+        "```",
+        m["free"],
+        "```",
+        "",
     ]
     lines += report.markdown_table(report.HEADER, report.table_rows(rows))
-    lines += [report.RATIO_NOTE + ". sent: bytes written per step per rank (larger rank). "
-              "state: parameters + optimizer state per rank; step peak: the step's peak "
-              "resident memory above the resident memory at its start.", ""]
+    lines += [
+        report.RATIO_NOTE + ". sent: bytes written per step per rank (larger rank). "
+        "state: parameters + optimizer state per rank; step peak: the step's peak "
+        "resident memory above the resident memory at its start.",
+        "",
+    ]
     jax_row = rows.get("funshard JAX step reshard=True")
     if jax_row and jax_row["facts"]:
         f = jax_row["facts"]
-        lines += [f"funshard JAX step: compiled in {f['compile_s']:.1f} s; "
-                  f"`memory_analysis()`: temp {report._mib(f['compiled_temp'])} MiB, "
-                  f"arguments {report._mib(f['compiled_arg'])} MiB.", ""]
+        lines += [
+            f"funshard JAX step: compiled in {f['compile_s']:.1f} s; "
+            f"`memory_analysis()`: temp {report._mib(f['compiled_temp'])} MiB, "
+            f"arguments {report._mib(f['compiled_arg'])} MiB.",
+            "",
+        ]
     lines += ["## Checks", ""]
-    lines += [f"- losses {c['variant']} vs {c['peer']}: max |diff| over {c['steps']} steps "
-              f"and every rank = {c['max_abs_diff']:.2e} ({'equal' if c['equal'] else 'DIFFER'})"
-              for c in losses]
-    lines += [f"- target {t['metric']} {t['variant']} <= {t['limit']:.1f}x {t['peer']}: "
-              f"{t['ratio']:.2f}x, {'met' if t['met'] else 'MISSED'}" for t in targets]
+    lines += [
+        f"- losses {c['variant']} vs {c['peer']}: max |diff| over {c['steps']} steps "
+        f"and every rank = {c['max_abs_diff']:.2e} ({'equal' if c['equal'] else 'DIFFER'})"
+        for c in losses
+    ]
+    lines += [
+        f"- target {t['metric']} {t['variant']} <= {t['limit']:.1f}x {t['peer']}: "
+        f"{t['ratio']:.2f}x, {'met' if t['met'] else 'MISSED'}"
+        for t in targets
+    ]
     lines.append("")
     if prof:
         header, prow = report.profile_table(prof)
-        lines += ["## Frontend profile (ms per step inside each bridge call, calls per step)",
-                  ""] + report.markdown_table(header, prow)
+        title = "## Frontend profile (ms per step inside each bridge call, calls per step)"
+        lines += [title, "", *report.markdown_table(header, prow)]
     return "\n".join(lines)
 
 
 ALONE = ("frontend-True", "fsdp2-True")
-RSS_NOTE = ("One job per implementation, each building only that variant (the FSDP2 job "
-            "never imports JAX) and running the same steps: `start` is a rank's resident "
-            "memory right after start-up (process group, and JAX's runtime for the "
-            "frontend), `peak` its peak resident memory (VmHWM) over start-up, building "
-            "and the steps; the larger rank's. `anon` and `file` are the peaks of its two "
-            "parts, sampled every 5 ms: anonymous memory is the process's own; "
-            "file-backed memory is shared libraries' code pages (torch's, and jaxlib's "
-            "for the frontend), shared by every rank and reclaimable by the kernel.")
+RSS_NOTE = (
+    "One job per implementation, each building only that variant (the FSDP2 job "
+    "never imports JAX) and running the same steps: `start` is a rank's resident "
+    "memory right after start-up (process group, and JAX's runtime for the "
+    "frontend), `peak` its peak resident memory (VmHWM) over start-up, building "
+    "and the steps; the larger rank's. `anon` and `file` are the peaks of its two "
+    "parts, sampled every 5 ms: anonymous memory is the process's own; "
+    "file-backed memory is shared libraries' code pages (torch's, and jaxlib's "
+    "for the frontend), shared by every rank and reclaimable by the kernel."
+)
 
 
-def each_alone(args, summary, compile_blocks: bool = False,
-               sample_memory: bool = False) -> dict | None:
+def each_alone(
+    args, summary, compile_blocks: bool = False, sample_memory: bool = False
+) -> dict | None:
     """{variant key: summary(its ranks' results)}, one job per key of ALONE."""
     out = {}
     for key in ALONE:
@@ -280,24 +381,32 @@ def each_alone(args, summary, compile_blocks: bool = False,
 
 def process_memory(args) -> dict | None:
     """{variant key: {"start", "peak"} bytes (the larger rank's)}, one job each."""
-    return each_alone(args, lambda ranks: {
-        f: max(r["rss_process"][f] for r in ranks)
-        for f in ("start", "peak", "peak_anon", "peak_file")}, sample_memory=True)
+    return each_alone(
+        args,
+        lambda ranks: {
+            f: max(r["rss_process"][f] for r in ranks)
+            for f in ("start", "peak", "peak_anon", "peak_file")
+        },
+        sample_memory=True,
+    )
 
 
-COMPILE_NOTE = ("One job per implementation, each building only that variant with "
-                "`block.compile()` (Inductor) on every block after fully_shard, and an "
-                "empty Inductor cache of its own: `first` is the first step, compilation "
-                "included; `then` the median of the timed steps after the warm-up; the "
-                "slower rank's.")
+COMPILE_NOTE = (
+    "One job per implementation, each building only that variant with "
+    "`block.compile()` (Inductor) on every block after fully_shard, and an "
+    "empty Inductor cache of its own: `first` is the first step, compilation "
+    "included; `then` the median of the timed steps after the warm-up; the "
+    "slower rank's."
+)
 
 
 def compile_runs(args) -> dict | None:
     """{variant key: {"first", "then"} seconds}, one cold-cache job each."""
+
     def summary(ranks):
         per_rank = [r["variants"][0] for r in ranks]
-        steps = [max(ls) for ls in zip(*(v["all_times"] for v in per_rank))]
-        after = sorted(steps[args.warmup:])
+        steps = [max(ls) for ls in zip(*(v["all_times"] for v in per_rank), strict=True)]
+        after = sorted(steps[args.warmup :])
         return {"first": steps[0], "then": after[len(after) // 2] if after else float("nan")}
 
     return each_alone(args, summary, compile_blocks=True)
@@ -305,17 +414,21 @@ def compile_runs(args) -> dict | None:
 
 def compile_table(compiled: dict) -> tuple[list[str], list[list[str]]]:
     peer = compiled["fsdp2-True"]
-    rows = [[key, f"{v['first']:,.1f}", f"{v['first'] / peer['first']:.2f}",
-             f"{v['then'] * 1e3:,.0f}"] for key, v in compiled.items()]
+    rows = [
+        [key, f"{v['first']:,.1f}", f"{v['first'] / peer['first']:.2f}", f"{v['then'] * 1e3:,.0f}"]
+        for key, v in compiled.items()
+    ]
     return ["compiled", "first step s", "first / FSDP2", "then ms"], rows
 
 
 STEP_ALONE = ("frontend-True", "fsdp2-True", "frontend-False", "fsdp2-False")
-STEP_ALONE_NOTE = ("Each variant in a job of its own (the FSDP2 jobs never import JAX), "
-                   "`--alone-repeats` jobs per variant in alternating order: a job's figure "
-                   "is the median over its timed steps of the slower rank's step time; "
-                   "`pairs` is the median of the frontend / FSDP2 ratios of the jobs run "
-                   "next to each other, `medians` the ratio of the two medians.")
+STEP_ALONE_NOTE = (
+    "Each variant in a job of its own (the FSDP2 jobs never import JAX), "
+    "`--alone-repeats` jobs per variant in alternating order: a job's figure "
+    "is the median over its timed steps of the slower rank's step time; "
+    "`pairs` is the median of the frontend / FSDP2 ratios of the jobs run "
+    "next to each other, `medians` the ratio of the two medians."
+)
 
 
 def step_times_alone(args) -> dict | None:
@@ -327,7 +440,7 @@ def step_times_alone(args) -> dict | None:
             if ranks is None:
                 return None
             per_rank = [r["variants"][0]["times"] for r in ranks]
-            out[key].append(statistics.median(max(ts) for ts in zip(*per_rank)))
+            out[key].append(statistics.median(max(ts) for ts in zip(*per_rank, strict=True)))
     return out
 
 
@@ -335,24 +448,45 @@ def step_alone_table(times: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for reshard in ("True", "False"):
         ours, peer = times[f"frontend-{reshard}"], times[f"fsdp2-{reshard}"]
-        pairs = statistics.median(a / b for a, b in zip(ours, peer))
+        pairs = statistics.median(a / b for a, b in zip(ours, peer, strict=True))
         medians = statistics.median(ours) / statistics.median(peer)
         for key, values in ((f"frontend-{reshard}", ours), (f"fsdp2-{reshard}", peer)):
             mine = key.startswith("frontend")
-            rows.append([key, " ".join(f"{v * 1e3:,.0f}" for v in values),
-                         f"{statistics.median(values) * 1e3:,.1f}",
-                         f"{pairs:.3f}" if mine else "", f"{medians:.3f}" if mine else ""])
+            rows.append(
+                [
+                    key,
+                    " ".join(f"{v * 1e3:,.0f}" for v in values),
+                    f"{statistics.median(values) * 1e3:,.1f}",
+                    f"{pairs:.3f}" if mine else "",
+                    f"{medians:.3f}" if mine else "",
+                ]
+            )
     return ["alone", "each job, ms", "median ms", "pairs / FSDP2", "medians / FSDP2"], rows
 
 
 def rss_table(alone: dict) -> tuple[list[str], list[list[str]]]:
     peer = alone["fsdp2-True"]
-    rows = [[key, f"{v['start'] / report.MIB:,.0f}", f"{v['peak'] / report.MIB:,.0f}",
-             f"{v['peak'] / peer['peak']:.2f}", f"{v['peak_anon'] / report.MIB:,.0f}",
-             f"{v['peak_anon'] / peer['peak_anon']:.2f}", f"{v['peak_file'] / report.MIB:,.0f}"]
-            for key, v in alone.items()]
-    return ["alone", "start MiB", "peak MiB", "peak / FSDP2", "anon peak MiB",
-            "anon / FSDP2", "file peak MiB"], rows
+    rows = [
+        [
+            key,
+            f"{v['start'] / report.MIB:,.0f}",
+            f"{v['peak'] / report.MIB:,.0f}",
+            f"{v['peak'] / peer['peak']:.2f}",
+            f"{v['peak_anon'] / report.MIB:,.0f}",
+            f"{v['peak_anon'] / peer['peak_anon']:.2f}",
+            f"{v['peak_file'] / report.MIB:,.0f}",
+        ]
+        for key, v in alone.items()
+    ]
+    return [
+        "alone",
+        "start MiB",
+        "peak MiB",
+        "peak / FSDP2",
+        "anon peak MiB",
+        "anon / FSDP2",
+        "file peak MiB",
+    ], rows
 
 
 def main(argv=None) -> int:
@@ -385,24 +519,32 @@ def main(argv=None) -> int:
     from torch_bench.model import Config
 
     params = Config(**cfg).params()
-    report.print_table(f"torch benchmark: {cfg}, {args.processes} ranks (gloo)",
-                       report.HEADER, report.table_rows(rows))
+    report.print_table(
+        f"torch benchmark: {cfg}, {args.processes} ranks (gloo)",
+        report.HEADER,
+        report.table_rows(rows),
+    )
     for c in losses:
         print(f"losses {c['variant']} vs {c['peer']}: max |diff| {c['max_abs_diff']:.2e}")
     for t in targets:
-        print(f"target {t['metric']} {t['variant']} <= {t['limit']}x {t['peer']}: {t['ratio']:.2f}x "
-              f"({'met' if t['met'] else 'MISSED'})")
+        print(
+            f"target {t['metric']} {t['variant']} <= {t['limit']}x {t['peer']}: {t['ratio']:.2f}x "
+            f"({'met' if t['met'] else 'MISSED'})"
+        )
     if prof:
-        report.print_table("frontend profile: ms per step (calls per step)",
-                           *report.profile_table(prof))
+        report.print_table(
+            "frontend profile: ms per step (calls per step)", *report.profile_table(prof)
+        )
     if stepped:
         report.print_table("each variant alone: step time", *step_alone_table(stepped))
     if alone:
-        report.print_table("each implementation alone, reshard=True: resident memory per rank",
-                           *rss_table(alone))
+        report.print_table(
+            "each implementation alone, reshard=True: resident memory per rank", *rss_table(alone)
+        )
     if compiled:
-        report.print_table("block.compile() per block, reshard=True, cold Inductor cache",
-                           *compile_table(compiled))
+        report.print_table(
+            "block.compile() per block, reshard=True, cold Inductor cache", *compile_table(compiled)
+        )
     print(f"load: {load[0]} -> {load[1]}")
     wall = ranks[0].get("job_wall_s", time.perf_counter() - started)
     m = machine()
@@ -410,23 +552,63 @@ def main(argv=None) -> int:
         text = markdown(args, m, rows, losses, targets, prof, load, wall, cfg, params)
         if stepped:
             header, srows = step_alone_table(stepped)
-            text += "\n".join(["", "## Each variant alone (step time)", "", STEP_ALONE_NOTE,
-                               "", *report.markdown_table(header, srows), ""])
+            text += "\n".join(
+                [
+                    "",
+                    "## Each variant alone (step time)",
+                    "",
+                    STEP_ALONE_NOTE,
+                    "",
+                    *report.markdown_table(header, srows),
+                    "",
+                ]
+            )
         if alone:
             header, rrows = rss_table(alone)
-            text += "\n".join(["", "## Each implementation alone (peak resident memory)", "",
-                               RSS_NOTE, "", *report.markdown_table(header, rrows), ""])
+            text += "\n".join(
+                [
+                    "",
+                    "## Each implementation alone (peak resident memory)",
+                    "",
+                    RSS_NOTE,
+                    "",
+                    *report.markdown_table(header, rrows),
+                    "",
+                ]
+            )
         if compiled:
             header, crows = compile_table(compiled)
-            text += "\n".join(["", "## block.compile() per block (first step)", "",
-                               COMPILE_NOTE, "", *report.markdown_table(header, crows), ""])
+            text += "\n".join(
+                [
+                    "",
+                    "## block.compile() per block (first step)",
+                    "",
+                    COMPILE_NOTE,
+                    "",
+                    *report.markdown_table(header, crows),
+                    "",
+                ]
+            )
         args.out_md.write_text(text + "\n")
     if args.out_json:
-        args.out_json.write_text(json.dumps({
-            "machine": m, "load": load, "config": cfg, "wall_s": wall,
-            "variants": list(rows.values()), "loss_checks": losses, "targets": targets,
-            "profile": prof, "alone": alone, "compiled": compiled,
-            "step_times_alone": stepped}, indent=1))
+        args.out_json.write_text(
+            json.dumps(
+                {
+                    "machine": m,
+                    "load": load,
+                    "config": cfg,
+                    "wall_s": wall,
+                    "variants": list(rows.values()),
+                    "loss_checks": losses,
+                    "targets": targets,
+                    "profile": prof,
+                    "alone": alone,
+                    "compiled": compiled,
+                    "step_times_alone": stepped,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

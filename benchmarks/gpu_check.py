@@ -39,8 +39,8 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     # benchmarks/: the package, also when this file is loaded by path (the tests do)
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from gpu_bench.cli import EXIT_NO_GPU, main, no_gpu_reason  # noqa: E402
-from gpu_bench.measure import PEAK_BF16_TFLOPS, mfu, peak_tflops  # noqa: E402
+from gpu_bench.cli import EXIT_NO_GPU, main, no_gpu_reason
+from gpu_bench.measure import PEAK_BF16_TFLOPS, mfu, peak_tflops
 
 __all__ = ["EXIT_NO_GPU", "PEAK_BF16_TFLOPS", "main", "mfu", "no_gpu_reason", "peak_tflops"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from funshard import _hlo
 
@@ -117,10 +117,10 @@ def parse_collectives(lines: Iterable[str]) -> Iterator[Collective]:
         kind, start = m.group(1), bool(m.group(2))
         arrays = _ARRAY.findall(rhs[: m.start()])
         if start and kind == "all-gather":  # ((operands...), (outputs...)) or (in, out)
-            arrays = arrays[len(arrays) // 2:]
+            arrays = arrays[len(arrays) // 2 :]
         elif start and kind == "collective-permute":  # (in, out, u32[], u32[])
             arrays = arrays[1:2]
-        yield Collective(kind, start, tuple(arrays), rhs[m.end() - 1:])
+        yield Collective(kind, start, tuple(arrays), rhs[m.end() - 1 :])
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
@@ -239,6 +239,11 @@ def _executed(c: Collective, times: int, conditional: bool, num_devices: int) ->
     full = c.nbytes * g if c.kind == "reduce-scatter" else c.nbytes
     factor = {"all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}.get(c.kind, (g - 1) / g)
     return {
-        "kind": c.kind, "dtypes": sorted({dtype for dtype, _ in c.arrays}), "times": times,
-        "conditional": conditional, "group": g, "bytes": full, "moved": factor * full,
+        "kind": c.kind,
+        "dtypes": sorted({dtype for dtype, _ in c.arrays}),
+        "times": times,
+        "conditional": conditional,
+        "group": g,
+        "bytes": full,
+        "moved": factor * full,
     }

@@ -35,24 +35,21 @@ import os
 import sys
 import time
 
-from fsdp import NUM_DEVICES  # configures 8 simulated CPU devices before JAX starts
-
 import jax
 import matplotlib
 import numpy as np
 import optax
+from fsdp import NUM_DEVICES  # configures 8 simulated CPU devices before JAX starts
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
+from fsdp.measure import bytes_on, log
+from fsdp.model import Config, init_params
+from fsdp.variants import Context
+from fsdp.variants.data_parallel import variant_data_parallel
+from fsdp.variants.funshard_units import build_funshard
 
-from fsdp.measure import bytes_on, log  # noqa: E402
-from fsdp.model import Config, init_params  # noqa: E402
-from fsdp.variants import Context  # noqa: E402
-from fsdp.variants.data_parallel import variant_data_parallel  # noqa: E402
-from fsdp.variants.funshard_units import build_funshard  # noqa: E402
-
-DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "img",
-                           "memory_vs_devices.png")
+DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "img", "memory_vs_devices.png")
 COUNTS = (1, 2, 4, 8)
 MIB = 2**20
 # A smaller model than bench_fsdp.py's default, so that the eight compiles stay quick.
@@ -65,10 +62,11 @@ def measure(ctx: Context, build) -> dict:
     t0 = time.perf_counter()
     compiled = variant.step.lower(variant.state, *variant.const).compile()
     mem = compiled.memory_analysis()
-    log(f"{variant.name} on {len(ctx.devices)} device(s): compiled in "
-        f"{time.perf_counter() - t0:.1f} s")
-    return {"state": bytes_on(variant.state, ctx.devices[0]),
-            "temp": mem.temp_size_in_bytes}
+    log(
+        f"{variant.name} on {len(ctx.devices)} device(s): compiled in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    return {"state": bytes_on(variant.state, ctx.devices[0]), "temp": mem.temp_size_in_bytes}
 
 
 def collect(rows_per_device: int) -> tuple[dict, int]:
@@ -100,7 +98,8 @@ def table(facts: dict) -> str:
         lines.append(
             f"| {n} | {f['state'] / MIB:.1f} | {f['temp'] / MIB:.1f} | {ft / MIB:.1f} "
             f"| {r['state'] / MIB:.1f} | {r['temp'] / MIB:.1f} | {rt / MIB:.1f} "
-            f"| {ft / rt:.2f} |")
+            f"| {ft / rt:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -109,17 +108,25 @@ def plot(facts: dict, param_bytes: int, rows_per_device: int, path: str) -> None
     fig, ax = plt.subplots(figsize=(8, 5.4), dpi=120)
     x = np.arange(len(COUNTS))
     width = 0.38
-    styles = {"funshard": ("funshard", "#1f4e9c", "#8fb0e6", -width / 2),
-              "replicated": ("replicated DP", "#b35a00", "#f2b77a", width / 2)}
+    styles = {
+        "funshard": ("funshard", "#1f4e9c", "#8fb0e6", -width / 2),
+        "replicated": ("replicated DP", "#b35a00", "#f2b77a", width / 2),
+    }
     for name, (label, dark, light, offset) in styles.items():
         state = np.array([facts[name, n]["state"] for n in COUNTS]) / MIB
         temp = np.array([facts[name, n]["temp"] for n in COUNTS]) / MIB
         ax.bar(x + offset, state, width, color=dark, label=f"{label}: parameters + AdamW state")
-        ax.bar(x + offset, temp, width, bottom=state, color=light,
-               label=f"{label}: temporaries")
+        ax.bar(x + offset, temp, width, bottom=state, color=light, label=f"{label}: temporaries")
         for xi, total in zip(x + offset, state + temp, strict=True):
-            ax.annotate(f"{total:.0f}", (xi, total), ha="center", va="bottom",
-                        fontsize=8, xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                f"{total:.0f}",
+                (xi, total),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
     ax.set_xticks(x, [str(n) for n in COUNTS])
     ax.set_xlabel("devices (N)")
     ax.set_ylabel("MiB per device")
@@ -128,11 +135,11 @@ def plot(facts: dict, param_bytes: int, rows_per_device: int, path: str) -> None
         f"GPT-style model, {CONFIG.blocks} blocks, width {CONFIG.width}, vocab {CONFIG.vocab}: "
         f"{param_bytes / MIB:.1f} MiB of f32 parameters\n"
         f"AdamW; {rows_per_device} rows x {CONFIG.seq} tokens per device; compiled for XLA CPU",
-        fontsize=10)
+        fontsize=10,
+    )
     top = max(f["state"] + f["temp"] for f in facts.values()) / MIB
     ax.set_ylim(0, top * 1.12)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2,
-              frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     fig.tight_layout()

@@ -11,7 +11,7 @@ import os
 
 # Simulate 8 devices on the CPU; must happen before JAX initialises.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -27,7 +27,7 @@ def init_params(key):
     keys = jax.random.split(key, len(SIZES) - 1)
     return [
         {"w": jax.random.normal(k, (i, o)) / jnp.sqrt(i), "b": jnp.zeros((o,))}
-        for k, i, o in zip(keys, SIZES[:-1], SIZES[1:])
+        for k, i, o in zip(keys, SIZES[:-1], SIZES[1:], strict=True)
     ]
 
 
@@ -90,8 +90,10 @@ def main(steps: int) -> None:
 
     full = sum(p.nbytes for p in jax.tree.leaves(params))
     print(f"parameters: {full:,} bytes unsharded")
-    print(f"per device: {per_device_bytes(state):,} bytes of parameters, "
-          f"{per_device_bytes(opt_state):,} bytes of optimizer state")
+    print(
+        f"per device: {per_device_bytes(state):,} bytes of parameters, "
+        f"{per_device_bytes(opt_state):,} bytes of optimizer state"
+    )
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ from rich.table import Table  # noqa: E402
 from rich.text import Text as RichText  # noqa: E402
 
 import funshard as fs  # noqa: E402
-import funshard.flax  # noqa: E402,F401  (fs.flax)
+import funshard.flax  # noqa: E402  (fs.flax)
 
 # The model: models/nnx_gpt.py beside this script (found also when loaded by path).
 if str(Path(__file__).resolve().parent) not in sys.path:
@@ -148,56 +148,125 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog="A run folder keeps the run settings in config.json. Rerunning a folder "
-               "takes every setting not given from there; --steps, --devices, --replicate, "
-               "--param-dtype, --eval-every and --checkpoint-every may change on resume, "
-               "--batch, --lr, --seed, --warmup and --clip only with --override, --tiny "
-               "and --scan never.",
+        "takes every setting not given from there; --steps, --devices, --replicate, "
+        "--param-dtype, --eval-every and --checkpoint-every may change on resume, "
+        "--batch, --lr, --seed, --warmup and --clip only with --override, --tiny "
+        "and --scan never.",
     )
     run = p.add_argument_group("run settings (kept in the run folder)")
     unset = argparse.SUPPRESS  # absent from the namespace unless given
-    run.add_argument("--tiny", action="store_true", default=unset,
-                     help="a tiny model, for smoke tests")
-    run.add_argument("--scan", action="store_true", default=unset,
-                     help="stack the blocks and run them with fs.scan")
-    run.add_argument("--steps", type=int, default=unset,
-                     help=f"train to step N (default {DEFAULTS.steps})")
-    run.add_argument("--batch", type=int, default=unset,
-                     help=f"sequences per step, split over all devices (default {DEFAULTS.batch})")
-    run.add_argument("--lr", type=float, default=unset,
-                     help=f"peak learning rate (default {DEFAULTS.lr})")
-    run.add_argument("--warmup", type=int, default=unset,
-                     help="linear warm-up steps before the cosine decay to lr/10 "
-                          f"(default {DEFAULTS.warmup}, at most steps/8)")
-    run.add_argument("--clip", type=float, default=unset, metavar="NORM",
-                     help="clip gradients to this global norm (default 0: no clipping)")
-    run.add_argument("--seed", type=int, default=unset,
-                     help=f"initialisation, batches and sampling (default {DEFAULTS.seed})")
-    run.add_argument("--devices", type=int, default=unset,
-                     help=f"simulated CPU devices (default {DEFAULTS.devices})")
-    run.add_argument("--replicate", type=int, default=unset, metavar="K",
-                     help="HSDP: replicate over K groups, shard within each "
-                          "(fs.make_mesh; default 1: plain FSDP)")
-    run.add_argument("--param-dtype", choices=["f32", "bf16"], default=unset,
-                     help="dtype of the all-gathered parameters (master weights stay f32)")
-    run.add_argument("--eval-every", type=int, default=unset,
-                     help=f"steps between validations (default {DEFAULTS.eval_every})")
-    run.add_argument("--checkpoint-every", type=int, default=unset,
-                     help=f"steps between checkpoints (default {DEFAULTS.checkpoint_every})")
-    p.add_argument("--run-dir", type=Path, default=None,
-                   help="checkpoints, settings, metrics and the loss plot; rerun with the "
-                        "same folder to resume (default: a fresh runs/train_lm/<time>)")
-    p.add_argument("--override", action="store_true",
-                   help="resume even though --batch, --lr, --seed, --warmup or --clip "
-                        "differ from the run folder's")
-    p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
-                   help="peak dense TFLOP/s of one device, for MFU (default: MFU not shown)")
-    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                   help=f"write a jax.profiler trace of {PROFILED_STEPS} training steps to DIR")
-    p.add_argument("--tensorboard", action="store_true",
-                   help="also write the metrics as TensorBoard scalars into the run folder "
-                        "(needs tensorboardX, or tensorboard for torch.utils.tensorboard)")
-    p.add_argument("--sample", metavar="PROMPT", default=PROMPT,
-                   help=f"prompt to continue after training (default {PROMPT!r}; '' for none)")
+    run.add_argument(
+        "--tiny", action="store_true", default=unset, help="a tiny model, for smoke tests"
+    )
+    run.add_argument(
+        "--scan",
+        action="store_true",
+        default=unset,
+        help="stack the blocks and run them with fs.scan",
+    )
+    run.add_argument(
+        "--steps", type=int, default=unset, help=f"train to step N (default {DEFAULTS.steps})"
+    )
+    run.add_argument(
+        "--batch",
+        type=int,
+        default=unset,
+        help=f"sequences per step, split over all devices (default {DEFAULTS.batch})",
+    )
+    run.add_argument(
+        "--lr", type=float, default=unset, help=f"peak learning rate (default {DEFAULTS.lr})"
+    )
+    run.add_argument(
+        "--warmup",
+        type=int,
+        default=unset,
+        help="linear warm-up steps before the cosine decay to lr/10 "
+        f"(default {DEFAULTS.warmup}, at most steps/8)",
+    )
+    run.add_argument(
+        "--clip",
+        type=float,
+        default=unset,
+        metavar="NORM",
+        help="clip gradients to this global norm (default 0: no clipping)",
+    )
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=unset,
+        help=f"initialisation, batches and sampling (default {DEFAULTS.seed})",
+    )
+    run.add_argument(
+        "--devices",
+        type=int,
+        default=unset,
+        help=f"simulated CPU devices (default {DEFAULTS.devices})",
+    )
+    run.add_argument(
+        "--replicate",
+        type=int,
+        default=unset,
+        metavar="K",
+        help="HSDP: replicate over K groups, shard within each "
+        "(fs.make_mesh; default 1: plain FSDP)",
+    )
+    run.add_argument(
+        "--param-dtype",
+        choices=["f32", "bf16"],
+        default=unset,
+        help="dtype of the all-gathered parameters (master weights stay f32)",
+    )
+    run.add_argument(
+        "--eval-every",
+        type=int,
+        default=unset,
+        help=f"steps between validations (default {DEFAULTS.eval_every})",
+    )
+    run.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=unset,
+        help=f"steps between checkpoints (default {DEFAULTS.checkpoint_every})",
+    )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="checkpoints, settings, metrics and the loss plot; rerun with the "
+        "same folder to resume (default: a fresh runs/train_lm/<time>)",
+    )
+    p.add_argument(
+        "--override",
+        action="store_true",
+        help="resume even though --batch, --lr, --seed, --warmup or --clip "
+        "differ from the run folder's",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        metavar="T",
+        help="peak dense TFLOP/s of one device, for MFU (default: MFU not shown)",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"write a jax.profiler trace of {PROFILED_STEPS} training steps to DIR",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write the metrics as TensorBoard scalars into the run folder "
+        "(needs tensorboardX, or tensorboard for torch.utils.tensorboard)",
+    )
+    p.add_argument(
+        "--sample",
+        metavar="PROMPT",
+        default=PROMPT,
+        help=f"prompt to continue after training (default {PROMPT!r}; '' for none)",
+    )
     p.add_argument("--sample-length", type=int, default=300)
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     return p
@@ -213,13 +282,17 @@ def resolve_settings(parser, args, saved: dict | None) -> tuple[Settings, list[s
       SystemExit: (through `parser.error`) a resume changes a FIXED setting, or a MATCHED
         one without `--override`.
     """
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)
-             if hasattr(args, f.name)}
+    given = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(Settings) if hasattr(args, f.name)
+    }
     values = {**dataclasses.asdict(DEFAULTS), **(saved or {}), **given}
     if "warmup" not in given and "warmup" not in (saved or {}):
         values["warmup"] = default_warmup(values["steps"])
-    changed = [(name, saved[name], value) for name, value in given.items()
-               if saved is not None and name in saved and saved[name] != value]
+    changed = [
+        (name, saved[name], value)
+        for name, value in given.items()
+        if saved is not None and name in saved and saved[name] != value
+    ]
     refused = [c for c in changed if c[0] in FIXED or (c[0] in MATCHED and not args.override)]
     if refused:
         parser.error(resume_conflict(refused, args.override))
@@ -232,11 +305,15 @@ def resume_conflict(refused: list[tuple[str, object, object]], override: bool) -
     for name, old, new in refused:
         lines.append(f"  {flag(name)}: {_shown(old)} in the run folder, {_shown(new)} now")
     if any(name in FIXED for name, _, _ in refused):
-        lines.append("--tiny and --scan fix the shape of the checkpoints: leave them as they "
-                     "were, or pass another --run-dir.")
+        lines.append(
+            "--tiny and --scan fix the shape of the checkpoints: leave them as they "
+            "were, or pass another --run-dir."
+        )
     if not override and any(name in MATCHED for name, _, _ in refused):
-        lines.append("Leave those flags out to keep the run's values, pass --override to "
-                     "change them from here on, or pass another --run-dir.")
+        lines.append(
+            "Leave those flags out to keep the run's values, pass --override to "
+            "change them from here on, or pass another --run-dir."
+        )
     return "\n".join(lines)
 
 
@@ -271,24 +348,30 @@ def _setting_problems(s: Settings) -> list[str | None]:
     return [
         _at_least("steps", s.steps, 1, "the step to train to"),
         _at_least("batch", s.batch, 1, "sequences per step"),
-        None if s.lr > 0 and math.isfinite(s.lr) else
-        f"--lr {s.lr}: the learning rate must be a positive number, e.g. --lr {DEFAULTS.lr}",
+        None
+        if s.lr > 0 and math.isfinite(s.lr)
+        else f"--lr {s.lr}: the learning rate must be a positive number, e.g. --lr {DEFAULTS.lr}",
         _at_least("seed", s.seed, 0, "a seed for numpy and nnx.Rngs"),
         _at_least("warmup", s.warmup, 0, "warm-up steps"),
-        None if s.warmup < s.steps or s.steps < 1 else
-        f"--warmup {s.warmup} must be below --steps {s.steps} (the warm-up is part of "
+        None
+        if s.warmup < s.steps or s.steps < 1
+        else f"--warmup {s.warmup} must be below --steps {s.steps} (the warm-up is part of "
         "the schedule): pass a smaller --warmup or a larger --steps",
-        None if s.clip >= 0 and math.isfinite(s.clip) else
-        f"--clip {s.clip}: the gradient-norm limit must be positive (or 0: no clipping)",
+        None
+        if s.clip >= 0 and math.isfinite(s.clip)
+        else f"--clip {s.clip}: the gradient-norm limit must be positive (or 0: no clipping)",
         _at_least("devices", s.devices, 1, "devices"),
         _at_least("replicate", s.replicate, 1, "replica groups (1: plain FSDP)"),
-        None if s.replicate < 1 or s.devices < 1 or s.devices % s.replicate == 0 else
-        f"--replicate {s.replicate} does not divide --devices {s.devices}: HSDP needs "
+        None
+        if s.replicate < 1 or s.devices < 1 or s.devices % s.replicate == 0
+        else f"--replicate {s.replicate} does not divide --devices {s.devices}: HSDP needs "
         f"{s.devices} devices to form {s.replicate} equal groups",
-        None if not batch_split else
-        f"--batch {s.batch} is not divisible by --devices {s.devices}'s data-parallel size "
+        None
+        if not batch_split
+        else f"--batch {s.batch} is not divisible by --devices {s.devices}'s data-parallel size "
         f"{s.devices} (every device trains on an equal share of the batch): pass "
-        + (f"--batch {lower} or " if lower else "") + f"--batch {lower + s.devices}, "
+        + (f"--batch {lower} or " if lower else "")
+        + f"--batch {lower + s.devices}, "
         f"or a --devices that divides {s.batch}",
         _at_least("eval_every", s.eval_every, 1, "steps between validations"),
         _at_least("checkpoint_every", s.checkpoint_every, 1, "steps between checkpoints"),
@@ -299,17 +382,22 @@ def _invocation_problems(args) -> list[str | None]:
     peak = args.peak_tflops
     return [
         _at_least("sample_length", args.sample_length, 0, "bytes to generate"),
-        None if args.temperature >= 0 else
-        f"--temperature {args.temperature}: must be >= 0 (0 for greedy decoding)",
-        None if peak is None or (peak > 0 and math.isfinite(peak)) else
-        f"--peak-tflops {peak}: must be the device's positive peak TFLOP/s, e.g. 989 for "
+        None
+        if args.temperature >= 0
+        else f"--temperature {args.temperature}: must be >= 0 (0 for greedy decoding)",
+        None
+        if peak is None or (peak > 0 and math.isfinite(peak))
+        else f"--peak-tflops {peak}: must be the device's positive peak TFLOP/s, e.g. 989 for "
         "an H100's dense bf16",
-        None if args.run_dir is None or not args.run_dir.is_file() else
-        f"--run-dir {args.run_dir} is a file: pass a folder (new or a run's)",
-        None if args.profile is None or not args.profile.is_file() else
-        f"--profile {args.profile} is a file: pass a folder for the trace",
-        None if not args.tensorboard or summary_writer_class() is not None else
-        "--tensorboard needs a TensorBoard writer: pip install tensorboardX (or tensorboard, "
+        None
+        if args.run_dir is None or not args.run_dir.is_file()
+        else f"--run-dir {args.run_dir} is a file: pass a folder (new or a run's)",
+        None
+        if args.profile is None or not args.profile.is_file()
+        else f"--profile {args.profile} is a file: pass a folder for the trace",
+        None
+        if not args.tensorboard or summary_writer_class() is not None
+        else "--tensorboard needs a TensorBoard writer: pip install tensorboardX (or tensorboard, "
         "for torch.utils.tensorboard), or leave --tensorboard out",
     ]
 
@@ -320,11 +408,15 @@ def _run_dir_problem(path: Path) -> str | None:
     if blocker is None:
         return None
     if not path.exists():
-        return (f"--run-dir {path}: cannot create it: {blocker} is read-only (or not "
-                "yours): pass a --run-dir in a folder you can write to")
-    return (f"--run-dir {path}: {blocker} is read-only (or not yours), and a run writes its "
-            "lock, settings, metrics and checkpoints there: pass a --run-dir you can write "
-            f"to (to resume this run from there, copy it first: cp -r {path} NEW_DIR)")
+        return (
+            f"--run-dir {path}: cannot create it: {blocker} is read-only (or not "
+            "yours): pass a --run-dir in a folder you can write to"
+        )
+    return (
+        f"--run-dir {path}: {blocker} is read-only (or not yours), and a run writes its "
+        "lock, settings, metrics and checkpoints there: pass a --run-dir you can write "
+        f"to (to resume this run from there, copy it first: cp -r {path} NEW_DIR)"
+    )
 
 
 def _unwritable(path: Path) -> Path | None:
@@ -339,8 +431,13 @@ def _unwritable(path: Path) -> Path | None:
         while not parent.exists():
             parent = parent.parent
         return None if os.access(parent, os.W_OK | os.X_OK) else parent
-    for p in (path, path / "checkpoints", path / "config.json", path / "metrics.jsonl",
-              path / RunDir.LOCK):
+    for p in (
+        path,
+        path / "checkpoints",
+        path / "config.json",
+        path / "metrics.jsonl",
+        path / RunDir.LOCK,
+    ):
         mode = os.W_OK | os.X_OK if p.is_dir() else os.W_OK
         if p.exists() and not os.access(p, mode):
             return p
@@ -356,8 +453,10 @@ def _at_least(name: str, value: int, least: int, what: str) -> str | None:
 def summary_writer_class():
     """TensorBoard's `SummaryWriter` (tensorboardX's, else torch's), or None if absent."""
     # torch's writer needs the tensorboard package: look for it before importing torch.
-    for module, package in (("tensorboardX", "tensorboardX"),
-                            ("torch.utils.tensorboard", "tensorboard")):
+    for module, package in (
+        ("tensorboardX", "tensorboardX"),
+        ("torch.utils.tensorboard", "tensorboard"),
+    ):
         if sys.modules.get(package) is None and importlib.util.find_spec(package) is None:
             continue
         try:
@@ -385,8 +484,16 @@ class Text:
     """The text as bytes, split into a training part and a held-out tail, served as batches
     placed on the mesh (each device receives its rows)."""
 
-    def __init__(self, mesh, rows: int, context: int, seed: int, *, path: Path = DATA,
-                 val_fraction: float = 0.1):
+    def __init__(
+        self,
+        mesh,
+        rows: int,
+        context: int,
+        seed: int,
+        *,
+        path: Path = DATA,
+        val_fraction: float = 0.1,
+    ):
         data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
         split = int(len(data) * (1 - val_fraction))
         self.train, self.val = data[:split], data[split:]
@@ -398,8 +505,10 @@ class Text:
 
     def val_batches(self, count: int) -> list:
         """The same held-out windows at every evaluation (a seed stream of their own)."""
-        return [self._place(batch_at(self.val, i, self.rows, self.context, self.seed + 1))
-                for i in range(count)]
+        return [
+            self._place(batch_at(self.val, i, self.rows, self.context, self.seed + 1))
+            for i in range(count)
+        ]
 
     def _place(self, batch: np.ndarray):
         return fs.distributed.shard_batch(batch, self.mesh)
@@ -454,8 +563,7 @@ def plan(state, optimizer, depth: int, scan: bool):
     if scan:
         return None  # fs.plan does not model `fs.scan` stacks
     units = {"model": "", **{f"block{i}": f"blocks.{i}" for i in range(depth)}}
-    return fs.plan(state, units=units, optimizer=optimizer,
-                   reshard_after_forward={"model": False})
+    return fs.plan(state, units=units, optimizer=optimizer, reshard_after_forward={"model": False})
 
 
 def collectives(compiled_text: str) -> dict[str, int]:
@@ -463,8 +571,9 @@ def collectives(compiled_text: str) -> dict[str, int]:
 
     An instruction inside a loop body (`--scan`: the layer loop) is counted once.
     """
-    ops = Counter(re.findall(r"\s(all-gather|reduce-scatter|all-reduce)(?:-start)?\(",
-                             compiled_text))
+    ops = Counter(
+        re.findall(r"\s(all-gather|reduce-scatter|all-reduce)(?:-start)?\(", compiled_text)
+    )
     return {kind: ops[kind] for kind in ("all-gather", "reduce-scatter", "all-reduce")}
 
 
@@ -571,9 +680,15 @@ class StepCost:
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: a list
         flops = None if scan or not cost else cost.get("flops")
         memory = compiled.memory_analysis()
-        memory_bytes = None if memory is None else (
-            memory.argument_size_in_bytes + memory.output_size_in_bytes
-            + memory.temp_size_in_bytes - memory.alias_size_in_bytes
+        memory_bytes = (
+            None
+            if memory is None
+            else (
+                memory.argument_size_in_bytes
+                + memory.output_size_in_bytes
+                + memory.temp_size_in_bytes
+                - memory.alias_size_in_bytes
+            )
         )
         return cls(flops=flops, memory_bytes=memory_bytes)
 
@@ -698,8 +813,9 @@ class RunDir:
         for tiny, model in ((True, TINY), (False, ModelConfig())):
             if shape == dataclasses.asdict(model):
                 return {"tiny": tiny, "scan": bool(saved.get("scan", False))}
-        raise SystemExit(f"{self.path} holds a run of another model ({saved}); "
-                         "pass another --run-dir.")
+        raise SystemExit(
+            f"{self.path} holds a run of another model ({saved}); pass another --run-dir."
+        )
 
     def save_settings(self, settings: Settings, step: int, changes: list[tuple]) -> None:
         """Writes `config.json`: the settings, the model's shape, and a line per change.
@@ -714,8 +830,11 @@ class RunDir:
         if self.config_file.exists():
             history = json.loads(self.config_file.read_text()).get("changes", [])
         history += [{"step": step, "change": _change(*c)} for c in changes]
-        config = {"settings": dataclasses.asdict(settings),
-                  "model": dataclasses.asdict(settings.model), "changes": history}
+        config = {
+            "settings": dataclasses.asdict(settings),
+            "model": dataclasses.asdict(settings.model),
+            "changes": history,
+        }
         self.config_file.write_text(json.dumps(config, indent=1) + "\n")
 
     def latest(self) -> tuple[int, Path] | None:
@@ -785,16 +904,22 @@ def _in_use(path: Path, holder: dict) -> str:
             ago = max(0, round(time.time() - holder.get("started_unix", time.time())))
             who += f", started {holder['started']} ({ago} s ago)"
     stop = f"stop it (kill -TERM {pid} saves a checkpoint first), " if pid else ""
-    return (f"--run-dir {path} is in use by {who}. Two runs in one folder would overwrite "
-            f"each other's checkpoints and metrics: wait for it to end, {stop}or pass "
-            "another --run-dir.")
+    return (
+        f"--run-dir {path} is in use by {who}. Two runs in one folder would overwrite "
+        f"each other's checkpoints and metrics: wait for it to end, {stop}or pass "
+        "another --run-dir."
+    )
 
 
 def _holder() -> dict:
     """What the lock file says about the run holding it."""
     now = time.time()
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started_unix": now,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(now))}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started_unix": now,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(now)),
+    }
 
 
 def _read_holder(fd: int) -> dict:
@@ -853,15 +978,20 @@ class StopSignals:
         name = signal.Signals(signum).name
         again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
         # os.write: the interrupted code may be inside a print to the same stream.
-        os.write(2, f"\ntrain_lm: {name}: finishing the current step, then saving a "
-                    f"checkpoint and exiting ({again} to exit at once, without saving)\n"
-                    .encode())
+        os.write(
+            2,
+            f"\ntrain_lm: {name}: finishing the current step, then saving a "
+            f"checkpoint and exiting ({again} to exit at once, without saving)\n".encode(),
+        )
 
 
 def resume_command(argv: list[str], run_path: Path) -> str:
     """The command that resumes this run: this one, with `--run-dir` the run folder."""
-    script = (sys.argv[0] if sys.argv and sys.argv[0]
-              and Path(sys.argv[0]).resolve() == Path(__file__).resolve() else __file__)
+    script = (
+        sys.argv[0]
+        if sys.argv and sys.argv[0] and Path(sys.argv[0]).resolve() == Path(__file__).resolve()
+        else __file__
+    )
     rest, skip = [], False
     for arg in argv:
         name = arg.split("=", 1)[0]
@@ -933,12 +1063,20 @@ class Profiler:
         Keys are `<unit>/<collective>` (`Block/all_gather`); empty if the trace names no
         instruction of the step (another backend's trace layout).
         """
-        traces = sorted(self.directory.glob("plugins/profile/*/perfetto_trace.json.gz"),
-                        key=lambda p: p.stat().st_mtime)
+        traces = sorted(
+            self.directory.glob("plugins/profile/*/perfetto_trace.json.gz"),
+            key=lambda p: p.stat().st_mtime,
+        )
         if not traces:
             return {}
-        scopes = dict(re.findall(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?op_name="[^"]*?'
-                                 r'funshard/(\w+/\w+)', self.hlo_text, re.M))
+        scopes = dict(
+            re.findall(
+                r'^\s*(?:ROOT )?%?([\w.-]+) = .*?op_name="[^"]*?'
+                r"funshard/(\w+/\w+)",
+                self.hlo_text,
+                re.M,
+            )
+        )
         trace = json.loads(gzip.decompress(traces[-1].read_bytes()))
         totals = Counter()
         for event in trace["traceEvents"]:
@@ -956,8 +1094,9 @@ class Profiler:
 # --------------------------------------------------------------------- sampling
 
 
-def generate(graphdef, state, prompt: str, length: int, context: int, temperature: float,
-             seed: int = 0) -> str:
+def generate(
+    graphdef, state, prompt: str, length: int, context: int, temperature: float, seed: int = 0
+) -> str:
     """Continues `prompt` byte by byte with the trained model, on one device."""
     device = jax.devices()[0]
     # Full weights on one device: no collectives, and units call their modules directly.
@@ -996,9 +1135,9 @@ def plot_losses(rows: list[dict], baseline: float, path: Path) -> None:
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val"]) for r in rows if "val" in r]
     if train:
-        ax.plot(*zip(*train), label="train", lw=1)
+        ax.plot(*zip(*train, strict=True), label="train", lw=1)
     if val:
-        ax.plot(*zip(*val), "o-", label="validation")
+        ax.plot(*zip(*val, strict=True), "o-", label="validation")
     ax.axhline(baseline, color="gray", ls="--", label=f"unigram baseline ({baseline:.2f})")
     ax.set(xlabel="step", ylabel="loss (nats per byte)", title="train_lm: byte-level GPT")
     ax.legend()
@@ -1015,13 +1154,16 @@ def summary_table(facts: dict) -> Table:
     table.add_column("compared with")
     for name in ("parameters", "optimizer state"):
         mine, full = facts[name]
-        table.add_row(f"{name} per device", _size(mine),
-                      f"{_size(full)} replicated (1/{full / mine:.1f})")
+        table.add_row(
+            f"{name} per device", _size(mine), f"{_size(full)} replicated (1/{full / mine:.1f})"
+        )
     memory, source = facts["peak memory"]
     if memory is not None:
-        table.add_row("peak memory per device", _size(memory),
-                      "compiled step's buffers" if source == "compiled step"
-                      else "memory_stats() peak")
+        table.add_row(
+            "peak memory per device",
+            _size(memory),
+            "compiled step's buffers" if source == "compiled step" else "memory_stats() peak",
+        )
     table.add_section()
     planned = facts["plan"]
     for kind, count in facts["collectives"].items():
@@ -1034,17 +1176,24 @@ def summary_table(facts: dict) -> Table:
     table.add_section()
     baseline = facts["baseline"]
     loss, window = facts["train loss"]
-    table.add_row(f"train loss, last {window} steps", f"{loss:.3f}",
-                  f"unigram baseline {baseline:.3f}")
-    table.add_row("validation loss", f"{facts['validation loss']:.3f}",
-                  f"unigram baseline {baseline:.3f}")
+    table.add_row(
+        f"train loss, last {window} steps", f"{loss:.3f}", f"unigram baseline {baseline:.3f}"
+    )
+    table.add_row(
+        "validation loss", f"{facts['validation loss']:.3f}", f"unigram baseline {baseline:.3f}"
+    )
     table.add_section()
-    table.add_row("throughput", f"{facts['tokens/s']:,.0f} tokens/s",
-                  f"{facts['tokens']:,} tokens trained")
+    table.add_row(
+        "throughput", f"{facts['tokens/s']:,.0f} tokens/s", f"{facts['tokens']:,} tokens trained"
+    )
     flops, step_time = facts["flops"], facts["step time"]
-    table.add_row("step time", f"{1000 * step_time:.1f} ms",
-                  "FLOPs n/a with --scan" if flops is None
-                  else f"{flops / step_time / 1e12:.3g} TFLOP/s per device")
+    table.add_row(
+        "step time",
+        f"{1000 * step_time:.1f} ms",
+        "FLOPs n/a with --scan"
+        if flops is None
+        else f"{flops / step_time / 1e12:.3g} TFLOP/s per device",
+    )
     table.add_row("MFU", *_mfu_cells(facts))
     table.add_row("wall time", f"{facts['wall']:.1f} s", f"compile {facts['compile']:.1f} s")
     return table
@@ -1108,8 +1257,10 @@ def start_devices(parser, count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
     found = jax.devices()
     if len(found) != count:  # another platform (JAX_PLATFORMS) has its own device count
-        parser.error(f"--devices {count}: JAX runs on {len(found)} {found[0].platform} "
-                     f"devices here; pass --devices {len(found)}")
+        parser.error(
+            f"--devices {count}: JAX runs on {len(found)} {found[0].platform} "
+            f"devices here; pass --devices {len(found)}"
+        )
 
 
 def print_changes(console, changes, settings: Settings, start: int) -> None:
@@ -1118,36 +1269,45 @@ def print_changes(console, changes, settings: Settings, start: int) -> None:
         console.print(f"resuming with {_change(name, old, new)}")
         if name == "steps":
             before = make_schedule(dataclasses.replace(settings, steps=old))(start)
-            console.print(f"  the cosine schedule now ends at step {new}: the learning rate "
-                          f"of step {start + 1} is {float(make_schedule(settings)(start)):.2e}"
-                          f" (was {float(before):.2e})")
+            console.print(
+                f"  the cosine schedule now ends at step {new}: the learning rate "
+                f"of step {start + 1} is {float(make_schedule(settings)(start)):.2e}"
+                f" (was {float(before):.2e})"
+            )
 
 
 def print_mfu_basis(console, cost: StepCost, peak_tflops, platform: str) -> None:
     """Says what the FLOPs and MFU readouts rest on, once, before training."""
     if cost.flops is None:
-        console.print("FLOPs and MFU: n/a with --scan (XLA's cost analysis counts the "
-                      "layer loop's body once, not once per layer)")
+        console.print(
+            "FLOPs and MFU: n/a with --scan (XLA's cost analysis counts the "
+            "layer loop's body once, not once per layer)"
+        )
         return
     basis = f"{cost.flops:,.0f} FLOPs per step per device (XLA's count of the compiled step)"
     if peak_tflops is None:
         console.print(f"{basis}; pass --peak-tflops for MFU")
     elif platform == "cpu":
-        console.print(f"{basis}; MFU against --peak-tflops {peak_tflops:g} is indicative on "
-                      "CPU (the simulated devices share the host's cores)")
+        console.print(
+            f"{basis}; MFU against --peak-tflops {peak_tflops:g} is indicative on "
+            "CPU (the simulated devices share the host's cores)"
+        )
     else:
         console.print(f"{basis}; MFU against --peak-tflops {peak_tflops:g}")
 
 
 def print_profile(console, directory: Path, unit_times: dict[str, float]) -> None:
     """Says where the trace is and how long each unit's collectives took in it."""
-    console.print(f"profile: {directory} (tensorboard --logdir {directory}, or "
-                  "plugins/profile/*/perfetto_trace.json.gz in ui.perfetto.dev)")
+    console.print(
+        f"profile: {directory} (tensorboard --logdir {directory}, or "
+        "plugins/profile/*/perfetto_trace.json.gz in ui.perfetto.dev)"
+    )
     if unit_times:
         console.print(f"  spans named by unit: {directory / UNIT_TRACE} (ui.perfetto.dev)")
         times = "  ".join(f"{scope} {ms:.2f}" for scope, ms in unit_times.items())
-        console.print(f"  each unit's collectives, ms per step and device (waits included): "
-                      f"{times}")
+        console.print(
+            f"  each unit's collectives, ms per step and device (waits included): {times}"
+        )
 
 
 def main(argv=None) -> None:
@@ -1169,9 +1329,11 @@ def main(argv=None) -> None:
         latest = run.latest()
         done_before = latest[0] if latest else 0
         if done_before >= settings.steps:
-            console.print(f"{run.path} is finished: trained to step {done_before} of "
-                          f"--steps {settings.steps}. Pass a larger --steps to train on, or "
-                          "another --run-dir to start afresh.")
+            console.print(
+                f"{run.path} is finished: trained to step {done_before} of "
+                f"--steps {settings.steps}. Pass a larger --steps to train on, or "
+                "another --run-dir to start afresh."
+            )
             return
         start_devices(parser, settings.devices)
         run.save_settings(settings, done_before, changes)
@@ -1183,8 +1345,10 @@ def _hold_error(path: Path, error: Exception) -> str:
     """Why the run folder could not be taken: in use, or not creatable."""
     if isinstance(error, RunDirInUse):
         return str(error)
-    return (f"--run-dir {path}: cannot write there ({error.strerror or error}): pass a "
-            "--run-dir you can write to")
+    return (
+        f"--run-dir {path}: cannot write there ({error.strerror or error}): pass a "
+        "--run-dir you can write to"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1203,8 +1367,15 @@ class Trained:
     compile_s: float
 
 
-def train(console, run: RunDir, settings: Settings, args, started: float,
-          stop: StopSignals, resume_with: str) -> None:
+def train(
+    console,
+    run: RunDir,
+    settings: Settings,
+    args,
+    started: float,
+    stop: StopSignals,
+    resume_with: str,
+) -> None:
     """Builds, shards, compiles and trains the model; then reports.
 
     Stopped by a signal (`stop`) before the last step, it saves a checkpoint of the step
@@ -1244,19 +1415,41 @@ def train(console, run: RunDir, settings: Settings, args, started: float,
         run.write_tensorboard(summary_writer_class())
     evaluate, val_batches = jax.jit(loss_fn), text.val_batches(EVAL_BATCHES)
     state, opt_state, history, done = train_loop(
-        console, run, step_fn, lambda s: float(np.mean([evaluate(s, b) for b in val_batches])),
-        meter, profiler, state, opt_state, start, settings, history, text.train_batch, stop,
+        console,
+        run,
+        step_fn,
+        lambda s: float(np.mean([evaluate(s, b) for b in val_batches])),
+        meter,
+        profiler,
+        state,
+        opt_state,
+        start,
+        settings,
+        history,
+        text.train_batch,
+        stop,
     )
     run.close()
     if done < settings.steps:
-        console.print(f"{stop.name}: stopped after step {done} of {settings.steps}; "
-                      f"checkpoint {run.checkpoint(done)}. Resume with:\n{resume_with}",
-                      markup=False, highlight=False)
+        console.print(
+            f"{stop.name}: stopped after step {done} of {settings.steps}; "
+            f"checkpoint {run.checkpoint(done)}. Resume with:\n{resume_with}",
+            markup=False,
+            highlight=False,
+        )
         raise SystemExit(stop.exit_status)
     if args.profile is not None:
         print_profile(console, args.profile, profiler.unit_times(len(jax.devices())))
-    report(console, run, settings, args, started, Trained(
-        graphdef, state, opt_state, history, start, step_fn, cost, planned, baseline, compile_s))
+    report(
+        console,
+        run,
+        settings,
+        args,
+        started,
+        Trained(
+            graphdef, state, opt_state, history, start, step_fn, cost, planned, baseline, compile_s
+        ),
+    )
 
 
 def report(console, run: RunDir, settings: Settings, args, started: float, t: Trained) -> None:
@@ -1266,35 +1459,54 @@ def report(console, run: RunDir, settings: Settings, args, started: float, t: Tr
     device = jax.devices()[0]
     tokens_per_step = settings.batch * settings.model.context
     step_time = steady_step_time([r for r in t.history if "window" in r and r["step"] > t.start])
-    console.print(summary_table({
-        "parameters": (device_bytes(t.state, device), replicated_bytes(t.state)),
-        "optimizer state": (device_bytes(t.opt_state, device), replicated_bytes(t.opt_state)),
-        "peak memory": (last.get("peak_memory_bytes"), last.get("peak_memory_source")),
-        # Read from the compiled program (XLA may merge all-reduces into tuples).
-        "collectives": collectives(t.step_fn.as_text()),
-        "plan": t.planned,
-        "scan": settings.scan,
-        "baseline": t.baseline,
-        # The progress bar's last loss: the same rows, the same average.
-        "train loss": (last["loss"], last["window"]),
-        "validation loss": next(r["val"] for r in reversed(t.history) if "val" in r),
-        "tokens/s": tokens_per_step / step_time,
-        "tokens": (settings.steps - t.start) * tokens_per_step,
-        "step time": step_time,
-        "flops": t.cost.flops,
-        "peak tflops": args.peak_tflops,
-        "platform": device.platform,
-        "wall": time.perf_counter() - started,
-        "compile": t.compile_s,
-    }))
+    console.print(
+        summary_table(
+            {
+                "parameters": (device_bytes(t.state, device), replicated_bytes(t.state)),
+                "optimizer state": (
+                    device_bytes(t.opt_state, device),
+                    replicated_bytes(t.opt_state),
+                ),
+                "peak memory": (last.get("peak_memory_bytes"), last.get("peak_memory_source")),
+                # Read from the compiled program (XLA may merge all-reduces into tuples).
+                "collectives": collectives(t.step_fn.as_text()),
+                "plan": t.planned,
+                "scan": settings.scan,
+                "baseline": t.baseline,
+                # The progress bar's last loss: the same rows, the same average.
+                "train loss": (last["loss"], last["window"]),
+                "validation loss": next(r["val"] for r in reversed(t.history) if "val" in r),
+                "tokens/s": tokens_per_step / step_time,
+                "tokens": (settings.steps - t.start) * tokens_per_step,
+                "step time": step_time,
+                "flops": t.cost.flops,
+                "peak tflops": args.peak_tflops,
+                "platform": device.platform,
+                "wall": time.perf_counter() - started,
+                "compile": t.compile_s,
+            }
+        )
+    )
     console.print(f"loss curve: {run.path / 'loss.png'}")
     if args.sample:
         console.print("[bold]sample:[/]")
-        console.print(generate(t.graphdef, t.state, args.sample, args.sample_length,
-                               settings.model.context, args.temperature, seed=settings.seed),
-                      markup=False, highlight=False)
-    console.print(f"wall time {time.perf_counter() - started:.1f} s; resume or extend with "
-                  f"--run-dir {run.path} --steps N")
+        console.print(
+            generate(
+                t.graphdef,
+                t.state,
+                args.sample,
+                args.sample_length,
+                settings.model.context,
+                args.temperature,
+                seed=settings.seed,
+            ),
+            markup=False,
+            highlight=False,
+        )
+    console.print(
+        f"wall time {time.perf_counter() - started:.1f} s; resume or extend with "
+        f"--run-dir {run.path} --steps N"
+    )
 
 
 def steady_step_time(rows: list[dict]) -> float:
@@ -1318,8 +1530,21 @@ class TrainingProgress(Progress):
             yield RichText(self.readouts, no_wrap=False, overflow="fold")
 
 
-def train_loop(console, run, step_fn, val_loss, meter, profiler, state, opt_state, start,
-               settings, history, batch_for, stop):
+def train_loop(
+    console,
+    run,
+    step_fn,
+    val_loss,
+    meter,
+    profiler,
+    state,
+    opt_state,
+    start,
+    settings,
+    history,
+    batch_for,
+    stop,
+):
     """Runs steps `start..settings.steps`: logs, evaluates and checkpoints as it goes.
 
     A row is logged after the first step, every `LOG_EVERY` steps, and at every
@@ -1334,16 +1559,25 @@ def train_loop(console, run, step_fn, val_loss, meter, profiler, state, opt_stat
       The final state and optimizer state, the metrics history, and the last step done.
     """
     columns = (
-        TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"), TextColumn("val {task.fields[val]}"),
-        TimeElapsedColumn(), TimeRemainingColumn(),
+        TextColumn("[bold]training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("val {task.fields[val]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
     )
     last_val = next((r["val"] for r in reversed(history) if "val" in r), None)
     platform = jax.devices()[0].platform
     pending, window, excluded, done = None, [], 0.0, start
     with TrainingProgress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=settings.steps, completed=start, loss="-",
-                                 val="-" if last_val is None else f"{last_val:.3f}")
+        task = progress.add_task(
+            "train",
+            total=settings.steps,
+            completed=start,
+            loss="-",
+            val="-" if last_val is None else f"{last_val:.3f}",
+        )
         tick = time.perf_counter()
         for step in range(start, settings.steps):
             excluded += profiler.before(step)
@@ -1370,8 +1604,9 @@ def train_loop(console, run, step_fn, val_loss, meter, profiler, state, opt_stat
                 history.append({"step": done, "val": val})
                 run.log(history[-1])
                 progress.update(task, val=f"{val:.3f}")
-                progress.console.print(f"step {done:5d}  train {row['loss']:.3f}  "
-                                       f"val {val:.3f}  {progress.readouts}")
+                progress.console.print(
+                    f"step {done:5d}  train {row['loss']:.3f}  val {val:.3f}  {progress.readouts}"
+                )
             if save:
                 if pending is not None:
                     pending.wait()

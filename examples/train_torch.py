@@ -30,18 +30,18 @@ from pathlib import Path
 # Collectives run on JAX's CPU runtime; must be set before JAX picks a backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
+import numpy as np
+import torch
+from jax.experimental import multihost_utils
 
-import torch_frontend  # noqa: E402
-from torch_frontend import fully_shard, init_distributed  # noqa: E402
+import torch_frontend
+from torch_frontend import fully_shard, init_distributed
 
 # The model: models/torch_gpt.py beside this script (found also when loaded by path).
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
-from models import TINY, ModelConfig  # noqa: E402
-from models.torch_gpt import GPT  # noqa: E402
+from models import TINY, ModelConfig
+from models.torch_gpt import GPT
 
 DATA = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 
@@ -66,16 +66,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Reads the command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--batch", type=int, default=TrainConfig.batch,
-                   help="global batch: sequences per step over all ranks")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=TrainConfig.batch,
+        help="global batch: sequences per step over all ranks",
+    )
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
     p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every)
     p.add_argument("--tiny", action="store_true", help="a tiny model, for smoke tests")
-    p.add_argument("--run-dir", type=Path, default=None,
-                   help="checkpoints and metrics (default: a fresh runs/train_torch/<time>)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --run-dir")
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="checkpoints and metrics (default: a fresh runs/train_torch/<time>)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in --run-dir"
+    )
     return p.parse_args(argv)
 
 
@@ -103,7 +112,7 @@ def batch_at(data: np.ndarray, index: int, rows: int, context: int, seed: int) -
 def local_rows(batch: np.ndarray, rank: int, world: int) -> torch.Tensor:
     """This rank's contiguous slice of the global batch."""
     rows = len(batch) // world
-    return torch.from_numpy(batch[rank * rows:(rank + 1) * rows])
+    return torch.from_numpy(batch[rank * rows : (rank + 1) * rows])
 
 
 # ---------------------------------------------------------------------------- model
@@ -160,8 +169,10 @@ class RunDir:
         if saved.exists():
             before = json.loads(saved.read_text())
             if before != config:
-                sys.exit(f"{self.path} holds a run of another model ({before}); this one is "
-                         f"{config}. Pass another --run-dir.")
+                sys.exit(
+                    f"{self.path} holds a run of another model ({before}); this one is "
+                    f"{config}. Pass another --run-dir."
+                )
         elif self.rank == 0:
             self.path.mkdir(parents=True, exist_ok=True)
             # Written whole, then renamed: another rank may read it at any time.
@@ -187,8 +198,13 @@ class RunDir:
         never sees half a checkpoint. The shards are copied before this returns: the
         files are written while training goes on.
         """
-        return torch_frontend.save(self.checkpoints / f"step_{step:06d}", model,
-                                   optimizer=opt, step=step, asynchronous=True)
+        return torch_frontend.save(
+            self.checkpoints / f"step_{step:06d}",
+            model,
+            optimizer=opt,
+            step=step,
+            asynchronous=True,
+        )
 
     def metrics(self, upto: int) -> list[dict]:
         """Metrics logged up to step `upto` (later ones belong to steps that will be redone)."""
@@ -232,8 +248,13 @@ def main(argv=None) -> None:
 
     rank, world = jax.process_index(), jax.process_count()
     cfg = TINY if args.tiny else ModelConfig()
-    train = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr,
-                        log_every=args.log_every, checkpoint_every=args.checkpoint_every)
+    train = TrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+    )
     if train.batch % world:
         sys.exit(f"--batch {train.batch} must be a multiple of the {world} ranks")
     run_dir = args.run_dir or default_run_dir()
@@ -246,14 +267,15 @@ def main(argv=None) -> None:
     model = build_model(cfg)
     full = sum(p.numel() for p in model.parameters())
     model = shard_model(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(0.9, 0.99),
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(0.9, 0.99), weight_decay=0.1)
 
     start = 0
     latest = run.latest()
     if latest is not None and not args.resume:
-        sys.exit(f"{run.path} already holds checkpoints (newest: step {latest[0]}); pass "
-                 "--resume to continue from it, or another --run-dir.")
+        sys.exit(
+            f"{run.path} already holds checkpoints (newest: step {latest[0]}); pass "
+            "--resume to continue from it, or another --run-dir."
+        )
     if args.resume:
         if latest is None:
             say(rank, f"no checkpoint in {run.checkpoints}: starting from step 0")
@@ -264,9 +286,12 @@ def main(argv=None) -> None:
 
     train_data, _ = load_text()
     local = sum(p.numel() for p in model.parameters())
-    say(rank, f"train_torch: {world} rank(s); GPT width {cfg.width}, depth {cfg.depth}, "
-              f"{cfg.heads} heads, context {cfg.context}: {full:,} parameters, {local:,} "
-              f"in rank 0's shards; {len(train_data):,} training bytes")
+    say(
+        rank,
+        f"train_torch: {world} rank(s); GPT width {cfg.width}, depth {cfg.depth}, "
+        f"{cfg.heads} heads, context {cfg.context}: {full:,} parameters, {local:,} "
+        f"in rank 0's shards; {len(train_data):,} training bytes",
+    )
     tokens_per_step = train.batch * cfg.context
     pending: list[tuple[int, float]] = []
     saving = None
@@ -283,9 +308,12 @@ def main(argv=None) -> None:
         losses = global_mean([x for _, x in pending])
         elapsed = time.perf_counter() - tick
         trained_s += elapsed
-        run.log([{"step": s, "loss": float(x)} for (s, _), x in zip(pending, losses)])
-        say(rank, f"step {done:5d}  loss {losses.mean():.4f}  "
-                  f"{tokens_per_step * len(pending) / elapsed:,.0f} tokens/s")
+        run.log([{"step": s, "loss": float(x)} for (s, _), x in zip(pending, losses, strict=True)])
+        say(
+            rank,
+            f"step {done:5d}  loss {losses.mean():.4f}  "
+            f"{tokens_per_step * len(pending) / elapsed:,.0f} tokens/s",
+        )
         pending = []
         if save:
             if saving is not None:
@@ -297,9 +325,12 @@ def main(argv=None) -> None:
         saving.wait()
     steps_run = max(train.steps - start, 0)
     speed = tokens_per_step * steps_run / trained_s if steps_run else 0.0
-    say(rank, f"done: {steps_run} steps in {time.perf_counter() - started:.1f} s "
-              f"({speed:,.0f} tokens/s while training); resume or extend with "
-              f"--run-dir {run.path} --resume --steps N")
+    say(
+        rank,
+        f"done: {steps_run} steps in {time.perf_counter() - started:.1f} s "
+        f"({speed:,.0f} tokens/s while training); resume or extend with "
+        f"--run-dir {run.path} --resume --steps N",
+    )
 
 
 if __name__ == "__main__":

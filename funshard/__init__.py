@@ -13,6 +13,7 @@ from funshard import _jax_compat
 # steps on simulated devices (docs/concepts.md, "Asynchronous steps on CPU devices").
 _jax_compat.widen_cpu_pool()
 
+from funshard import distributed as distributed
 from funshard import errors as errors
 from funshard.comm import make_mesh as make_mesh
 from funshard.core import MixedPrecisionPolicy as MixedPrecisionPolicy
@@ -37,7 +38,6 @@ from funshard.io import state_dict as state_dict
 from funshard.planning import Plan as Plan
 from funshard.planning import plan as plan
 
-from funshard import distributed as distributed
 __version__ = "0.1.0"
 
 
@@ -49,10 +49,11 @@ def __getattr__(name):
         return importlib.import_module("funshard.flax")
     raise AttributeError(f"module 'funshard' has no attribute {name!r}")
 
+
 __all__ = [
+    "MixedPrecisionPolicy",
     "PendingSave",
     "Plan",
-    "MixedPrecisionPolicy",
     "Replicate",
     "Shard",
     "Sharded",

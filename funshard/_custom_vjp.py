@@ -17,7 +17,8 @@ both use it; it imports nothing of funshard.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,7 +34,7 @@ def is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-class filter_custom_vjp:  # noqa: N801 (a decorator, named like jax.custom_vjp)
+class filter_custom_vjp:
     """`fn` with the derivative rule given by `defvjp(fwd, bwd)`, over pytrees.
 
     Calling it with `fn`'s arguments differentiates their array leaves (`jax.Array`s,
@@ -79,4 +80,3 @@ class filter_custom_vjp:  # noqa: N801 (a decorator, named like jax.custom_vjp)
 
         call.defvjp(call_fwd, call_bwd)
         return call([leaves[i] for i in positions])
-

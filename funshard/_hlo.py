@@ -24,8 +24,10 @@ import math
 import re
 
 # The attribute's value: an explicit list (no spaces inside), or the iota form.
-_ATTRIBUTE = re.compile(r"replica_groups=(\{[0-9,{}]*\}|\[[0-9,]*\]<=\[[0-9,]*\](?:T\([0-9,]*\))?"
-                        r"|mesh\[[^\]]*\] \{[^}]*\})")
+_ATTRIBUTE = re.compile(
+    r"replica_groups=(\{[0-9,{}]*\}|\[[0-9,]*\]<=\[[0-9,]*\](?:T\([0-9,]*\))?"
+    r"|mesh\[[^\]]*\] \{[^}]*\})"
+)
 _MESH = re.compile(r"^mesh\[([^\]]*)\] \{([^}]*)\}$")
 _MESH_AXIS = re.compile(r"^'([^']+)'=(\d+)$")
 _EXPLICIT = re.compile(r"^\{(\{[0-9,]*\}(,\{[0-9,]*\})*)?\}$")
@@ -61,17 +63,21 @@ def replica_groups(value: str) -> tuple[tuple[int, ...], ...]:
         return _mesh_groups(value)
     m = _IOTA.match(value)
     if not m:
-        raise ValueError(f"replica groups {value!r}: neither {{{{...}}}}, [g,s]<=[...] "
-                         "nor mesh[...] {...}")
+        raise ValueError(
+            f"replica groups {value!r}: neither {{{{...}}}}, [g,s]<=[...] nor mesh[...] {{...}}"
+        )
     shape = _ints(m.group(1))
     dims = _ints(m.group(2))
     perm = _ints(m.group(3)) if m.group(3) is not None else list(range(len(dims)))
-    if len(shape) != 2 or math.prod(shape) != math.prod(dims) or sorted(perm) != list(
-            range(len(dims))):
+    if (
+        len(shape) != 2
+        or math.prod(shape) != math.prod(dims)
+        or sorted(perm) != list(range(len(dims)))
+    ):
         raise ValueError(f"replica groups {value!r}: the iota dims do not agree")
     ids = _transposed_iota(dims, perm)
     size = shape[1]
-    return tuple(tuple(ids[i:i + size]) for i in range(0, len(ids), size))
+    return tuple(tuple(ids[i : i + size]) for i in range(0, len(ids), size))
 
 
 def _mesh_groups(value: str) -> tuple[tuple[int, ...], ...]:
@@ -88,7 +94,7 @@ def _mesh_groups(value: str) -> tuple[tuple[int, ...], ...]:
     perm = [i for i in range(len(names)) if i not in chosen] + chosen
     ids = _transposed_iota(dims, perm)
     size = math.prod(dims[i] for i in chosen)
-    return tuple(tuple(ids[i:i + size]) for i in range(0, len(ids), size))
+    return tuple(tuple(ids[i : i + size]) for i in range(0, len(ids), size))
 
 
 def format_groups(groups: tuple[tuple[int, ...], ...]) -> str:
@@ -102,7 +108,9 @@ def _ints(text: str) -> list[int]:
 
 def _transposed_iota(dims: list[int], perm: list[int]) -> list[int]:
     """`iota(prod(dims)).reshape(dims).transpose(perm).ravel()` without numpy."""
-    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
     out_dims = [dims[p] for p in perm]
-    return [sum(idx[k] * strides[p] for k, p in enumerate(perm))
-            for idx in itertools.product(*(range(d) for d in out_dims))]
+    return [
+        sum(idx[k] * strides[p] for k, p in enumerate(perm))
+        for idx in itertools.product(*(range(d) for d in out_dims))
+    ]

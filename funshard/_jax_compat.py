@@ -15,7 +15,8 @@ import functools
 import os
 import re
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.tree_util import tree_flatten, tree_unflatten
@@ -56,7 +57,7 @@ def aval_varying_axes(aval: Any) -> frozenset[str]:
 
 
 def source_line(eqn: Any) -> str:
-    """"file:line (function)" of the user's code that traced a jaxpr equation.
+    """ "file:line (function)" of the user's code that traced a jaxpr equation.
 
     Relies on `jax._src.source_info_util.summarize` (no public way to read an
     equation's source) and on an equation's `source_info`. Guarded by `check()` and
@@ -139,8 +140,9 @@ def cpu_devices_requested() -> int:
     count = jax.config.jax_num_cpu_devices
     if count >= 0:
         return count
-    flags = re.findall(r"--xla_force_host_platform_device_count[= ](\d+)",
-                       os.environ.get("XLA_FLAGS", ""))
+    flags = re.findall(
+        r"--xla_force_host_platform_device_count[= ](\d+)", os.environ.get("XLA_FLAGS", "")
+    )
     return int(flags[-1]) if flags else 1
 
 
@@ -268,8 +270,10 @@ def cpu_collectives_over_gloo() -> bool:
     `collectives_over_gloo`). Guarded by tests/test_cuda_paths.py.
     """
     return collectives_over_gloo(
-        "cpu", distributed=coordination_client() is not None,
-        cpu_implementation=jax.config.jax_cpu_collectives_implementation)
+        "cpu",
+        distributed=coordination_client() is not None,
+        cpu_implementation=jax.config.jax_cpu_collectives_implementation,
+    )
 
 
 _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
@@ -301,7 +305,8 @@ def dlpack_import(obj: Any, device: jax.Device) -> jax.Array:
     if jaxlib_extension_version >= 467 and device.platform in ("cpu", "gpu"):
         if device.platform == "cpu":
             array = _jax.dlpack_managed_tensor_to_buffer(
-                obj.__dlpack__(), device, None, None, _DLPACK_CPU)
+                obj.__dlpack__(), device, None, None, _DLPACK_CPU
+            )
         else:
             array = _gpu_import(_jax, obj, device)
         if array.dtype == jax.dtypes.canonicalize_dtype(array.dtype):
@@ -327,7 +332,8 @@ def _gpu_import(jax_lib: Any, obj: Any, device: jax.Device) -> jax.Array:
         raise errors.ShardingValueError(
             f"dlpack_import: the array is on DLPack device ({int(kind)}, {index}) but "
             f"the target is {device} (GPU {device.local_hardware_id}); a zero-copy import "
-            "needs the array on that same GPU. Move it there first.")
+            "needs the array on that same GPU. Move it there first."
+        )
     stream = device.get_stream_for_external_ready_events()
     capsule = obj.__dlpack__(stream=stream)
     return jax_lib.dlpack_managed_tensor_to_buffer(capsule, device, stream, None, int(kind))
@@ -364,16 +370,20 @@ def _check() -> None:
     x = jnp.ones(3)
     residuals, _ = vjp_residuals(jax.vjp(lambda a: a * a, x)[1])
     if not any(r is x for r in residuals):
-        _broken("a jax.vjp function no longer holds a saved primal as the same array "
-                "object among its pytree leaves")
+        _broken(
+            "a jax.vjp function no longer holds a saved primal as the same array "
+            "object among its pytree leaves"
+        )
     _check_enclosing_equations(callback_p)
 
 
 def _check_enclosing_equations(callback_p: Any) -> None:
     """`enclosing_equations` sees a callback traced before it, from inside a `vmap`."""
-    assumption = ("the equations a jit trace has recorded so far (jax._src.core.trace_ctx"
-                  ".trace, out through .parent_trace, then .frame.tracing_eqns) no longer "
-                  "hold a jax.debug.callback traced before")
+    assumption = (
+        "the equations a jit trace has recorded so far (jax._src.core.trace_ctx"
+        ".trace, out through .parent_trace, then .frame.tracing_eqns) no longer "
+        "hold a jax.debug.callback traced before"
+    )
     try:
         seen = _equations_seen_after_a_callback()
     except AttributeError as e:
@@ -382,8 +392,10 @@ def _check_enclosing_equations(callback_p: Any) -> None:
     if not callbacks or not hasattr(callbacks[0], "params"):
         _broken(assumption)
     if not re.search(r"\S+:\d+", source_line(callbacks[0])):
-        _broken("jax._src.source_info_util.summarize(eqn.source_info) no longer gives "
-                "the file:line that traced an equation")
+        _broken(
+            "jax._src.source_info_util.summarize(eqn.source_info) no longer gives "
+            "the file:line that traced an equation"
+        )
 
 
 def _equations_seen_after_a_callback() -> list[Any]:

@@ -28,8 +28,9 @@ _EXTENDED_ARG = dis.opmap.get("EXTENDED_ARG")
 _CACHE = dis.opmap.get("CACHE")
 # Opcodes that read an attribute by name (`x.data`, `x.data.sum()`). LOAD_METHOD is a
 # real opcode on 3.11 only; later ones list it as a pseudo-op (>= 256, never in co_code).
-_ATTRIBUTE_READS = frozenset(dis.opmap[op] for op in ("LOAD_ATTR", "LOAD_METHOD")
-                             if op in dis.opmap and dis.opmap[op] < 256)
+_ATTRIBUTE_READS = frozenset(
+    dis.opmap[op] for op in ("LOAD_ATTR", "LOAD_METHOD") if op in dis.opmap and dis.opmap[op] < 256
+)
 # From 3.12 LOAD_ATTR's argument is `name index << 1 | loads a method`.
 _METHOD_BIT = sys.version_info >= (3, 12)
 
@@ -134,7 +135,7 @@ def _many_names_read() -> Callable[[Any, bool], bool]:
     source = f"def read(probe, never):\n    if never:\n        {unused}\n    return probe.seen\n"
     namespace: dict[str, Any] = {}
     code = compile(source, "<funshard._py_compat probe>", "exec")
-    exec(code, namespace)  # noqa: S102 - the source is the literal above
+    exec(code, namespace)
     return namespace["read"]
 
 
@@ -145,10 +146,12 @@ def _probes() -> list[tuple[str, Callable[[_Probe], bool], bool]]:
         ("`x.seen` in the reader's code", lambda p: (p.other, p.seen)[1], True),
         ("`x.seen.real`, a read followed by another", lambda p: p.seen.real == 1, True),
         ("`x.seen` in a hot loop (a specialised instruction)", _hot_read, True),
-        ("`x.seen` whose name index needs EXTENDED_ARG", lambda p: _many_names_read()(p, False),
-         True),
-        ("getattr(x, 'seen') (a call, not an attribute read)",
-         lambda p: getattr(p, "seen"), False),  # noqa: B009 - the call is the point
+        (
+            "`x.seen` whose name index needs EXTENDED_ARG",
+            lambda p: _many_names_read()(p, False),
+            True,
+        ),
+        ("getattr(x, 'seen') (a call, not an attribute read)", lambda p: getattr(p, "seen"), False),  # noqa: B009 - the call is the point
         ("`x.other` (another name)", lambda p: p.other, False),
     ]
 
@@ -160,8 +163,11 @@ def check() -> None:
     Raises:
       RuntimeError: an assumption does not hold for the running Python.
     """
-    for opname, code in (("LOAD_ATTR", _LOAD_ATTR), ("EXTENDED_ARG", _EXTENDED_ARG),
-                         ("CACHE", _CACHE)):
+    for opname, code in (
+        ("LOAD_ATTR", _LOAD_ATTR),
+        ("EXTENDED_ARG", _EXTENDED_ARG),
+        ("CACHE", _CACHE),
+    ):
         if code is None:
             _broken(f"dis.opmap has no {opname}")
     if not hasattr(sys, "_getframe"):
@@ -171,8 +177,10 @@ def check() -> None:
     probe = _Probe()
     for what, read, want in _probes():
         if read(probe) != want:
-            _broken(f"frame.f_lasti and code.co_code {'no longer' if want else 'wrongly'} "
-                    f"show {what} as an attribute read of that name")
+            _broken(
+                f"frame.f_lasti and code.co_code {'no longer' if want else 'wrongly'} "
+                f"show {what} as an attribute read of that name"
+            )
 
 
 def _broken(what: str) -> None:

@@ -7,7 +7,8 @@ the root floor: anything may import it, and it imports nothing of funshard.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jax.tree_util import keystr
 
@@ -30,7 +31,7 @@ def joined(messages: Sequence[str]) -> str:
 
 
 def process_list(ranks) -> str:
-    """"process 1" / "processes 0, 2-5": ranks with runs shortened to ranges."""
+    """ "process 1" / "processes 0, 2-5": ranks with runs shortened to ranges."""
     ranks, parts = sorted(ranks), []
     for r in ranks:
         if parts and parts[-1][1] == r - 1:

@@ -4,12 +4,12 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp
 
-import funshard as fs  # noqa: E402
+import funshard as fs
 
 
 def main(root: str, mode: str) -> None:

@@ -7,8 +7,9 @@
 Every rank trains a small fully_shard model; rank R stops after K steps, either by
 running fewer steps ("fewer") or by raising an exception of its own that it catches
 before returning normally ("caught"). With `--extra-full-state-dict R`, rank R alone
-calls `full_state_dict` before step 2 (and nobody leaves on purpose). Each rank writes `rank{r}.npz` with the steps it
-finished, what it raised (if anything) and how long after the leaving rank left.
+calls `full_state_dict` before step 2 (and nobody leaves on purpose). Each rank writes
+`rank{r}.npz` with the steps it finished, what it raised (if anything) and how long
+after the leaving rank left.
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ def main() -> int:
     ap.add_argument("--leaving-rank", type=int, required=True)
     ap.add_argument("--leaving-steps", type=int, required=True)
     ap.add_argument("--how", default="fewer", choices=["fewer", "caught"])
-    ap.add_argument("--extra-full-state-dict", type=int, default=None,
-                    help="this rank alone calls full_state_dict before step 2")
+    ap.add_argument(
+        "--extra-full-state-dict",
+        type=int,
+        default=None,
+        help="this rank alone calls full_state_dict before step 2",
+    )
     args = ap.parse_args()
     out, rank = Path(args.out), int(os.environ["RANK"])
     (out / f"pid-rank{rank}").write_text(str(os.getpid()))

@@ -22,12 +22,12 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import funshard as fs  # noqa: E402
-import funshard.distributed  # noqa: E402
+import funshard as fs
+import funshard.distributed
 
 START = time.monotonic()
 
@@ -67,8 +67,10 @@ def main() -> int:
         value, _ = step(state, batch)
         if args.count_steps:
             funshard.distributed.count_step()
-        print(f"rank {rank}: step {i} loss {float(value):.4f} at "
-              f"{time.monotonic() - START:.1f} s", flush=True)
+        print(
+            f"rank {rank}: step {i} loss {float(value):.4f} at {time.monotonic() - START:.1f} s",
+            flush=True,
+        )
     print(f"rank {rank}: returning after {steps} steps", flush=True)
     return 0
 

@@ -40,8 +40,12 @@ def collectives(hlo_text: str) -> list[dict]:
         `{{0,1},{2,3}}`, whichever form XLA wrote them in; None without the attribute).
     """
     return [
-        {"kind": c.kind, "dtype": c.arrays[0][0], "elements": c.elements,
-         "groups": None if c.groups is None else format_groups(c.groups)}
+        {
+            "kind": c.kind,
+            "dtype": c.arrays[0][0],
+            "elements": c.elements,
+            "groups": None if c.groups is None else format_groups(c.groups),
+        }
         for c in _parser.parse_collectives(hlo_text.splitlines())
     ]
 

@@ -30,10 +30,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]  # the torchrun command
 # Variables a launcher sets: a started process must not inherit this process's.
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "JAX_COORDINATOR_ADDRESS",
-               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
-               "SLURM_LAUNCH_NODE_IPADDR", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "JAX_COORDINATOR_ADDRESS",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_ID",
+    "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_STEP_TASKS_PER_NODE",
+)
 
 
 # --------------------------------------------------------------------- ports, environment
@@ -78,17 +91,27 @@ def clean_env(**extra: str) -> dict:
     """
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8", PYTHONPATH=os.pathsep.join(
-                   [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]))
+    env.update(
+        XLA_FLAGS=" ".join(flags),
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        PYTHONIOENCODING="utf-8",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
+    )
     env.update(extra)
     return env
 
 
 def rank_env(rank: int, world: int, port: int, **extra: str) -> dict:
     """`clean_env` plus the variables torchrun would set for `rank` of `world` on 127.0.0.1."""
-    return clean_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port), **extra)
+    return clean_env(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **extra,
+    )
 
 
 # ------------------------------------------------------------------------------- killing
@@ -185,8 +208,12 @@ class Launched:
 
 
 @contextlib.contextmanager
-def launch(out: Path, commands: Mapping[int, tuple[Sequence[str], Mapping[str, str]]],
-           timeout_s: float, separate_stderr: bool = False) -> Iterator[Launched]:
+def launch(
+    out: Path,
+    commands: Mapping[int, tuple[Sequence[str], Mapping[str, str]]],
+    timeout_s: float,
+    separate_stderr: bool = False,
+) -> Iterator[Launched]:
     """Starts one process per rank; always kills what is left of them on the way out.
 
     Args:
@@ -203,14 +230,26 @@ def launch(out: Path, commands: Mapping[int, tuple[Sequence[str], Mapping[str, s
     try:
         for rank, (argv, env) in commands.items():
             if separate_stderr:
-                with open(out / f"rank{rank}.out", "w") as stdout, \
-                        open(out / f"rank{rank}.err", "w") as stderr:
-                    proc = subprocess.Popen(list(argv), env=dict(env), stdout=stdout,
-                                            stderr=stderr, start_new_session=True)
+                with (
+                    open(out / f"rank{rank}.out", "w") as stdout,
+                    open(out / f"rank{rank}.err", "w") as stderr,
+                ):
+                    proc = subprocess.Popen(
+                        list(argv),
+                        env=dict(env),
+                        stdout=stdout,
+                        stderr=stderr,
+                        start_new_session=True,
+                    )
             else:
                 with open(out / f"rank{rank}.log", "w") as log:
-                    proc = subprocess.Popen(list(argv), env=dict(env), stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+                    proc = subprocess.Popen(
+                        list(argv),
+                        env=dict(env),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
             launched.procs[rank] = proc
         yield launched
     finally:
@@ -222,12 +261,19 @@ def launch(out: Path, commands: Mapping[int, tuple[Sequence[str], Mapping[str, s
 
 def torchrun_command(script: Path, processes: int, port: int, *args: str) -> list[str]:
     """torchrun's command line for `processes` ranks of `script` on 127.0.0.1."""
-    return [*TORCHRUN, f"--nproc-per-node={processes}", "--master-addr=127.0.0.1",
-            f"--master-port={port}", str(script), *args]
+    return [
+        *TORCHRUN,
+        f"--nproc-per-node={processes}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        str(script),
+        *args,
+    ]
 
 
-def run_bounded(command: Sequence[str], cwd: Path, timeout_s: float,
-                log: Path | None = None) -> tuple[int, str]:
+def run_bounded(
+    command: Sequence[str], cwd: Path, timeout_s: float, log: Path | None = None
+) -> tuple[int, str]:
     """Runs `command`; on the way out kills it and every process it started.
 
     Returns:
@@ -235,8 +281,14 @@ def run_bounded(command: Sequence[str], cwd: Path, timeout_s: float,
     """
     log = log or cwd / f"job-{time.monotonic_ns()}.log"
     with open(log, "w") as sink:
-        proc = subprocess.Popen(list(command), cwd=cwd, env=clean_env(), stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            env=clean_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -255,16 +307,23 @@ class Job:
     of a `with Job(...)` block, or of `kill()` (for a job started in a fixture).
     """
 
-    def __init__(self, worker: Path, out: Path, processes: int, port: int, timeout_s: float,
-                 *args: str):
+    def __init__(
+        self, worker: Path, out: Path, processes: int, port: int, timeout_s: float, *args: str
+    ):
         self.out, self.processes, self.timeout_s, self.code = out, processes, timeout_s, None
         self.killed = False
-        command = torchrun_command(worker, processes, port, "--out", str(out),
-                                   "--deadline", str(timeout_s), *args)
+        command = torchrun_command(
+            worker, processes, port, "--out", str(out), "--deadline", str(timeout_s), *args
+        )
         self.start = time.monotonic()
         with open(out / "torchrun.log", "w") as sink:
-            self.proc = subprocess.Popen(command, env=clean_env(), stdout=sink,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                command,
+                env=clean_env(),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def __enter__(self) -> Job:
         return self
@@ -313,8 +372,13 @@ class Job:
 # ------------------------------------------------------------------ one short-lived child
 
 
-def run(command: Sequence[str], timeout: float, capture_output: bool = False,
-        check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+def run(
+    command: Sequence[str],
+    timeout: float,
+    capture_output: bool = False,
+    check: bool = False,
+    **kwargs,
+) -> subprocess.CompletedProcess:
     """`subprocess.run(command, timeout=..., ...)` in a process group of its own.
 
     On a timeout the whole group is killed (`subprocess.run` kills only the child) and

@@ -11,7 +11,7 @@ def mlp_params(key, sizes=(13, 32, 24, 5)):
     return {
         "layers": [
             {"w": jax.random.normal(k, (i, o)) / jnp.sqrt(i), "b": jnp.full((o,), 0.1)}
-            for k, i, o in zip(keys, sizes[:-1], sizes[1:])
+            for k, i, o in zip(keys, sizes[:-1], sizes[1:], strict=True)
         ],
         "scale": jnp.float32(1.5),  # a 0-d leaf: replicated, all-reduced gradient
     }

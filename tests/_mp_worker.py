@@ -120,10 +120,13 @@ def main() -> int:
     # Registered before funshard's exit handler, so it runs after it: by then funshard's
     # watchdog thread must be gone (one still in a call on JAX's coordination client
     # during JAX's shutdown aborts the process after its work is done).
-    atexit.register(lambda: print(
-        "watchdog alive at exit: "
-        f"{any(t.name == 'funshard-departure-watchdog' for t in threading.enumerate())}",
-        flush=True))
+    atexit.register(
+        lambda: print(
+            "watchdog alive at exit: "
+            f"{any(t.name == 'funshard-departure-watchdog' for t in threading.enumerate())}",
+            flush=True,
+        )
+    )
     mesh = funshard.distributed.initialize(replicate=args.replicate or None)
     assert funshard.distributed.initialize(replicate=args.replicate or None) == mesh
     rank, world = jax.process_index(), jax.process_count()

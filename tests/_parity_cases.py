@@ -8,9 +8,10 @@ own; the models are upstream's own, imported from the installed torch
 (`torch.testing._internal.common_fsdp`: `MLP`, `DoubleLinear`, `check_sharded_parity`;
 `...common_distributed`: `SaveForwardInputsModel`; `...common_dtensor`: `ModelArgs`,
 `Transformer`) or, where upstream defines them in its test file, redefined here as they
-are there (e.g. `_ChunkedHeadModel`), and so are the grids (`t.run_subtests` is upstream's `run_subtests`), iteration counts, learning rates,
-seeds and tolerances: `t.assertEqual` is torch's `TestCase.assertEqual` (dtype-aware
-rtol/atol unless upstream passes exact ones).
+are there (e.g. `_ChunkedHeadModel`), and so are the grids (`t.run_subtests` is
+upstream's `run_subtests`), iteration counts, learning rates, seeds and tolerances:
+`t.assertEqual` is torch's `TestCase.assertEqual` (dtype-aware rtol/atol unless
+upstream passes exact ones).
 
 What differs from upstream, for every case:
 
@@ -131,14 +132,23 @@ class Case:
 CASES: dict[str, Case] = {}
 
 
-def case(area: str, test: str, *, world: int = 2, ci: bool = False, note: str = "",
-         xfail: dict[str, str] | None = None):
+def case(
+    area: str,
+    test: str,
+    *,
+    world: int = 2,
+    ci: bool = False,
+    note: str = "",
+    xfail: dict[str, str] | None = None,
+):
     """Registers upstream's `test_fully_shard_{area}.py::{test}` as the case of this name."""
+
     def register(fn):
         assert fn.__name__ not in CASES, fn.__name__
         upstream = f"test_fully_shard_{area}.py::{test}"
         CASES[fn.__name__] = Case(fn.__name__, upstream, world, ci, fn, note, dict(xfail or {}))
         return fn
+
     return register
 
 
@@ -156,8 +166,11 @@ class Impl:
     count_collectives: Callable[[], contextlib.AbstractContextManager[Counter]]
 
 
-_C10D_NAMES = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
-               "allreduce_": "all_reduce"}
+_C10D_NAMES = {
+    "_allgather_base_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+}
 
 
 @contextlib.contextmanager
@@ -180,8 +193,9 @@ def _count_core_collectives() -> Iterator[Counter]:
 
     counts: Counter = Counter()
     real_gather = comm.eager_all_gather
-    reduces = {name: getattr(comm, name) for name in ("eager_reduce_scatter",
-                                                      "eager_reduce_scatter_rows")}
+    reduces = {
+        name: getattr(comm, name) for name in ("eager_reduce_scatter", "eager_reduce_scatter_rows")
+    }
 
     def gather(*args, **kwargs):
         counts["all_gather"] += 1
@@ -219,10 +233,22 @@ def make_impls() -> dict[str, Impl]:
     import torch_frontend as tf
 
     return {
-        "fsdp2": Impl("fsdp2", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy, fsdp2.FSDPModule,
-                      fsdp2.register_fsdp_forward_method, _count_torch_collectives),
-        "frontend": Impl("frontend", tf.fully_shard, tf.MixedPrecisionPolicy, tf.FSDPModule,
-                         tf.register_fsdp_forward_method, _count_core_collectives),
+        "fsdp2": Impl(
+            "fsdp2",
+            fsdp2.fully_shard,
+            fsdp2.MixedPrecisionPolicy,
+            fsdp2.FSDPModule,
+            fsdp2.register_fsdp_forward_method,
+            _count_torch_collectives,
+        ),
+        "frontend": Impl(
+            "frontend",
+            tf.fully_shard,
+            tf.MixedPrecisionPolicy,
+            tf.FSDPModule,
+            tf.register_fsdp_forward_method,
+            _count_core_collectives,
+        ),
     }
 
 
@@ -266,6 +292,7 @@ class T:
                 return attr(*args, **kwargs)
             except AssertionError as error:
                 self.record(f"{name}: {_first_lines(str(error))}")
+
         return soft
 
     @contextlib.contextmanager
@@ -275,7 +302,7 @@ class T:
         self.subtest, before = label, self.failures
         try:
             yield
-        except Exception as error:  # noqa: BLE001 - recorded like a subtest's
+        except Exception as error:
             self.record(_describe(error))
         finally:
             self.subtests_run += 1
@@ -291,7 +318,7 @@ class T:
             before, outcome = self.failures, None
             try:
                 outcome = fn(*args, **kwargs, **params)
-            except Exception as error:  # noqa: BLE001 - unittest's subTest records it too
+            except Exception as error:
                 self.record(_describe(error))
             if outcome is not SKIP:
                 self.subtests_run += 1
@@ -309,7 +336,7 @@ def _short(value: Any) -> str:
 
 def _first_lines(text: str, lines: int = 4, chars: int = 400) -> str:
     kept = " | ".join(line.strip() for line in text.strip().splitlines()[:lines])
-    return kept if len(kept) <= chars else kept[:chars - 3] + "..."
+    return kept if len(kept) <= chars else kept[: chars - 3] + "..."
 
 
 def _describe(error: BaseException) -> str:
@@ -366,8 +393,11 @@ def _train_step(models_optims, inp, iter_idx: int, ref: nn.Module, group=None) -
 # test_fully_shard_training.py
 
 
-@case("training", "TestFullyShardForwardInputs::test_root_move_forward_input_to_device"
-      " + test_root_no_forward_inputs")
+@case(
+    "training",
+    "TestFullyShardForwardInputs::test_root_move_forward_input_to_device"
+    " + test_root_no_forward_inputs",
+)
 def forward_inputs(t: T, impl: Impl):
     class ParamlessModule(nn.Module):
         def forward(self, x, ys):
@@ -403,14 +433,18 @@ def _assert_dtensors(t: T, params, want: bool) -> None:
 def _assert_same_params(t: T, params, ref_params) -> None:
     params, ref_params = list(params), list(ref_params)
     t.assertEqual(len(params), len(ref_params))
-    for param, ref_param in zip(params, ref_params):
+    for param, ref_param in zip(params, ref_params, strict=True):
         full = param.full_tensor() if isinstance(param, DTensor) else param
         t.assertEqual(full.shape, ref_param.shape)
         t.assertEqual(full, ref_param)
 
 
-@case("training", "TestFullyShardRegisteredParams::test_param_registration_after_forward",
-      ci=True, note="world 2 (upstream: 4 threads)")
+@case(
+    "training",
+    "TestFullyShardRegisteredParams::test_param_registration_after_forward",
+    ci=True,
+    note="world 2 (upstream: 4 threads)",
+)
 def param_registration_after_forward(t: T, impl: Impl):
     def single_group(reshard_after_forward):
         torch.manual_seed(42)
@@ -459,8 +493,11 @@ def param_registration_after_forward(t: T, impl: Impl):
                 body(reshard_after_forward)
 
 
-@case("training", "TestFullyShardRegisteredParams::test_param_registration_after_backward",
-      note="world 2 (upstream: 4 threads)")
+@case(
+    "training",
+    "TestFullyShardRegisteredParams::test_param_registration_after_backward",
+    note="world 2 (upstream: 4 threads)",
+)
 def param_registration_after_backward(t: T, impl: Impl):
     def single_group(reshard_after_forward):
         model = U.MLP(8)
@@ -543,38 +580,61 @@ def _train_parity_single_group(t: T, impl: Impl, lin_shapes, use_shard_placement
         t.assertEqual(losses[0], losses[1])
 
 
-@case("training", "TestFullyShard1DTrainingCore::test_train_parity_single_group_shard_dim0",
-      ci=True, note="world 2 (upstream: 8)")
+@case(
+    "training",
+    "TestFullyShard1DTrainingCore::test_train_parity_single_group_shard_dim0",
+    ci=True,
+    note="world 2 (upstream: 8)",
+)
 def train_parity_single_group_shard_dim0(t: T, impl: Impl):
-    t.run_subtests({"lin_shapes": [[(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]],
-                    "use_shard_placement_fn": [False]},
-                   functools.partial(_train_parity_single_group, t, impl))
+    t.run_subtests(
+        {
+            "lin_shapes": [[(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]],
+            "use_shard_placement_fn": [False],
+        },
+        functools.partial(_train_parity_single_group, t, impl),
+    )
 
 
-@case("training", "TestFullyShard1DTrainingCore::test_train_parity_single_group_shard_largest_dim",
-      note="world 2 (upstream: 8)")
+@case(
+    "training",
+    "TestFullyShard1DTrainingCore::test_train_parity_single_group_shard_largest_dim",
+    note="world 2 (upstream: 8)",
+)
 def train_parity_single_group_shard_largest_dim(t: T, impl: Impl):
-    t.run_subtests({"lin_shapes": [[(32, 16), (16, 8)]], "use_shard_placement_fn": [True]},
-                   functools.partial(_train_parity_single_group, t, impl))
+    t.run_subtests(
+        {"lin_shapes": [[(32, 16), (16, 8)]], "use_shard_placement_fn": [True]},
+        functools.partial(_train_parity_single_group, t, impl),
+    )
 
 
-def _train_parity_multi_group(t: T, impl: Impl, reshard_after_forward, offload_policy,
-                              delay_after_forward: bool, delay_before_optim: bool):
+def _train_parity_multi_group(
+    t: T,
+    impl: Impl,
+    reshard_after_forward,
+    offload_policy,
+    delay_after_forward: bool,
+    delay_before_optim: bool,
+):
     if delay_after_forward and delay_before_optim:
         return SKIP  # upstream runs single delays (or all four, which needs the dropped two)
     torch.manual_seed(42)
     vocab_size = 1024
-    model_args = U.ModelArgs(n_layers=3, n_heads=4, vocab_size=vocab_size, max_seq_len=64,
-                             dropout_p=0)
+    model_args = U.ModelArgs(
+        n_layers=3, n_heads=4, vocab_size=vocab_size, max_seq_len=64, dropout_p=0
+    )
     model = U.Transformer(model_args)
     ref_model = copy.deepcopy(model)
     ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (t.world_size,))
-    shard = functools.partial(impl.fully_shard, mesh=mesh,
-                              reshard_after_forward=reshard_after_forward,
-                              offload_policy=offload_policy)
+    shard = functools.partial(
+        impl.fully_shard,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        offload_policy=offload_policy,
+    )
     for block in _blocks(model):
         shard(block)
     shard(model)
@@ -597,13 +657,22 @@ def _train_parity_multi_group(t: T, impl: Impl, reshard_after_forward, offload_p
         t.assertEqual(losses[0], losses[1])
 
 
-@case("training", "TestFullyShard1DTrainingCore::test_train_parity_multi_group",
-      note="the delays that patch torch's all-gather / reduce-scatter are dropped (torch_frontend"
-           " does not call them); the compute delays are 0.1 s sleeps")
+@case(
+    "training",
+    "TestFullyShard1DTrainingCore::test_train_parity_multi_group",
+    note="the delays that patch torch's all-gather / reduce-scatter are dropped (torch_frontend"
+    " does not call them); the compute delays are 0.1 s sleeps",
+)
 def train_parity_multi_group(t: T, impl: Impl):
-    t.run_subtests({"reshard_after_forward": [True, False, 2], "offload_policy": [OffloadPolicy()],
-                    "delay_after_forward": [False, True], "delay_before_optim": [False, True]},
-                   functools.partial(_train_parity_multi_group, t, impl))
+    t.run_subtests(
+        {
+            "reshard_after_forward": [True, False, 2],
+            "offload_policy": [OffloadPolicy()],
+            "delay_after_forward": [False, True],
+            "delay_before_optim": [False, True],
+        },
+        functools.partial(_train_parity_multi_group, t, impl),
+    )
 
 
 @case("training", "TestFullyShard1DTrainingCore::test_non_root_forward_backward")
@@ -670,8 +739,10 @@ def _multi_forward_module(t: T, impl: Impl, reshard_after_forward):
 
 @case("training", "TestFullyShard1DTrainingCore::test_multi_forward_module", ci=True)
 def multi_forward_module(t: T, impl: Impl):
-    t.run_subtests({"reshard_after_forward": [True, False, 2]},
-                   functools.partial(_multi_forward_module, t, impl))
+    t.run_subtests(
+        {"reshard_after_forward": [True, False, 2]},
+        functools.partial(_multi_forward_module, t, impl),
+    )
 
 
 @case("training", "TestFullyShard1DTrainingCore::test_explicit_prefetching")
@@ -705,16 +776,25 @@ def explicit_prefetching(t: T, impl: Impl):
         t.assertEqual(losses[0], losses[1])
 
 
-def _train_parity_with_activation_checkpointing(t: T, impl: Impl, reshard_after_forward,
-                                                checkpoint_impl: str, module_grouping: str):
+def _train_parity_with_activation_checkpointing(
+    t: T, impl: Impl, reshard_after_forward, checkpoint_impl: str, module_grouping: str
+):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        _CHECKPOINT_PREFIX, apply_activation_checkpointing)
+        _CHECKPOINT_PREFIX,
+        apply_activation_checkpointing,
+    )
 
     torch.manual_seed(42)
     vocab_size = 1024
-    model_args = U.ModelArgs(n_layers=3, n_heads=4, vocab_size=vocab_size, max_seq_len=64,
-                             dropout_p=0, checkpoint_activations=(checkpoint_impl == "utils"),
-                             weight_tying=module_grouping != "mem_eff")
+    model_args = U.ModelArgs(
+        n_layers=3,
+        n_heads=4,
+        vocab_size=vocab_size,
+        max_seq_len=64,
+        dropout_p=0,
+        checkpoint_activations=(checkpoint_impl == "utils"),
+        weight_tying=module_grouping != "mem_eff",
+    )
     model = U.Transformer(model_args)
     ref_model = copy.deepcopy(model)
     ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
@@ -760,13 +840,18 @@ def _train_parity_with_activation_checkpointing(t: T, impl: Impl, reshard_after_
         U.check_sharded_parity(t, ref_model, model, prefixes_to_ignore=prefixes_to_ignore)
 
 
-@case("training",
-      "TestFullyShard1DTrainingCompose::test_train_parity_with_activation_checkpointing")
+@case(
+    "training", "TestFullyShard1DTrainingCompose::test_train_parity_with_activation_checkpointing"
+)
 def train_parity_with_activation_checkpointing(t: T, impl: Impl):
-    t.run_subtests({"reshard_after_forward": [True, False],
-                    "checkpoint_impl": ["composable", "utils", "wrapper"],
-                    "module_grouping": ["block", "mem_eff", "mem_eff_weight_tied"]},
-                   functools.partial(_train_parity_with_activation_checkpointing, t, impl))
+    t.run_subtests(
+        {
+            "reshard_after_forward": [True, False],
+            "checkpoint_impl": ["composable", "utils", "wrapper"],
+            "module_grouping": ["block", "mem_eff", "mem_eff_weight_tied"],
+        },
+        functools.partial(_train_parity_with_activation_checkpointing, t, impl),
+    )
 
 
 @case("training", "TestFullyShard1DTrainingCompose::test_grouped_module_cast_forward_inputs")
@@ -795,15 +880,24 @@ def grouped_module_cast_forward_inputs(t: T, impl: Impl):
         t.assertIsNotNone(param.grad, f"grad None for {name}")
 
 
-@case("training",
-      "TestFullyShard1DTrainingCompose::test_double_forward_with_nested_fsdp_and_checkpoint")
+@case(
+    "training",
+    "TestFullyShard1DTrainingCompose::test_double_forward_with_nested_fsdp_and_checkpoint",
+)
 def double_forward_with_nested_fsdp_and_checkpoint(t: T, impl: Impl):
     def body(reshard_after_forward: bool, checkpoint_impl: str):
         torch.manual_seed(42)
         vocab_size = 1024
-        model = U.Transformer(U.ModelArgs(n_layers=3, n_heads=4, vocab_size=vocab_size,
-                                          max_seq_len=64, dropout_p=0,
-                                          checkpoint_activations=(checkpoint_impl == "utils")))
+        model = U.Transformer(
+            U.ModelArgs(
+                n_layers=3,
+                n_heads=4,
+                vocab_size=vocab_size,
+                max_seq_len=64,
+                dropout_p=0,
+                checkpoint_activations=(checkpoint_impl == "utils"),
+            )
+        )
         if checkpoint_impl == "composable":
             for block in _blocks(model):
                 _composable_checkpoint(block)
@@ -821,8 +915,9 @@ def double_forward_with_nested_fsdp_and_checkpoint(t: T, impl: Impl):
             if param.requires_grad:
                 t.assertIsNotNone(param.grad)
 
-    t.run_subtests({"reshard_after_forward": [True, False],
-                    "checkpoint_impl": ["composable", "utils"]}, body)
+    t.run_subtests(
+        {"reshard_after_forward": [True, False], "checkpoint_impl": ["composable", "utils"]}, body
+    )
 
 
 class _ChunkedHeadModel(nn.Module):
@@ -847,8 +942,11 @@ def _snapshot_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if isinstance(grad, DTensor) else grad.clone()
 
 
-@case("training",
-      "TestFullyShard1DTrainingCompose::test_partial_group_forward_then_standalone", ci=True)
+@case(
+    "training",
+    "TestFullyShard1DTrainingCompose::test_partial_group_forward_then_standalone",
+    ci=True,
+)
 def partial_group_forward_then_standalone(t: T, impl: Impl):
     dim, vocab_size, n_chunks = 32, 128, 4
     torch.manual_seed(42)
@@ -887,8 +985,9 @@ def partial_group_forward_then_standalone(t: T, impl: Impl):
                 head_grads.append(_snapshot_grad(model.head.weight.grad))
             for i in range(1, len(head_grads)):  # every chunk contributed
                 delta = head_grads[i] - head_grads[i - 1]
-                t.assertGreater(delta.norm().item(), 0.0,
-                                f"chunk {i} did not contribute to head.weight.grad")
+                t.assertGreater(
+                    delta.norm().item(), 0.0, f"chunk {i} did not contribute to head.weight.grad"
+                )
             h.backward(torch.cat(h_grads, dim=1).to(h.dtype))
             return total_loss, head_grads[-1]
 
@@ -903,8 +1002,9 @@ def partial_group_forward_then_standalone(t: T, impl: Impl):
         def shard(model, grouped: bool):
             if grouped and weight_tying:
                 impl.fully_shard(model.body, mp_policy=root_mp, **kwargs)
-                impl.fully_shard([model.embed, model.norm, model.head], mp_policy=inner_mp,
-                                 **kwargs)
+                impl.fully_shard(
+                    [model.embed, model.norm, model.head], mp_policy=inner_mp, **kwargs
+                )
             else:
                 impl.fully_shard(model.embed, mp_policy=root_mp, **kwargs)
                 impl.fully_shard(model.body, mp_policy=root_mp, **kwargs)
@@ -930,10 +1030,12 @@ def partial_group_forward_then_standalone(t: T, impl: Impl):
                 where = f"grouped vs ungrouped, iteration {iter_idx}"
                 t.assertEqual(ug_loss, fsdp_loss, msg=f"loss, {where}")
                 t.assertEqual(ug_head_grad, fsdp_head_grad, msg=f"head.weight.grad, {where}")
-                for (name, ug_p), (_, fsdp_p) in zip(ungrouped.named_parameters(),
-                                                     model.named_parameters()):
-                    t.assertEqual(ug_p.grad.to_local(), fsdp_p.grad.to_local(),
-                                  msg=f"grad of {name}, {where}")
+                for (name, ug_p), (_, fsdp_p) in zip(
+                    ungrouped.named_parameters(), model.named_parameters(), strict=True
+                ):
+                    t.assertEqual(
+                        ug_p.grad.to_local(), fsdp_p.grad.to_local(), msg=f"grad of {name}, {where}"
+                    )
             if do_parity:
                 ref_loss, ref_head_grad = run_chunked(ref_model, torch.float32)
                 _average_grads(ref_model)
@@ -948,23 +1050,46 @@ def partial_group_forward_then_standalone(t: T, impl: Impl):
             if do_grouping_parity:
                 ungrouped_optim.step()
                 ungrouped_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
-                for (name, ug_p), (_, fsdp_p) in zip(ungrouped.named_parameters(),
-                                                     model.named_parameters()):
-                    t.assertEqual(ug_p.to_local(), fsdp_p.to_local(),
-                                  msg=f"{name}, grouped vs ungrouped, iteration {iter_idx}")
+                for (name, ug_p), (_, fsdp_p) in zip(
+                    ungrouped.named_parameters(), model.named_parameters(), strict=True
+                ):
+                    t.assertEqual(
+                        ug_p.to_local(),
+                        fsdp_p.to_local(),
+                        msg=f"{name}, grouped vs ungrouped, iteration {iter_idx}",
+                    )
 
-    t.run_subtests({"reshard_after_forward": [True, False], "weight_tying": [False, True],
-                    "mp_policy_mode": ["none", "bf16_everywhere", "bf16_inner_only"],
-                    "ac": [False]}, body)
+    t.run_subtests(
+        {
+            "reshard_after_forward": [True, False],
+            "weight_tying": [False, True],
+            "mp_policy_mode": ["none", "bf16_everywhere", "bf16_inner_only"],
+            "ac": [False],
+        },
+        body,
+    )
     # Upstream's two extra points: activation checkpointing, and resharding to a mesh of 1.
-    t.run_subtests({"reshard_after_forward": [True], "weight_tying": [False],
-                    "mp_policy_mode": ["none"], "ac": [True]}, body)
-    t.run_subtests({"reshard_after_forward": [1], "weight_tying": [False],
-                    "mp_policy_mode": ["none"], "ac": [False]}, body)
+    t.run_subtests(
+        {
+            "reshard_after_forward": [True],
+            "weight_tying": [False],
+            "mp_policy_mode": ["none"],
+            "ac": [True],
+        },
+        body,
+    )
+    t.run_subtests(
+        {
+            "reshard_after_forward": [1],
+            "weight_tying": [False],
+            "mp_policy_mode": ["none"],
+            "ac": [False],
+        },
+        body,
+    )
 
 
-@case("training",
-      "TestFullyShard1DTrainingCompose::test_partial_group_forward_grad_accum_chunked")
+@case("training", "TestFullyShard1DTrainingCompose::test_partial_group_forward_grad_accum_chunked")
 def partial_group_forward_grad_accum_chunked(t: T, impl: Impl):
     dim, vocab_size, n_chunks, n_microbatches = 32, 128, 2, 3
 
@@ -999,10 +1124,14 @@ def partial_group_forward_grad_accum_chunked(t: T, impl: Impl):
                     m.head(chunk).sum().backward()
                     h_grads.append(chunk.grad.detach())
                 h.backward(torch.cat(h_grads, dim=1))
-        for (name, ref_p), (_, fsdp_p) in zip(ref_model.named_parameters(),
-                                              model.named_parameters()):
-            t.assertEqual(ref_p.grad.to_local(), fsdp_p.grad.to_local(),
-                          msg=f"grad mismatch for {name} after grad-accum + chunks")
+        for (name, ref_p), (_, fsdp_p) in zip(
+            ref_model.named_parameters(), model.named_parameters(), strict=True
+        ):
+            t.assertEqual(
+                ref_p.grad.to_local(),
+                fsdp_p.grad.to_local(),
+                msg=f"grad mismatch for {name} after grad-accum + chunks",
+            )
 
     t.run_subtests({"reshard_after_forward": [True, False]}, body)
 
@@ -1059,9 +1188,12 @@ def double_partial_forward_then_backward(t: T, impl: Impl):
     t.assertIsNone(model.head.weight.grad, "head.weight.grad should be None (head unused)")
 
 
-@case("training", "TestFullyShardShardPlacementFnMultiProcess"
-      "::test_train_parity_shard_placement_fn_shard_largest_dim",
-      note="world 2 (upstream: 8)")
+@case(
+    "training",
+    "TestFullyShardShardPlacementFnMultiProcess"
+    "::test_train_parity_shard_placement_fn_shard_largest_dim",
+    note="world 2 (upstream: 8)",
+)
 def train_parity_shard_placement_fn_shard_largest_dim(t: T, impl: Impl):
     torch.manual_seed(42)
     model_args = U.ModelArgs(n_layers=3, dropout_p=0.0)
@@ -1072,7 +1204,7 @@ def train_parity_shard_placement_fn_shard_largest_dim(t: T, impl: Impl):
         impl.fully_shard(layer, shard_placement_fn=_largest_dim)
     impl.fully_shard(model, shard_placement_fn=_largest_dim)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+    for param, ref_param in zip(model.parameters(), ref_model.parameters(), strict=True):
         t.assertEqual(param.full_tensor(), ref_param)
     torch.manual_seed(42 + t.rank)
     inp = torch.randint(0, model_args.vocab_size, (2, 16))
@@ -1086,13 +1218,15 @@ def train_parity_shard_placement_fn_shard_largest_dim(t: T, impl: Impl):
         optim.step()
         ref_optim.zero_grad()
         optim.zero_grad()
-    for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+    for param, ref_param in zip(model.parameters(), ref_model.parameters(), strict=True):
         t.assertEqual(param.full_tensor(), ref_param)
 
 
-@case("training", "TestFullyShardShardPlacementFnMultiThread"
-      "::test_shard_placement_fn_contiguous_params_grads",
-      note="world 2 (upstream: 4 threads)")
+@case(
+    "training",
+    "TestFullyShardShardPlacementFnMultiThread::test_shard_placement_fn_contiguous_params_grads",
+    note="world 2 (upstream: 4 threads)",
+)
 def shard_placement_fn_contiguous_params_grads(t: T, impl: Impl):
     dim = 4
     model = U.MLP(dim=dim)
@@ -1120,8 +1254,11 @@ def shard_placement_fn_contiguous_params_grads(t: T, impl: Impl):
         t.assertTrue(param.grad.to_local().is_contiguous())
 
 
-@case("training", "TestFullyShardSharedParams::test_train_parity_with_shared_params",
-      note="world 2 (upstream: 4)")
+@case(
+    "training",
+    "TestFullyShardSharedParams::test_train_parity_with_shared_params",
+    note="world 2 (upstream: 4)",
+)
 def train_parity_with_shared_params(t: T, impl: Impl):
     def body(reshard_after_forward: bool, use_activation_checkpointing: bool):
         torch.manual_seed(42)
@@ -1141,8 +1278,10 @@ def train_parity_with_shared_params(t: T, impl: Impl):
             losses = _train_step(((ref_model, ref_optim), (model, optim)), inp, iter_idx, ref_model)
             t.assertEqual(losses[0], losses[1])
 
-    t.run_subtests({"reshard_after_forward": [False, True],
-                    "use_activation_checkpointing": [False, True]}, body)
+    t.run_subtests(
+        {"reshard_after_forward": [False, True], "use_activation_checkpointing": [False, True]},
+        body,
+    )
 
 
 class _TiedModel(nn.Module):
@@ -1156,15 +1295,20 @@ class _TiedModel(nn.Module):
         return self.output(self.tok_embeddings(ids))
 
 
-@case("training", "TestFullyShardSharedParams::test_train_shared_params_uneven_shard",
-      ci=True, note="world 2 (upstream: 4): vocab 9")
+@case(
+    "training",
+    "TestFullyShardSharedParams::test_train_shared_params_uneven_shard",
+    ci=True,
+    note="world 2 (upstream: 4): vocab 9",
+)
 def train_shared_params_uneven_shard(t: T, impl: Impl):
     def body(reshard_after_forward: bool):
         vocab_size = t.world_size * 4 + 1  # uneven shards
         torch.manual_seed(42)
         model = _TiedModel(vocab_size)
-        impl.fully_shard([model.tok_embeddings, model.output],
-                         reshard_after_forward=reshard_after_forward)
+        impl.fully_shard(
+            [model.tok_embeddings, model.output], reshard_after_forward=reshard_after_forward
+        )
         impl.fully_shard(model, reshard_after_forward=reshard_after_forward)
         model.tok_embeddings.unshard()
         initial_weight = model.tok_embeddings.weight.detach().clone()
@@ -1180,8 +1324,10 @@ def train_shared_params_uneven_shard(t: T, impl: Impl):
         model.tok_embeddings.unshard()
         final_weight = model.tok_embeddings.weight
         for row in range(vocab_size):  # the last rank's padded shard trains too
-            t.assertFalse(torch.equal(initial_weight[row], final_weight[row]),
-                          f"Row {row} was not updated after training")
+            t.assertFalse(
+                torch.equal(initial_weight[row], final_weight[row]),
+                f"Row {row} was not updated after training",
+            )
         model.tok_embeddings.reshard()
 
     t.run_subtests({"reshard_after_forward": [True, False]}, body)
@@ -1231,11 +1377,21 @@ def layer_by_layer_shard_no_false_positive(t: T, impl: Impl):
     model(torch.randn(2, 4, dim)).sum().backward()
 
 
-def _gradient_accumulation(t: T, impl: Impl, mesh, reshard_after_forward, mode: str,
-                           reshard_after_backward: bool, offload_policy, reduce_scatter_only: bool):
-    if ((not reshard_after_backward and (reshard_after_forward is not False or mode == "some_mlps"))
-            or (isinstance(offload_policy, CPUOffloadPolicy) and reshard_after_forward is not True)
-            or (mesh.ndim != 2 and reduce_scatter_only)):
+def _gradient_accumulation(
+    t: T,
+    impl: Impl,
+    mesh,
+    reshard_after_forward,
+    mode: str,
+    reshard_after_backward: bool,
+    offload_policy,
+    reduce_scatter_only: bool,
+):
+    if (
+        (not reshard_after_backward and (reshard_after_forward is not False or mode == "some_mlps"))
+        or (isinstance(offload_policy, CPUOffloadPolicy) and reshard_after_forward is not True)
+        or (mesh.ndim != 2 and reduce_scatter_only)
+    ):
         return SKIP  # upstream: not common or not applicable
     if isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory:
         return SKIP  # upstream: pinned memory needs an accelerator
@@ -1244,8 +1400,12 @@ def _gradient_accumulation(t: T, impl: Impl, mesh, reshard_after_forward, mode: 
     disabled_mlps = 2  # "some_mlps"
     model = nn.Sequential(nn.Linear(lin_dim, lin_dim), *(U.MLP(lin_dim) for _ in range(num_mlps)))
     ref_model = copy.deepcopy(model)
-    shard = functools.partial(impl.fully_shard, mesh=mesh, offload_policy=offload_policy,
-                              reshard_after_forward=reshard_after_forward)
+    shard = functools.partial(
+        impl.fully_shard,
+        mesh=mesh,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard_after_forward,
+    )
     for mlp in model[1:]:
         shard(mlp)
     shard(model)  # the root gets the first linear
@@ -1264,7 +1424,7 @@ def _gradient_accumulation(t: T, impl: Impl, mesh, reshard_after_forward, mode: 
             if not reshard_after_backward:
                 model.set_reshard_after_backward(is_last)
         elif mode == "some_mlps":
-            for mlp in model[1:1 + disabled_mlps]:
+            for mlp in model[1 : 1 + disabled_mlps]:
                 set_grad_sync(mlp, is_last)
                 if not reshard_after_backward:
                     mlp.set_reshard_after_backward(is_last)
@@ -1314,35 +1474,51 @@ def _gradient_accumulation(t: T, impl: Impl, mesh, reshard_after_forward, mode: 
             _optim.zero_grad(set_to_none=(iter_idx % 2))  # odd iterations mix in accumulation
 
 
-_GRAD_ACC_GRID = {"reshard_after_forward": [True, False, 2],
-                  "mode": ["all", "root_only", "some_mlps"],
-                  "reshard_after_backward": [False, True],
-                  "offload_policy": [OffloadPolicy(), CPUOffloadPolicy()],
-                  "reduce_scatter_only": [False, True]}
+_GRAD_ACC_GRID = {
+    "reshard_after_forward": [True, False, 2],
+    "mode": ["all", "root_only", "some_mlps"],
+    "reshard_after_backward": [False, True],
+    "offload_policy": [OffloadPolicy(), CPUOffloadPolicy()],
+    "reduce_scatter_only": [False, True],
+}
 
 
-@case("training", "TestFullyShardGradientAccumulation::test_gradient_accumulation",
-      note="the 1-D mesh at world 2 (upstream: 1-D and 2x2 at world 4; the 2x2 part is"
-                    " gradient_accumulation_hsdp)")
+@case(
+    "training",
+    "TestFullyShardGradientAccumulation::test_gradient_accumulation",
+    note="the 1-D mesh at world 2 (upstream: 1-D and 2x2 at world 4; the 2x2 part is"
+    " gradient_accumulation_hsdp)",
+)
 def gradient_accumulation(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
-    t.run_subtests({"mesh": [init_device_mesh("cpu", (t.world_size,))], **_GRAD_ACC_GRID},
-                   functools.partial(_gradient_accumulation, t, impl))
+    t.run_subtests(
+        {"mesh": [init_device_mesh("cpu", (t.world_size,))], **_GRAD_ACC_GRID},
+        functools.partial(_gradient_accumulation, t, impl),
+    )
 
 
-@case("training", "TestFullyShardGradientAccumulation::test_gradient_accumulation",
-      world=4, note="the 2x2 HSDP mesh of upstream's grid (the 1-D part is gradient_accumulation)")
+@case(
+    "training",
+    "TestFullyShardGradientAccumulation::test_gradient_accumulation",
+    world=4,
+    note="the 2x2 HSDP mesh of upstream's grid (the 1-D part is gradient_accumulation)",
+)
 def gradient_accumulation_hsdp(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    t.run_subtests({"mesh": [mesh], **_GRAD_ACC_GRID},
-                   functools.partial(_gradient_accumulation, t, impl))
+    t.run_subtests(
+        {"mesh": [mesh], **_GRAD_ACC_GRID}, functools.partial(_gradient_accumulation, t, impl)
+    )
 
 
-@case("training", "TestFullyShardGradientAccumulation::test_1f1b_microbatching",
-      ci=True, note="world 2 (upstream: 4)")
+@case(
+    "training",
+    "TestFullyShardGradientAccumulation::test_1f1b_microbatching",
+    ci=True,
+    note="world 2 (upstream: 4)",
+)
 def microbatching_1f1b(t: T, impl: Impl):
     def body(use_explicit_unshard: bool, reshard_after_backward: bool):
         torch.manual_seed(42)
@@ -1373,39 +1549,61 @@ def microbatching_1f1b(t: T, impl: Impl):
             ref_losses.append(ref_model(inp).sum())
             ref_losses[-1].backward()
         _average_grads(ref_model)
-        for loss, ref_loss in zip(losses, ref_losses):
+        for loss, ref_loss in zip(losses, ref_losses, strict=True):
             t.assertEqual(loss, ref_loss)
         optim.step()
         ref_optim.step()
         U.check_sharded_parity(t, ref_model, model)
 
-    t.run_subtests({"use_explicit_unshard": [False, True],
-                    "reshard_after_backward": [False, True]}, body)
+    t.run_subtests(
+        {"use_explicit_unshard": [False, True], "reshard_after_backward": [False, True]}, body
+    )
 
 
-@case("training", "TestFullyShardHSDPTraining::test_train_parity_hsdp", world=4,
-      note="on CPU upstream's grid leaves only CPUOffloadPolicy(pin_memory=False)")
+@case(
+    "training",
+    "TestFullyShardHSDPTraining::test_train_parity_hsdp",
+    world=4,
+    note="on CPU upstream's grid leaves only CPUOffloadPolicy(pin_memory=False)",
+)
 def train_parity_hsdp(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
 
-    def body(reshard_after_forward, use_activation_checkpointing, mlp_dim,
-             sync_gradients_at_last_batch, offload_policy):
+    def body(
+        reshard_after_forward,
+        use_activation_checkpointing,
+        mlp_dim,
+        sync_gradients_at_last_batch,
+        offload_policy,
+    ):
         if offload_policy.pin_memory:
             return SKIP  # upstream: pinned memory needs an accelerator
         torch.manual_seed(42)
-        model = nn.Sequential(nn.LayerNorm(mlp_dim, bias=False), U.MLP(mlp_dim, dim_multiplier=3),
-                              U.MLP(mlp_dim), U.MLP(mlp_dim, dim_multiplier=3))
+        model = nn.Sequential(
+            nn.LayerNorm(mlp_dim, bias=False),
+            U.MLP(mlp_dim, dim_multiplier=3),
+            U.MLP(mlp_dim),
+            U.MLP(mlp_dim, dim_multiplier=3),
+        )
         ref_model = copy.deepcopy(model)
         ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
         for mlp in model:
             if use_activation_checkpointing:
                 _composable_checkpoint(mlp)
-            impl.fully_shard(mlp, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                             offload_policy=offload_policy)
-        impl.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                         offload_policy=offload_policy)
+            impl.fully_shard(
+                mlp,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                offload_policy=offload_policy,
+            )
+        impl.fully_shard(
+            model,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            offload_policy=offload_policy,
+        )
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         U.check_sharded_parity(t, ref_model, model)
         torch.manual_seed(42 + t.rank + 1)
@@ -1429,12 +1627,19 @@ def train_parity_hsdp(t: T, impl: Impl):
                 _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             U.check_sharded_parity(t, ref_model, model)
 
-    t.run_subtests({"reshard_after_forward": [False, True],
-                    "use_activation_checkpointing": [False, True],
-                    "mlp_dim": [3, 16, 17],
-                    "sync_gradients_at_last_batch": [True, False],
-                    "offload_policy": [CPUOffloadPolicy(pin_memory=True),
-                                       CPUOffloadPolicy(pin_memory=False)]}, body)
+    t.run_subtests(
+        {
+            "reshard_after_forward": [False, True],
+            "use_activation_checkpointing": [False, True],
+            "mlp_dim": [3, 16, 17],
+            "sync_gradients_at_last_batch": [True, False],
+            "offload_policy": [
+                CPUOffloadPolicy(pin_memory=True),
+                CPUOffloadPolicy(pin_memory=False),
+            ],
+        },
+        body,
+    )
 
 
 @case("training", "TestFullyShardCustomForwardMethod::test_register_fsdp_forward_method")
@@ -1480,7 +1685,7 @@ def register_fsdp_forward_method(t: T, impl: Impl):
 
 
 def _local_slice(t: T, global_inp: torch.Tensor, local_batch_size: int) -> torch.Tensor:
-    return global_inp[t.rank * local_batch_size:(t.rank + 1) * local_batch_size].detach()
+    return global_inp[t.rank * local_batch_size : (t.rank + 1) * local_batch_size].detach()
 
 
 def _reduce_1d_partial_grads(t: T, module: nn.Module) -> None:
@@ -1490,8 +1695,12 @@ def _reduce_1d_partial_grads(t: T, module: nn.Module) -> None:
             param.grad.div_(t.world_size)
 
 
-@case("autograd", "TestFullyShardAutograd::test_unused_forward_output", ci=True,
-      note="world 2 (upstream: up to 4)")
+@case(
+    "autograd",
+    "TestFullyShardAutograd::test_unused_forward_output",
+    ci=True,
+    note="world 2 (upstream: up to 4)",
+)
 def unused_forward_output(t: T, impl: Impl):
     def body(reshard_after_forward):
         torch.manual_seed(42)
@@ -1549,8 +1758,11 @@ def _global_batch_parity(t: T, model, ref_model, iters: int = 10, dim: int = 24)
             _optim.zero_grad(set_to_none=(iter_idx % 2))
 
 
-@case("autograd", "TestFullyShardAutograd::test_unused_forward_module",
-      note="world 2 (upstream: up to 4)")
+@case(
+    "autograd",
+    "TestFullyShardAutograd::test_unused_forward_module",
+    note="world 2 (upstream: up to 4)",
+)
 def unused_forward_module(t: T, impl: Impl):
     def body(reshard_after_forward):
         torch.manual_seed(42)
@@ -1564,8 +1776,12 @@ def unused_forward_module(t: T, impl: Impl):
     t.run_subtests({"reshard_after_forward": [True, False, 2]}, body)
 
 
-@case("autograd", "TestFullyShardAutograd::test_nontensor_activations", ci=True,
-      note="world 2 (upstream: up to 4)")
+@case(
+    "autograd",
+    "TestFullyShardAutograd::test_nontensor_activations",
+    ci=True,
+    note="world 2 (upstream: up to 4)",
+)
 def nontensor_activations(t: T, impl: Impl):
     from torch.nn.parallel.scatter_gather import _is_namedtuple
 
@@ -1611,8 +1827,11 @@ def nontensor_activations(t: T, impl: Impl):
     def body(container_type):
         torch.manual_seed(42)
         dim = 24
-        model = nn.Sequential(ToContainerType(container_type), *(Module(dim) for _ in range(3)),
-                              FromContainerType(container_type))
+        model = nn.Sequential(
+            ToContainerType(container_type),
+            *(Module(dim) for _ in range(3)),
+            FromContainerType(container_type),
+        )
         ref_model = copy.deepcopy(model)
         for module in model:
             impl.fully_shard(module)
@@ -1626,9 +1845,12 @@ def nontensor_activations(t: T, impl: Impl):
 # test_fully_shard_frozen.py
 
 
-@case("frozen", "TestFullyShardFrozen::test_train_mixed_requires_grad_per_group",
-      note="world 2 (upstream: up to 4); the reduce-scatter numel and post-backward-count"
-                    " checks patch FSDP2's internals and are left out")
+@case(
+    "frozen",
+    "TestFullyShardFrozen::test_train_mixed_requires_grad_per_group",
+    note="world 2 (upstream: up to 4); the reduce-scatter numel and post-backward-count"
+    " checks patch FSDP2's internals and are left out",
+)
 def train_mixed_requires_grad_per_group(t: T, impl: Impl):
     def body(reshard_after_forward, use_activation_checkpointing: bool, freeze_after_init: bool):
         torch.manual_seed(42)
@@ -1647,8 +1869,9 @@ def train_mixed_requires_grad_per_group(t: T, impl: Impl):
         impl.fully_shard(model, reshard_after_forward=reshard_after_forward)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         if freeze_after_init:
-            for name, param in itertools.chain(model.named_parameters(),
-                                               ref_model.named_parameters()):
+            for name, param in itertools.chain(
+                model.named_parameters(), ref_model.named_parameters()
+            ):
                 if "bias" not in name:
                     param.requires_grad_(False)
         torch.manual_seed(42 + t.rank + 1)
@@ -1658,14 +1881,23 @@ def train_mixed_requires_grad_per_group(t: T, impl: Impl):
             U.check_sharded_parity(t, ref_model, model)
             t.assertEqual(losses[0], losses[1])
 
-    t.run_subtests({"reshard_after_forward": [False, True, 2],
-                    "use_activation_checkpointing": [False, True],
-                    "freeze_after_init": [False, True]}, body)
+    t.run_subtests(
+        {
+            "reshard_after_forward": [False, True, 2],
+            "use_activation_checkpointing": [False, True],
+            "freeze_after_init": [False, True],
+        },
+        body,
+    )
 
 
-@case("frozen", "TestFullyShardFrozen::test_train_mixed_requires_grad_across_groups",
-      ci=True, note="world 2 (upstream: up to 4); the post-backward-count check patches FSDP2's"
-                    " internals and is left out")
+@case(
+    "frozen",
+    "TestFullyShardFrozen::test_train_mixed_requires_grad_across_groups",
+    ci=True,
+    note="world 2 (upstream: up to 4); the post-backward-count check patches FSDP2's"
+    " internals and is left out",
+)
 def train_mixed_requires_grad_across_groups(t: T, impl: Impl):
     def body(reshard_after_forward, unfreeze_params: bool):
         torch.manual_seed(42)
@@ -1709,12 +1941,16 @@ def train_mixed_requires_grad_across_groups(t: T, impl: Impl):
                     _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
         t.assertEqual(losses[0], losses[1])
 
-    t.run_subtests({"reshard_after_forward": [False, True, 2], "unfreeze_params": [False, True]},
-                   body)
+    t.run_subtests(
+        {"reshard_after_forward": [False, True, 2], "unfreeze_params": [False, True]}, body
+    )
 
 
-@case("frozen", "TestFullyShardFrozen::test_multi_forward_mixed_requires_grad",
-      note="world 2 (upstream: up to 4)")
+@case(
+    "frozen",
+    "TestFullyShardFrozen::test_multi_forward_mixed_requires_grad",
+    note="world 2 (upstream: up to 4)",
+)
 def multi_forward_mixed_requires_grad(t: T, impl: Impl):
     class MultiForwardModule(nn.Module):
         def __init__(self):
@@ -1755,16 +1991,20 @@ def multi_forward_mixed_requires_grad(t: T, impl: Impl):
 # ported here runs on CPU with gloo, which reduces bf16 and fp16, AVG included)
 
 
-def _init_mp_models(t: T, impl: Impl, reshard_after_forward, param_dtype, reduce_dtype,
-                    use_shard_placement_fn: bool):
+def _init_mp_models(
+    t: T, impl: Impl, reshard_after_forward, param_dtype, reduce_dtype, use_shard_placement_fn: bool
+):
     torch.manual_seed(42)
     model = nn.Sequential(*[U.MLP(16) for _ in range(3)])
     ref_model = copy.deepcopy(model)
     ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     mp_policy = impl.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    shard = functools.partial(impl.fully_shard, reshard_after_forward=reshard_after_forward,
-                              mp_policy=mp_policy,
-                              shard_placement_fn=_largest_dim if use_shard_placement_fn else None)
+    shard = functools.partial(
+        impl.fully_shard,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        shard_placement_fn=_largest_dim if use_shard_placement_fn else None,
+    )
     for mlp in model:
         shard(mlp)
     shard(model)
@@ -1774,27 +2014,32 @@ def _init_mp_models(t: T, impl: Impl, reshard_after_forward, param_dtype, reduce
 
 def _fp32_step_from_low_precision(ref_model, ref_low, ref_optim, cast: bool = True) -> None:
     """The reference's mixed precision: fp32 master weights, low-precision compute copy."""
-    for p32, plow in zip(ref_model.parameters(), ref_low.parameters()):
+    for p32, plow in zip(ref_model.parameters(), ref_low.parameters(), strict=True):
         p32.grad = plow.grad.to(p32.dtype) if cast else plow.grad
         plow.grad = None
     ref_optim.step()
-    for p32, plow in zip(ref_model.parameters(), ref_low.parameters()):
+    for p32, plow in zip(ref_model.parameters(), ref_low.parameters(), strict=True):
         plow.detach().copy_(p32)
 
 
-@case("mixed_precision", "TestFullyShardMixedPrecisionTraining::test_compute_dtype",
-      note="world 2 (upstream: up to 4, NCCL only); the reduce-scatter dtype assert patches FSDP2's"
-           " collective and is left out")
+@case(
+    "mixed_precision",
+    "TestFullyShardMixedPrecisionTraining::test_compute_dtype",
+    note="world 2 (upstream: up to 4, NCCL only); the reduce-scatter dtype assert patches FSDP2's"
+    " collective and is left out",
+)
 def mp_compute_dtype(t: T, impl: Impl):
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
     def body(param_dtype, reshard_after_forward, use_shard_placement_fn):
         ref_model, ref_optim, model, optim = _init_mp_models(
-            t, impl, reshard_after_forward, param_dtype, None, use_shard_placement_fn)
+            t, impl, reshard_after_forward, param_dtype, None, use_shard_placement_fn
+        )
         ref_low = copy.deepcopy(ref_model).to(param_dtype)
         # The reference reduces with FSDP2's own pre/post division factors.
         predivide, postdivide, _, _ = _get_gradient_divide_factors(
-            t.process_group, all_reduce_group=None, reduce_dtype=param_dtype)
+            t.process_group, all_reduce_group=None, reduce_dtype=param_dtype
+        )
         torch.manual_seed(42 + t.rank + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
         for iter_idx in range(10):
@@ -1819,21 +2064,30 @@ def mp_compute_dtype(t: T, impl: Impl):
             t.assertEqual(fsdp_loss, ref_loss)
             U.check_sharded_parity(t, ref_model, model)
 
-    t.run_subtests({"param_dtype": [torch.bfloat16, torch.float16],
-                    "reshard_after_forward": [False, True, 2],
-                    "use_shard_placement_fn": [False, True]}, body)
+    t.run_subtests(
+        {
+            "param_dtype": [torch.bfloat16, torch.float16],
+            "reshard_after_forward": [False, True, 2],
+            "use_shard_placement_fn": [False, True],
+        },
+        body,
+    )
 
 
-@case("mixed_precision", "TestFullyShardMixedPrecisionTraining::test_reduce_dtype",
-      note="world 2 (upstream: up to 4, NCCL only); the reduce-scatter dtype assert patches FSDP2's"
-           " collective and is left out")
+@case(
+    "mixed_precision",
+    "TestFullyShardMixedPrecisionTraining::test_reduce_dtype",
+    note="world 2 (upstream: up to 4, NCCL only); the reduce-scatter dtype assert patches FSDP2's"
+    " collective and is left out",
+)
 def mp_reduce_dtype(t: T, impl: Impl):
     import torch.distributed._functional_collectives as funcol
 
     def fp32_reduce(reshard_after_forward, use_shard_placement_fn):
         param_dtype, reduce_dtype = torch.bfloat16, torch.float32
         ref_model, ref_optim, model, optim = _init_mp_models(
-            t, impl, reshard_after_forward, param_dtype, reduce_dtype, use_shard_placement_fn)
+            t, impl, reshard_after_forward, param_dtype, reduce_dtype, use_shard_placement_fn
+        )
         ref_low = copy.deepcopy(ref_model).to(param_dtype)
         torch.manual_seed(42 + t.rank + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
@@ -1856,7 +2110,8 @@ def mp_reduce_dtype(t: T, impl: Impl):
     def bf16_reduce(reshard_after_forward, use_shard_placement_fn):
         param_dtype, reduce_dtype = torch.float32, torch.bfloat16
         ref_model, ref_optim, model, optim = _init_mp_models(
-            t, impl, reshard_after_forward, param_dtype, reduce_dtype, use_shard_placement_fn)
+            t, impl, reshard_after_forward, param_dtype, reduce_dtype, use_shard_placement_fn
+        )
         group = t.process_group
         torch.manual_seed(42 + t.rank + 1)
         inp = torch.randn((4, 16), dtype=param_dtype)
@@ -1869,10 +2124,12 @@ def mp_reduce_dtype(t: T, impl: Impl):
             ref_loss = ref_model(inp).sum()
             ref_loss.backward()
             for param in ref_model.parameters():  # bf16 reduce-scatter + all-gather, avg
-                sharded = funcol.reduce_scatter_single(param.grad.to(reduce_dtype), reduceOp="avg",
-                                                       scatter_dim=0, group=group)
-                param.grad = funcol.all_gather_single(sharded, gather_dim=0,
-                                                      group=group).to(param.dtype)
+                sharded = funcol.reduce_scatter_single(
+                    param.grad.to(reduce_dtype), reduceOp="avg", scatter_dim=0, group=group
+                )
+                param.grad = funcol.all_gather_single(sharded, gather_dim=0, group=group).to(
+                    param.dtype
+                )
             ref_optim.step()
             t.assertEqual(fsdp_loss, ref_loss)
             U.check_sharded_parity(t, ref_model, model)
@@ -1882,9 +2139,13 @@ def mp_reduce_dtype(t: T, impl: Impl):
     t.run_subtests(grid, bf16_reduce)
 
 
-@case("mixed_precision", "TestFullyShardMixedPrecisionTraining::test_grad_acc_with_reduce_dtype",
-      ci=True, note="world 2 (upstream: up to 4); the reduce-scatter dtype assert patches FSDP2's"
-                    " collective and is left out")
+@case(
+    "mixed_precision",
+    "TestFullyShardMixedPrecisionTraining::test_grad_acc_with_reduce_dtype",
+    ci=True,
+    note="world 2 (upstream: up to 4); the reduce-scatter dtype assert patches FSDP2's"
+    " collective and is left out",
+)
 def mp_grad_acc_with_reduce_dtype(t: T, impl: Impl):
     def body(reshard_after_forward: bool):
         torch.manual_seed(42)
@@ -1913,8 +2174,9 @@ def mp_grad_acc_with_reduce_dtype(t: T, impl: Impl):
                     t.assertEqual(losses[-1].dtype, param_dtype)
                     losses[-1].backward()
                 t.assertEqual(losses[0], losses[1])
-                for ref_param, compute_param in zip(ref_model.parameters(),
-                                                    ref_compute.parameters()):
+                for ref_param, compute_param in zip(
+                    ref_model.parameters(), ref_compute.parameters(), strict=True
+                ):
                     t.assertTrue(compute_param.grad is not None)
                     t.assertEqual(ref_param.dtype, torch.float32)
                     if ref_param.grad is not None:  # accumulate in fp32
@@ -1932,7 +2194,9 @@ def mp_grad_acc_with_reduce_dtype(t: T, impl: Impl):
             optim.step()
             ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
-            for ref_param, compute_param in zip(ref_model.parameters(), ref_compute.parameters()):
+            for ref_param, compute_param in zip(
+                ref_model.parameters(), ref_compute.parameters(), strict=True
+            ):
                 compute_param.detach().copy_(ref_param)
 
     t.run_subtests({"reshard_after_forward": [True, False]}, body)
@@ -1961,8 +2225,12 @@ class _TensorPair(NamedTuple):
     y: torch.Tensor
 
 
-@case("mixed_precision", "TestFullyShardMixedPrecisionTraining::test_structured_input_output",
-      note="world 2 (upstream: up to 4)", ci=True)
+@case(
+    "mixed_precision",
+    "TestFullyShardMixedPrecisionTraining::test_structured_input_output",
+    note="world 2 (upstream: up to 4)",
+    ci=True,
+)
 def mp_structured_input_output(t: T, impl: Impl):
     class ContainerModule(nn.Module):
         def __init__(self, ctype: str, dim: int):
@@ -1973,8 +2241,10 @@ def mp_structured_input_output(t: T, impl: Impl):
             if self.ctype == "dataclass":
                 return _DC(x=self._layer(inp.x), y=self._layer(inp.y))
             if self.ctype == "nested_dataclass":
-                return _Outer(inner=_Inner(x=self._layer(inp.inner.x), y=self._layer(inp.inner.y)),
-                              z=self._layer(inp.z))
+                return _Outer(
+                    inner=_Inner(x=self._layer(inp.inner.x), y=self._layer(inp.inner.y)),
+                    z=self._layer(inp.z),
+                )
             return _TensorPair(x=self._layer(inp.x), y=self._layer(inp.y))
 
     class ToContainer(nn.Module):
@@ -2004,8 +2274,12 @@ def mp_structured_input_output(t: T, impl: Impl):
         torch.manual_seed(42)
         dim, local_batch_size = 16, 2
         global_batch_size = t.world_size * local_batch_size
-        model = nn.Sequential(ToContainer(container_type), ContainerModule(container_type, dim),
-                              ContainerModule(container_type, dim), FromContainer(container_type))
+        model = nn.Sequential(
+            ToContainer(container_type),
+            ContainerModule(container_type, dim),
+            ContainerModule(container_type, dim),
+            FromContainer(container_type),
+        )
         ref_model = copy.deepcopy(model)
         mp_policy = impl.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for module in model:
@@ -2044,13 +2318,22 @@ def mp_structured_input_output(t: T, impl: Impl):
             if param_dtype is None:  # bf16 drifts past fp32 tolerances (upstream)
                 U.check_sharded_parity(t, ref_model, model)
 
-    t.run_subtests({"container_type": ["dataclass", "nested_dataclass", "namedtuple"],
-                    "mp_config": [(None, None), (torch.bfloat16, torch.bfloat16),
-                                  (torch.bfloat16, torch.float32)]}, body)
+    t.run_subtests(
+        {
+            "container_type": ["dataclass", "nested_dataclass", "namedtuple"],
+            "mp_config": [
+                (None, None),
+                (torch.bfloat16, torch.bfloat16),
+                (torch.bfloat16, torch.float32),
+            ],
+        },
+        body,
+    )
 
 
-@case("mixed_precision", "TestFullyShardMixedPrecisionCasts::test_float16_on_one_submodule",
-      ci=True)
+@case(
+    "mixed_precision", "TestFullyShardMixedPrecisionCasts::test_float16_on_one_submodule", ci=True
+)
 def mp_float16_on_one_submodule(t: T, impl: Impl):
     x = torch.zeros(2, 100)
     # fp16 on the second child: no extra casting needed
@@ -2065,8 +2348,10 @@ def mp_float16_on_one_submodule(t: T, impl: Impl):
     # fp16 on the second child, the user's module owns the cast
     forward_inputs = {}
     model = U.SaveForwardInputsModel(forward_inputs, cast_forward_inputs=True)
-    impl.fully_shard(model.c2, mp_policy=impl.MixedPrecisionPolicy(
-        param_dtype=torch.float16, cast_forward_inputs=False))
+    impl.fully_shard(
+        model.c2,
+        mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.float16, cast_forward_inputs=False),
+    )
     impl.fully_shard(model)
     model(x).sum().backward()
     t.assertEqual(forward_inputs[model].dtype, torch.float32)
@@ -2075,8 +2360,10 @@ def mp_float16_on_one_submodule(t: T, impl: Impl):
     # fp16 on the first child with an fp32 output dtype: the second needs no cast
     forward_inputs = {}
     model = U.SaveForwardInputsModel(forward_inputs, cast_forward_inputs=False)
-    impl.fully_shard(model.c1, mp_policy=impl.MixedPrecisionPolicy(
-        param_dtype=torch.float16, output_dtype=torch.float32))
+    impl.fully_shard(
+        model.c1,
+        mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.float16, output_dtype=torch.float32),
+    )
     impl.fully_shard(model)
     model(x).sum().backward()
     t.assertEqual(forward_inputs[model].dtype, torch.float32)
@@ -2110,21 +2397,29 @@ def mp_submodules_with_external_inputs(t: T, impl: Impl):
     def body(enable_submodule_cast: bool):
         forward_inputs: dict = {}
         model = ToyModel(forward_inputs)
-        impl.fully_shard(model.l2, mp_policy=impl.MixedPrecisionPolicy(
-            param_dtype=torch.float16, cast_forward_inputs=enable_submodule_cast))
+        impl.fully_shard(
+            model.l2,
+            mp_policy=impl.MixedPrecisionPolicy(
+                param_dtype=torch.float16, cast_forward_inputs=enable_submodule_cast
+            ),
+        )
         impl.fully_shard(model, mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.float16))
         model(torch.zeros(2, 100)).sum().backward()
         t.assertEqual(forward_inputs["model_input_x"].dtype, torch.float16)
         t.assertEqual(forward_inputs["l2_input_x"].dtype, torch.float16)
-        t.assertEqual(forward_inputs["l2_input_y"].dtype,
-                      torch.float16 if enable_submodule_cast else torch.float32)
+        t.assertEqual(
+            forward_inputs["l2_input_y"].dtype,
+            torch.float16 if enable_submodule_cast else torch.float32,
+        )
 
     t.run_subtests({"enable_submodule_cast": [False, True]}, body)
 
 
-@case("mixed_precision",
-      "TestFullyShardMixedPrecisionCasts::test_checkpoint_recompute_casts_forward_inputs"
-      " + test_checkpoint_recompute_casts_outputs")
+@case(
+    "mixed_precision",
+    "TestFullyShardMixedPrecisionCasts::test_checkpoint_recompute_casts_forward_inputs"
+    " + test_checkpoint_recompute_casts_outputs",
+)
 def mp_checkpoint_recompute_casts(t: T, impl: Impl):
     from torch.utils.checkpoint import checkpoint
 
@@ -2150,21 +2445,28 @@ def mp_checkpoint_recompute_casts(t: T, impl: Impl):
             return x
 
         def forward(self, x):
-            x = checkpoint(self.checkpointed_linear1, x.to(dtype=self.checkpoint_input_dtype),
-                           use_reentrant=False, early_stop=False)
+            x = checkpoint(
+                self.checkpointed_linear1,
+                x.to(dtype=self.checkpoint_input_dtype),
+                use_reentrant=False,
+                early_stop=False,
+            )
             return x.float().sum()
 
     def body(recompute_cast: str):
         if recompute_cast == "input":
             checkpoint_input_dtype = torch.float32
-            mp_policy = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                  reduce_dtype=torch.bfloat16)
+            mp_policy = impl.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+            )
         else:
             checkpoint_input_dtype = torch.bfloat16
-            mp_policy = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                  reduce_dtype=torch.bfloat16,
-                                                  output_dtype=torch.float32,
-                                                  cast_forward_inputs=False)
+            mp_policy = impl.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.bfloat16,
+                output_dtype=torch.float32,
+                cast_forward_inputs=False,
+            )
         torch.manual_seed(42)
         model = Model(checkpoint_input_dtype)
         impl.fully_shard(model.linear1, mp_policy=mp_policy)
@@ -2178,9 +2480,12 @@ def mp_checkpoint_recompute_casts(t: T, impl: Impl):
     t.run_subtests({"recompute_cast": ["input", "output"]}, body)
 
 
-@case("mixed_precision", "TestFullyShardMixedPrecisionCasts::test_norm_modules_fp16",
-      note="the BatchNorm1d and uncast BatchNorm2d parts are left out: on CPU, torch's batch_norm"
-           " refuses fp16 weights with fp32 running statistics (plain torch too)")
+@case(
+    "mixed_precision",
+    "TestFullyShardMixedPrecisionCasts::test_norm_modules_fp16",
+    note="the BatchNorm1d and uncast BatchNorm2d parts are left out: on CPU, torch's batch_norm"
+    " refuses fp16 weights with fp32 running statistics (plain torch too)",
+)
 def mp_norm_modules_fp16(t: T, impl: Impl):
     mp_policy = impl.MixedPrecisionPolicy(param_dtype=torch.float16)
 
@@ -2195,8 +2500,10 @@ def mp_norm_modules_fp16(t: T, impl: Impl):
         return model
 
     with t.part("LayerNorm"):
-        inner(shard_all(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32))),
-              torch.randn((4, 32)))
+        inner(
+            shard_all(nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32))),
+            torch.randn((4, 32)),
+        )
     with t.part("BatchNorm2d, buffers cast down"):
         model = shard_all(nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3)))
         model[1].running_mean = model[1].running_mean.to(mp_policy.param_dtype)
@@ -2204,8 +2511,9 @@ def mp_norm_modules_fp16(t: T, impl: Impl):
         inner(model, torch.randn((3, 1, 9, 9)))
     with t.part("BatchNorm2d, its own policy"):
         model = nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3))
-        impl.fully_shard(model[1], mp_policy=impl.MixedPrecisionPolicy(
-            output_dtype=mp_policy.param_dtype))
+        impl.fully_shard(
+            model[1], mp_policy=impl.MixedPrecisionPolicy(output_dtype=mp_policy.param_dtype)
+        )
         for module in (model[0], model[2], model):
             impl.fully_shard(module, mp_policy=mp_policy)
         inner(model, torch.randn((3, 1, 9, 9)))
@@ -2241,25 +2549,29 @@ def clip_grad_norm_1d(t: T, impl: Impl):
             model(inp).sum().backward()
             ref_grads = [p.grad.detach().clone() for p in ref_model.parameters()]
             local_grads = [p.grad.to_local().detach().clone() for p in model.parameters()]
-            for ref_grad, param in zip(ref_grads, model.parameters()):
+            for ref_grad, param in zip(ref_grads, model.parameters(), strict=True):
                 t.assertEqual(ref_grad, param.grad.full_tensor())
             # Every gradient's norm exceeds max_norm before clipping: clipping is not vacuous.
             t.assertTrue(all(vector_norm(g).item() > max_norm for g in ref_grads))
             t.assertTrue(all(vector_norm(g).item() > max_norm for g in local_grads))
             ref_total_norm = torch.nn.utils.clip_grad_norm_(
-                ref_model.parameters(), max_norm=max_norm, norm_type=norm_type)
+                ref_model.parameters(), max_norm=max_norm, norm_type=norm_type
+            )
             with CommDebugMode() as comm_mode:
-                total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm,
-                                                            norm_type=norm_type, foreach=True)
+                total_norm = torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), max_norm=max_norm, norm_type=norm_type, foreach=True
+                )
             t.assertEqual(ref_total_norm, total_norm.full_tensor())
             # One all-reduce per mesh dim (partial -> replicate).
-            t.assertEqual(comm_mode.get_comm_counts()[torch.ops.c10d_functional.all_reduce],
-                          len(total_norm.placements))
-            for param, grad in zip(ref_model.parameters(), ref_grads):
+            t.assertEqual(
+                comm_mode.get_comm_counts()[torch.ops.c10d_functional.all_reduce],
+                len(total_norm.placements),
+            )
+            for param, grad in zip(ref_model.parameters(), ref_grads, strict=True):
                 t.assertTrue(vector_norm(param.grad).item() <= max_norm)
                 if torch.count_nonzero(grad):
                     t.assertFalse(torch.equal(param.grad, grad))
-            for param, grad in zip(model.parameters(), local_grads):
+            for param, grad in zip(model.parameters(), local_grads, strict=True):
                 t.assertTrue(vector_norm(param.grad.to_local()).item() <= max_norm)
                 if torch.count_nonzero(grad):
                     t.assertFalse(torch.equal(param.grad.to_local(), grad))
@@ -2282,7 +2594,7 @@ def _state_dict_save_load(t: T, model: nn.Module) -> None:
     data_ptrs = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
     ref_sharded_sizes = [p.size() for p in model.parameters()]
     state_dict = model.state_dict()
-    for param, ref_size in zip(model.parameters(), ref_sharded_sizes):
+    for param, ref_size in zip(model.parameters(), ref_sharded_sizes, strict=True):
         t.assertEqual(param.size(), ref_size)
         t.assertTrue(isinstance(param, nn.Parameter))
     # Keys match, values are DTensors sharing the sharded parameters' storage.
@@ -2308,15 +2620,18 @@ def _state_dict_save_load(t: T, model: nn.Module) -> None:
 
 def _dp_state_dict_save_load(t: T, impl: Impl, mlp_dim: int, mesh, use_shard_placement_fn=False):
     torch.manual_seed(42)
-    base_model = nn.Sequential(U.MLP(mlp_dim),
-                               nn.Sequential(U.MLP(mlp_dim), nn.Linear(mlp_dim, mlp_dim)),
-                               U.MLP(mlp_dim))
+    base_model = nn.Sequential(
+        U.MLP(mlp_dim), nn.Sequential(U.MLP(mlp_dim), nn.Linear(mlp_dim, mlp_dim)), U.MLP(mlp_dim)
+    )
 
     def placement(param):  # the largest dim, the first of equals
         return Shard(max(range(param.ndim), key=lambda d: (param.shape[d], -d)))
 
-    shard = functools.partial(impl.fully_shard, mesh=mesh,
-                              shard_placement_fn=placement if use_shard_placement_fn else None)
+    shard = functools.partial(
+        impl.fully_shard,
+        mesh=mesh,
+        shard_placement_fn=placement if use_shard_placement_fn else None,
+    )
     model1 = copy.deepcopy(base_model)  # reshard_after_forward=True
     for module in model1:
         shard(module)
@@ -2335,9 +2650,13 @@ def _dp_state_dict_save_load(t: T, impl: Impl, mlp_dim: int, mesh, use_shard_pla
         t.assertEqual(value, sharded_sd[key])
 
 
-@case("state_dict", "TestFullyShardStateDictMultiProcess::test_dp_state_dict_save_load",
-      ci=True, note="the 1-D mesh at world 2 (upstream: up to 8; the HSDP part is"
-                    " dp_state_dict_save_load_hsdp)")
+@case(
+    "state_dict",
+    "TestFullyShardStateDictMultiProcess::test_dp_state_dict_save_load",
+    ci=True,
+    note="the 1-D mesh at world 2 (upstream: up to 8; the HSDP part is"
+    " dp_state_dict_save_load_hsdp)",
+)
 def dp_state_dict_save_load(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -2348,20 +2667,28 @@ def dp_state_dict_save_load(t: T, impl: Impl):
         t.run_subtests({"mlp_dim": [16], "mesh": [mesh], "use_shard_placement_fn": [True]}, body)
 
 
-@case("state_dict", "TestFullyShardStateDictMultiProcess::test_dp_state_dict_save_load",
-      world=4, note="the HSDP (2x2) part of upstream's test")
+@case(
+    "state_dict",
+    "TestFullyShardStateDictMultiProcess::test_dp_state_dict_save_load",
+    world=4,
+    note="the HSDP (2x2) part of upstream's test",
+)
 def dp_state_dict_save_load_hsdp(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (t.world_size // 2, 2),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = init_device_mesh(
+        "cpu", (t.world_size // 2, 2), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
     body = functools.partial(_dp_state_dict_save_load, t, impl)
     t.run_subtests({"mlp_dim": [2, 3, 4, 5], "mesh": [mesh]}, body)
     t.run_subtests({"mlp_dim": [16], "mesh": [mesh], "use_shard_placement_fn": [True]}, body)
 
 
-@case("state_dict", "TestFullyShardStateDictMultiProcess::test_cached_state_dict",
-      note="mutate_after_state_dict=False only (True moves the module to CUDA and back)")
+@case(
+    "state_dict",
+    "TestFullyShardStateDictMultiProcess::test_cached_state_dict",
+    note="mutate_after_state_dict=False only (True moves the module to CUDA and back)",
+)
 def cached_state_dict(t: T, impl: Impl):
     def body(mlp_dim: int, mutate_after_state_dict: bool):
         torch.manual_seed(42)
@@ -2372,8 +2699,10 @@ def cached_state_dict(t: T, impl: Impl):
         t.assertIsInstance(model.weight, DTensor)
 
         def same_storage():
-            return (sd["weight"]._local_tensor.untyped_storage().data_ptr()
-                    == model.weight._local_tensor.untyped_storage().data_ptr())
+            return (
+                sd["weight"]._local_tensor.untyped_storage().data_ptr()
+                == model.weight._local_tensor.untyped_storage().data_ptr()
+            )
 
         t.assertTrue(same_storage())
         torch.manual_seed(42 + t.rank)
@@ -2387,8 +2716,9 @@ def cached_state_dict(t: T, impl: Impl):
     t.run_subtests({"mlp_dim": [2, 3, 4, 5], "mutate_after_state_dict": [False]}, body)
 
 
-@case("state_dict", "TestFullyShardStateDictMultiThread::test_rank0_offload_full_state_dict",
-      ci=True)
+@case(
+    "state_dict", "TestFullyShardStateDictMultiThread::test_rank0_offload_full_state_dict", ci=True
+)
 def rank0_offload_full_state_dict(t: T, impl: Impl):
     torch.manual_seed(42)
     ref_model = U.Transformer(U.ModelArgs(dropout_p=0.0))
@@ -2426,8 +2756,12 @@ def _count_forward_backward(impl: Impl, model, inp) -> tuple[Counter, Counter]:
     return +forward, +backward  # without zero counts: len() is the number of kinds
 
 
-@case("comm", "TestFullyShardCommunication::test_fully_shard_communication_count",
-      ci=True, note="world 2 (upstream: up to 4)")
+@case(
+    "comm",
+    "TestFullyShardCommunication::test_fully_shard_communication_count",
+    ci=True,
+    note="world 2 (upstream: up to 4)",
+)
 def communication_count(t: T, impl: Impl):
     def body(reshard_after_forward):
         torch.manual_seed(42)
@@ -2455,8 +2789,11 @@ def communication_count(t: T, impl: Impl):
     t.run_subtests({"reshard_after_forward": [True, False, 2, None]}, body)
 
 
-@case("comm", "TestFullyShardCommunication::test_manual_reshard_with_reshard_after_forward_false",
-      note="world 2 (upstream: up to 4)")
+@case(
+    "comm",
+    "TestFullyShardCommunication::test_manual_reshard_with_reshard_after_forward_false",
+    note="world 2 (upstream: up to 4)",
+)
 def manual_reshard_with_reshard_after_forward_false(t: T, impl: Impl):
     torch.manual_seed(42)
     model_args = U.ModelArgs()
@@ -2483,23 +2820,32 @@ def manual_reshard_with_reshard_after_forward_false(t: T, impl: Impl):
     t.assertEqual(backward["reduce_scatter"], num_fsdp_modules)
 
 
-@case("comm", "TestFullyShardCommunication::test_set_reshard_after_forward",
-      note="world 2 (upstream: up to 4)")
+@case(
+    "comm",
+    "TestFullyShardCommunication::test_set_reshard_after_forward",
+    note="world 2 (upstream: up to 4)",
+)
 def set_reshard_after_forward(t: T, impl: Impl):
     def body(set_reshard_after_forward, recurse: bool):
         torch.manual_seed(42)
         model_args = U.ModelArgs()
         model = U.Transformer(model_args)
-        shard = (impl.fully_shard if set_reshard_after_forward is None else functools.partial(
-            impl.fully_shard, reshard_after_forward=not set_reshard_after_forward))
+        shard = (
+            impl.fully_shard
+            if set_reshard_after_forward is None
+            else functools.partial(
+                impl.fully_shard, reshard_after_forward=not set_reshard_after_forward
+            )
+        )
         num_blocks = len(_blocks(model))
         for block in _blocks(model):
             shard(block)
         shard(model)
         num_fsdp_modules = sum(isinstance(m, impl.FSDPModule) for m in model.modules())
         if set_reshard_after_forward is not None:
-            model.set_reshard_after_forward(reshard_after_forward=set_reshard_after_forward,
-                                            recurse=recurse)
+            model.set_reshard_after_forward(
+                reshard_after_forward=set_reshard_after_forward, recurse=recurse
+            )
         torch.manual_seed(42 + t.rank)
         inp = torch.randint(0, model_args.vocab_size, (2, 16))
         forward, backward = _count_forward_backward(impl, model, inp)
@@ -2518,8 +2864,9 @@ def set_reshard_after_forward(t: T, impl: Impl):
             t.assertEqual(backward["all_gather"], num_blocks)
         t.assertEqual(backward["reduce_scatter"], num_blocks + 1)
 
-    t.run_subtests({"set_reshard_after_forward": [True, False, None], "recurse": [True, False]},
-                   body)
+    t.run_subtests(
+        {"set_reshard_after_forward": [True, False, None], "recurse": [True, False]}, body
+    )
 
 
 def _set_reduce_scatter_divide_factor(t: T, impl: Impl, factors: list[int], mixed: bool):
@@ -2594,17 +2941,25 @@ def _set_reduce_scatter_divide_factor(t: T, impl: Impl, factors: list[int], mixe
         t.run_subtests({"divide_factor": [w]}, mixed_precision)
 
 
-@case("comm", "TestFullyShardCommunication::test_set_reduce_scatter_divide_factor",
-      note="world 2 (upstream: up to 4): meshes (2,), (1, 2) and (2, 1); the grid's divide factor"
-           " 2 x world is set_reduce_scatter_divide_factor_2x")
+@case(
+    "comm",
+    "TestFullyShardCommunication::test_set_reduce_scatter_divide_factor",
+    note="world 2 (upstream: up to 4): meshes (2,), (1, 2) and (2, 1); the grid's divide factor"
+    " 2 x world is set_reduce_scatter_divide_factor_2x",
+)
 def set_reduce_scatter_divide_factor(t: T, impl: Impl):
     _set_reduce_scatter_divide_factor(t, impl, [t.world_size], mixed=True)
 
 
-@case("comm", "TestFullyShardCommunication::test_set_reduce_scatter_divide_factor",
-      note="the grid's divide factor 2 x world (meshes (2,), (1, 2), (2, 1))",
-      xfail={"fsdp2": "FSDP2 reduces with ReduceOp.PREMUL_SUM(1 / factor) for a factor other than"
-                      " the world size, and gloo has no PREMUL_SUM (meshes with 2 shards)"})
+@case(
+    "comm",
+    "TestFullyShardCommunication::test_set_reduce_scatter_divide_factor",
+    note="the grid's divide factor 2 x world (meshes (2,), (1, 2), (2, 1))",
+    xfail={
+        "fsdp2": "FSDP2 reduces with ReduceOp.PREMUL_SUM(1 / factor) for a factor other than"
+        " the world size, and gloo has no PREMUL_SUM (meshes with 2 shards)"
+    },
+)
 def set_reduce_scatter_divide_factor_2x(t: T, impl: Impl):
     _set_reduce_scatter_divide_factor(t, impl, [2 * t.world_size], mixed=False)
 
@@ -2613,22 +2968,29 @@ def set_reduce_scatter_divide_factor_2x(t: T, impl: Impl):
 # test_fully_shard_init.py
 
 
-@case("init", "TestFullyShardMeshArg::test_invalid_mesh_ndim"
-      " + test_2d_mesh_without_mesh_dim_names", note="world 2 (upstream: 4 threads)",
-      xfail={"frontend": "a 2-D mesh without dim names is accepted, as (replicate, shard)"
-                         " (FSDP2 raises AssertionError); the 3-D part passes"})
+@case(
+    "init",
+    "TestFullyShardMeshArg::test_invalid_mesh_ndim + test_2d_mesh_without_mesh_dim_names",
+    note="world 2 (upstream: 4 threads)",
+    xfail={
+        "frontend": "a 2-D mesh without dim names is accepted, as (replicate, shard)"
+        " (FSDP2 raises AssertionError); the 3-D part passes"
+    },
+)
 def mesh_arg_validation(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
     with t.part("3-D mesh"):
         mesh = init_device_mesh("cpu", (t.world_size, 1, 1))
-        with t.assertRaisesRegex(ValueError,
-                                 r"fully\_shard expects a 1D or 2D DeviceMesh but got DeviceMesh"):
+        with t.assertRaisesRegex(
+            ValueError, r"fully\_shard expects a 1D or 2D DeviceMesh but got DeviceMesh"
+        ):
             impl.fully_shard(U.MLP(8), mesh=mesh)
     with t.part("2-D mesh without names"):
         mesh = init_device_mesh("cpu", (t.world_size // 2, 2))
-        with t.assertRaisesRegex(AssertionError,
-                                 "Please init the 2D mesh for HSDP with mesh_dim_names specified"):
+        with t.assertRaisesRegex(
+            AssertionError, "Please init the 2D mesh for HSDP with mesh_dim_names specified"
+        ):
             impl.fully_shard(U.MLP(8), mesh=mesh)
 
 
@@ -2637,7 +2999,7 @@ def _check_1d_sharded_parameters(t: T, orig_params, sharded_params) -> None:
 
     t.assertEqual(len(orig_params), len(sharded_params))
     global_mesh = init_device_mesh("cpu", (t.world_size,))
-    for orig, sharded in zip(orig_params, sharded_params):
+    for orig, sharded in zip(orig_params, sharded_params, strict=True):
         t.assertIsInstance(sharded, DTensor)
         t.assertEqual(sharded.device_mesh, global_mesh)
         t.assertEqual(sharded.size(), orig.size())
@@ -2659,21 +3021,28 @@ def shard_tensor_parameters(t: T, impl: Impl):
     _check_1d_sharded_parameters(t, orig_params, list(model.parameters()))
 
 
-@case("init", "TestFullyShardShardedParameterTensor::test_raise_scalar_parameter"
-      " + test_raise_noncontiguous_parameter",
-      xfail={"frontend": "a channels_last (non-contiguous) parameter is accepted and sharded"
-                         " (FSDP2: NotImplementedError); the 0-d part passes"})
+@case(
+    "init",
+    "TestFullyShardShardedParameterTensor::test_raise_scalar_parameter"
+    " + test_raise_noncontiguous_parameter",
+    xfail={
+        "frontend": "a channels_last (non-contiguous) parameter is accepted and sharded"
+        " (FSDP2: NotImplementedError); the 0-d part passes"
+    },
+)
 def raise_scalar_and_noncontiguous_parameter(t: T, impl: Impl):
     with t.part("scalar"):
         model = nn.Sequential(*[U.MLP(3, dim_multiplier=3) for _ in range(3)])
         model.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
-        with t.assertRaisesRegex(ValueError,
-                                 "Change scalar_p to a 1D tensor with numel equal to 1."):
+        with t.assertRaisesRegex(
+            ValueError, "Change scalar_p to a 1D tensor with numel equal to 1."
+        ):
             impl.fully_shard(model)
     with t.part("non-contiguous"):
         conv2d = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
-        with t.assertRaisesRegex(NotImplementedError,
-                                 "FSDP does not support non-contiguous parameters"):
+        with t.assertRaisesRegex(
+            NotImplementedError, "FSDP does not support non-contiguous parameters"
+        ):
             impl.fully_shard(conv2d)
 
 
@@ -2688,8 +3057,9 @@ def reset_sharded_param_in_lazy_init(t: T, impl: Impl):
 
         def init_weight_norm(self):
             with torch.no_grad():
-                weight_norm = (torch.linalg.norm(self.layer1.weight, dim=1)
-                               + torch.linalg.norm(self.layer2.weight, dim=1))
+                weight_norm = torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(
+                    self.layer2.weight, dim=1
+                )
             self.weight_norm = nn.Parameter(weight_norm)  # replaced before the first forward
 
         def forward(self, inp):
@@ -2727,8 +3097,12 @@ def _to_empty_and_reset_parameters(t: T, model: nn.Module, mlp_dim: int) -> None
     optim.step()
 
 
-@case("init", "TestFullyShardMetaDeviceInit::test_meta_device_1d_init", ci=True,
-      note="world 2 (upstream: 4 threads)")
+@case(
+    "init",
+    "TestFullyShardMetaDeviceInit::test_meta_device_1d_init",
+    ci=True,
+    note="world 2 (upstream: 4 threads)",
+)
 def meta_device_1d_init(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -2736,8 +3110,10 @@ def meta_device_1d_init(t: T, impl: Impl):
 
     def body(mlp_dim, mp_policy):
         with torch.device("meta"):
-            model = nn.Sequential(U.MLP(mlp_dim, dim_multiplier=1, with_buffer=True, bias=False),
-                                  U.MLP(mlp_dim, dim_multiplier=1, bias=False))
+            model = nn.Sequential(
+                U.MLP(mlp_dim, dim_multiplier=1, with_buffer=True, bias=False),
+                U.MLP(mlp_dim, dim_multiplier=1, bias=False),
+            )
             for param in model.parameters():
                 t.assertEqual(param.device, torch.device("meta"))
             impl.fully_shard(model[0], mesh=mesh, mp_policy=mp_policy)
@@ -2748,9 +3124,16 @@ def meta_device_1d_init(t: T, impl: Impl):
         _to_empty_and_reset_parameters(t, model, mlp_dim)
 
     # even, uneven, empty local shards; bf16 covers the foreach copy
-    t.run_subtests({"mlp_dim": [8, 3, 1],
-                    "mp_policy": [impl.MixedPrecisionPolicy(), impl.MixedPrecisionPolicy(
-                        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)]}, body)
+    t.run_subtests(
+        {
+            "mlp_dim": [8, 3, 1],
+            "mp_policy": [
+                impl.MixedPrecisionPolicy(),
+                impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            ],
+        },
+        body,
+    )
     with t.part("fully_shard under the meta device context"):
         mlp_dim = 8
         with torch.device("meta"):
@@ -2764,8 +3147,11 @@ def meta_device_1d_init(t: T, impl: Impl):
         _to_empty_and_reset_parameters(t, model, mlp_dim)
 
 
-@case("init", "TestFullyShardMetaDeviceInit::test_invalid_meta_device_init",
-      note="world 2 (upstream: 4 threads)")
+@case(
+    "init",
+    "TestFullyShardMetaDeviceInit::test_invalid_meta_device_init",
+    note="world 2 (upstream: 4 threads)",
+)
 def invalid_meta_device_init(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -2779,16 +3165,21 @@ def invalid_meta_device_init(t: T, impl: Impl):
         impl.fully_shard(model[1], mesh=mesh)
         impl.fully_shard(model, mesh=mesh)
     inp = torch.randn((4, mlp_dim))
-    error_regex = ("FSDP parameters should be materialized from meta device before training, "
-                   "but the following were still on meta device: "
-                   r"\['0.in_proj.weight', '0.in_proj.bias', "
-                   r"'0.out_proj.weight', '0.out_proj.bias'\]")
+    error_regex = (
+        "FSDP parameters should be materialized from meta device before training, "
+        "but the following were still on meta device: "
+        r"\['0.in_proj.weight', '0.in_proj.bias', "
+        r"'0.out_proj.weight', '0.out_proj.bias'\]"
+    )
     with t.assertRaisesRegex(RuntimeError, error_regex):
         model(inp)
 
 
-@case("init", "TestFullyShardMetaDeviceInit::test_rank0_broadcast_meta_device_init",
-      note="world 2 (upstream: 4 threads)")
+@case(
+    "init",
+    "TestFullyShardMetaDeviceInit::test_rank0_broadcast_meta_device_init",
+    note="world 2 (upstream: 4 threads)",
+)
 def rank0_broadcast_meta_device_init(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
@@ -2832,8 +3223,9 @@ def rank0_broadcast_meta_device_init(t: T, impl: Impl):
     for block in _blocks(ref_model):
         impl.fully_shard(block, mesh=fsdp_mesh)
     impl.fully_shard(ref_model, mesh=fsdp_mesh)
-    for (name, param), (ref_name, ref_param) in zip(model.named_parameters(),
-                                                    ref_model.named_parameters()):
+    for (name, param), (ref_name, ref_param) in zip(
+        model.named_parameters(), ref_model.named_parameters(), strict=True
+    ):
         t.assertEqual(name, ref_name)
         t.assertEqual(param, ref_param)
     inp = torch.randint(0, model_args.vocab_size, (2, 16))
@@ -2842,12 +3234,11 @@ def rank0_broadcast_meta_device_init(t: T, impl: Impl):
     ref_loss = ref_model(inp).sum()
     ref_loss.backward()
     t.assertEqual(loss, ref_loss)
-    for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+    for param, ref_param in zip(model.parameters(), ref_model.parameters(), strict=True):
         t.assertEqual(param.grad, ref_param.grad)
 
 
-@case("init", "TestFullyShardHSDPBroadcast::test_hsdp_broadcast_across_replicas",
-      world=4)
+@case("init", "TestFullyShardHSDPBroadcast::test_hsdp_broadcast_across_replicas", world=4)
 def hsdp_broadcast_across_replicas(t: T, impl: Impl):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -2876,8 +3267,11 @@ def hsdp_broadcast_across_replicas(t: T, impl: Impl):
             t.assertNotEqual(other, gathered[0])
     src = dist.get_process_group_ranks(replicate_group)[0]
     for tensor in itertools.chain(model.parameters(), model.buffers()):
-        dist.broadcast(tensor.to_local() if isinstance(tensor, DTensor) else tensor, src=src,
-                       group=replicate_group)
+        dist.broadcast(
+            tensor.to_local() if isinstance(tensor, DTensor) else tensor,
+            src=src,
+            group=replicate_group,
+        )
     for tensor in itertools.chain(model.parameters(), model.buffers()):  # replicas agree
         gathered = replicas_of(tensor)
         for other in gathered[1:]:
@@ -2892,8 +3286,12 @@ def _init_transformer_pair(t: T):
     return model, copy.deepcopy(model)
 
 
-@case("init", "TestFullyShardShardPlacementFn::test_init_1d_transformer_shard_largest_dim"
-      " + test_init_1d_transformer_shard_dim_neg1", note="world 2 (upstream: 8 threads)")
+@case(
+    "init",
+    "TestFullyShardShardPlacementFn::test_init_1d_transformer_shard_largest_dim"
+    " + test_init_1d_transformer_shard_dim_neg1",
+    note="world 2 (upstream: 8 threads)",
+)
 def init_1d_transformer_shard_placement_fn(t: T, impl: Impl):
     with t.part("largest dim"):
         model, ref_model = _init_transformer_pair(t)
@@ -2906,28 +3304,35 @@ def init_1d_transformer_shard_placement_fn(t: T, impl: Impl):
             t.assertIsInstance(param.placements[0], Shard)
             any_shard_dim1 |= param.placements[0].dim == 1
         t.assertTrue(any_shard_dim1)
-        for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+        for param, ref_param in zip(model.parameters(), ref_model.parameters(), strict=True):
             t.assertEqual(param.full_tensor(), ref_param)
     with t.part("Shard(-1)"):
         model, ref_model = _init_transformer_pair(t)
         for layer in model.layers:
             impl.fully_shard(layer, shard_placement_fn=lambda p: Shard(-1))  # normalised to >= 0
         impl.fully_shard(model, shard_placement_fn=lambda p: Shard(-1))
-        for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+        for param, ref_param in zip(model.parameters(), ref_model.parameters(), strict=True):
             t.assertEqual(param.full_tensor(), ref_param)
 
 
-@case("init", "TestFullyShardShardPlacementFn::test_init_1d_uneven_shard_largest_dim"
-      " + test_invalid_shard_dim", note="world 2 (upstream: 8 threads)",
-      xfail={"frontend": "uneven sharding on dim 1 is supported (by design; FSDP2 raises"
-                         " NotImplementedError); Shard(1) for a 1-D bias raises ValueError"
-                         " (FSDP2: AssertionError)"})
+@case(
+    "init",
+    "TestFullyShardShardPlacementFn::test_init_1d_uneven_shard_largest_dim"
+    " + test_invalid_shard_dim",
+    note="world 2 (upstream: 8 threads)",
+    xfail={
+        "frontend": "uneven sharding on dim 1 is supported (by design; FSDP2 raises"
+        " NotImplementedError); Shard(1) for a 1-D bias raises ValueError"
+        " (FSDP2: AssertionError)"
+    },
+)
 def shard_placement_fn_errors(t: T, impl: Impl):
     with t.part("uneven dim 1"):
         torch.manual_seed(42)
         model = nn.Sequential(nn.Linear(16, 17), nn.Linear(17, 8))
-        with t.assertRaisesRegex(NotImplementedError,
-                                 "FSDP does not support uneven sharding on dim 1"):
+        with t.assertRaisesRegex(
+            NotImplementedError, "FSDP does not support uneven sharding on dim 1"
+        ):
             impl.fully_shard(model, shard_placement_fn=_largest_dim)
     with t.part("dim 1 of a bias"):
         model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
@@ -2940,8 +3345,9 @@ def mixed_dtypes_no_grad_param(t: T, impl: Impl):
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.w_fp8 = nn.Parameter(torch.empty((256, 256), dtype=torch.float8_e4m3fn),
-                                      requires_grad=False)
+            self.w_fp8 = nn.Parameter(
+                torch.empty((256, 256), dtype=torch.float8_e4m3fn), requires_grad=False
+            )
             self.w_fp32 = nn.Parameter(torch.empty((256, 256), dtype=torch.float32))
 
         def forward(self, input):
@@ -3040,15 +3446,24 @@ def ddp_A_fsdp_B_ddp_C(t: T, impl: Impl):
         return found
 
     ignored_names = ddp_ignored(test_model)
-    t.assertEqual(set(ignored_names), {"module_b.subtrahend", "module_b.lin_b.weight",
-                                       "module_b.lin_b.bias", "module_b.module_c.lin_c.weight",
-                                       "module_b.module_c.lin_c.bias"})
+    t.assertEqual(
+        set(ignored_names),
+        {
+            "module_b.subtrahend",
+            "module_b.lin_b.weight",
+            "module_b.lin_b.bias",
+            "module_b.module_c.lin_c.weight",
+            "module_b.module_c.lin_c.bias",
+        },
+    )
     # DDP may ignore only what FSDP does not ignore itself.
     ignored_names = [n for n in ignored_names if names_before[n] not in fsdp_ignored]
-    t.assertEqual(set(ignored_names), {"module_b.subtrahend", "module_b.lin_b.weight",
-                                       "module_b.lin_b.bias"})
-    DDP._set_params_and_buffers_to_ignore_for_model(module=test_model,
-                                                    params_and_buffers_to_ignore=ignored_names)
+    t.assertEqual(
+        set(ignored_names), {"module_b.subtrahend", "module_b.lin_b.weight", "module_b.lin_b.bias"}
+    )
+    DDP._set_params_and_buffers_to_ignore_for_model(
+        module=test_model, params_and_buffers_to_ignore=ignored_names
+    )
     test_model = DDP(test_model, broadcast_buffers=False)
     test_optim = torch.optim.Adam(test_model.parameters(), lr=1e-2)
     test_params = dict(test_model.named_parameters())

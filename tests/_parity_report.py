@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _parity_cases as pc  # noqa: E402
-from _launch import Job, port_pairs  # noqa: E402
+import _parity_cases as pc
+from _launch import Job, port_pairs
 
 WORKER = Path(__file__).with_name("_parity_worker.py")
 IMPLS = ("fsdp2", "frontend")
@@ -48,12 +48,13 @@ class Jobs:
             self.by_world.setdefault(case.world, []).append(case)
         self.jobs: dict[int, Job] = {}
         ports = port_pairs(len(self.by_world))
-        for port, (world, members) in zip(ports, sorted(self.by_world.items())):
+        for port, (world, members) in zip(ports, sorted(self.by_world.items()), strict=True):
             out = root / f"world{world}"
             out.mkdir(parents=True, exist_ok=True)
             limit = timeout_s or START_S + PER_CASE_S[world] * len(members)
-            self.jobs[world] = Job(WORKER, out, world, port, limit,
-                                   "--cases", ",".join(c.name for c in members))
+            self.jobs[world] = Job(
+                WORKER, out, world, port, limit, "--cases", ",".join(c.name for c in members)
+            )
         self._results: dict[tuple[str, str], dict] | None = None
         self.problems: dict[int, str] = {}
 
@@ -64,8 +65,10 @@ class Jobs:
     def _wait(self, world: int, job: Job) -> None:
         if job.wait() != 0:
             took = time.monotonic() - job.start
-            self.problems[world] = (f"the {world}-process job failed (exit {job.code}) after "
-                                    f"{took:.0f} s:\n{job.log()[-4000:]}")
+            self.problems[world] = (
+                f"the {world}-process job failed (exit {job.code}) after "
+                f"{took:.0f} s:\n{job.log()[-4000:]}"
+            )
 
     def results(self) -> dict[tuple[str, str], dict]:
         """{(case, impl): result} of every case that finished; waits for every job."""
@@ -80,8 +83,9 @@ class Jobs:
         return self._results
 
     def missing(self, case: pc.Case) -> str:
-        return (f"{case.name} did not run: "
-                + self.problems.get(case.world, "its job ended before it"))
+        return f"{case.name} did not run: " + self.problems.get(
+            case.world, "its job ended before it"
+        )
 
     @property
     def seconds(self) -> float:
@@ -94,11 +98,16 @@ def _cell(result: dict | None, chars: int = 160) -> str:
     run, failed = result["subtests"]
     if result["ok"]:
         return f"pass ({run} subtest{'s' * (run != 1)})" if run else "pass"
-    grid = (f" ({failed} of {run} subtests)" if run
-            else f" ({result['failures']} failed checks)" if result.get("failures", 0) > 1 else "")
+    grid = (
+        f" ({failed} of {run} subtests)"
+        if run
+        else f" ({result['failures']} failed checks)"
+        if result.get("failures", 0) > 1
+        else ""
+    )
     first = result["messages"][0] if result["messages"] else "failed"
     first = first.replace("|", "/").replace("\n", " ")
-    return f"**FAIL**{grid}: {first if len(first) <= chars else first[:chars - 3] + '...'}"
+    return f"**FAIL**{grid}: {first if len(first) <= chars else first[: chars - 3] + '...'}"
 
 
 def table(cases: list[pc.Case], results: dict) -> str:
@@ -127,8 +136,11 @@ def main() -> int:
     args = ap.parse_args()
     cases = selected(args.ci, [n for n in args.cases.split(",") if n])
     if args.table_of:
-        results = {(r["case"], r["impl"]): r for path in Path(args.table_of).glob("*/results.json")
-                   for r in json.loads(path.read_text())}
+        results = {
+            (r["case"], r["impl"]): r
+            for path in Path(args.table_of).glob("*/results.json")
+            for r in json.loads(path.read_text())
+        }
         print(table([c for c in cases if any((c.name, i) in results for i in IMPLS)], results))
         return 0
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="parity-"))
@@ -138,10 +150,13 @@ def main() -> int:
     finally:
         jobs.kill()
     print(table(cases, results))
-    passed = {impl: sum(bool(results.get((c.name, impl), {}).get("ok")) for c in cases)
-              for impl in IMPLS}
-    print(f"\n{len(cases)} cases in {jobs.seconds:.0f} s: FSDP2 passed {passed['fsdp2']}, "
-          f"torch_frontend passed {passed['frontend']} (logs: {root})")
+    passed = {
+        impl: sum(bool(results.get((c.name, impl), {}).get("ok")) for c in cases) for impl in IMPLS
+    }
+    print(
+        f"\n{len(cases)} cases in {jobs.seconds:.0f} s: FSDP2 passed {passed['fsdp2']}, "
+        f"torch_frontend passed {passed['frontend']} (logs: {root})"
+    )
     for problem in jobs.problems.values():
         print(f"\n{problem}", file=sys.stderr)
     return 0 if all(n == len(cases) for n in passed.values()) else 1

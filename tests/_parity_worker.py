@@ -46,14 +46,18 @@ def run_one(case, impl, rank: int, world: int) -> dict:
     swap = torch.__future__.get_swap_module_params_on_conversion()
     try:
         case.fn(t, impl)
-    except Exception as error:  # noqa: BLE001 - recorded, the job goes on
+    except Exception as error:
         t.record(pc._describe(error))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
         gc.collect()
-    return {"ok": t.failures == 0, "failures": t.failures, "messages": t.messages,
-            "subtests": [t.subtests_run, t.subtests_failed],
-            "seconds": round(time.monotonic() - start, 2)}
+    return {
+        "ok": t.failures == 0,
+        "failures": t.failures,
+        "messages": t.messages,
+        "subtests": [t.subtests_run, t.subtests_failed],
+        "seconds": round(time.monotonic() - start, 2),
+    }
 
 
 def merge(case, impl_name: str, outcomes: list[dict]) -> dict:
@@ -63,11 +67,16 @@ def merge(case, impl_name: str, outcomes: list[dict]) -> dict:
         messages = per_rank[0]  # the same on every rank
     else:
         messages = [f"rank {r}: {m}" for r, ms in enumerate(per_rank) for m in ms]
-    return {"case": case.name, "upstream": case.upstream, "impl": impl_name,
-            "ok": all(o["ok"] for o in outcomes), "messages": messages[:4],
-            "failures": max(o["failures"] for o in outcomes),
-            "subtests": max((o["subtests"] for o in outcomes), key=lambda s: s[1]),
-            "seconds": max(o["seconds"] for o in outcomes)}
+    return {
+        "case": case.name,
+        "upstream": case.upstream,
+        "impl": impl_name,
+        "ok": all(o["ok"] for o in outcomes),
+        "messages": messages[:4],
+        "failures": max(o["failures"] for o in outcomes),
+        "subtests": max((o["subtests"] for o in outcomes), key=lambda s: s[1]),
+        "seconds": max(o["seconds"] for o in outcomes),
+    }
 
 
 def main() -> int:

@@ -18,18 +18,20 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (importing JAX does not start it)
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-import funshard.distributed  # noqa: E402
+import funshard.distributed
 
 
 def uneven_batches(rank: int) -> list:
     """Batches whose rows / trailing shapes / dtypes differ between process 0 and 1."""
     return [
         {"x": np.ones((4 if rank == 0 else 2, 3), np.float32), "y": np.zeros(4, np.int32)},
-        {"x": np.ones((2, 3 if rank == 0 else 5), np.float32),
-         "y": np.zeros(2, np.int32 if rank == 0 else np.float32)},
+        {
+            "x": np.ones((2, 3 if rank == 0 else 5), np.float32),
+            "y": np.zeros(2, np.int32 if rank == 0 else np.float32),
+        },
     ]
 
 

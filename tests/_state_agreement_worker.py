@@ -16,12 +16,12 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import funshard as fs  # noqa: E402
-import funshard.distributed  # noqa: E402
+import funshard as fs
+import funshard.distributed
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
     step = jax.jit(fs.value_and_grad(loss))
     batch = fs.distributed.shard_batch(np.ones((2, 4), np.float32), mesh)
     for i in range(2):
-        value, grads = step(state, batch)
+        value, _grads = step(state, batch)
         print(f"rank {rank}: step {i} loss {float(value):.6f}", flush=True)
     return 0
 

@@ -30,7 +30,7 @@ from torch import nn
 VOCAB, WIDTH, DEPTH = 47, 16, 2  # 47 rows: uneven shards
 STEPS, SAVE_AT = 6, 3  # the checkpoint is taken before step SAVE_AT
 LR, MAX_NORM = 1e-2, 0.5
-INT64 = [2**40 + 1, 3, 2**33, -2**35, 7, 2**31 + 5]
+INT64 = [2**40 + 1, 3, 2**33, -(2**35), 7, 2**31 + 5]
 FP16_GRAD = 40000.0  # each rank's gradient: the sum of two overflows float16
 
 
@@ -120,8 +120,9 @@ def load(model, opt, path: Path) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def titan(fully_shard, mesh, impl: str, out: Path, rank: int, world: int,
-          one_process_ckpt: str | None) -> dict[str, np.ndarray]:
+def titan(
+    fully_shard, mesh, impl: str, out: Path, rank: int, world: int, one_process_ckpt: str | None
+) -> dict[str, np.ndarray]:
     record: dict[str, np.ndarray] = {}
     model = build(fully_shard, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -139,8 +140,9 @@ def titan(fully_shard, mesh, impl: str, out: Path, rank: int, world: int,
     resumed = build(fully_shard, mesh, seed=1)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=LR)
     load(resumed, resumed_opt, out / f"dcp-{impl}")
-    record["resumed_loss"] = np.asarray([train_step(resumed, resumed_opt, step, rank, world)[0]
-                                         for step in range(SAVE_AT, STEPS)])
+    record["resumed_loss"] = np.asarray(
+        [train_step(resumed, resumed_opt, step, rank, world)[0] for step in range(SAVE_AT, STEPS)]
+    )
     if one_process_ckpt:  # written by one process: reshard 1 -> world
         one = build(fully_shard, mesh, seed=2)
         one_opt = torch.optim.AdamW(one.parameters(), lr=LR)
@@ -210,12 +212,15 @@ def main() -> int:
     torch_frontend.init_distributed()  # JAX's runtime and torch's default group
     world = dist.get_world_size()
     if args.replicate:
-        mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate),
-                                mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            "cpu", (args.replicate, world // args.replicate), mesh_dim_names=("replicate", "shard")
+        )
     else:
         mesh = init_device_mesh("cpu", (world,))
-    impls = {"frontend": (torch_frontend.fully_shard, torch_frontend.MixedPrecisionPolicy),
-             "fsdp2": (fully_shard, MixedPrecisionPolicy)}
+    impls = {
+        "frontend": (torch_frontend.fully_shard, torch_frontend.MixedPrecisionPolicy),
+        "fsdp2": (fully_shard, MixedPrecisionPolicy),
+    }
     record: dict[str, np.ndarray] = {}
     for impl, (shard_fn, policy_cls) in impls.items():
         found = titan(shard_fn, mesh, impl, out, rank, world, args.one_process_ckpt)

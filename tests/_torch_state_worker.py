@@ -130,7 +130,9 @@ def run(out: Path, jax_checkpoint: str, rank: int) -> dict[str, np.ndarray]:
         record["rank0_only_keys"] = np.asarray(len(tf.full_state_dict(model, rank0_only=True)))
 
     train(tf, model, opt, rank, record, STEPS + 1, save)
-    full = {k.split("/", 1)[1]: torch.from_numpy(v) for k, v in record.items() if k.startswith("full/")}
+    full = {
+        k.split("/", 1)[1]: torch.from_numpy(v) for k, v in record.items() if k.startswith("full/")
+    }
     record.update(_np(tf.full_state_dict(model), "final"))
 
     loaded = shard(build(seed=1), tf.fully_shard)
@@ -179,10 +181,7 @@ def main() -> int:
     import torch_frontend
 
     torch_frontend.init_distributed(replicate=args.replicate)
-    if args.replicate:
-        record = run_hsdp(out, rank)
-    else:
-        record = run(out, args.jax_checkpoint, rank)
+    record = run_hsdp(out, rank) if args.replicate else run(out, args.jax_checkpoint, rank)
     np.savez(out / f"rank{rank}.npz", **record)
     print(f"rank {rank}: done", flush=True)
     return 0

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -97,13 +98,15 @@ class TiedLM(nn.Module):
 
 def _tokens(step: int, micro: int, rank: int):
     g = torch.Generator().manual_seed(1000 + 100 * step + 10 * micro + rank)
-    return (torch.randint(0, VOCAB, (4, TOKENS), generator=g),
-            torch.randn(4, TOKENS, VOCAB, generator=g))
+    return (
+        torch.randint(0, VOCAB, (4, TOKENS), generator=g),
+        torch.randn(4, TOKENS, VOCAB, generator=g),
+    )
 
 
 def _mlp(*widths: int) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
         layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(widths) - 2 else [])
     return nn.Sequential(*layers)
 
@@ -128,7 +131,7 @@ class Case:
 
 def _explicit_prefetch(model: nn.Module) -> None:
     blocks = list(model.blocks)
-    for before, after in zip(blocks, blocks[1:]):
+    for before, after in itertools.pairwise(blocks):
         before.set_modules_to_forward_prefetch([after])
         after.set_modules_to_backward_prefetch([before])
 
@@ -153,16 +156,22 @@ CASES = {
     "uneven": Case(lambda: _mlp(7, 15, 3, 1), _linears),
     "shard_dim1": Case(lambda: _mlp(16, 14, 8), _linears, {"shard_placement_fn": _shard_columns}),
     # Uneven columns (16 and 15 over 2 ranks), which FSDP2 refuses: same model as "seq".
-    "shard_dim1_uneven": Case(lambda: _mlp(16, 15, 8), _linears,
-                              {"shard_placement_fn": _shard_columns}, frontend_only=True),
+    "shard_dim1_uneven": Case(
+        lambda: _mlp(16, 15, 8),
+        _linears,
+        {"shard_placement_fn": _shard_columns},
+        frontend_only=True,
+    ),
     "blocks_reshard": Case(Stack, _blocks, {"reshard_after_forward": True}),
     "blocks_keep": Case(Stack, _blocks, {"reshard_after_forward": False}),
     "accum": Case(lambda: _mlp(16, 15, 8), _linears, microbatches=MICROBATCHES),
     # HSDP: reduce-scatter every microbatch, all-reduce over the replicas on the last.
-    "accum_all_reduce": Case(lambda: _mlp(16, 15, 8), _linears, microbatches=MICROBATCHES,
-                             sync="set_requires_all_reduce"),
-    "bf16": Case(Stack, _blocks, policy={"param_dtype": torch.bfloat16,
-                                         "reduce_dtype": torch.float32}),
+    "accum_all_reduce": Case(
+        lambda: _mlp(16, 15, 8), _linears, microbatches=MICROBATCHES, sync="set_requires_all_reduce"
+    ),
+    "bf16": Case(
+        Stack, _blocks, policy={"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    ),
     "prefetch": Case(Stack, _blocks, configure=_explicit_prefetch),
     "raise_then_reset": Case(Stack, _blocks, fail_at=3),
     "tied_embeddings": Case(TiedLM, lambda m: [[m.emb, m.head], *m.blocks], data=_tokens),
@@ -235,8 +244,9 @@ def train(case: str, shard, policy_cls, rank: int) -> dict[str, np.ndarray]:
         losses.append(total)
         times.append(time.perf_counter() - start)
         if spec.eval_block:  # e.g. evaluating one block: that forward's root is the block
-            h = torch.randn(3, model.blocks[0].up.in_features,
-                            generator=torch.Generator().manual_seed(step))
+            h = torch.randn(
+                3, model.blocks[0].up.in_features, generator=torch.Generator().manual_seed(step)
+            )
             with torch.no_grad():
                 evals.append(model.blocks[0](h).numpy().copy())
     out = {"loss": np.asarray(losses), **grads}
@@ -272,9 +282,8 @@ def main() -> int:
     watchdog.start()
 
     if "frontend" in impls:
-        import torch_frontend
-
         import funshard
+        import torch_frontend
         from torch_frontend import _bridge
 
         mesh = torch_frontend.init_distributed(replicate=args.replicate)
@@ -309,6 +318,7 @@ def main() -> int:
             def inside(row) -> bool:
                 at = row.addressable_shards[0].data.unsafe_buffer_pointer()
                 return any(start <= at < start + size for start, size in flats)
+
             rows_in_place.append(all(inside(r) for parts in rows for r in parts))
             return reduce_rows(rows, *args, **kwargs)
 
@@ -317,12 +327,21 @@ def main() -> int:
             gather_worlds.clear()
             all_reduces.clear()
             rows_in_place.clear()
-            result = train(case, lambda m, flat=False, **kw: torch_frontend.fully_shard(
-                m, mesh=flat_mesh if flat else mesh, **kw), torch_frontend.MixedPrecisionPolicy, rank)
-            np.savez(out / f"{case}-frontend-rank{rank}.npz",
-                     gather_worlds=np.asarray(gather_worlds),
-                     all_reduces=np.asarray(all_reduces),
-                     rows_in_place=np.asarray(rows_in_place), **result)
+            result = train(
+                case,
+                lambda m, flat=False, **kw: torch_frontend.fully_shard(
+                    m, mesh=flat_mesh if flat else mesh, **kw
+                ),
+                torch_frontend.MixedPrecisionPolicy,
+                rank,
+            )
+            np.savez(
+                out / f"{case}-frontend-rank{rank}.npz",
+                gather_worlds=np.asarray(gather_worlds),
+                all_reduces=np.asarray(all_reduces),
+                rows_in_place=np.asarray(rows_in_place),
+                **result,
+            )
     if "fsdp2" in impls:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -334,13 +353,24 @@ def main() -> int:
         if args.replicate is None:
             mesh = init_device_mesh("cpu", (world,))
         else:  # HSDP: replicas of a model sharded over world // replicate ranks
-            mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate),
-                                    mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(
+                "cpu",
+                (args.replicate, world // args.replicate),
+                mesh_dim_names=("replicate", "shard"),
+            )
         flat_mesh = init_device_mesh("cpu", (world,)) if args.replicate else mesh
         for case in (c for c in cases if not CASES[c].frontend_only):
-            np.savez(out / f"{case}-fsdp2-rank{rank}.npz",
-                     **train(case, lambda m, flat=False, **kw: fully_shard(
-                         m, mesh=flat_mesh if flat else mesh, **kw), MixedPrecisionPolicy, rank))
+            np.savez(
+                out / f"{case}-fsdp2-rank{rank}.npz",
+                **train(
+                    case,
+                    lambda m, flat=False, **kw: fully_shard(
+                        m, mesh=flat_mesh if flat else mesh, **kw
+                    ),
+                    MixedPrecisionPolicy,
+                    rank,
+                ),
+            )
         dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
     return 0

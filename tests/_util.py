@@ -12,7 +12,7 @@ def mlp_batch(rows: int = 16, key: int = 7) -> tuple[jax.Array, jax.Array]:
 
 def mlp_batch_dict(rows: int = 16, key: int = 7) -> dict:
     """`mlp_batch` as `{"x": ..., "y": ...}`."""
-    return dict(zip(("x", "y"), mlp_batch(rows, key)))
+    return dict(zip(("x", "y"), mlp_batch(rows, key), strict=True))
 
 
 def assert_tree_close(got, want, atol: float = 1e-5, rtol: float = 1e-5) -> None:

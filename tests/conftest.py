@@ -4,13 +4,13 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import hypothesis  # noqa: E402
+import hypothesis
 
-import funshard as fs  # noqa: E402
+import funshard as fs
 
 hypothesis.settings.register_profile(
     "funshard",

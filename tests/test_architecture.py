@@ -34,8 +34,13 @@ FLOORS = {
     "torch_frontend": 6,
 }
 # What torch_frontend may import: public and semi-public names only.
-FRONTEND_MAY_IMPORT = {"funshard", "funshard.comm", "funshard.distributed", "funshard.io",
-                       "funshard.errors"}
+FRONTEND_MAY_IMPORT = {
+    "funshard",
+    "funshard.comm",
+    "funshard.distributed",
+    "funshard.io",
+    "funshard.errors",
+}
 # Sideways edges (between two parts on one floor) that stand for now, and the modules
 # that make them. The single known exception: the core's multi-process agreement checks
 # (`distributed.same_collective` in core/_shard.py, `distributed.same_state` in
@@ -108,7 +113,7 @@ def _private_module_of_other_part(importer: str, module: str) -> bool:
     part = _part(module)
     if part in (_part(importer), "funshard.<floor>") or part == module:
         return False
-    inside = module[len(part) + 1:].split(".")
+    inside = module[len(part) + 1 :].split(".")
     return any(p.startswith("_") for p in inside)
 
 
@@ -134,8 +139,12 @@ def violations(root: pathlib.Path = ROOT) -> list[str]:
             found.append(f"{where}: a private module of {dst}; import {dst}'s own names")
         if name is not None and name.startswith("_") and module != importer:
             found.append(f"{where}: a private name of another module")
-        if src == "torch_frontend" and dst != "torch_frontend" and dst not in FRONTEND_MAY_IMPORT \
-                and module not in FRONTEND_MAY_IMPORT:
+        if (
+            src == "torch_frontend"
+            and dst != "torch_frontend"
+            and dst not in FRONTEND_MAY_IMPORT
+            and module not in FRONTEND_MAY_IMPORT
+        ):
             found.append(f"{where}: torch_frontend may import only {sorted(FRONTEND_MAY_IMPORT)}")
     return found
 
@@ -166,8 +175,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
             elif target in stack:
                 low[node] = min(low[node], index[target])
         if low[node] == index[node]:
-            members = stack[stack.index(node):]
-            del stack[stack.index(node):]
+            members = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
             if len(members) > 1 or node in edges.get(node, ()):
                 found.append(sorted(members))
 
@@ -221,8 +230,11 @@ def test_no_import_cycles():
 
 def test_the_cycle_finder_on_a_known_graph():
     edges = {
-        "p.a": {"p.b"}, "p.b": {"p.c", "p.d"}, "p.c": {"p.a"},  # a -> b -> c -> a
-        "p.d": {"p.e"}, "p.e": set(),  # below the cycle, in none
+        "p.a": {"p.b"},
+        "p.b": {"p.c", "p.d"},
+        "p.c": {"p.a"},  # a -> b -> c -> a
+        "p.d": {"p.e"},
+        "p.e": set(),  # below the cycle, in none
         "p.f": {"p.f"},  # a module importing itself
         "p.g": {"p.a"},  # into a cycle, not part of it
     }
@@ -240,36 +252,46 @@ def _plant(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
 
 
 def test_the_checker_sees_a_cycle_through_a_function_level_import(tmp_path):
-    root = _plant(tmp_path, {
-        "funshard/__init__.py": "",
-        "funshard/core/__init__.py": "from funshard.core._leaf import Leaf as Leaf\n",
-        "funshard/core/_leaf.py": """
+    root = _plant(
+        tmp_path,
+        {
+            "funshard/__init__.py": "",
+            "funshard/core/__init__.py": "from funshard.core._leaf import Leaf as Leaf\n",
+            "funshard/core/_leaf.py": """
             def in_step(leaf):
                 from funshard.core import _step  # it imports this module
 
                 return isinstance(leaf, _step.StepLeaf)
         """,
-        "funshard/core/_step.py": "from funshard.core._leaf import Leaf\n",
-    })
+            "funshard/core/_step.py": "from funshard.core._leaf import Leaf\n",
+        },
+    )
     assert cycles(module_graph(root)) == [["funshard.core._leaf", "funshard.core._step"]]
 
 
 def test_the_checker_sees_a_sideways_import(tmp_path):
-    root = _plant(tmp_path, {
-        "funshard/__init__.py": "",
-        "funshard/io/__init__.py": "from funshard import planning\n",
-        "funshard/planning/__init__.py": "",
-        # The known exception covers core/_shard.py, not a new module of the core.
-        "funshard/core/__init__.py": "from funshard import distributed\n",
-        "funshard/core/_shard.py": "from funshard import distributed\n",
-        "funshard/distributed/__init__.py": "",
-    })
+    root = _plant(
+        tmp_path,
+        {
+            "funshard/__init__.py": "",
+            "funshard/io/__init__.py": "from funshard import planning\n",
+            "funshard/planning/__init__.py": "",
+            # The known exception covers core/_shard.py, not a new module of the core.
+            "funshard/core/__init__.py": "from funshard import distributed\n",
+            "funshard/core/_shard.py": "from funshard import distributed\n",
+            "funshard/distributed/__init__.py": "",
+        },
+    )
     found = violations(root)
     assert [v for v in found if "sideways" in v] == [
-        ("funshard.core:1 imports funshard.distributed: sideways (funshard.core and "
-         "funshard.distributed share floor 2)"),
-        ("funshard.io:1 imports funshard.planning: sideways (funshard.io and "
-         "funshard.planning share floor 3)"),
+        (
+            "funshard.core:1 imports funshard.distributed: sideways (funshard.core and "
+            "funshard.distributed share floor 2)"
+        ),
+        (
+            "funshard.io:1 imports funshard.planning: sideways (funshard.io and "
+            "funshard.planning share floor 3)"
+        ),
     ]
 
 

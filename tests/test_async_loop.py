@@ -103,8 +103,13 @@ def test_widening_twice_wraps_once():
 @pytest.mark.parametrize("devices", [8, 3])
 def test_cpu_client_pool_has_room_for_two_programs(devices):
     # The client's intra-op pool has as many threads as its dispatch pool: count those.
-    out = _launch.run([sys.executable, "-c", THREADS, str(devices)], timeout=120,
-                      capture_output=True, text=True, env=_env())
+    out = _launch.run(
+        [sys.executable, "-c", THREADS, str(devices)],
+        timeout=120,
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     threads, leftover = out.stdout.split()
     assert int(threads) >= 2 * devices
@@ -113,8 +118,13 @@ def test_cpu_client_pool_has_room_for_two_programs(devices):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 def test_a_pool_size_the_user_set_is_kept():
-    out = _launch.run([sys.executable, "-c", THREADS, "8"], timeout=120,
-                      capture_output=True, text=True, env=_env(PJRT_NPROC="12"))
+    out = _launch.run(
+        [sys.executable, "-c", THREADS, "8"],
+        timeout=120,
+        capture_output=True,
+        text=True,
+        env=_env(PJRT_NPROC="12"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["12", "12"]
 
@@ -124,11 +134,19 @@ def test_a_pool_size_the_user_set_is_kept():
 def test_asynchronous_loop_with_numpy_batches_survives():
     # Without the wider pool this loop aborted in 4 of 5 runs of 600 steps on 2 cores (the
     # plain XLA pool of 8 threads). A stuck rendezvous aborts after 10 s, not XLA's 40.
-    flags = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=5 "
-             "--xla_cpu_collective_call_terminate_timeout_seconds=10")
+    flags = (
+        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=5 "
+        "--xla_cpu_collective_call_terminate_timeout_seconds=10"
+    )
     env = _env()
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
-    out = _launch.run([sys.executable, "-c", LOOP, str(STEPS)], timeout=300,
-                      capture_output=True, text=True, env=env)
+    out = _launch.run(
+        [sys.executable, "-c", LOOP, str(STEPS)],
+        timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert out.returncode == 0 and f"done {STEPS}" in out.stdout, (
-        f"exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+        f"exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    )

@@ -99,20 +99,26 @@ CHILD = textwrap.dedent(
 )
 
 
-def _run_child(which: str, nested: bool = False,
-               timeout: float = 120.0) -> subprocess.CompletedProcess:
+def _run_child(
+    which: str, nested: bool = False, timeout: float = 120.0
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     # Only the rendezvous timeouts are shortened, so that an abort (the failure this file
     # guards against) shows up in seconds rather than after XLA's default 40 s.
-    env["XLA_FLAGS"] = " ".join([
-        *(f for f in env.get("XLA_FLAGS", "").split() if "collective_call" not in f),
-        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=5",
-        "--xla_cpu_collective_call_terminate_timeout_seconds=10",
-    ])
+    env["XLA_FLAGS"] = " ".join(
+        [
+            *(f for f in env.get("XLA_FLAGS", "").split() if "collective_call" not in f),
+            "--xla_cpu_collective_call_warn_stuck_timeout_seconds=5",
+            "--xla_cpu_collective_call_terminate_timeout_seconds=10",
+        ]
+    )
     try:
         return run(
             [sys.executable, "-c", CHILD, which, "nested" if nested else "plain"],
-            env=env, capture_output=True, text=True, timeout=timeout,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the step with a raising callback hung for {timeout} s:\n{e.stderr}")

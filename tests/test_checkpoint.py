@@ -66,8 +66,9 @@ def test_restore_onto_other_meshes_is_bit_identical(saved, mesh_name):
     assert want.keys() == got.keys()
     for key in want:
         assert got[key].dtype == want[key].dtype
-        np.testing.assert_array_equal(got[key].reshape(-1).view(np.uint8),
-                                      want[key].reshape(-1).view(np.uint8))
+        np.testing.assert_array_equal(
+            got[key].reshape(-1).view(np.uint8), want[key].reshape(-1).view(np.uint8)
+        )
     w = restored["params"]["w"]
     assert w.mesh == mesh_for(mesh_name) and w.data.shape == w.padded_shape
     np.testing.assert_array_equal(np.asarray(w.data)[13:], 0)  # padding is zeros again
@@ -216,9 +217,15 @@ def test_failed_read_collects_the_coroutines_it_abandoned(monkeypatch, tmp_path)
 
 def _kill_mid_save(root, mode):
     worker = os.path.join(os.path.dirname(__file__), "_ckpt_worker.py")
-    with tempfile.TemporaryDirectory() as logs, launch(
-            Path(logs), {0: ([sys.executable, worker, str(root), mode], clean_env())},
-            timeout_s=60, separate_stderr=True) as job:
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        launch(
+            Path(logs),
+            {0: ([sys.executable, worker, str(root), mode], clean_env())},
+            timeout_s=60,
+            separate_stderr=True,
+        ) as job,
+    ):
         proc, deadline = job.procs[0], time.monotonic() + 60
         while "\n" not in job.log(0, "out") and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -242,8 +249,9 @@ def test_save_killed_half_way_loses_nothing(tmp_path, saved, mode):
     assert "done" not in out, "the save finished before it was killed: make it bigger"
     restored = fs.restore(tmp_path / "step_1", _tree("8"))
     assert restored["step"] == 1
-    np.testing.assert_array_equal(fs.unshard(restored["params"])["w"],
-                                  fs.unshard(saved[1]["params"])["w"])
+    np.testing.assert_array_equal(
+        fs.unshard(restored["params"])["w"], fs.unshard(saved[1]["params"])["w"]
+    )
     assert not os.path.exists(tmp_path / "step_2")
 
 

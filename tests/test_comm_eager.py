@@ -68,11 +68,14 @@ def _summed(mesh, contributions, position, all_reduce):
     return np.sum([contributions[p] for p in devices], axis=0)
 
 
-@given(mesh_name=st.sampled_from(MESH_NAMES), rows=st.integers(0, 9),
-       other_rows=st.integers(0, 9), dim=st.sampled_from([0, 1]),
-       dtype=st.sampled_from(DTYPES))
-def test_eager_all_gather_concatenates_the_shards_blocks(mesh_name, rows, other_rows, dim,
-                                                         dtype):
+@given(
+    mesh_name=st.sampled_from(MESH_NAMES),
+    rows=st.integers(0, 9),
+    other_rows=st.integers(0, 9),
+    dim=st.sampled_from([0, 1]),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_eager_all_gather_concatenates_the_shards_blocks(mesh_name, rows, other_rows, dim, dtype):
     # Two leaves of different dtypes, sizes and split dims: ONE gather (mixed dtypes
     # travel as raw words), the padding cut off at each leaf's rows.
     mesh = mesh_for(mesh_name)
@@ -84,13 +87,13 @@ def test_eager_all_gather_concatenates_the_shards_blocks(mesh_name, rows, other_
     shards = [[_random(rng, shape, dt) for _ in range(n)] for shape, _, dt, _ in leaves]
     datas = [
         # Replicas of one shard hold the same block (HSDP).
-        comm.global_array([s[_shard_index(mesh, i)] for i in range(mesh.devices.size)],
-                          mesh, ("fsdp",), d)
-        for s, (_, d, _, _) in zip(shards, leaves)
+        comm.global_array(
+            [s[_shard_index(mesh, i)] for i in range(mesh.devices.size)], mesh, ("fsdp",), d
+        )
+        for s, (_, d, _, _) in zip(shards, leaves, strict=True)
     ]
-    fulls = comm.eager_all_gather(datas, mesh, ("fsdp",), rows=[rows, other_rows],
-                                  dims=[dim, 0])
-    for full, s, (_, d, dt, r) in zip(fulls, shards, leaves):
+    fulls = comm.eager_all_gather(datas, mesh, ("fsdp",), rows=[rows, other_rows], dims=[dim, 0])
+    for full, s, (_, d, dt, r) in zip(fulls, shards, leaves, strict=True):
         want = np.take(np.concatenate(s, axis=d), np.arange(r), axis=d)
         assert full.sharding.is_fully_replicated and full.dtype == dt
         for shard in full.addressable_shards:
@@ -102,8 +105,9 @@ def test_eager_all_gather_defaults_to_the_padded_size_on_dim_0(mesh_name):
     mesh = mesh_for(mesh_name)
     n = mesh.shape["fsdp"]
     shards = [np.full((2, 3), i, np.float32) for i in range(n)]
-    data = comm.global_array([shards[_shard_index(mesh, i)] for i in range(mesh.devices.size)],
-                             mesh, ("fsdp",))
+    data = comm.global_array(
+        [shards[_shard_index(mesh, i)] for i in range(mesh.devices.size)], mesh, ("fsdp",)
+    )
     (full,) = comm.eager_all_gather([data], mesh, ("fsdp",))
     np.testing.assert_array_equal(np.asarray(full), np.concatenate(shards))
     assert comm.eager_all_gather([], mesh, ("fsdp",)) == []
@@ -121,13 +125,20 @@ def test_eager_reduce_scatter_sums_then_scatters(mesh_name, all_reduce, dim):
     padded = comm.padded_size(5, n), comm.padded_size(3, n)
     shapes = ((padded[0], 3) if dim == 0 else (3, padded[0]), (padded[1], 2))
     dims = (dim, 0)
-    contributions = [[_random(rng, shape, dt) for _ in mesh.devices.flat]
-                     for shape, dt in zip(shapes, (np.float32, np.int32))]
+    contributions = [
+        [_random(rng, shape, dt) for _ in mesh.devices.flat]
+        for shape, dt in zip(shapes, (np.float32, np.int32), strict=True)
+    ]
     outs = comm.eager_reduce_scatter(
-        [_stacked(mesh, c) for c in contributions], mesh, ("fsdp",), _replicate_axes(mesh),
-        dims=dims, all_reduce=all_reduce)
+        [_stacked(mesh, c) for c in contributions],
+        mesh,
+        ("fsdp",),
+        _replicate_axes(mesh),
+        dims=dims,
+        all_reduce=all_reduce,
+    )
     positions = _positions(mesh)
-    for out, c, d, size in zip(outs, contributions, dims, padded):
+    for out, c, d, size in zip(outs, contributions, dims, padded, strict=True):
         replicas = 1 if all_reduce else mesh.devices.size // n
         assert out.shape[d] == size * replicas and out.dtype == c[0].dtype
         for shard in out.addressable_shards:
@@ -143,8 +154,13 @@ def _rows_apart(mesh, flats):
     dp = (*_replicate_axes(mesh), "fsdp")
     return [
         comm.global_array(
-            [flats[p][(_shard_index(mesh, p) + k) % n * cols:][:cols][None]
-             for p in range(mesh.devices.size)], mesh, dp)
+            [
+                flats[p][(_shard_index(mesh, p) + k) % n * cols :][:cols][None]
+                for p in range(mesh.devices.size)
+            ],
+            mesh,
+            dp,
+        )
         for k in range(n)
     ]
 
@@ -159,10 +175,10 @@ def test_eager_reduce_scatter_rows_sums_each_devices_row(mesh_name, all_reduce, 
     cols = (5, 2)  # two leaves, of different row lengths
     flats = [[_random(rng, (n * c,), dtype) for _ in mesh.devices.flat] for c in cols]
     outs = comm.eager_reduce_scatter_rows(
-        [_rows_apart(mesh, f) for f in flats], mesh, ("fsdp",), _replicate_axes(mesh),
-        all_reduce)
+        [_rows_apart(mesh, f) for f in flats], mesh, ("fsdp",), _replicate_axes(mesh), all_reduce
+    )
     positions = _positions(mesh)
-    for out, f, c in zip(outs, flats, cols):
+    for out, f, c in zip(outs, flats, cols, strict=True):
         assert out.dtype == dtype and out.ndim == 1
         for shard in out.addressable_shards:
             p = positions[shard.device]
@@ -177,9 +193,16 @@ def test_eager_reduce_scatter_rows_needs_one_row_per_device():
         comm.eager_reduce_scatter_rows([rows[:3]], mesh, ("fsdp",))
 
 
-@pytest.mark.parametrize(("mesh_name", "axes", "dim"),
-                         [("1", ("fsdp",), 0), ("4", ("fsdp",), 1), ("8", ("fsdp",), 0),
-                          ("2x4", ("fsdp",), 1), ("2x4", ("replicate", "fsdp"), 0)])
+@pytest.mark.parametrize(
+    ("mesh_name", "axes", "dim"),
+    [
+        ("1", ("fsdp",), 0),
+        ("4", ("fsdp",), 1),
+        ("8", ("fsdp",), 0),
+        ("2x4", ("fsdp",), 1),
+        ("2x4", ("replicate", "fsdp"), 0),
+    ],
+)
 def test_global_array_aliases_the_blocks_and_counts_them(mesh_name, axes, dim):
     mesh = mesh_for(mesh_name)
     rng = np.random.default_rng(5)
@@ -187,7 +210,7 @@ def test_global_array_aliases_the_blocks_and_counts_them(mesh_name, axes, dim):
     array = comm.global_array(blocks, mesh, axes, dim)
     size = comm.axes_size(mesh, axes)
     assert array.shape == ((2 * size, 3) if dim == 0 else (2, 3 * size))
-    for shard, block in zip(array.addressable_shards, blocks):
+    for shard, block in zip(array.addressable_shards, blocks, strict=True):
         assert shard.device == next(iter(block.devices()))
         assert shard.data.unsafe_buffer_pointer() == block.unsafe_buffer_pointer()
     with pytest.raises(ValueError, match="one block per local device"):
@@ -235,10 +258,13 @@ def test_a_leafs_layout_says_where_each_row_lives(mesh_name, rows):
     assert isinstance(layout, comm.Layout)
     assert fs.Sharded.from_layout(layout, leaf.data).layout == layout
     assert (layout.padded_shape, layout.local_shape, layout.sharding) == (
-        leaf.padded_shape, leaf.local_shape, leaf.sharding)
+        leaf.padded_shape,
+        leaf.local_shape,
+        leaf.sharding,
+    )
     data = np.asarray(leaf.data)
     for i in range(layout.num_shards):
         start, count = layout.chunk(i)
-        block = data[i * layout.rows_per_shard:(i + 1) * layout.rows_per_shard]
-        np.testing.assert_array_equal(block[:count], x[start:start + count])
+        block = data[i * layout.rows_per_shard : (i + 1) * layout.rows_per_shard]
+        np.testing.assert_array_equal(block[:count], x[start : start + count])
         assert not block[count:].any()  # padding rows are zeros

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import funshard as fs
-from conftest import mesh_for
-from _util import assert_tree_close, mlp_batch_dict
 from _hlo import compiled, count_by_kind
 from _models import mlp_layer, mlp_params, mse
+from _util import assert_tree_close, mlp_batch_dict
+from conftest import mesh_for
+
+import funshard as fs
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,7 @@ def _ref_loss(params, batch):
 
 def _unit_loss(layer, reduce=None):
     """A per-device loss over units `layer`; `reduce` optionally reduces it over devices."""
+
     def loss(state, batch):
         h = batch["x"]
         for p in state["layers"]:
@@ -90,15 +91,20 @@ def test_token_normalised_loss_gives_the_global_gradient(mesh_name, microbatches
         return s / n
 
     got_loss, grads = jax.jit(fs.value_and_grad(loss, microbatches=microbatches))(
-        fs.shard(params, mesh), batch)
+        fs.shard(params, mesh), batch
+    )
     ref_value, ref = jax.value_and_grad(ref_loss)(params, batch)
     if microbatches == 1:  # with microbatches each is normalised by its own count
         np.testing.assert_allclose(got_loss, ref_value, rtol=1e-6)
         assert_tree_close(fs.unshard(grads), ref)
     else:
-        halves = [jax.tree.map(lambda x, m=m: x.reshape(8, 2, *x.shape[1:])[:, m].reshape(
-            8, *x.shape[1:]), batch) for m in range(2)]
-        values, refs = zip(*(jax.value_and_grad(ref_loss)(params, h) for h in halves))
+        halves = [
+            jax.tree.map(
+                lambda x, m=m: x.reshape(8, 2, *x.shape[1:])[:, m].reshape(8, *x.shape[1:]), batch
+            )
+            for m in range(2)
+        ]
+        values, refs = zip(*(jax.value_and_grad(ref_loss)(params, h) for h in halves), strict=True)
         np.testing.assert_allclose(got_loss, np.mean(values), rtol=1e-6)
         assert_tree_close(fs.unshard(grads), jax.tree.map(lambda a, b: (a + b) / 2, *refs))
 
@@ -109,7 +115,8 @@ def test_divide_factor_means_the_same_for_reduced_and_local_losses():
     unit = fs.fully_shard(mlp_layer)
     local = fs.value_and_grad(_unit_loss(unit), gradient_divide_factor=1.0)
     reduced = fs.value_and_grad(
-        _unit_loss(unit, lambda v: jax.lax.pmean(v, "fsdp")), gradient_divide_factor=1.0)
+        _unit_loss(unit, lambda v: jax.lax.pmean(v, "fsdp")), gradient_divide_factor=1.0
+    )
     _, g_local = jax.jit(local)(state, batch)
     _, g_reduced = jax.jit(reduced)(state, batch)
     _, ref = jax.value_and_grad(_ref_loss)(params, batch)
@@ -227,8 +234,12 @@ def _in_cond(layer):
     return run
 
 
-WRAPPERS = {"checkpoint": _checkpointed, "checkpoint_dots": _checkpointed_dots,
-            "vmap": _vmapped, "cond": _in_cond}
+WRAPPERS = {
+    "checkpoint": _checkpointed,
+    "checkpoint_dots": _checkpointed_dots,
+    "vmap": _vmapped,
+    "cond": _in_cond,
+}
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
@@ -252,10 +263,14 @@ def test_units_inside_lax_scan_with_deferred_accumulation():
     unit = fs.fully_shard(mlp_layer)
 
     step = fs.value_and_grad(
-        lambda s, b: mse(jax.lax.scan(
-            lambda h, _: (unit(s["layers"][0], h), None), b["x"], None, length=2)[0]
-            * s["scale"], b["y"]),
-        microbatches=2, sync_every_microbatch=False)
+        lambda s, b: mse(
+            jax.lax.scan(lambda h, _: (unit(s["layers"][0], h), None), b["x"], None, length=2)[0]
+            * s["scale"],
+            b["y"],
+        ),
+        microbatches=2,
+        sync_every_microbatch=False,
+    )
     loss_value, grads = jax.jit(step)(state, batch)
 
     def ref_loss(p, b):
@@ -273,8 +288,9 @@ def test_frozen_leaves_under_checkpoint_are_not_communicated(sync):
     state = fs.shard(params, mesh_for("8"))
     unit = jax.checkpoint(fs.fully_shard(mlp_layer))
     trainable = {"layers": [False, False, False], "scale": True}
-    step = fs.value_and_grad(_unit_loss(unit), trainable=trainable, microbatches=2,
-                             sync_every_microbatch=sync)
+    step = fs.value_and_grad(
+        _unit_loss(unit), trainable=trainable, microbatches=2, sync_every_microbatch=sync
+    )
     loss, grads = jax.jit(step)(state, batch)
     ref_loss, ref = jax.value_and_grad(_ref_loss)(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
@@ -325,10 +341,12 @@ def test_unit_with_only_integer_input(reshard):
     def loss(state, t):
         return jnp.mean(jnp.sin(embed(state, t)) ** 2)
 
-    got_loss, grads = jax.jit(fs.value_and_grad(loss))(fs.shard({"emb": emb}, mesh_for("8")),
-                                                       tokens)
+    got_loss, grads = jax.jit(fs.value_and_grad(loss))(
+        fs.shard({"emb": emb}, mesh_for("8")), tokens
+    )
     ref_loss, ref = jax.value_and_grad(lambda p: jnp.mean(jnp.sin(p["emb"][tokens]) ** 2))(
-        {"emb": emb})
+        {"emb": emb}
+    )
     np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-6)
     assert_tree_close(fs.unshard(grads), ref)
 
@@ -367,8 +385,11 @@ def test_two_steps_in_one_jit():
     params = mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("8"))
     first = fs.value_and_grad(_unit_loss(fs.fully_shard(mlp_layer)))
-    second = fs.value_and_grad(_unit_loss(fs.fully_shard(mlp_layer, reshard_after_forward=False)),
-                               microbatches=2, sync_every_microbatch=False)
+    second = fs.value_and_grad(
+        _unit_loss(fs.fully_shard(mlp_layer, reshard_after_forward=False)),
+        microbatches=2,
+        sync_every_microbatch=False,
+    )
 
     @jax.jit
     def both(state, a, b):
@@ -416,8 +437,10 @@ def test_eval_shape_of_a_step():
 @pytest.mark.parametrize("reshard", [True, False])
 def test_unit_outputs_with_non_array_leaves(reshard):
     params, batch = mlp_params(jax.random.key(0)), mlp_batch_dict()
-    unit = fs.fully_shard(lambda p, h: {"h": mlp_layer(p, h), "tag": "layer", "n": 3, "z": None},
-                          reshard_after_forward=reshard)
+    unit = fs.fully_shard(
+        lambda p, h: {"h": mlp_layer(p, h), "tag": "layer", "n": 3, "z": None},
+        reshard_after_forward=reshard,
+    )
 
     def loss(state, b):
         out = {"h": b["x"]}
@@ -458,7 +481,8 @@ def test_per_example_aux_comes_back_in_global_batch_order(mesh_name, microbatche
         return jnp.mean(errors), {"errors": errors, "mean": jnp.mean(errors)}
 
     (value, aux), _ = jax.jit(fs.value_and_grad(loss, has_aux=True, microbatches=microbatches))(
-        state, batch)
+        state, batch
+    )
     want = per_example(params, batch)
     np.testing.assert_allclose(aux["errors"], want, rtol=1e-5)
     np.testing.assert_allclose(aux["mean"], jnp.mean(want), rtol=1e-5)
@@ -541,13 +565,15 @@ def test_inner_unit_parameters_passed_as_arguments(reshard):
     assert_tree_close(fs.unshard(grads), ref)
 
 
-@pytest.mark.parametrize("value,error", [("yes", TypeError), (0, ValueError), (-1, ValueError),
-                                         (2.0, TypeError)])
+@pytest.mark.parametrize(
+    "value,error", [("yes", TypeError), (0, ValueError), (-1, ValueError), (2.0, TypeError)]
+)
 def test_reshard_after_forward_validated_alike(value, error):
     stacked = fs.shard({"w": jnp.ones((2, 4, 4))}, mesh_for("4"), stacked=True)
-    for call in (lambda: fs.fully_shard(mlp_layer, reshard_after_forward=value),
-                 lambda: fs.scan(lambda p, h: h, stacked, jnp.ones(4),
-                                 reshard_after_forward=value)):
+    for call in (
+        lambda: fs.fully_shard(mlp_layer, reshard_after_forward=value),
+        lambda: fs.scan(lambda p, h: h, stacked, jnp.ones(4), reshard_after_forward=value),
+    ):
         with pytest.raises(error, match="reshard_after_forward must be True, False or a positive"):
             call()
 
@@ -558,9 +584,9 @@ def test_scan_rejects_hpz_clearly():
         fs.scan(lambda p, h: h, stacked, jnp.ones(4), reshard_after_forward=2)
 
 
-
-@pytest.mark.parametrize("mesh_name, axes", [("8", "fsdp"), ("2x4", "fsdp"),
-                                              ("2x4", ("replicate", "fsdp"))])
+@pytest.mark.parametrize(
+    "mesh_name, axes", [("8", "fsdp"), ("2x4", "fsdp"), ("2x4", ("replicate", "fsdp"))]
+)
 def test_unit_output_already_reduced_over_devices_trains_like_jax(mesh_name, axes):
     # A unit returning a statistic it pmean'd itself (e.g. synced batch statistics)
     # next to its per-device activation: the statistic is not per-device data.
@@ -571,7 +597,7 @@ def test_unit_output_already_reduced_over_devices_trains_like_jax(mesh_name, axe
 
     def loss(s, b):
         y, stat = unit(s, b)
-        return jnp.mean(y ** 2) + jnp.sum(stat * jnp.mean(y))
+        return jnp.mean(y**2) + jnp.sum(stat * jnp.mean(y))
 
     def reference(p, b):
         y = b @ p["w"]
@@ -580,9 +606,11 @@ def test_unit_output_already_reduced_over_devices_trains_like_jax(mesh_name, axe
         # replica's mean of its own half of the batch.
         halves = b.reshape(2, 8, 8) if mesh_name == "2x4" and axes == "fsdp" else b[None]
         per_row = jnp.repeat(halves.mean(1), b.shape[0] // halves.shape[0], axis=0)
-        return jnp.mean(jnp.mean(y ** 2, axis=1) + jnp.sum(per_row, axis=1)
-                        * jnp.mean(y.reshape(halves.shape[0], -1), axis=1).repeat(
-                            b.shape[0] // halves.shape[0]))
+        return jnp.mean(
+            jnp.mean(y**2, axis=1)
+            + jnp.sum(per_row, axis=1)
+            * jnp.mean(y.reshape(halves.shape[0], -1), axis=1).repeat(b.shape[0] // halves.shape[0])
+        )
 
     got = jax.jit(fs.value_and_grad(loss))(fs.shard(params, mesh), batch)
     want = jax.value_and_grad(reference)(params, batch)

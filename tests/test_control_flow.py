@@ -22,7 +22,7 @@ def _params():
     keys = jax.random.split(jax.random.key(3), 2)
     return {
         name: {"w": jax.random.normal(k, (6, 6)) / 3.0, "b": jnp.full((6,), 0.1 * i)}
-        for i, (name, k) in enumerate(zip(("a", "b"), keys))
+        for i, (name, k) in enumerate(zip(("a", "b"), keys, strict=True))
     }
 
 
@@ -39,8 +39,7 @@ UB = fs.fully_shard(mlp_layer, name="unit_b")
 
 
 def _cond_loss(s, b):
-    out = jax.lax.cond(b["x"][0, 0] > 0, lambda: UA(s["a"], b["x"]),
-                       lambda: UB(s["b"], b["x"]))
+    out = jax.lax.cond(b["x"][0, 0] > 0, lambda: UA(s["a"], b["x"]), lambda: UB(s["b"], b["x"]))
     return mse(out, b["y"])
 
 
@@ -69,17 +68,23 @@ def _psum_loss(s, b):
     p = fs.unshard(s)
     h = mlp_layer(p["a"], b["x"])
     # The user's own collective under a batch-dependent predicate.
-    total = jax.lax.cond(b["x"][0, 0] > 0, lambda: jax.lax.psum(jnp.sum(h), "fsdp"),
-                         lambda: jax.lax.psum(jnp.sum(h), "fsdp") * 2.0)
+    total = jax.lax.cond(
+        b["x"][0, 0] > 0,
+        lambda: jax.lax.psum(jnp.sum(h), "fsdp"),
+        lambda: jax.lax.psum(jnp.sum(h), "fsdp") * 2.0,
+    )
     return mse(h, b["y"]) + 0.0 * total
 
 
-@pytest.mark.parametrize("loss, what", [
-    (_cond_loss, "unit 'unit_b', 'unit_a'"),
-    (_switch_loss, "unit 'unit_a', 'unit_b'"),
-    (_while_loss, "unit 'unit_a'"),
-    (_psum_loss, "a psum over ['fsdp']"),
-])
+@pytest.mark.parametrize(
+    "loss, what",
+    [
+        (_cond_loss, "unit 'unit_b', 'unit_a'"),
+        (_switch_loss, "unit 'unit_a', 'unit_b'"),
+        (_while_loss, "unit 'unit_a'"),
+        (_psum_loss, "a psum over ['fsdp']"),
+    ],
+)
 @pytest.mark.parametrize("jit", [False, True])
 def test_collective_under_a_varying_predicate_is_an_error(loss, what, jit):
     state = fs.shard(_params(), mesh_for("8"))
@@ -118,8 +123,9 @@ def test_predicate_reduced_over_the_data_axes_matches_plain_jax(mesh):
 
     def ref(p, b):
         pred = _global_first_positive(b["x"], 8)
-        out = jax.lax.cond(pred, lambda: mlp_layer(p["a"], b["x"]),
-                           lambda: mlp_layer(p["b"], b["x"]))
+        out = jax.lax.cond(
+            pred, lambda: mlp_layer(p["a"], b["x"]), lambda: mlp_layer(p["b"], b["x"])
+        )
         return mse(out, b["y"])
 
     params, batch = _params(), _batch()

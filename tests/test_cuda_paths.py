@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import importlib.util
+import json
 import os
 import sys
 import types
@@ -58,9 +58,11 @@ GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
     ],
 )
 def test_collectives_over_gloo_only_for_cpu_programs_of_a_gloo_job(
-        platform, distributed, implementation, want):
+    platform, distributed, implementation, want
+):
     got = _jax_compat.collectives_over_gloo(
-        platform, distributed=distributed, cpu_implementation=implementation)
+        platform, distributed=distributed, cpu_implementation=implementation
+    )
     assert got is want
 
 
@@ -109,9 +111,16 @@ def _gpt_parts(width=32, heads=2, vocab=64, blocks=2):
     def dense(shape):
         return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
 
-    layers = [{"qkv": dense((width, 3 * width)), "proj": dense((width, width)),
-               "up": dense((width, 4 * width)), "down": dense((4 * width, width)),
-               "gain": np.ones((width,), np.float32)} for _ in range(blocks)]
+    layers = [
+        {
+            "qkv": dense((width, 3 * width)),
+            "proj": dense((width, width)),
+            "up": dense((width, 4 * width)),
+            "down": dense((4 * width, width)),
+            "gain": np.ones((width,), np.float32),
+        }
+        for _ in range(blocks)
+    ]
     root = {"embed": dense((vocab, width)), "head": dense((width, vocab))}
 
     def block(p, h):
@@ -135,8 +144,10 @@ def test_the_step_lowered_for_cuda_has_barriers_bf16_gathers_and_f32_reduce_scat
     mesh = fs.make_mesh(devices=jax.devices()[:2])
     if use_scan:
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *layers)
-        state = {"root": fs.shard(root, mesh, mp_policy=policy),
-                 "blocks": fs.shard(stacked, mesh, mp_policy=policy, stacked=True)}
+        state = {
+            "root": fs.shard(root, mesh, mp_policy=policy),
+            "blocks": fs.shard(stacked, mesh, mp_policy=policy, stacked=True),
+        }
     else:
         state = fs.shard({"root": root, "blocks": layers}, mesh, mp_policy=policy)
     unit = fs.fully_shard(block)
@@ -162,7 +173,9 @@ def test_the_step_lowered_for_cuda_has_barriers_bf16_gathers_and_f32_reduce_scat
     assert cpu.count("stablehlo.optimization_barrier") == 0 and "partition_id" in cpu
     lines = cuda.splitlines()
     gathers = [line for line in lines if '"stablehlo.all_gather"' in line]
-    scatters = [lines[i + 1] for i, line in enumerate(lines) if '"stablehlo.reduce_scatter"' in line]
+    scatters = [
+        lines[i + 1] for i, line in enumerate(lines) if '"stablehlo.reduce_scatter"' in line
+    ]
     assert gathers and scatters
     assert all(line.endswith("xui16>") for line in gathers)  # bf16 bits: half-width traffic
     assert all("tensor<f32>" in line for line in scatters)  # the reduction runs in f32
@@ -170,8 +183,11 @@ def test_the_step_lowered_for_cuda_has_barriers_bf16_gathers_and_f32_reduce_scat
 
 def _ops(text: str) -> str:
     """StableHLO text without its location lines."""
-    keep = (line.split(" loc(")[0].rstrip() for line in text.splitlines()
-            if not line.lstrip().startswith("#loc"))
+    keep = (
+        line.split(" loc(")[0].rstrip()
+        for line in text.splitlines()
+        if not line.lstrip().startswith("#loc")
+    )
     return "\n".join(keep)
 
 
@@ -239,8 +255,9 @@ def test_dlpack_import_takes_the_gpu_branch_for_a_gpu_device(monkeypatch):
     from jax._src.lib import _jax
 
     calls = []
-    monkeypatch.setattr(_jax, "dlpack_managed_tensor_to_buffer",
-                        lambda *args: calls.append(args) or jnp.ones(2))
+    monkeypatch.setattr(
+        _jax, "dlpack_managed_tensor_to_buffer", lambda *args: calls.append(args) or jnp.ones(2)
+    )
     producer = _FakeProducer(2, 3)
     out = _jax_compat.dlpack_import(producer, _FakeGpu(3, stream=99))
     assert np.asarray(out).tolist() == [1.0, 1.0]
@@ -251,8 +268,9 @@ def test_dlpack_import_on_cpu_passes_no_stream(monkeypatch):
     from jax._src.lib import _jax
 
     calls, real = [], _jax.dlpack_managed_tensor_to_buffer
-    monkeypatch.setattr(_jax, "dlpack_managed_tensor_to_buffer",
-                        lambda *args: calls.append(args[2:]) or real(*args))
+    monkeypatch.setattr(
+        _jax, "dlpack_managed_tensor_to_buffer", lambda *args: calls.append(args[2:]) or real(*args)
+    )
     tensor = torch.arange(16, dtype=torch.float32)
     array = _jax_compat.dlpack_import(tensor, jax.devices()[0])
     assert calls == [(None, None, 1)]  # today's CPU call, unchanged
@@ -311,8 +329,10 @@ def test_the_allocator_variables_are_the_ones_jaxlib_reads():
     assert "'false'" in source  # the value allocator_env sets means "no preallocation"
 
 
-GPU0, GPU3 = types.SimpleNamespace(platform="gpu", local_hardware_id=0), \
-    types.SimpleNamespace(platform="gpu", local_hardware_id=3)
+GPU0, GPU3 = (
+    types.SimpleNamespace(platform="gpu", local_hardware_id=0),
+    types.SimpleNamespace(platform="gpu", local_hardware_id=3),
+)
 
 
 def test_devices_and_backend_follow_the_jax_device():
@@ -392,8 +412,12 @@ def test_export_and_import_of_cpu_memory_share_it_and_retire_nothing():
 def test_import_refuses_a_tensor_on_another_device():
     layout = types.SimpleNamespace(device=GPU0)
     with pytest.raises(ValueError, match="without a copy"):
-        _bridge._import(layout, types.SimpleNamespace(
-            detach=lambda: types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 2))))
+        _bridge._import(
+            layout,
+            types.SimpleNamespace(
+                detach=lambda: types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 2))
+            ),
+        )
 
 
 # ---- benchmarks/gpu_check.py without a GPU --------------------------------------------
@@ -411,8 +435,14 @@ def _gpu_check_module():
 
 @pytest.mark.parametrize(
     "kind, want",
-    [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
-     ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", None)],
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA L4", None),
+    ],
 )
 def test_gpu_check_peak_tflops_by_device_name(kind, want):
     assert _gpu_check_module().peak_tflops(kind) == want
@@ -429,9 +459,20 @@ def test_gpu_check_on_a_cpu_only_machine_exits_at_once_saying_why(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["JAX_PLATFORMS"] = "cpu"
     proc = run(
-        [sys.executable, str(GPU_CHECK), "--out-json", str(tmp_path / "r.json"),
-         "--out-md", str(tmp_path / "r.md")],
-        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+        [
+            sys.executable,
+            str(GPU_CHECK),
+            "--out-json",
+            str(tmp_path / "r.json"),
+            "--out-md",
+            str(tmp_path / "r.md"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "no GPU" in proc.stderr and "--cpu-smoke" in proc.stderr
     assert not (tmp_path / "r.json").exists()
@@ -458,9 +499,25 @@ def test_gpu_check_cpu_smoke_runs_the_bridge_and_the_frontend(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     out = tmp_path / "r.json"
     proc = run(
-        [sys.executable, str(GPU_CHECK), "--cpu-smoke", "--only", "dlpack,torch-frontend",
-         "--steps", "1", "--out-json", str(out), "--out-md", str(tmp_path / "r.md")],
-        capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+        [
+            sys.executable,
+            str(GPU_CHECK),
+            "--cpu-smoke",
+            "--only",
+            "dlpack,torch-frontend",
+            "--steps",
+            "1",
+            "--out-json",
+            str(out),
+            "--out-md",
+            str(tmp_path / "r.md"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["mode"] == "cpu-smoke"

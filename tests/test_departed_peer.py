@@ -27,9 +27,14 @@ def _job(tmp_path: Path, *args: str, processes: int = 2):
     """Starts the JAX workers; `launch` kills what is left of them on the way out."""
     port = free_port(pair=True)
     argv = [sys.executable, str(WORKER), *args]
-    return launch(tmp_path, {r: (argv, rank_env(r, processes, port,
-                                                FUNSHARD_DEPARTURE_TIMEOUT=str(TIMEOUT_S)))
-                             for r in range(processes)}, HARD_CAP_S)
+    return launch(
+        tmp_path,
+        {
+            r: (argv, rank_env(r, processes, port, FUNSHARD_DEPARTURE_TIMEOUT=str(TIMEOUT_S)))
+            for r in range(processes)
+        },
+        HARD_CAP_S,
+    )
 
 
 def _finish(job) -> tuple[list[int], list[str]]:
@@ -40,10 +45,15 @@ def _finish(job) -> tuple[list[int], list[str]]:
     return list(codes.values()), list(job.logs().values())
 
 
-@pytest.mark.parametrize("leaving,shard_batch,count_steps",
-                         [(1, True, False), (0, False, False), (0, False, True)],
-                         ids=["rank1-leaves-shard_batch-raises", "rank0-leaves-watchdog",
-                              "rank0-leaves-watchdog-count_step"])
+@pytest.mark.parametrize(
+    "leaving,shard_batch,count_steps",
+    [(1, True, False), (0, False, False), (0, False, True)],
+    ids=[
+        "rank1-leaves-shard_batch-raises",
+        "rank0-leaves-watchdog",
+        "rank0-leaves-watchdog-count_step",
+    ],
+)
 def test_jax_survivor_gives_up_naming_who_left(tmp_path, leaving, shard_batch, count_steps):
     # rank 0 is also the coordination service: when it leaves, it must stay up until the
     # survivor has given up, or JAX would terminate the survivor with its own message.
@@ -60,12 +70,16 @@ def test_jax_survivor_gives_up_naming_who_left(tmp_path, leaving, shard_batch, c
     text = logs[survivor]
     if shard_batch:  # a Python exception, raised by shard_batch as soon as it waits
         assert "DistributedError: shard_batch: process" in text, text
-        assert (f"process {leaving} returned normally and left the job after 2 steps "
-                "(shard_batch calls)") in text, text
+        assert (
+            f"process {leaving} returned normally and left the job after 2 steps "
+            "(shard_batch calls)"
+        ) in text, text
         assert "The last step both reached is step 2" in text, text
     elif count_steps:  # stuck in XLA, the watchdog ends it: the loop counted its steps
-        assert (f"process {leaving} returned normally and left the job after 2 steps "
-                "(count_step calls), and") in text, text
+        assert (
+            f"process {leaving} returned normally and left the job after 2 steps "
+            "(count_step calls), and"
+        ) in text, text
         assert "The last step both reached is step 2" in text, text
     else:  # the main thread is stuck in XLA: the watchdog ends the process
         assert f"process {leaving} returned normally and left the job, and" in text, text
@@ -87,8 +101,21 @@ def test_torch_frontend_survivor_raises_naming_who_left(tmp_path, monkeypatch):
     # must still exit 0 (torchrun's status), never hang or crash in the teardown.
     # Processes that finish together exit 0 too: tests/test_multiprocess.py.
     monkeypatch.setenv("FUNSHARD_DEPARTURE_TIMEOUT", str(TIMEOUT_S))  # read by clean_env
-    with Job(TORCH_WORKER, tmp_path, 2, free_port(pair=True), HARD_CAP_S, "--steps", "6",
-             "--leaving-rank", "1", "--leaving-steps", "2", "--how", "caught") as job:
+    with Job(
+        TORCH_WORKER,
+        tmp_path,
+        2,
+        free_port(pair=True),
+        HARD_CAP_S,
+        "--steps",
+        "6",
+        "--leaving-rank",
+        "1",
+        "--leaving-steps",
+        "2",
+        "--how",
+        "caught",
+    ) as job:
         _, ranks = job.result()
     survivor, leaver = ranks
     assert int(leaver["done"]) == 2 and str(leaver["error"]) == ""
@@ -109,17 +136,31 @@ def test_torch_full_state_dict_on_one_rank_only_is_a_bounded_named_error(tmp_pat
     # rank 0 raises after departure_timeout naming rank 1, returns, and rank 1 (waiting
     # for its forward's gather) gives up naming rank 0.
     monkeypatch.setenv("FUNSHARD_DEPARTURE_TIMEOUT", str(TIMEOUT_S))  # read by clean_env
-    with Job(TORCH_WORKER, tmp_path, 2, free_port(pair=True), HARD_CAP_S, "--steps", "6",
-             "--leaving-rank", "-1", "--leaving-steps", "0",
-             "--extra-full-state-dict", "0") as job:
+    with Job(
+        TORCH_WORKER,
+        tmp_path,
+        2,
+        free_port(pair=True),
+        HARD_CAP_S,
+        "--steps",
+        "6",
+        "--leaving-rank",
+        "-1",
+        "--leaving-steps",
+        "0",
+        "--extra-full-state-dict",
+        "0",
+    ) as job:
         _, ranks = job.result()
     caller, other = (str(r["error"]) for r in ranks)
     assert [int(r["done"]) for r in ranks] == [2, 2], (caller, other)
-    assert "full_state_dict outside a step: process 0 of 2 is about to issue an all-gather" \
-        in caller, caller
+    assert (
+        "full_state_dict outside a step: process 0 of 2 is about to issue an all-gather" in caller
+    ), caller
     assert f"process 1 has not issued it after {TIMEOUT_S} s" in caller, caller
-    assert ("process 0 returned normally and left the job after 2 steps (backward passes)"
-            in other), other
+    assert (
+        "process 0 returned normally and left the job after 2 steps (backward passes)" in other
+    ), other
     assert float(ranks[1]["left_at"]) - float(ranks[0]["left_at"]) < 30
 
 
@@ -131,8 +172,18 @@ def test_eager_unshard_on_one_process_only_is_a_bounded_named_error(tmp_path, sh
     # after departure_timeout naming process 0, and process 0 (waiting in shard_batch,
     # or in the step's collective) fails naming process 1.
     start = time.monotonic()
-    with _job(tmp_path, "--steps", "4", "--leaving-rank", "-1", "--leaving-steps", "0",
-              "--extra-unshard", "1", *([] if shard_batch else ["--no-shard-batch"])) as job:
+    with _job(
+        tmp_path,
+        "--steps",
+        "4",
+        "--leaving-rank",
+        "-1",
+        "--leaving-steps",
+        "0",
+        "--extra-unshard",
+        "1",
+        *([] if shard_batch else ["--no-shard-batch"]),
+    ) as job:
         codes, logs = _finish(job)
     elapsed = time.monotonic() - start
     assert codes == [1, 1], logs
@@ -145,13 +196,23 @@ def test_eager_unshard_on_one_process_only_is_a_bounded_named_error(tmp_path, sh
 
 
 def test_eager_unshard_of_different_trees_fails_on_every_process_at_once(tmp_path):
-    with _job(tmp_path, "--steps", "4", "--leaving-rank", "-1", "--leaving-steps", "0",
-              "--other-unshard", "1") as job:
+    with _job(
+        tmp_path,
+        "--steps",
+        "4",
+        "--leaving-rank",
+        "-1",
+        "--leaving-steps",
+        "0",
+        "--other-unshard",
+        "1",
+    ) as job:
         codes, logs = _finish(job)
     assert codes == [1, 1], logs
     for rank, other in ((0, 1), (1, 0)):
         text = logs[rank]
-        assert f"DistributedError: unshard outside a step: process {rank} is about to issue" \
-            in text, text
+        assert (
+            f"DistributedError: unshard outside a step: process {rank} is about to issue" in text
+        ), text
         assert f"but process {other} issues an all-gather of 1 leaf" in text, text
         assert "pass the same tree to unshard on every process" in text, text

@@ -59,12 +59,16 @@ def test_missing_peer_is_named_on_every_process(tmp_path):
     assert codes == {0: 1, 1: 1}, (codes, logs)  # a Python exception, not SIGABRT (-6)
     assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, logs)
     assert _waiting_lines(logs[0]) == [
-        f"funshard: process 0 of 3 waiting for process 2 at 127.0.0.1:{port}, "
-        f"timeout {TIMEOUT_S} s"], logs[0]
-    assert (f"TimeoutError: initialize: process 0 of 3 gave up after {TIMEOUT_S} s: "
-            f"process 2 never reached the coordinator at 127.0.0.1:{port}") in logs[0]
-    assert ("TimeoutError: initialize: process 1 of 3: process 0 gave up waiting: "
-            "process 2 never reached the coordinator") in logs[1], logs[1]
+        f"funshard: process 0 of 3 waiting for process 2 at 127.0.0.1:{port}, timeout {TIMEOUT_S} s"
+    ], logs[0]
+    assert (
+        f"TimeoutError: initialize: process 0 of 3 gave up after {TIMEOUT_S} s: "
+        f"process 2 never reached the coordinator at 127.0.0.1:{port}"
+    ) in logs[0]
+    assert (
+        "TimeoutError: initialize: process 1 of 3: process 0 gave up waiting: "
+        "process 2 never reached the coordinator"
+    ) in logs[1], logs[1]
     assert "another task" not in logs[0] + logs[1]
 
 
@@ -78,10 +82,12 @@ def test_missing_coordinator_times_out_in_python(tmp_path):
     assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, logs)
     assert _waiting_lines(logs[1]) == [
         f"funshard: process 1 of 2 waiting for process 0 (the coordinator) and the others "
-        f"at 127.0.0.1:{port}, timeout {TIMEOUT_S} s"], logs[1]
-    assert (f"TimeoutError: initialize: process 1 of 2 could not reach the coordinator "
-            f"(process 0) at 127.0.0.1:{port} within {TIMEOUT_S} s (Connection refused)"
-            ) in logs[1], logs[1]
+        f"at 127.0.0.1:{port}, timeout {TIMEOUT_S} s"
+    ], logs[1]
+    assert (
+        f"TimeoutError: initialize: process 1 of 2 could not reach the coordinator "
+        f"(process 0) at 127.0.0.1:{port} within {TIMEOUT_S} s (Connection refused)"
+    ) in logs[1], logs[1]
 
 
 @pytest.mark.multiprocess
@@ -92,8 +98,10 @@ def test_processes_that_disagree_on_the_world_size(tmp_path):
     args = ["--timeout", str(TIMEOUT_S)]
     codes, logs, _ = _run(tmp_path, {0: (_env(0, 2, port), args), 1: (_env(1, 3, port), args)})
     assert codes == {0: 1, 1: 1}, (codes, logs)
-    assert ("DistributedError: initialize: process 0 of 2 rejected this process: a process "
-            "started as rank 1 of 3 processes, but process 0 expects 2") in logs[1], logs[1]
+    assert (
+        "DistributedError: initialize: process 0 of 2 rejected this process: a process "
+        "started as rank 1 of 3 processes, but process 0 expects 2"
+    ) in logs[1], logs[1]
     assert "gave up after 4 s: process 1 never reached" in logs[0], logs[0]
     assert "WORLD_SIZE differs between processes" in logs[0]
 
@@ -102,13 +110,17 @@ def test_processes_that_disagree_on_the_world_size(tmp_path):
 def test_late_peer_is_awaited_and_uneven_batches_are_refused_everywhere(tmp_path):
     # Process 1 starts 2 s late: process 0 says once what it waits for, then both start.
     port = free_port()
-    codes, logs, _ = _run(tmp_path, {
-        0: (_env(0, 2, port), ["--timeout", "30", "--batches"]),
-        1: (_env(1, 2, port), ["--timeout", "30", "--batches", "--delay", "2"]),
-    })
+    codes, logs, _ = _run(
+        tmp_path,
+        {
+            0: (_env(0, 2, port), ["--timeout", "30", "--batches"]),
+            1: (_env(1, 2, port), ["--timeout", "30", "--batches", "--delay", "2"]),
+        },
+    )
     assert codes == {0: 0, 1: 0}, (codes, logs)
     assert _waiting_lines(logs[0]) == [
-        f"funshard: process 0 of 2 waiting for process 1 at 127.0.0.1:{port}, timeout 30 s"]
+        f"funshard: process 0 of 2 waiting for process 1 at 127.0.0.1:{port}, timeout 30 s"
+    ]
     for rank in (0, 1):
         log = logs[rank]
         assert "uneven batch 0 refused: shard_batch: the processes passed batches" in log, log
@@ -138,8 +150,11 @@ def test_unresolvable_coordinator_fails_fast(clean_launch_env):
     clean_launch_env.setenv("MASTER_ADDR", "no-such-host.invalid")
     clean_launch_env.setenv("MASTER_PORT", "29500")
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"coordinator host 'no-such-host.invalid' \(from "
-                                         r"MASTER_ADDR / MASTER_PORT\) does not resolve"):
+    with pytest.raises(
+        ValueError,
+        match=r"coordinator host 'no-such-host.invalid' \(from "
+        r"MASTER_ADDR / MASTER_PORT\) does not resolve",
+    ):
         funshard.distributed.initialize(initialization_timeout=TIMEOUT_S)
     assert time.monotonic() - start < 2
     with pytest.raises(ValueError, match="from the coordinator_address argument"):
@@ -147,13 +162,25 @@ def test_unresolvable_coordinator_fails_fast(clean_launch_env):
     assert not jax.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("address,kwargs,env,match", [
-    ("127.0.0.1:99999", {}, {}, r"'127.0.0.1:99999' \(from the coordinator_address argument\)"
-                                r" is not 'host:port'"),
-    ("127.0.0.1:1", {"initialization_timeout": -1}, {}, "initialization_timeout=-1 is not"),
-    ("127.0.0.1:1", {}, {"FUNSHARD_INITIALIZATION_TIMEOUT": "soon"},
-     "FUNSHARD_INITIALIZATION_TIMEOUT='soon' is not a positive number"),
-])
+@pytest.mark.parametrize(
+    "address,kwargs,env,match",
+    [
+        (
+            "127.0.0.1:99999",
+            {},
+            {},
+            r"'127.0.0.1:99999' \(from the coordinator_address argument\)"
+            r" is not 'host:port'",
+        ),
+        ("127.0.0.1:1", {"initialization_timeout": -1}, {}, "initialization_timeout=-1 is not"),
+        (
+            "127.0.0.1:1",
+            {},
+            {"FUNSHARD_INITIALIZATION_TIMEOUT": "soon"},
+            "FUNSHARD_INITIALIZATION_TIMEOUT='soon' is not a positive number",
+        ),
+    ],
+)
 def test_bad_start_up_settings_are_refused(clean_launch_env, address, kwargs, env, match):
     for name, value in env.items():
         clean_launch_env.setenv(name, value)

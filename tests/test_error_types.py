@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import mesh_for
 
 import funshard as fs
 from funshard import errors
-from conftest import mesh_for
 
 BUILTIN = {
     errors.ShardingValueError: ValueError,
@@ -54,36 +54,53 @@ def test_every_class_subclasses_its_builtin_and_the_base():
 
 def test_a_non_numeric_leaf_in_shard():
     params = {"blocks": [{"w": jnp.ones((8, 4))}, {"w": np.array(["a", "b"], dtype=object)}]}
-    message = _raises(errors.ShardingTypeError, fs.shard, params, mesh_for("8"),
-                      names="['blocks'][1]['w']")
+    message = _raises(
+        errors.ShardingTypeError, fs.shard, params, mesh_for("8"), names="['blocks'][1]['w']"
+    )
     assert "has dtype object" in message
 
 
 def test_a_bad_mesh():
     _raises(errors.ShardingTypeError, fs.shard, {"w": jnp.ones(8)}, "fsdp")
     _raises(errors.ShardingValueError, fs.make_mesh, replicate=3, devices=jax.devices()[:8])
-    _raises(errors.ShardingValueError, fs.shard, {"w": jnp.ones(8)}, mesh_for("8"),
-            shard_axis="data")
+    _raises(
+        errors.ShardingValueError, fs.shard, {"w": jnp.ones(8)}, mesh_for("8"), shard_axis="data"
+    )
 
 
 def test_a_bad_mixed_precision_policy():
     _raises(errors.ShardingValueError, fs.MixedPrecisionPolicy, param_dtype=jnp.int32)
     _raises(errors.ShardingTypeError, fs.MixedPrecisionPolicy, param_dtype="not a dtype")
-    _raises(errors.ShardingTypeError, fs.shard, {"w": jnp.ones(8)}, mesh_for("8"),
-            mp_policy="bf16")
+    _raises(errors.ShardingTypeError, fs.shard, {"w": jnp.ones(8)}, mesh_for("8"), mp_policy="bf16")
 
 
 def test_a_placement_dim_out_of_range():
-    _raises(errors.ShardingValueError, fs.shard, {"emb": {"w": jnp.ones((8, 4))}},
-            mesh_for("8"), placement=lambda path, x: fs.Shard(2), names="['emb']['w']")
+    _raises(
+        errors.ShardingValueError,
+        fs.shard,
+        {"emb": {"w": jnp.ones((8, 4))}},
+        mesh_for("8"),
+        placement=lambda path, x: fs.Shard(2),
+        names="['emb']['w']",
+    )
 
 
 def test_resharding_an_array_of_the_wrong_shape():
     state = fs.shard({"layers": [{"w": jnp.ones((16, 4))}]}, mesh_for("8"))
-    _raises(errors.ShardingValueError, fs.reshard, {"layers": [{"w": jnp.ones((16, 5))}]},
-            state, names="['layers'][0]['w']")
-    _raises(errors.ShardingTypeError, fs.reshard, {"layers": [{"w": "weights"}]}, state,
-            names="['layers'][0]['w']")
+    _raises(
+        errors.ShardingValueError,
+        fs.reshard,
+        {"layers": [{"w": jnp.ones((16, 5))}]},
+        state,
+        names="['layers'][0]['w']",
+    )
+    _raises(
+        errors.ShardingTypeError,
+        fs.reshard,
+        {"layers": [{"w": "weights"}]},
+        state,
+        names="['layers'][0]['w']",
+    )
 
 
 def test_a_sharded_leaf_used_in_math():
@@ -101,23 +118,34 @@ def test_unshard_of_plain_parameters():
 
 def test_scan_over_zero_layers():
     stack = fs.shard({"w": jnp.zeros((0, 8, 8))}, mesh_for("4"), stacked=True)
-    message = _raises(errors.ShardingValueError, fs.scan, lambda p, h: h @ p["w"], stack,
-                      jnp.ones((8, 8)), names="['w'] (0, 8, 8)")
+    message = _raises(
+        errors.ShardingValueError,
+        fs.scan,
+        lambda p, h: h @ p["w"],
+        stack,
+        jnp.ones((8, 8)),
+        names="['w'] (0, 8, 8)",
+    )
     assert "holds no layers" in message
 
 
 def test_scan_with_hpz_is_unsupported():
     stack = fs.shard({"w": jnp.zeros((3, 8, 8))}, mesh_for("8"), stacked=True)
-    _raises(errors.UnsupportedError, fs.scan, lambda p, h: h @ p["w"], stack,
-            jnp.ones((8, 8)), reshard_after_forward=2)
+    _raises(
+        errors.UnsupportedError,
+        fs.scan,
+        lambda p, h: h @ p["w"],
+        stack,
+        jnp.ones((8, 8)),
+        reshard_after_forward=2,
+    )
 
 
 # ---- checkpoints ----
 
 
 def _tree():
-    return {"params": fs.shard({"w": jnp.arange(16.0).reshape(8, 2)}, mesh_for("8")),
-            "step": 0}
+    return {"params": fs.shard({"w": jnp.arange(16.0).reshape(8, 2)}, mesh_for("8")), "step": 0}
 
 
 def test_a_checkpoint_that_does_not_exist(tmp_path):
@@ -128,8 +156,9 @@ def test_a_checkpoint_that_does_not_exist(tmp_path):
 def test_restoring_into_a_mismatched_tree(tmp_path):
     fs.save(tmp_path / "c", _tree())
     other = {"params": fs.shard({"w": jnp.ones((8, 3))}, mesh_for("8")), "step": 0}
-    message = _raises(errors.CheckpointError, fs.restore, tmp_path / "c", other,
-                      names="['params']['w']")
+    message = _raises(
+        errors.CheckpointError, fs.restore, tmp_path / "c", other, names="['params']['w']"
+    )
     assert "shape mismatch" in message
     (tmp_path / "empty").mkdir()
     _raises(errors.CheckpointError, fs.restore, tmp_path / "empty", _tree())
@@ -152,8 +181,13 @@ def test_load_state_dict_with_a_missing_key():
 
 def test_shard_batch_with_a_scalar_leaf():
     mesh = mesh_for("8")
-    _raises(errors.ShardingValueError, fs.distributed.shard_batch,
-            {"x": np.ones((8, 2)), "label": np.float32(1)}, mesh, names="['label']")
+    _raises(
+        errors.ShardingValueError,
+        fs.distributed.shard_batch,
+        {"x": np.ones((8, 2)), "label": np.float32(1)},
+        mesh,
+        names="['label']",
+    )
     _raises(errors.ShardingTypeError, fs.distributed.shard_batch, {"x": np.ones(8)}, "mesh")
 
 

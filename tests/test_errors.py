@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import mesh_for
 
 import funshard as fs
-from conftest import mesh_for
 
 F32 = np.float32
 
@@ -206,8 +206,10 @@ def test_unshard_of_other_mesh_inside_step():
 
 def test_value_and_grad_mixed_axes():
     mesh = mesh_for("2x4")
-    state = {"w": fs.shard(_params()["w"], mesh), "b": fs.shard(_params()["b"], mesh,
-                                                                replicate_axis=())}
+    state = {
+        "w": fs.shard(_params()["w"], mesh),
+        "b": fs.shard(_params()["b"], mesh, replicate_axis=()),
+    }
     with user_error(ValueError, "leaf ['w']", "one shard_axis/replicate_axis"):
         fs.value_and_grad(_loss)(state, _batch())
 
@@ -269,7 +271,9 @@ def test_make_mesh_replicate_not_a_divisor(replicate):
 
 
 def test_fully_shard_reshard_after_forward_not_bool():
-    with user_error(TypeError, "reshard_after_forward must be True, False or a positive int", "'yes'"):
+    with user_error(
+        TypeError, "reshard_after_forward must be True, False or a positive int", "'yes'"
+    ):
         fs.fully_shard(lambda p, x: x, reshard_after_forward="yes")
 
 
@@ -290,8 +294,9 @@ def test_fully_shard_unit_with_two_policies():
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_fully_shard_unit_with_two_policies_inside_step(reshard_after_forward):
-    unit = fs.fully_shard(lambda p, x: x @ p["w"].T + p["b"][0],
-                          reshard_after_forward=reshard_after_forward)
+    unit = fs.fully_shard(
+        lambda p, x: x @ p["w"].T + p["b"][0], reshard_after_forward=reshard_after_forward
+    )
 
     def loss(state, batch):
         return jnp.mean(unit(state, batch["x"]) ** 2)

@@ -42,7 +42,11 @@ def run_example(script: str, *args: str, cwd: Path) -> str:
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
     proc = run(
         [sys.executable, str(EXAMPLES / script), *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     assert proc.returncode == 0, f"{script} {args} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -83,12 +87,41 @@ def fsdp_run(tmp_path_factory):
     folder's), with a sample."""
     cwd = tmp_path_factory.mktemp("train_lm")
     run_dir = cwd / "run"
-    first = run_example("train_lm.py", *TINY, "--steps", "8", "--warmup", "2", "--clip", "1",
-                        "--peak-tflops", str(PEAK_TFLOPS), "--profile", str(cwd / "profile"),
-                        "--sample", "", "--run-dir", str(run_dir), cwd=cwd)
-    second = run_example("train_lm.py", "--steps", "12", "--replicate", "2",
-                         "--param-dtype", "bf16", "--sample", "ROMEO:",
-                         "--sample-length", "40", "--run-dir", str(run_dir), cwd=cwd)
+    first = run_example(
+        "train_lm.py",
+        *TINY,
+        "--steps",
+        "8",
+        "--warmup",
+        "2",
+        "--clip",
+        "1",
+        "--peak-tflops",
+        str(PEAK_TFLOPS),
+        "--profile",
+        str(cwd / "profile"),
+        "--sample",
+        "",
+        "--run-dir",
+        str(run_dir),
+        cwd=cwd,
+    )
+    second = run_example(
+        "train_lm.py",
+        "--steps",
+        "12",
+        "--replicate",
+        "2",
+        "--param-dtype",
+        "bf16",
+        "--sample",
+        "ROMEO:",
+        "--sample-length",
+        "40",
+        "--run-dir",
+        str(run_dir),
+        cwd=cwd,
+    )
     return first, second, run_dir
 
 
@@ -96,8 +129,22 @@ def fsdp_run(tmp_path_factory):
 def scan_run(tmp_path_factory):
     """8 steps with `--scan` on 3 devices (every leaf padded) and another seed."""
     cwd = tmp_path_factory.mktemp("train_lm_scan")
-    out = run_example("train_lm.py", *TINY, "--steps", "8", "--scan", "--devices", "3",
-                      "--seed", "1", "--sample", "", "--run-dir", str(cwd / "run"), cwd=cwd)
+    out = run_example(
+        "train_lm.py",
+        *TINY,
+        "--steps",
+        "8",
+        "--scan",
+        "--devices",
+        "3",
+        "--seed",
+        "1",
+        "--sample",
+        "",
+        "--run-dir",
+        str(cwd / "run"),
+        cwd=cwd,
+    )
     return out, cwd / "run"
 
 
@@ -165,14 +212,17 @@ def test_train_lm_logs_the_schedules_learning_rate(fsdp_run):
 
 def test_train_lm_reports_speed_mfu_and_memory(fsdp_run):
     out, _, run_dir = fsdp_run
-    flops = float(re.search(r"^([\d,]+) FLOPs per step per device", out, re.M)
-                  .group(1).replace(",", ""))
+    flops = float(
+        re.search(r"^([\d,]+) FLOPs per step per device", out, re.M).group(1).replace(",", "")
+    )
     # XLA's count for one device's share, not the whole mesh's: about 6 FLOPs per
     # parameter per token (forward and backward), BATCH * 32 / 8 tokens per device.
     params = 8 * 1024 * float(summary_value(out, "parameters per device").split()[0]) / 4
     assert 0.5 < flops / (6 * params * BATCH * 32 / 8) < 2
-    state_bytes = sum(1024 * float(summary_value(out, f"{n} per device").split()[0])
-                      for n in ("parameters", "optimizer state"))
+    state_bytes = sum(
+        1024 * float(summary_value(out, f"{n} per device").split()[0])
+        for n in ("parameters", "optimizer state")
+    )
     rows = [r for r in metrics(run_dir) if "loss" in r and r["step"] <= 8]
     assert sum(r["window"] for r in rows) == 8
     wall = float(summary_value(out, "wall time").split()[0])
@@ -186,9 +236,13 @@ def test_train_lm_reports_speed_mfu_and_memory(fsdp_run):
         assert r["peak_memory_source"] == "compiled step"
         assert r["peak_memory_bytes"] > state_bytes
     # The progress bar's readouts, also printed at each evaluation:
-    line = re.search(r"^step +8  train \S+  val \S+  [\d.]+ ms/step  [\d,]+ tok/s  \S+ "
-                     r"TFLOP/s/device  MFU [\d.]+% \(indicative on CPU\)  gnorm [\d.]+  "
-                     r"lr \S+  peak mem [\d.]+ [KM]iB/device$", out, re.M)
+    line = re.search(
+        r"^step +8  train \S+  val \S+  [\d.]+ ms/step  [\d,]+ tok/s  \S+ "
+        r"TFLOP/s/device  MFU [\d.]+% \(indicative on CPU\)  gnorm [\d.]+  "
+        r"lr \S+  peak mem [\d.]+ [KM]iB/device$",
+        out,
+        re.M,
+    )
     assert line, out
     assert summary_value(out, "MFU").endswith("%")
 
@@ -196,7 +250,7 @@ def test_train_lm_reports_speed_mfu_and_memory(fsdp_run):
 def test_train_lm_bar_and_table_show_the_same_loss(fsdp_run):
     out, _, run_dir = fsdp_run
     bar = re.search(r"^training .* 8/8 loss (\S+) val", out, re.M).group(1)
-    last = [r for r in metrics(run_dir) if "loss" in r and r["step"] == 8][0]
+    last = next(r for r in metrics(run_dir) if "loss" in r and r["step"] == 8)
     table = re.search(r"train loss, last (\d+) steps\s*│\s*(\S+)", out)
     assert bar == table.group(2) == f"{last['loss']:.3f}"
     assert int(table.group(1)) == last["window"] == 4  # steps 5..8
@@ -216,8 +270,11 @@ def test_train_lm_profile_shows_the_units(fsdp_run):
     # ... and the script adds up the trace's time per unit and collective.
     line = fsdp_run[0].split("ms per step and device")[1].splitlines()[0]
     times = dict(re.findall(r"(\w+/\w+) ([\d.]+)", line))
-    assert set(times) == {f"{unit}/{collective}" for unit in ("Block", "GPT")
-                          for collective in ("all_gather", "reduce_scatter")}
+    assert set(times) == {
+        f"{unit}/{collective}"
+        for unit in ("Block", "GPT")
+        for collective in ("all_gather", "reduce_scatter")
+    }
     assert all(float(ms) > 0 for ms in times.values())
     # ... and writes the trace again with those spans named by unit, for Perfetto.
     assert f"spans named by unit: {profile / 'funshard_trace.json.gz'}" in fsdp_run[0]
@@ -225,8 +282,9 @@ def test_train_lm_profile_shows_the_units(fsdp_run):
     spans = [e["name"] for e in events["traceEvents"] if e.get("ph") == "X"]
     for scope in times:
         collective = scope.split("/")[1].replace("_", "[-_]")
-        assert any(re.fullmatch(rf"funshard/{scope} \({collective}[\w.-]*\)", name)
-                   for name in spans), (scope, Counter(spans).most_common(20))
+        assert any(
+            re.fullmatch(rf"funshard/{scope} \({collective}[\w.-]*\)", name) for name in spans
+        ), (scope, Counter(spans).most_common(20))
 
 
 def _load_train_lm():
@@ -274,9 +332,11 @@ def global_norm(tree):
 def test_train_lm_gradient_norm_is_the_full_gradients(fsdp_run, scan_run):
     # Step 1 of the 8-device run (seed 0) and of the 3-device --scan run (seed 1, every
     # leaf padded) against the unsharded model.
-    logged = [next(r for r in metrics(run_dir) if r["step"] == 1)
-              for run_dir in (fsdp_run[2], scan_run[1])]
-    for row, (loss, norm) in zip(logged, plain_first_step([0, 1])):
+    logged = [
+        next(r for r in metrics(run_dir) if r["step"] == 1)
+        for run_dir in (fsdp_run[2], scan_run[1])
+    ]
+    for row, (loss, norm) in zip(logged, plain_first_step([0, 1]), strict=True):
         assert row["window"] == 1
         assert row["loss"] == pytest.approx(loss, rel=1e-5)
         assert row["grad_norm"] == pytest.approx(norm, rel=1e-4)

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funshard as fs
-import funshard.flax  # noqa: F401  (fs.flax)
+import funshard.flax
 
 pytestmark = pytest.mark.slow
 
@@ -128,8 +128,7 @@ def _nnx_case(name: str) -> dict:
         mesh_name, reshard = CASES[name]
         graphdef, state = fs.flax.shard(_nnx_model(reshard), mesh_for(mesh_name))
         exe, text = _compiled_step(_nnx_loss(graphdef), state, _batch())
-        _NNX_CASES[name] = dict(reshard=reshard, graphdef=graphdef, state=state, exe=exe,
-                                text=text)
+        _NNX_CASES[name] = dict(reshard=reshard, graphdef=graphdef, state=state, exe=exe, text=text)
     return _NNX_CASES[name]
 
 
@@ -149,8 +148,11 @@ def test_nnx_gradients_match_the_unsharded_model(nnx_step, nnx_reference):
 
 def _gathers_by_unit(hlo_text: str) -> Counter:
     """All-gathers per unit label (`funshard/<unit>/all_gather` in their metadata)."""
-    names = [re.search(r"funshard/(\w+)/all_gather", line)
-             for line in hlo_text.splitlines() if " all-gather(" in line]
+    names = [
+        re.search(r"funshard/(\w+)/all_gather", line)
+        for line in hlo_text.splitlines()
+        if " all-gather(" in line
+    ]
     return Counter(m.group(1) for m in names if m)
 
 
@@ -190,9 +192,13 @@ def test_flax_plan_of_an_nnx_model_predicts_the_compiled_step(nnx_default_step):
     assert plan.count("all-gather") == counts["all-gather"] == 2 * BLOCKS + 1
     assert plan.count("reduce-scatter") == counts["reduce-scatter"] == UNITS
     assert {u.name: u.reshard_after_forward for u in plan.units} == {
-        "blocks.0": True, "blocks.1": True, "Model": False}
+        "blocks.0": True,
+        "blocks.1": True,
+        "Model": False,
+    }
     assert plan.params.replicated == sum(
-        x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+    )
 
 
 def test_nnx_parameters_sharded_like_fs_shard(nnx_step):
@@ -331,7 +337,7 @@ def test_nnx_rng_and_batch_statistics_stay_replicated_and_are_written_back():
     they come back out of the step as aux. The head belongs to no unit: replicated."""
     model = NoisyModel(nnx.Rngs(0, dropout=1))
     graphdef, params, rest = fs.flax.shard(model, mesh_for("8"), nnx.Param, ...)
-    assert not jax.tree.leaves(rest, is_leaf=_is_sharded) == []
+    assert jax.tree.leaves(rest, is_leaf=_is_sharded) != []
     assert not any(map(_is_sharded, jax.tree.leaves(rest, is_leaf=_is_sharded)))
     assert not _is_sharded(params["head"]["kernel"].get_value())
     assert _is_sharded(params["block"]["fc"]["kernel"].get_value())
@@ -348,8 +354,9 @@ def test_nnx_rng_and_batch_statistics_stay_replicated_and_are_written_back():
     # BatchNorm's running mean moved by (1 - momentum) * the global batch mean.
     fc = nnx.merge(graphdef, fs.unshard(params), rest).block.fc
     batch_mean = fc(_noisy_batch()["x"]).mean(0)
-    np.testing.assert_allclose(new_rest["block"]["norm"]["mean"].get_value(),
-                               0.01 * batch_mean, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        new_rest["block"]["norm"]["mean"].get_value(), 0.01 * batch_mean, rtol=1e-4, atol=1e-6
+    )
     assert _is_sharded(grads["block"]["fc"]["kernel"].get_value())
 
 
@@ -359,8 +366,9 @@ class DropoutModel(nnx.Module):
 
     def __init__(self, rngs, streams_at_init=True, deterministic=False):
         self.fc = nnx.Linear(4, 8, rngs=rngs)
-        self.drop = nnx.Dropout(0.5, deterministic=deterministic,
-                                rngs=rngs if streams_at_init else None)
+        self.drop = nnx.Dropout(
+            0.5, deterministic=deterministic, rngs=rngs if streams_at_init else None
+        )
         self.head = nnx.Linear(8, 1, rngs=rngs)
 
     def __call__(self, x, rngs=None):
@@ -396,8 +404,9 @@ def _one_state_run(model, steps=3, call_rngs=False):
 
     opt_state, losses, masks = fs.init_optimizer(opt, state), [], []
     for i in range(steps):
-        state, opt_state, loss, kept = train_step(state, opt_state, _dropout_batch(i),
-                                                  jax.random.key(i))
+        state, opt_state, loss, kept = train_step(
+            state, opt_state, _dropout_batch(i), jax.random.key(i)
+        )
         losses.append(loss)
         masks.append(np.asarray(kept))
     return state, losses, masks
@@ -408,8 +417,9 @@ def test_nnx_one_state_recipe_with_dropout_matches_the_unsharded_model():
     documented loop (trainable mask, optax.masked, fs.flax.apply_updates) runs, and with
     dropout off it trains exactly as optax on one device."""
     state, losses, _ = _one_state_run(DropoutModel(nnx.Rngs(0), deterministic=True))
-    graphdef, params, rest = nnx.split(DropoutModel(nnx.Rngs(0), deterministic=True),
-                                       nnx.Param, ...)
+    graphdef, params, rest = nnx.split(
+        DropoutModel(nnx.Rngs(0), deterministic=True), nnx.Param, ...
+    )
     opt_state, step = ADAM.init(params), _optax_step(ADAM)
 
     def loss_fn(params, batch):
@@ -490,8 +500,11 @@ def test_nnx_batch_norm_statistics_are_those_of_the_global_batch(mesh_name):
 
 def test_nnx_batch_norm_outside_every_unit_is_an_error():
     model = _abstract(lambda: BatchNormModel(nnx.Rngs(0)))  # only `fc` is a unit
-    with pytest.raises(ValueError, match=r"model\.norm \(BatchNorm\) is in no unit.*"
-                                         r"fs\.flax\.fully_shard\(model\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.norm \(BatchNorm\) is in no unit.*"
+        r"fs\.flax\.fully_shard\(model\)",
+    ):
         fs.flax.shard(model, mesh_for("2"))
 
 
@@ -509,8 +522,11 @@ def test_a_leftover_set_mesh_is_named():
     model = fs.flax.fully_shard(_abstract(lambda: DropoutModel(nnx.Rngs(0))))
     tutorial_mesh = jax.make_mesh((8,), ("data",))
     with jax.set_mesh(tutorial_mesh):
-        with pytest.raises(ValueError, match=r"jax\.set_mesh \(axes data=8\).*remove the "
-                                             r"jax\.set_mesh call"):
+        with pytest.raises(
+            ValueError,
+            match=r"jax\.set_mesh \(axes data=8\).*remove the "
+            r"jax\.set_mesh call",
+        ):
             fs.flax.shard(model, mesh_for("8"))
         with pytest.raises(ValueError, match=r"fs\.flax\.plan: a mesh is set with jax\.set_mesh"):
             fs.flax.plan(model, mesh_for("8"))
@@ -521,9 +537,7 @@ def test_a_leftover_set_mesh_is_named():
 def test_nnx_write_back_into_uncopied_extra_state_is_a_clear_error():
     model = _abstract(lambda: NoisyModel(nnx.Rngs(0, dropout=1)))
     graphdef, params, rest = fs.flax.shard(model, mesh_for("4"), nnx.Param, ...)
-    step = fs.value_and_grad(
-        lambda p, b, r: _mse_aux(nnx.merge(graphdef, p, r), b), has_aux=True
-    )
+    step = fs.value_and_grad(lambda p, b, r: _mse_aux(nnx.merge(graphdef, p, r), b), has_aux=True)
     with pytest.raises(ValueError, match=r"NoisyBlock\.norm\.mean.*fs\.flax\.merge"):
         jax.eval_shape(step, params, _noisy_batch(), rest)
 
@@ -614,9 +628,7 @@ class LinenModel(nn.Module):
 
 def _linen_marked(reshard_after_forward=True):
     block = fs.flax.fully_shard(LinenBlock, reshard_after_forward=reshard_after_forward)
-    return fs.flax.fully_shard(LinenModel, reshard_after_forward=reshard_after_forward)(
-        block=block
-    )
+    return fs.flax.fully_shard(LinenModel, reshard_after_forward=reshard_after_forward)(block=block)
 
 
 def _linen_loss(model):
@@ -673,14 +685,15 @@ def test_linen_mutable_collections_and_rngs_inside_a_unit():
     `apply`'s mutable updates; dropout draws from the rngs passed to `apply`."""
     model = fs.flax.fully_shard(LinenNoisyModel)()
     batch = _noisy_batch()
-    variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                           batch["x"])
+    variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, batch["x"])
     params = fs.shard(variables["params"], mesh_for("8"))
 
     def loss_fn(params, batch, stats, key):
         out, updates = model.apply(
-            {"params": params, "batch_stats": stats}, batch["x"],
-            rngs={"dropout": key}, mutable=["batch_stats"],
+            {"params": params, "batch_stats": stats},
+            batch["x"],
+            rngs={"dropout": key},
+            mutable=["batch_stats"],
         )
         return jnp.mean((out - batch["y"]) ** 2), updates
 
@@ -690,7 +703,9 @@ def test_linen_mutable_collections_and_rngs_inside_a_unit():
     dense = nn.Dense(4).bind({"params": variables["params"]["LinenNoisyBlock_0"]["Dense_0"]})
     np.testing.assert_allclose(
         updates["batch_stats"]["LinenNoisyBlock_0"]["BatchNorm_0"]["mean"],
-        0.01 * dense(batch["x"]).mean(0), rtol=1e-4, atol=1e-6,
+        0.01 * dense(batch["x"]).mean(0),
+        rtol=1e-4,
+        atol=1e-6,
     )
 
 
@@ -723,8 +738,12 @@ class LinenTrainModel(nn.Module):
 
 def _linen_train_loss(model, train):
     def loss_fn(params, batch, batch_stats):
-        out, updates = model.apply({"params": params, "batch_stats": batch_stats},
-                                   batch["x"], train, mutable=["batch_stats"])
+        out, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            batch["x"],
+            train,
+            mutable=["batch_stats"],
+        )
         return jnp.mean((out - batch["y"]) ** 2), updates["batch_stats"]
 
     return loss_fn
@@ -738,12 +757,12 @@ def test_linen_static_train_argument_and_batch_norm_without_axis_name(train):
     batch = _dropout_batch(0)
     variables = LinenTrainModel().init(jax.random.key(0), batch["x"], False)
     params = fs.shard(variables["params"], mesh_for("2x4"))
-    (loss, stats), grads = jax.jit(fs.value_and_grad(_linen_train_loss(model, train),
-                                                     has_aux=True))(
-        params, batch, variables["batch_stats"])
-    (ref, ref_stats), ref_grads = jax.jit(jax.value_and_grad(
-        _linen_train_loss(LinenTrainModel(), train), has_aux=True))(
-        variables["params"], batch, variables["batch_stats"])
+    (loss, stats), grads = jax.jit(
+        fs.value_and_grad(_linen_train_loss(model, train), has_aux=True)
+    )(params, batch, variables["batch_stats"])
+    (ref, ref_stats), ref_grads = jax.jit(
+        jax.value_and_grad(_linen_train_loss(LinenTrainModel(), train), has_aux=True)
+    )(variables["params"], batch, variables["batch_stats"])
     np.testing.assert_allclose(loss, ref, rtol=1e-5)
     assert_tree_close(fs.unshard(grads), ref_grads)
     assert_tree_close(stats, ref_stats)
@@ -755,9 +774,12 @@ class BoxedBlock(nn.Module):
     @nn.compact
     def __call__(self, h):
         dense = nn.Dense(
-            8, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                        ("embed", "mlp")),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)))
+            8,
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.lecun_normal(), ("embed", "mlp")
+            ),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
+        )
         return jnp.tanh(dense(h))
 
 
@@ -766,8 +788,7 @@ class BoxedModel(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        kernel_init = nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                   ("mlp", "vocab"))
+        kernel_init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "vocab"))
         return nn.Dense(1, kernel_init=kernel_init)(self.block()(x))
 
 
@@ -780,8 +801,7 @@ def test_linen_boxed_parameters_are_unboxed_by_the_units():
     def loss_fn(model):
         return lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
 
-    loss, grads = jax.jit(fs.value_and_grad(loss_fn(model)))(
-        fs.shard(params, mesh_for("8")), batch)
+    loss, grads = jax.jit(fs.value_and_grad(loss_fn(model)))(fs.shard(params, mesh_for("8")), batch)
     ref, ref_grads = jax.jit(jax.value_and_grad(loss_fn(BoxedModel())))(params, batch)
     np.testing.assert_allclose(loss, ref, rtol=1e-5)
     # The gradients keep the boxes: optax updates the boxed tree as it is.
@@ -824,7 +844,9 @@ def test_fully_shard_of_a_function_is_an_error():
 
 @pytest.mark.parametrize("value,error", [("yes", TypeError), (0, ValueError), (1.0, TypeError)])
 def test_bad_reshard_after_forward_is_an_error(value, error):
-    with pytest.raises(error, match="reshard_after_forward must be None, True, False or a positive"):
+    with pytest.raises(
+        error, match="reshard_after_forward must be None, True, False or a positive"
+    ):
         fs.flax.fully_shard(Block(nnx.Rngs(0)), reshard_after_forward=value)
 
 

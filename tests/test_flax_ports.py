@@ -21,8 +21,9 @@ lm1b run again with it on, which must train and differ from the deterministic ru
 (tests/test_flax.py checks that masks differ per device and per step).
 """
 
+from collections.abc import Callable
 from functools import cache, partial
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -35,7 +36,7 @@ from conftest import mesh_for
 from flax import nnx, struct
 
 import funshard as fs
-import funshard.flax  # noqa: F401  (fs.flax)
+import funshard.flax
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +45,13 @@ ROWS = 16  # 2 examples per device
 
 # LLVM's optimizations change neither the program nor its float semantics, only how
 # long XLA CPU takes to compile it (convolutions: ~10x); the suite runs on 2 cores.
-_jit = partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
-                                          "xla_llvm_disable_expensive_passes": True})
+_jit = partial(
+    jax.jit,
+    compiler_options={
+        "xla_backend_optimization_level": 0,
+        "xla_llvm_disable_expensive_passes": True,
+    },
+)
 
 
 @cache
@@ -109,8 +115,13 @@ def _cnn():
 
 def _mnist_batches():
     rng = np.random.default_rng(11)
-    return [{"image": rng.normal(size=(ROWS, 8, 8, 1)).astype(np.float32),
-             "label": rng.integers(0, 10, ROWS)} for _ in range(STEPS)]
+    return [
+        {
+            "image": rng.normal(size=(ROWS, 8, 8, 1)).astype(np.float32),
+            "label": rng.integers(0, 10, ROWS),
+        }
+        for _ in range(STEPS)
+    ]
 
 
 # The tutorial's AdamW, with eps well above float32 noise: a conv bias in front of a
@@ -199,8 +210,7 @@ MAXLEN, GPT_VOCAB, EMBED, GPT_HEADS, FF, GPT_BLOCKS = 8, 32, 16, 2, 32, 2
 
 class TransformerBlock(nnx.Module):
     def __init__(self, embed_dim, num_heads, ff_dim, *, rngs: nnx.Rngs, rate: float = 0.1):
-        self.mha = nnx.MultiHeadAttention(num_heads=num_heads, in_features=embed_dim,
-                                          rngs=rngs)
+        self.mha = nnx.MultiHeadAttention(num_heads=num_heads, in_features=embed_dim, rngs=rngs)
         self.dropout1 = nnx.Dropout(rate=rate, rngs=rngs)
         self.layer_norm1 = nnx.LayerNorm(epsilon=1e-6, num_features=embed_dim, rngs=rngs)
         self.mlp = nnx.Sequential(
@@ -230,16 +240,24 @@ class TokenAndPositionEmbedding(nnx.Module):
 
 
 class MiniGPT(nnx.Module):
-    def __init__(self, maxlen, vocab_size, embed_dim, num_heads, feed_forward_dim,
-                 num_transformer_blocks, rngs: nnx.Rngs):
-        self.embedding_layer = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim,
-                                                         rngs=rngs)
-        self.transformer_blocks = nnx.Sequential(*[
-            TransformerBlock(embed_dim, num_heads, feed_forward_dim, rngs=rngs)
-            for _ in range(num_transformer_blocks)
-        ])
-        self.output_layer = nnx.Linear(in_features=embed_dim, out_features=vocab_size,
-                                       rngs=rngs)
+    def __init__(
+        self,
+        maxlen,
+        vocab_size,
+        embed_dim,
+        num_heads,
+        feed_forward_dim,
+        num_transformer_blocks,
+        rngs: nnx.Rngs,
+    ):
+        self.embedding_layer = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim, rngs=rngs)
+        self.transformer_blocks = nnx.Sequential(
+            *[
+                TransformerBlock(embed_dim, num_heads, feed_forward_dim, rngs=rngs)
+                for _ in range(num_transformer_blocks)
+            ]
+        )
+        self.output_layer = nnx.Linear(in_features=embed_dim, out_features=vocab_size, rngs=rngs)
 
     def __call__(self, inputs):
         x = self.embedding_layer(inputs)
@@ -277,8 +295,7 @@ def _gpt_loss(model, batch):
 
 def _gpt_sharded(deterministic: bool):
     """docs/flax.md's two-state recipe: parameters differentiated, the rest passed along."""
-    graphdef, params, rest = _flax_shard(_gpt(deterministic, True), mesh_for("8"),
-                                           nnx.Param, ...)
+    graphdef, params, rest = _flax_shard(_gpt(deterministic, True), mesh_for("8"), nnx.Param, ...)
 
     def loss_fn(params, batch, rest):
         model = fs.flax.merge(graphdef, params, rest)
@@ -302,8 +319,9 @@ def _gpt_reference():
 
     @_jit
     def train_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(
-            lambda p: _gpt_loss(nnx.merge(graphdef, p, rest), batch))(params)
+        loss, grads = jax.value_and_grad(lambda p: _gpt_loss(nnx.merge(graphdef, p, rest), batch))(
+            params
+        )
         updates, opt_state = GPT_OPT.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -323,8 +341,9 @@ def test_minigpt_trains_like_the_unsharded_model(gpt_reference):
     params, _, losses = _gpt_sharded(deterministic=True)
     want, want_losses = gpt_reference
     _assert_losses_close(losses, want_losses)
-    assert_tree_close(nnx.to_pure_dict(fs.unshard(params)), nnx.to_pure_dict(want),
-                      rtol=1e-4, atol=1e-5)
+    assert_tree_close(
+        nnx.to_pure_dict(fs.unshard(params)), nnx.to_pure_dict(want), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_minigpt_trains_with_dropout_on(gpt_reference):
@@ -334,8 +353,11 @@ def test_minigpt_trains_with_dropout_on(gpt_reference):
     _, deterministic = gpt_reference
     assert np.all(np.isfinite(losses))
     assert not np.allclose(losses[1:], deterministic[1:], rtol=1e-6), (losses, deterministic)
-    counts = [v.get_value() for path, v in nnx.to_flat_state(rest)
-              if isinstance(v, nnx.RngCount) and "dropout1" in path]
+    counts = [
+        v.get_value()
+        for path, v in nnx.to_flat_state(rest)
+        if isinstance(v, nnx.RngCount) and "dropout1" in path
+    ]
     assert counts and all(int(c) == STEPS for c in counts), counts
 
 
@@ -375,7 +397,7 @@ def sinusoidal_init(max_len=2048, min_scale=1.0, max_scale=10000.0):
         scale_factor = -np.log(max_scale / min_scale) / (d_feature // 2 - 1)
         div_term = min_scale * np.exp(np.arange(0, d_feature // 2) * scale_factor)
         pe[:, : d_feature // 2] = np.sin(position * div_term)
-        pe[:, d_feature // 2: 2 * (d_feature // 2)] = np.cos(position * div_term)
+        pe[:, d_feature // 2 : 2 * (d_feature // 2)] = np.cos(position * div_term)
         return jnp.array(pe[np.newaxis, :, :])
 
     return init
@@ -392,7 +414,8 @@ class AddPositionEmbs(nn.Module):
     def __call__(self, inputs):
         config = self.config
         pos_embedding = sinusoidal_init(max_len=config.max_len)(
-            None, (1, config.max_len, inputs.shape[-1]), None)
+            None, (1, config.max_len, inputs.shape[-1]), None
+        )
         return inputs + pos_embedding[:, : inputs.shape[1], :]
 
 
@@ -402,14 +425,20 @@ class MlpBlock(nn.Module):
     @nn.compact
     def __call__(self, inputs):
         config = self.config
-        x = nn.Dense(config.mlp_dim, dtype=config.dtype,
-                     kernel_init=_logical(config.kernel_init, ("embed", "mlp")),
-                     bias_init=_logical(config.bias_init, ("mlp",)))(inputs)
+        x = nn.Dense(
+            config.mlp_dim,
+            dtype=config.dtype,
+            kernel_init=_logical(config.kernel_init, ("embed", "mlp")),
+            bias_init=_logical(config.bias_init, ("mlp",)),
+        )(inputs)
         x = nn.relu(x)
         x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
-        output = nn.Dense(inputs.shape[-1], dtype=config.dtype,
-                          kernel_init=_logical(config.kernel_init, ("mlp", "embed")),
-                          bias_init=_logical(config.bias_init, ("embed",)))(x)
+        output = nn.Dense(
+            inputs.shape[-1],
+            dtype=config.dtype,
+            kernel_init=_logical(config.kernel_init, ("mlp", "embed")),
+            bias_init=_logical(config.bias_init, ("embed",)),
+        )(x)
         return nn.Dropout(rate=config.dropout_rate)(output, deterministic=config.deterministic)
 
 
@@ -419,21 +448,29 @@ class EncoderDecoder1DBlock(nn.Module):
     @nn.compact
     def __call__(self, inputs, decoder_mask=None):
         config = self.config
-        x = nn.LayerNorm(dtype=config.dtype,
-                         bias_init=_logical(nn.initializers.zeros, ("embed",)),
-                         scale_init=_logical(nn.initializers.ones, ("embed",)))(inputs)
+        x = nn.LayerNorm(
+            dtype=config.dtype,
+            bias_init=_logical(nn.initializers.zeros, ("embed",)),
+            scale_init=_logical(nn.initializers.ones, ("embed",)),
+        )(inputs)
         x = nn.MultiHeadDotProductAttention(
-            num_heads=config.num_heads, dtype=config.dtype, qkv_features=config.qkv_dim,
+            num_heads=config.num_heads,
+            dtype=config.dtype,
+            qkv_features=config.qkv_dim,
             kernel_init=_logical(config.kernel_init, ("embed", "kv")),
             bias_init=_logical(config.bias_init, ("embed",)),
-            use_bias=False, broadcast_dropout=False,
-            dropout_rate=config.attention_dropout_rate, deterministic=config.deterministic,
+            use_bias=False,
+            broadcast_dropout=False,
+            dropout_rate=config.attention_dropout_rate,
+            deterministic=config.deterministic,
         )(x, mask=decoder_mask)
         x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
         x = x + inputs
-        z = nn.LayerNorm(dtype=config.dtype,
-                         bias_init=_logical(nn.initializers.zeros, ("embed",)),
-                         scale_init=_logical(nn.initializers.ones, ("embed",)))(x)
+        z = nn.LayerNorm(
+            dtype=config.dtype,
+            bias_init=_logical(nn.initializers.zeros, ("embed",)),
+            scale_init=_logical(nn.initializers.ones, ("embed",)),
+        )(x)
         return x + MlpBlock(config=config)(z)
 
 
@@ -445,8 +482,10 @@ class Decoder(nn.Module):
     def __call__(self, inputs, decoder_mask=None):
         config = self.config
         output_embed = nn.Embed(
-            num_embeddings=config.output_vocab_size, features=config.emb_dim,
-            embedding_init=_logical(nn.initializers.normal(stddev=1.0), ("vocab", "embed")))
+            num_embeddings=config.output_vocab_size,
+            features=config.emb_dim,
+            embedding_init=_logical(nn.initializers.normal(stddev=1.0), ("vocab", "embed")),
+        )
         y = shift_right(inputs.astype("int32"))
         y = output_embed(y)
         y = AddPositionEmbs(config=config, name="posembed_output")(y)
@@ -454,14 +493,21 @@ class Decoder(nn.Module):
         y = y.astype(config.dtype)
         for lyr in range(config.num_layers):
             y = self.block(config=config, name=f"encoderdecoderblock_{lyr}")(
-                y, decoder_mask=decoder_mask)
-        y = nn.LayerNorm(dtype=config.dtype, name="encoderdecoder_norm",
-                         bias_init=_logical(nn.initializers.zeros, ("embed",)),
-                         scale_init=_logical(nn.initializers.ones, ("embed",)))(y)
-        return nn.Dense(config.output_vocab_size, dtype=config.dtype,
-                        kernel_init=_logical(config.kernel_init, ("embed", "vocab")),
-                        bias_init=_logical(config.bias_init, ("vocab",)),
-                        name="logitdense")(y)
+                y, decoder_mask=decoder_mask
+            )
+        y = nn.LayerNorm(
+            dtype=config.dtype,
+            name="encoderdecoder_norm",
+            bias_init=_logical(nn.initializers.zeros, ("embed",)),
+            scale_init=_logical(nn.initializers.ones, ("embed",)),
+        )(y)
+        return nn.Dense(
+            config.output_vocab_size,
+            dtype=config.dtype,
+            kernel_init=_logical(config.kernel_init, ("embed", "vocab")),
+            bias_init=_logical(config.bias_init, ("vocab",)),
+            name="logitdense",
+        )(y)
 
 
 class TransformerLM(nn.Module):
@@ -476,7 +522,8 @@ class TransformerLM(nn.Module):
             nn.make_causal_mask(inputs, dtype=config.dtype),
         )
         logits = Decoder(config=config, block=self.block, name="decoder")(
-            inputs, decoder_mask=decoder_mask)
+            inputs, decoder_mask=decoder_mask
+        )
         return logits.astype(self.config.dtype)
 
 
@@ -504,8 +551,9 @@ def _lm(deterministic: bool, mark: bool):
     config = TransformerConfig(LM_VOCAB, LM_VOCAB, deterministic=deterministic)
     if not mark:
         return TransformerLM(config)
-    return fs.flax.fully_shard(TransformerLM)(config, block=fs.flax.fully_shard(
-        EncoderDecoder1DBlock))
+    return fs.flax.fully_shard(TransformerLM)(
+        config, block=fs.flax.fully_shard(EncoderDecoder1DBlock)
+    )
 
 
 @cache
@@ -621,18 +669,24 @@ class ResNet(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = True):
         conv = partial(self.conv, use_bias=False, dtype=self.dtype)
-        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                       epsilon=1e-5, dtype=self.dtype, axis_name="batch")
-        x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)],
-                 name="conv_init")(x)
+        norm = partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            dtype=self.dtype,
+            axis_name="batch",
+        )
+        x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(x)
         x = norm(name="bn_init")(x)
         x = nn.relu(x)
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
         for i, block_size in enumerate(self.stage_sizes):
             for j in range(block_size):
                 strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-                x = self.block_cls(self.num_filters * 2**i, strides=strides, conv=conv,
-                                   norm=norm, act=self.act)(x)
+                x = self.block_cls(
+                    self.num_filters * 2**i, strides=strides, conv=conv, norm=norm, act=self.act
+                )(x)
         x = jnp.mean(x, axis=(1, 2))
         x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
         return jnp.asarray(x, self.dtype)
@@ -644,8 +698,13 @@ RESNET_OPT = optax.sgd(0.1, momentum=0.9, nesterov=True)
 
 def _images():
     rng = np.random.default_rng(8)
-    return [{"image": rng.normal(size=(ROWS, 16, 16, 3)).astype(np.float32),
-             "label": rng.integers(0, 10, ROWS)} for _ in range(STEPS)]
+    return [
+        {
+            "image": rng.normal(size=(ROWS, 16, 16, 3)).astype(np.float32),
+            "label": rng.integers(0, 10, ROWS),
+        }
+        for _ in range(STEPS)
+    ]
 
 
 def _resnet_loss(logits, labels):
@@ -659,8 +718,10 @@ def _resnet_variables():
 
 def _as_pmapped(fn):
     """`fn` with the 'batch' axis bound over one device, as the example's pmap binds it."""
-    return lambda *a: jax.tree.map(lambda x: x[0], jax.vmap(
-        lambda *b: fn(*b), axis_name="batch", in_axes=None, axis_size=1)(*a))
+    return lambda *a: jax.tree.map(
+        lambda x: x[0],
+        jax.vmap(lambda *b: fn(*b), axis_name="batch", in_axes=None, axis_size=1)(*a),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -673,14 +734,15 @@ def resnet_runs():
 
     def loss_fn(params, batch, batch_stats):
         logits, new_state = model.apply(
-            {"params": params, "batch_stats": batch_stats}, batch["image"],
-            mutable=["batch_stats"])
+            {"params": params, "batch_stats": batch_stats}, batch["image"], mutable=["batch_stats"]
+        )
         return _resnet_loss(logits, batch["label"]), new_state["batch_stats"]
 
     @_jit
     def train_step(params, batch_stats, opt_state, batch):
         (loss, batch_stats), grads = fs.value_and_grad(loss_fn, has_aux=True)(
-            params, batch, batch_stats)
+            params, batch, batch_stats
+        )
         updates, opt_state = RESNET_OPT.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 
@@ -688,21 +750,24 @@ def resnet_runs():
 
     def reference_loss(params, batch_stats, batch):
         logits, new_state = reference_model.apply(
-            {"params": params, "batch_stats": batch_stats}, batch["image"],
-            mutable=["batch_stats"])
+            {"params": params, "batch_stats": batch_stats}, batch["image"], mutable=["batch_stats"]
+        )
         return _resnet_loss(logits, batch["label"]), new_state["batch_stats"]
 
     @_jit
     @_as_pmapped
     def reference_step(params, batch_stats, opt_state, batch):
         (loss, batch_stats), grads = jax.value_and_grad(reference_loss, has_aux=True)(
-            params, batch_stats, batch)
+            params, batch_stats, batch
+        )
         updates, opt_state = RESNET_OPT.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 
     runs = {}
-    for name, step, p in (("sharded", train_step, params),
-                          ("reference", reference_step, variables["params"])):
+    for name, step, p in (
+        ("sharded", train_step, params),
+        ("reference", reference_step, variables["params"]),
+    ):
         s, opt_state, losses = stats, RESNET_OPT.init(p), []
         if name == "sharded":
             opt_state = fs.init_optimizer(RESNET_OPT, p)
@@ -732,7 +797,8 @@ def test_resnet_evaluates_with_the_running_statistics(resnet_runs):
 
     def evaluate(model, params, batch_stats):
         return _jit(partial(model.apply, train=False))(
-            {"params": params, "batch_stats": batch_stats}, image)
+            {"params": params, "batch_stats": batch_stats}, image
+        )
 
     logits = evaluate(resnet_runs["model"], got["params"], got["batch_stats"])
     want_logits = evaluate(resnet_runs["reference_model"], want["params"], want["batch_stats"])

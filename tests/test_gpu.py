@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _hlo import collectives, computations
 from _launch import run
 
 import funshard as fs
-from _hlo import collectives, computations
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +37,11 @@ WIDTH, HEADS, VOCAB, SEQ, BLOCKS = 128, 4, 256, 64, 3
 @pytest.fixture(autouse=True)
 def _needs_a_gpu():
     if jax.default_backend() == "cpu":
-        pytest.skip("needs a GPU: JAX runs on cpu here (tests/conftest.py picks cpu unless "
-                    "JAX_PLATFORMS is set). On a GPU machine with .[cuda]: JAX_PLATFORMS=cuda "
-                    "python -m pytest -m gpu tests/test_gpu.py")
+        pytest.skip(
+            "needs a GPU: JAX runs on cpu here (tests/conftest.py picks cpu unless "
+            "JAX_PLATFORMS is set). On a GPU machine with .[cuda]: JAX_PLATFORMS=cuda "
+            "python -m pytest -m gpu tests/test_gpu.py"
+        )
 
 
 @pytest.fixture
@@ -60,9 +62,17 @@ def _init(key):
     def dense(shape):
         return jax.random.normal(next(keys), shape) / math.sqrt(shape[0])
 
-    blocks = [{"ln_g": jnp.ones((d,)), "ln_b": jnp.zeros((d,)), "qkv": dense((d, 3 * d)),
-               "proj": dense((d, d)), "up": dense((d, 4 * d)), "down": dense((4 * d, d))}
-              for _ in range(BLOCKS)]
+    blocks = [
+        {
+            "ln_g": jnp.ones((d,)),
+            "ln_b": jnp.zeros((d,)),
+            "qkv": dense((d, 3 * d)),
+            "proj": dense((d, d)),
+            "up": dense((d, 4 * d)),
+            "down": dense((4 * d, d)),
+        }
+        for _ in range(BLOCKS)
+    ]
     root = {"embed": dense((VOCAB, d)) * 4, "head": dense((d, VOCAB))}
     return root, blocks
 
@@ -120,10 +130,14 @@ def _funshard_loss(use_scan: bool):
 def _sharded_state(root, blocks, use_scan, mesh):
     if use_scan:
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
-        return {"root": fs.shard(root, mesh, mp_policy=BF16),
-                "blocks": fs.shard(stacked, mesh, mp_policy=BF16, stacked=True)}
-    return {"root": fs.shard(root, mesh, mp_policy=BF16),
-            "blocks": fs.shard(blocks, mesh, mp_policy=BF16)}
+        return {
+            "root": fs.shard(root, mesh, mp_policy=BF16),
+            "blocks": fs.shard(stacked, mesh, mp_policy=BF16, stacked=True),
+        }
+    return {
+        "root": fs.shard(root, mesh, mp_policy=BF16),
+        "blocks": fs.shard(blocks, mesh, mp_policy=BF16),
+    }
 
 
 def _relative_error(got, want) -> float:
@@ -139,14 +153,19 @@ def test_bf16_gpt_step_matches_plain_jax_on_the_gpu(use_scan):
     state = _sharded_state(root, blocks, use_scan, mesh)
     assert {d.platform for d in state["root"]["embed"].data.devices()} == {"gpu"}
     loss, grads = jax.jit(fs.value_and_grad(_funshard_loss(use_scan)))(state, tokens)
-    ref_loss, (ref_root, ref_blocks) = jax.jit(jax.value_and_grad(_plain_loss))((root, blocks), tokens)
+    ref_loss, (ref_root, ref_blocks) = jax.jit(jax.value_and_grad(_plain_loss))(
+        (root, blocks), tokens
+    )
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-2)
     full = fs.unshard(grads)
     got_blocks = full["blocks"]
     if use_scan:
         got_blocks = [jax.tree.map(lambda x, i=i: x[i], got_blocks) for i in range(BLOCKS)]
-    for got, want in zip(jax.tree.leaves((full["root"], got_blocks)),
-                         jax.tree.leaves((ref_root, ref_blocks)), strict=True):
+    for got, want in zip(
+        jax.tree.leaves((full["root"], got_blocks)),
+        jax.tree.leaves((ref_root, ref_blocks)),
+        strict=True,
+    ):
         assert got.dtype == jnp.float32  # the reduction and master weights stay f32
         assert _relative_error(got, want) < 3e-2
 
@@ -186,7 +205,12 @@ def test_bf16_gpt_trains_like_plain_jax_on_the_gpu(use_scan):
 def test_the_compiled_gpu_step_keeps_no_conditional_and_gathers_bf16_bits():
     root, blocks = _init(jax.random.key(0))
     state = _sharded_state(root, blocks, False, fs.make_mesh())
-    text = jax.jit(fs.value_and_grad(_funshard_loss(False))).lower(state, _tokens()).compile().as_text()
+    text = (
+        jax.jit(fs.value_and_grad(_funshard_loss(False)))
+        .lower(state, _tokens())
+        .compile()
+        .as_text()
+    )
     # XLA GPU keeps the optimization barriers at unit boundaries; CPU programs use
     # conditionals instead, which on a GPU would wait for the host.
     assert " conditional(" not in text
@@ -290,8 +314,10 @@ def test_frontend_trains_a_cuda_model_like_plain_torch(torch_cuda):
     torch_frontend.init_distributed()
     device = _cuda.torch_device(jax.local_devices()[0])
     torch.manual_seed(0)
-    reference = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
-                                      for _ in range(3)], torch.nn.Linear(64, 8)).to(device)
+    reference = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(3)],
+        torch.nn.Linear(64, 8),
+    ).to(device)
     model = copy.deepcopy(reference)
     for block in model[:3]:
         torch_frontend.fully_shard(block)
@@ -300,7 +326,7 @@ def test_frontend_trains_a_cuda_model_like_plain_torch(torch_cuda):
     x = torch.randn(16, 64, device=device)
     for _ in range(3):
         losses = []
-        for m, opt in zip((model, reference), opts):
+        for m, opt in zip((model, reference), opts, strict=True):
             loss = m(x).square().mean()
             loss.backward()
             opt.step()
@@ -323,7 +349,13 @@ def test_the_frontend_leaves_the_gpu_memory_to_torch(torch_cuda):
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
     env.update(JAX_PLATFORMS="cuda", PYTHONPATH=str(ROOT))
-    out = run([sys.executable, "-c", code], env=env, capture_output=True,
-              text=True, timeout=120, check=True).stdout.splitlines()
+    out = run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.splitlines()
     assert out[0] == "{'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}"
     assert float(out[1]) > 0.5  # JAX's default would have taken 75%

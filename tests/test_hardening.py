@@ -15,12 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _launch import run
+from conftest import mesh_for
 
 import funshard as fs
 import funshard.distributed
-from conftest import mesh_for
 from funshard.distributed import _departure, _runtime
-
 
 # ---- a donated state is an error, never a segfault ----
 
@@ -56,12 +55,21 @@ DONATED_CHILD = textwrap.dedent(
 
 @pytest.mark.multiprocess
 def test_reusing_a_donated_state_raises_instead_of_crashing():
-    result = run([sys.executable, "-c", DONATED_CHILD], capture_output=True,
-                 text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert result.returncode == 0, f"child exited {result.returncode} (139: segfault)\n{result.stderr[-3000:]}"
+    result = run(
+        [sys.executable, "-c", DONATED_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert result.returncode == 0, (
+        f"child exited {result.returncode} (139: segfault)\n{result.stderr[-3000:]}"
+    )
     for name in ("step", "unshard"):
-        assert (f"{name} RuntimeError: Array has been deleted: fs.Sharded leaf of shape"
-                in result.stdout), result.stdout + result.stderr[-2000:]
+        assert (
+            f"{name} RuntimeError: Array has been deleted: fs.Sharded leaf of shape"
+            in result.stdout
+        ), result.stdout + result.stderr[-2000:]
     assert "Use the state that call returned" in result.stdout
 
 
@@ -71,7 +79,7 @@ def test_donation_still_works_and_live_leaves_are_untouched():
     new = step(state)
     np.testing.assert_array_equal(fs.unshard(new)["w"], np.arange(12.0).reshape(6, 2) + 1)
     with pytest.raises(RuntimeError, match="Array has been deleted"):
-        state["w"].data
+        _ = state["w"].data
 
 
 # ---- host callbacks outside the loss: said before the step runs ----
@@ -99,8 +107,11 @@ def test_callback_before_the_root_is_detected_at_trace_time():
         jax.debug.callback(check, x)  # outside the loss: an abort if it raised on a device
         return root(state, x)
 
-    with pytest.warns(RuntimeWarning, match=r"runs jax\.debug\.callback before "
-                      r"fs\.value_and_grad, outside the loss function \(at .*test_hardening"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"runs jax\.debug\.callback before "
+        r"fs\.value_and_grad, outside the loss function \(at .*test_hardening",
+    ):
         jax.jit(step).lower(state, x)  # traced only: nothing runs
 
 
@@ -109,7 +120,7 @@ def test_callbacks_inside_the_loss_and_prints_do_not_warn():
 
     def step(state, x):
         jax.debug.print("x {}", x.sum())
-        loss, grads = root(state, x)
+        loss, _grads = root(state, x)
         again, _ = root(state, x)  # a second root sees the first one's callbacks: its own
         return loss + again
 
@@ -122,8 +133,9 @@ def test_callbacks_inside_the_loss_and_prints_do_not_warn():
 
 
 def test_scan_over_zero_layers_names_the_stack():
-    stack = fs.shard({"w": jnp.zeros((0, 8, 8)), "b": jnp.zeros((0, 8))}, mesh_for("4"),
-                     stacked=True)
+    stack = fs.shard(
+        {"w": jnp.zeros((0, 8, 8)), "b": jnp.zeros((0, 8))}, mesh_for("4"), stacked=True
+    )
 
     def layer(p, h):
         return jnp.tanh(h @ p["w"] + p["b"])
@@ -153,8 +165,11 @@ def test_data_in_the_loss_is_an_error_naming_the_local_block():
     def loss(s, x):
         return jnp.mean(x @ s["w"].data.T)  # looks like the parameter; is 2 of its 16 rows
 
-    with pytest.raises(TypeError, match=r"`\.data` of a sharded parameter of shape \(16, 4\) "
-                       r"read inside a funshard step: .* local block, of shape \(2, 4\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"`\.data` of a sharded parameter of shape \(16, 4\) "
+        r"read inside a funshard step: .* local block, of shape \(2, 4\)",
+    ):
         jax.jit(fs.value_and_grad(loss))(state, jnp.ones((8, 4)))
 
 
@@ -207,8 +222,15 @@ def monitor(monkeypatch):
     return mon, service
 
 
-@pytest.mark.parametrize("value,source", [(-1, "departure_timeout"), (0, "departure_timeout"),
-                                          ("soon", "departure_timeout"), (True, "departure_timeout")])
+@pytest.mark.parametrize(
+    "value,source",
+    [
+        (-1, "departure_timeout"),
+        (0, "departure_timeout"),
+        ("soon", "departure_timeout"),
+        (True, "departure_timeout"),
+    ],
+)
 def test_departure_timeout_must_be_positive(value, source):
     with pytest.raises(ValueError, match=f"{source}={value!r} is not a positive number"):
         _departure.departure_timeout(value, {})
@@ -238,8 +260,10 @@ def test_a_collective_future_gives_up_on_a_process_that_left(monitor):
         stuck.result()
     assert time.monotonic() - start < 10
     text = str(info.value)
-    assert "process 0 of 2 gives up: process 1 returned normally and left the job after " \
-           "2 steps (backward passes)" in text, text
+    assert (
+        "process 0 of 2 gives up: process 1 returned normally and left the job after "
+        "2 steps (backward passes)" in text
+    ), text
     assert "The last step both reached is step 2." in text
     assert "departure_timeout=0.6 s" in text
     release.set()
@@ -264,21 +288,26 @@ def test_shard_batch_wait_raises_when_a_process_left_before_this_step(monitor):
     service.leave(1, 3)  # it reached this step: wait as usual, then go on unchecked
     assert _runtime._wait_for(service, "verdict", 0.6) is None
     service.leave(1, 2)  # it left before this step: it will never post its batch
-    with pytest.raises(RuntimeError, match=r"shard_batch: process 0 of 2, at step 3: process 1 "
-                       r"returned normally and left the job after 2 steps \(shard_batch "
-                       r"calls\), so this step's batch .* The last step both reached is step 2"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"shard_batch: process 0 of 2, at step 3: process 1 "
+        r"returned normally and left the job after 2 steps \(shard_batch "
+        r"calls\), so this step's batch .* The last step both reached is step 2",
+    ):
         _runtime._wait_for(service, "verdict", 30)
 
 
 def test_failure_summary_names_the_process_that_left():
     launch = fs.distributed.Launch("torchrun", "127.0.0.1:1", 2, 0, None)
-    error = RuntimeError("Gloo AllGather failed: Read error [127.0.0.1]:4411: "
-                         "Connection reset by peer")
+    error = RuntimeError(
+        "Gloo AllGather failed: Read error [127.0.0.1]:4411: Connection reset by peer"
+    )
     note = _departure.Note(1, 4, "shard_batch call", "raised KeyError", barrier=False)
-    text = _runtime.failure_summary(error, launch, {0: "127.0.0.1", 1: "127.0.0.1"},
-                                        {1: note})
-    assert ("a collective failed because process 1 raised KeyError and left the job after "
-            "4 steps (shard_batch calls)") in text
+    text = _runtime.failure_summary(error, launch, {0: "127.0.0.1", 1: "127.0.0.1"}, {1: note})
+    assert (
+        "a collective failed because process 1 raised KeyError and left the job after "
+        "4 steps (shard_batch calls)"
+    ) in text
 
 
 def test_a_leftover_set_mesh_is_named_by_the_root():

@@ -19,9 +19,7 @@ LAYERS, WIDTH, ROWS = 5, 256, 256
 
 def _deep_mlp(policy=None, mesh_name="8"):
     keys = jax.random.split(jax.random.key(0), LAYERS)
-    params = [
-        {"w": jax.random.normal(k, (WIDTH, WIDTH)) / 16, "b": jnp.zeros(WIDTH)} for k in keys
-    ]
+    params = [{"w": jax.random.normal(k, (WIDTH, WIDTH)) / 16, "b": jnp.zeros(WIDTH)} for k in keys]
     batch = (jnp.ones((ROWS, WIDTH)), jnp.ones((ROWS, WIDTH)))
     return fs.shard(params, mesh_for(mesh_name), mp_policy=policy), batch
 
@@ -147,8 +145,10 @@ def test_fusion_boundaries_per_platform():
     conditionals on the device index (never used on GPU: a GPU conditional syncs with
     the host). Lowered, not compiled, so no GPU is needed."""
     units = 3
-    params = [_models.block_params(k, d=16, ff=40)["block"]
-              for k in jax.random.split(jax.random.key(0), units)]
+    params = [
+        _models.block_params(k, d=16, ff=40)["block"]
+        for k in jax.random.split(jax.random.key(0), units)
+    ]
     unit = fs.fully_shard(lambda p, h: block_apply(p, h, HEADS))
 
     def loss(state, h):

@@ -47,7 +47,7 @@ def _batch():
 
 def _forward(params, x, layers):
     h = jnp.tanh(x @ params["embed"])
-    for layer, p in zip(layers, params["layers"]):
+    for layer, p in zip(layers, params["layers"], strict=True):
         h = layer(p, h)
     return h @ params["head"]
 
@@ -70,8 +70,10 @@ def _step(reshard, ends_in_unit):
     def loss(state, batch):
         x, y = batch
         gather = ends if ends_in_unit else fs.unshard
-        params = {**gather({"embed": state["embed"], "head": state["head"]}),
-                  "layers": state["layers"]}
+        params = {
+            **gather({"embed": state["embed"], "head": state["head"]}),
+            "layers": state["layers"],
+        }
         return jnp.mean((_forward(params, x, layers).astype(jnp.float32) - y) ** 2)
 
     return fs.value_and_grad(loss)
@@ -82,9 +84,11 @@ def _emitted_all_reduces(lowered_text: str, mesh) -> list[tuple[str, str, int]]:
     CPU widens 16-bit all-reduces to f32 and combines them into tuples. jax 0.10 writes
     the groups as a dense list, jax 0.12 as mesh axes."""
     out = []
-    pattern = (r"stablehlo\.all_reduce.*?replica_groups = (dense<\[\[.*?\]\]>|"
-               r"#stablehlo\.replica_group_mesh_axes<.*?\]>)"
-               r".*?\}\) : \(tensor<((?:\d+x)*)(\w+)>\)")
+    pattern = (
+        r"stablehlo\.all_reduce.*?replica_groups = (dense<\[\[.*?\]\]>|"
+        r"#stablehlo\.replica_group_mesh_axes<.*?\]>)"
+        r".*?\}\) : \(tensor<((?:\d+x)*)(\w+)>\)"
+    )
     for groups, dims, dtype in re.findall(pattern, lowered_text, re.DOTALL):
         size = int(np.prod([int(d) for d in dims.split("x") if d], dtype=int))
         out.append((_groups(groups, mesh), SHORT.get(dtype, dtype), size))
@@ -94,7 +98,7 @@ def _emitted_all_reduces(lowered_text: str, mesh) -> list[tuple[str, str, int]]:
 def _groups(attribute: str, mesh) -> str:
     """A StableHLO `replica_groups` attribute in HLO's explicit form, `{{0,4},...}`."""
     if attribute.startswith("dense<"):
-        return re.sub(r"\s", "", attribute[len("dense<"):-1]).replace("[", "{").replace("]", "}")
+        return re.sub(r"\s", "", attribute[len("dense<") : -1]).replace("[", "{").replace("]", "}")
     axes = ",".join(f"'{a}'" for a in re.findall(r'name = "([^"]+)"', attribute))
     sizes = ",".join(f"'{a}'={n}" for a, n in mesh.shape.items())
     return format_groups(replica_groups(f"mesh[{sizes}] {{{axes}}}"))
@@ -115,13 +119,17 @@ def test_each_unit_is_all_reduced_once_over_the_replicas(reduce_dtype, reshard, 
     want_loss, want = jax.value_and_grad(_reference_loss)(_params(), batch)
     tol = 1e-5 if reduce_dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=tol, atol=tol),
-                 fs.unshard(grads), want)
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, w, rtol=tol, atol=tol), fs.unshard(grads), want
+    )
 
     # fs.plan's promise: per unit (the root's gather too) one all-reduce over the 2 replicas, in
     # reduce_dtype, of the unit's local gradient shard.
-    planned = [c for c in fs.plan(_params(), mesh, units=units, mp_policy=policy).collectives
-               if c.kind == "all-reduce" and c.role == "replicas"]
+    planned = [
+        c
+        for c in fs.plan(_params(), mesh, units=units, mp_policy=policy).collectives
+        if c.kind == "all-reduce" and c.role == "replicas"
+    ]
     ends = "ends" if ends_in_unit else "root"
     assert sorted(c.unit for c in planned) == sorted(["layer0", "layer1", ends])
     assert {(c.group, c.dtype, c.times) for c in planned} == {(2, np.dtype(reduce_dtype).name, 1)}
@@ -136,7 +144,8 @@ def test_each_unit_is_all_reduced_once_over_the_replicas(reduce_dtype, reshard, 
     emitted = _emitted_all_reduces(lowered.as_text(), mesh)
     over_replicas = [(d, n) for g, d, n in emitted if g == REPLICA_GROUPS]
     assert Counter(over_replicas) == Counter(
-        {(np.dtype(reduce_dtype).name, n): k for n, k in elements.items()}), emitted
+        {(np.dtype(reduce_dtype).name, n): k for n, k in elements.items()}
+    ), emitted
     assert [(d, n) for g, d, n in emitted if g != REPLICA_GROUPS] == [("float32", 1)], emitted
 
     # The compiled program: the same elements over the replica groups (XLA may combine
@@ -149,4 +158,3 @@ def test_each_unit_is_all_reduced_once_over_the_replicas(reduce_dtype, reshard, 
     assert {c["dtype"] for c in by_groups} == {"f32" if widened else SHORT_OF[reduce_dtype]}
     others = [(c["groups"], c["elements"]) for c in compiled if c["groups"] != REPLICA_GROUPS]
     assert others == [("{{0,1,2,3,4,5,6,7}}", 1)], compiled  # the loss
-

@@ -10,9 +10,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from _launch import clean_env
 
 from funshard import _jax_compat
-from _launch import clean_env
 
 _RANGE = re.escape(_jax_compat.SUPPORTED_JAX)
 
@@ -40,8 +40,9 @@ def test_a_missing_internal_name_is_a_runtime_error_not_an_attribute_error(monke
 
     _jax_compat.check.cache_clear()
     core, callback_p = _jax_compat.jaxpr_internals()
-    partial = types.SimpleNamespace(Jaxpr=core.Jaxpr, JaxprEqn=core.JaxprEqn,
-                                    eval_jaxpr=core.eval_jaxpr)
+    partial = types.SimpleNamespace(
+        Jaxpr=core.Jaxpr, JaxprEqn=core.JaxprEqn, eval_jaxpr=core.eval_jaxpr
+    )
     monkeypatch.setattr(_jax_compat, "jaxpr_internals", lambda: (partial, callback_p))
     with pytest.raises(RuntimeError, match="has ClosedJaxpr.*jax" + _RANGE):
         _jax_compat.check()
@@ -93,8 +94,9 @@ def test_a_users_first_step_compiles_once():
         print("compiled", step._cache_size())
     """)
     env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == "1", done.stdout
 
@@ -109,16 +111,21 @@ def test_jaxpr_internals_prefer_jax_extend_core():
 
 
 def test_varying_axes_reads_the_shard_map_type():
-    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:2])
+    mesh = jax.make_mesh(
+        (2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+    )
 
     def body(x):
         assert _jax_compat.varying_axes(x) == {"d"}
         assert _jax_compat.varying_axes(jax.lax.psum(x, "d")) == frozenset()
         return x
 
-    jax.shard_map(body, mesh=mesh, in_specs=jax.sharding.PartitionSpec("d"),
-                  out_specs=jax.sharding.PartitionSpec("d"))(jnp.ones(4))
+    jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=jax.sharding.PartitionSpec("d"),
+        out_specs=jax.sharding.PartitionSpec("d"),
+    )(jnp.ones(4))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int32", "uint8", "bool", "float64", "int64"])
@@ -129,12 +136,14 @@ def test_dlpack_import_shares_memory_and_keeps_values(dtype):
     values = np.arange(64 * 3).reshape(64, 3).astype(dtype)
     raw = np.empty(values.nbytes + 64, np.uint8)
     start = -raw.ctypes.data % 64
-    host = raw[start:start + values.nbytes].view(values.dtype).reshape(values.shape)
+    host = raw[start : start + values.nbytes].view(values.dtype).reshape(values.shape)
     host[...] = values
     device = jax.devices()[3]
     array = _jax_compat.dlpack_import(host, device)
     assert array.devices() == {device}
-    np.testing.assert_array_equal(np.asarray(array), host.astype(jax.dtypes.canonicalize_dtype(dtype)))
+    np.testing.assert_array_equal(
+        np.asarray(array), host.astype(jax.dtypes.canonicalize_dtype(dtype))
+    )
     if dtype not in ("float64", "int64"):  # x64 is off: those are converted (a copy)
         assert array.dtype == host.dtype
         assert array.unsafe_buffer_pointer() == host.ctypes.data
@@ -159,9 +168,12 @@ def test_enclosing_equations_see_a_callback_traced_before():
 def test_a_lost_trace_walk_names_itself_and_the_range(monkeypatch):
     _jax_compat.check.cache_clear()
     monkeypatch.setattr(_jax_compat, "enclosing_equations", list)  # sees nothing
-    with pytest.raises(RuntimeError, match=r"trace_ctx\.trace, out through \.parent_trace, "
-                       r"then \.frame\.tracing_eqns\) no longer hold a jax\.debug\.callback.*"
-                       r"jax" + _RANGE):
+    with pytest.raises(
+        RuntimeError,
+        match=r"trace_ctx\.trace, out through \.parent_trace, "
+        r"then \.frame\.tracing_eqns\) no longer hold a jax\.debug\.callback.*"
+        r"jax" + _RANGE,
+    ):
         _jax_compat.check()
     _jax_compat.check.cache_clear()
 
@@ -171,11 +183,17 @@ def test_a_renamed_frame_attribute_names_the_assumption_not_only_the_name(monkey
 
     # As if JAX renamed `tracing_eqns`: the jaxpr trace's frame no longer has it.
     recorded = _jax_compat._recorded_equations
-    monkeypatch.setattr(_jax_compat, "_recorded_equations",
-                        lambda trace: recorded(types.SimpleNamespace(frame=object())))
+    monkeypatch.setattr(
+        _jax_compat,
+        "_recorded_equations",
+        lambda trace: recorded(types.SimpleNamespace(frame=object())),
+    )
     _jax_compat.check.cache_clear()
-    with pytest.raises(RuntimeError, match=r"\.frame\.tracing_eqns\) no longer hold .*"
-                       r"AttributeError: .*tracing_eqns.*jax" + _RANGE):
+    with pytest.raises(
+        RuntimeError,
+        match=r"\.frame\.tracing_eqns\) no longer hold .*"
+        r"AttributeError: .*tracing_eqns.*jax" + _RANGE,
+    ):
         _jax_compat.check()
     _jax_compat.check.cache_clear()
 
@@ -183,7 +201,10 @@ def test_a_renamed_frame_attribute_names_the_assumption_not_only_the_name(monkey
 def test_a_source_line_that_names_nothing_is_a_broken_assumption(monkeypatch):
     _jax_compat.check.cache_clear()
     monkeypatch.setattr(_jax_compat, "source_line", lambda eqn: "an unknown place")
-    with pytest.raises(RuntimeError, match=r"summarize\(eqn\.source_info\) no longer gives.*"
-                       r"jax" + _RANGE):
+    with pytest.raises(
+        RuntimeError,
+        match=r"summarize\(eqn\.source_info\) no longer gives.*"
+        r"jax" + _RANGE,
+    ):
         _jax_compat.check()
     _jax_compat.check.cache_clear()

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _launch import run
+from conftest import mesh_for
 from jax.sharding import NamedSharding, PartitionSpec
 
 import funshard as fs
 from funshard.comm import _eager, _mesh
-from conftest import mesh_for
 
 
 @pytest.mark.parametrize("mesh_name", ["1", "2", "4", "8", "2x4"])
@@ -25,7 +25,7 @@ def test_eager_all_gather_matches_numpy(mesh_name):
     fulls = _eager.eager_all_gather(
         [s.data for s in leaves], mesh, ("fsdp",), [s.shape[0] for s in leaves]
     )
-    for full, want in zip(fulls, (x, b, h)):
+    for full, want in zip(fulls, (x, b, h), strict=True):
         assert full.sharding.is_fully_replicated
         assert full.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(full), want)
@@ -59,7 +59,7 @@ def test_eager_reduce_scatter_on_another_dimension(mesh_name):
     stacked = [jax.device_put(c, NamedSharding(mesh, _mesh.spec(dp))) for c in (by_dim0, by_dim1)]
     outs = _eager.eager_reduce_scatter(stacked, mesh, ("fsdp",), replicate, dims=(0, 1))
     assert outs[1].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(None, "fsdp")), 2)
-    for out, contributions in zip(outs, (by_dim0, by_dim1)):
+    for out, contributions in zip(outs, (by_dim0, by_dim1), strict=True):
         np.testing.assert_allclose(np.asarray(out), contributions.sum(0), rtol=1e-5)
 
 
@@ -69,7 +69,8 @@ def test_eager_reduce_scatter_without_all_reduce_keeps_each_replicas_sum():
     contributions = np.random.default_rng(2).normal(size=(8, 8, 3)).astype(np.float32)
     stacked = jax.device_put(contributions, NamedSharding(mesh, _mesh.spec(dp)))
     (out,) = _eager.eager_reduce_scatter(
-        [stacked], mesh, ("fsdp",), ("replicate",), all_reduce=False)
+        [stacked], mesh, ("fsdp",), ("replicate",), all_reduce=False
+    )
     # Replica r's devices sum only their own 4 contributions; blocks stack by replica.
     want = np.concatenate([contributions[:4].sum(0), contributions[4:].sum(0)])
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5)
@@ -84,9 +85,14 @@ def _rows_apart(mesh, dp, contributions):
     index = sharding.addressable_devices_indices_map(shape)
     # Device p of the data-parallel order ("fsdp" last) is at p % n on "fsdp".
     place = {d: index[d][0].indices(shape[0])[0] for d in index}
-    return [jax.make_array_from_single_device_arrays(shape, sharding, [
-        jax.device_put(flat[p, (p + k) % n][None], d) for d, p in place.items()])
-        for k in range(n)]
+    return [
+        jax.make_array_from_single_device_arrays(
+            shape,
+            sharding,
+            [jax.device_put(flat[p, (p + k) % n][None], d) for d, p in place.items()],
+        )
+        for k in range(n)
+    ]
 
 
 @pytest.mark.parametrize("mesh_name", ["1", "2", "4", "2x4"])
@@ -101,9 +107,11 @@ def test_eager_reduce_scatter_rows_matches_the_stacked_form(mesh_name, all_reduc
     contributions = np.random.default_rng(3).integers(-8, 8, size=(world, 3 * n)).astype(np.float32)
     stacked = jax.device_put(contributions, NamedSharding(mesh, _mesh.spec(dp)))
     (want,) = _eager.eager_reduce_scatter(
-        [stacked], mesh, ("fsdp",), replicate, all_reduce=all_reduce)
+        [stacked], mesh, ("fsdp",), replicate, all_reduce=all_reduce
+    )
     (got,) = _eager.eager_reduce_scatter_rows(
-        [_rows_apart(mesh, dp, contributions)], mesh, ("fsdp",), replicate, all_reduce)
+        [_rows_apart(mesh, dp, contributions)], mesh, ("fsdp",), replicate, all_reduce
+    )
     assert got.sharding.is_equivalent_to(want.sharding, 1)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # integers: exact
 
@@ -202,11 +210,19 @@ def test_gloo_reduce_scatter_is_permutes_and_adds_in_a_fixed_order():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = run([sys.executable, "-c", _GLOO_CHILD], capture_output=True, text=True,
-               timeout=120, env={**env, "JAX_PLATFORMS": "cpu"})
+    done = run(
+        [sys.executable, "-c", _GLOO_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line.split(" [")[0] if line.startswith("TEMP") else line
-             for line in done.stdout.splitlines() if line.startswith(("HLO", "MOVED", "TEMP"))]
+    lines = [
+        line.split(" [")[0] if line.startswith("TEMP") else line
+        for line in done.stdout.splitlines()
+        if line.startswith(("HLO", "MOVED", "TEMP"))
+    ]
     assert lines == [
         "HLO float32 ['collective-permute(']",
         "MOVED float32 ['f32[768]{0}']",
@@ -216,8 +232,14 @@ def test_gloo_reduce_scatter_is_permutes_and_adds_in_a_fixed_order():
         "MOVED bfloat16 ['u16[768]{0}']",
         "TEMP bfloat16 True",
     ], done.stdout[-2000:]
-    text = _eager._reduce_scatter_fn(
-        mesh_for("2"), ("fsdp",), (), (0,), True).lower(
-        jax.device_put(np.zeros((2, 4, 3), np.float32),
-                       NamedSharding(mesh_for("2"), _mesh.spec(("fsdp",))))).compile().as_text()
+    text = (
+        _eager._reduce_scatter_fn(mesh_for("2"), ("fsdp",), (), (0,), True)
+        .lower(
+            jax.device_put(
+                np.zeros((2, 4, 3), np.float32), NamedSharding(mesh_for("2"), _mesh.spec(("fsdp",)))
+            )
+        )
+        .compile()
+        .as_text()
+    )
     assert "reduce-scatter(" in text

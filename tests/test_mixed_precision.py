@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import mlp_loss, mlp_params, mlp_sharded_loss
+from _util import mlp_batch
+from conftest import mesh_for
 
 import funshard as fs
-from conftest import mesh_for
-from _util import mlp_batch
-from _models import mlp_loss, mlp_params, mlp_sharded_loss
 
 BF16 = fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
 
@@ -34,7 +34,10 @@ def test_bf16_gradients_close_to_reference_and_master_weights_stay_f32(units):
     _, f32_grads = jax.value_and_grad(mlp_loss)(params, mlp_batch())
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
     for g, ref, s in zip(
-        jax.tree.leaves(fs.unshard(grads)), jax.tree.leaves(f32_grads), jax.tree.leaves(state)
+        jax.tree.leaves(fs.unshard(grads)),
+        jax.tree.leaves(f32_grads),
+        jax.tree.leaves(state),
+        strict=True,
     ):
         assert g.dtype == jnp.float32 == s.dtype
         np.testing.assert_allclose(g, ref, atol=3e-2, rtol=5e-2)
@@ -81,5 +84,8 @@ def test_adamw_on_bf16_policy_keeps_f32_optimizer_state():
     grads = jax.jit(fs.grad(mlp_sharded_loss(True)))(state, mlp_batch())
     updates, opt_state = opt.update(grads, opt_state, state)
     state = optax.apply_updates(state, updates)
-    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves((state, opt_state))
-               if jnp.issubdtype(leaf.dtype, jnp.floating))
+    assert all(
+        leaf.dtype == jnp.float32
+        for leaf in jax.tree.leaves((state, opt_state))
+        if jnp.issubdtype(leaf.dtype, jnp.floating)
+    )

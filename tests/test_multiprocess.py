@@ -34,8 +34,12 @@ def _job(tmp_path: Path, processes: int, *args: str):
     """Starts `processes` workers (stdout and stderr apart); `launch` kills what is left."""
     port = free_port()
     argv = [sys.executable, str(WORKER), "--out", str(tmp_path), *args]
-    return launch(tmp_path, {r: (argv, rank_env(r, processes, port)) for r in range(processes)},
-                  HARD_CAP_S, separate_stderr=True)
+    return launch(
+        tmp_path,
+        {r: (argv, rank_env(r, processes, port)) for r in range(processes)},
+        HARD_CAP_S,
+        separate_stderr=True,
+    )
 
 
 def _wait(job) -> list[int]:
@@ -64,8 +68,7 @@ def _reference(devices: int, replicate, params_path: str):
     return worker.train(mesh, params, STEPS, lambda i: worker.global_batch(i, rows))
 
 
-def _run_and_compare(tmp_path, params_file, processes, devices, replicate, ref_devices,
-                     save=None):
+def _run_and_compare(tmp_path, params_file, processes, devices, replicate, ref_devices, save=None):
     args = ["--params", str(params_file), "--devices", str(devices), "--steps", str(STEPS)]
     if replicate:
         args += ["--replicate", str(replicate)]
@@ -86,8 +89,7 @@ def _run_and_compare(tmp_path, params_file, processes, devices, replicate, ref_d
 @pytest.mark.multiprocess
 def test_two_processes_one_device_each_match_two_devices(tmp_path, params_file):
     # 2 global devices in all, so the reference is the single-process 2-device run.
-    _run_and_compare(tmp_path, params_file, processes=2, devices=1, replicate=None,
-                     ref_devices=2)
+    _run_and_compare(tmp_path, params_file, processes=2, devices=1, replicate=None, ref_devices=2)
 
 
 @pytest.mark.slow
@@ -95,15 +97,17 @@ def test_two_processes_one_device_each_match_two_devices(tmp_path, params_file):
 def test_two_processes_two_devices_each_match_four_devices(tmp_path, params_file):
     # The processes also checkpoint their shards; restore it here on 8 and 3 devices.
     ckpt = tmp_path / "ckpt"
-    _run_and_compare(tmp_path, params_file, processes=2, devices=2, replicate=None,
-                     ref_devices=4, save=ckpt)
+    _run_and_compare(
+        tmp_path, params_file, processes=2, devices=2, replicate=None, ref_devices=4, save=ckpt
+    )
     _, want = _reference(4, None, str(params_file))
     for n in (8, 3):
         mesh = fs.make_mesh(devices=jax.devices()[:n])
         like = fs.shard(worker.load_params(str(params_file)), mesh)
         restored = fs.unshard(fs.restore(ckpt, like))
-        for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(restored),
-                                  jax.tree.leaves(want)):
+        for (path, got), w in zip(
+            jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(want), strict=True
+        ):
             np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5, err_msg=str(path))
 
 
@@ -111,8 +115,7 @@ def test_two_processes_two_devices_each_match_four_devices(tmp_path, params_file
 @pytest.mark.multiprocess
 def test_four_process_hsdp_matches_single_process_hsdp(tmp_path, params_file):
     # make_mesh(replicate=2) over 4 processes x 1 device: each replica spans 2 processes.
-    _run_and_compare(tmp_path, params_file, processes=4, devices=1, replicate=2,
-                     ref_devices=4)
+    _run_and_compare(tmp_path, params_file, processes=4, devices=1, replicate=2, ref_devices=4)
 
 
 # Measured with jax 0.10.2: when process 1 dies, process 0's next collective fails at
@@ -123,8 +126,10 @@ def test_four_process_hsdp_matches_single_process_hsdp(tmp_path, params_file):
 # service detected fatal errors"), unless its failed collective reaches fail_fast first.
 SURVIVOR_MESSAGES = {
     1: ("funshard.distributed: process 0 of 2 stops: a collective failed because process 1 ",),
-    0: ("funshard.distributed: process 1 of 2 stops",
-        "Terminating process because the JAX distributed service detected fatal errors"),
+    0: (
+        "funshard.distributed: process 1 of 2 stops",
+        "Terminating process because the JAX distributed service detected fatal errors",
+    ),
 }
 
 
@@ -134,8 +139,18 @@ SURVIVOR_MESSAGES = {
 def test_survivor_exits_promptly_when_a_peer_dies(tmp_path, params_file, dead):
     survivor = 1 - dead
     start = time.monotonic()
-    args = ["--params", str(params_file), "--devices", "1", "--steps", str(STEPS),
-            "--die-rank", str(dead), "--die-after-step", "2"]
+    args = [
+        "--params",
+        str(params_file),
+        "--devices",
+        "1",
+        "--steps",
+        str(STEPS),
+        "--die-rank",
+        str(dead),
+        "--die-after-step",
+        "2",
+    ]
     with _job(tmp_path, 2, *args) as job:
         codes = _wait(job)
     elapsed = time.monotonic() - start
@@ -150,8 +165,14 @@ def test_survivor_exits_promptly_when_a_peer_dies(tmp_path, params_file, dead):
 
 
 def test_resolve_launch_torchrun_environment():
-    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     launch = fs.distributed.resolve_launch(environ=env)
     assert launch == fs.distributed.Launch("torchrun", "10.0.0.1:29500", 8, 3, (1,))
     # torchrun's own agent listens on MASTER_PORT: JAX's coordinator takes the next one.
@@ -163,13 +184,19 @@ def test_resolve_launch_torchrun_environment():
 
 
 def test_resolve_launch_slurm_environment():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-           "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3",
-           "SLURM_JOB_ID": "4097"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3",
+        "SLURM_JOB_ID": "4097",
+    }
     launch = fs.distributed.resolve_launch(environ=env)
     assert launch == fs.distributed.Launch("slurm", "10.1.2.3:61441", 8, 5, (1,))
     with_master = fs.distributed.resolve_launch(
-        environ={**env, "MASTER_ADDR": "node0", "MASTER_PORT": "1234"})
+        environ={**env, "MASTER_ADDR": "node0", "MASTER_PORT": "1234"}
+    )
     assert with_master.coordinator_address == "node0:1234"
 
 
@@ -179,15 +206,22 @@ def test_resolve_launch_explicit_arguments_win():
     assert launch == fs.distributed.Launch("torchrun", "b:2", 4, 3, (0, 1))
     bare = fs.distributed.resolve_launch("h:9", 2, 0, environ={})
     assert bare.launcher == "arguments" and bare.multi_process
-    assert fs.distributed.resolve_launch(environ={"JAX_COORDINATOR_ADDRESS": "c:3", **env}
-                                         ).coordinator_address == "c:3"
+    assert (
+        fs.distributed.resolve_launch(
+            environ={"JAX_COORDINATOR_ADDRESS": "c:3", **env}
+        ).coordinator_address
+        == "c:3"
+    )
 
 
-@pytest.mark.parametrize("env,match", [
-    ({"RANK": "0", "WORLD_SIZE": "2"}, "no coordinator address"),
-    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "process_id=2"),
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
-])
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "no coordinator address"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "process_id=2"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+    ],
+)
 def test_resolve_launch_errors(env, match):
     with pytest.raises(ValueError, match=match):
         fs.distributed.resolve_launch(environ=env)
@@ -222,7 +256,7 @@ def test_shard_batch_single_process(replicate):
     rows = {"x": np.arange(24.0).reshape(8, 3), "y": [np.arange(8, dtype=np.int32)]}
     batch = fs.distributed.shard_batch(rows, mesh)
     axes = ("fsdp",) if replicate is None else ("replicate", "fsdp")
-    for got, want in zip(jax.tree.leaves(batch), jax.tree.leaves(rows)):
+    for got, want in zip(jax.tree.leaves(batch), jax.tree.leaves(rows), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
         assert got.sharding.spec == PartitionSpec(axes[0] if len(axes) == 1 else axes)
         assert got.addressable_shards[0].data.shape[0] == 2
@@ -230,8 +264,9 @@ def test_shard_batch_single_process(replicate):
 
 def test_shard_batch_errors():
     mesh = fs.make_mesh(devices=jax.devices()[:4])
-    with pytest.raises(ValueError,
-                       match=r"shard_batch: leaf \['y'\]\[0\] has 6 rows.*multiple of 4"):
+    with pytest.raises(
+        ValueError, match=r"shard_batch: leaf \['y'\]\[0\] has 6 rows.*multiple of 4"
+    ):
         fs.distributed.shard_batch({"x": np.zeros((8, 2)), "y": [np.zeros(6)]}, mesh)
     with pytest.raises(ValueError, match=r"shard_batch: leaf \['s'\] is a scalar"):
         fs.distributed.shard_batch({"s": np.float32(1.0)}, mesh)
@@ -242,8 +277,10 @@ def test_shard_batch_errors():
 def test_failure_summary_names_the_dead_peer():
     launch = fs.distributed.Launch("torchrun", "127.0.0.1:1", 3, 0, None)
     hosts = {0: "127.0.0.1", 1: "10.0.0.2", 2: "10.0.0.3"}
-    error = RuntimeError("Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
-                         "Read error [10.0.0.3]:43441: Connection reset by peer")
+    error = RuntimeError(
+        "Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+        "Read error [10.0.0.3]:43441: Connection reset by peer"
+    )
     text = failure_summary(error, launch, hosts)
     assert "process 0 of 3 stops" in text and "process 2 (10.0.0.3:43441) is gone" in text
     own = failure_summary(KeyError("k"), launch, hosts)

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import mesh_for
 
 import funshard as fs
-from conftest import mesh_for
 from funshard import errors
 
 
@@ -25,10 +25,12 @@ def _plain_loss(p, x):
 
 
 def _assert_close(got, want):
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                            strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
+    for (path, g), w in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+    ):
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 # ---- fs.shard inside the loss function --------------------------------------------------
@@ -80,14 +82,17 @@ def test_unit_takes_its_params_and_arguments_by_keyword(reshard_after_forward):
     _assert_close(fs.unshard(grads), want)
     # Outside a step (evaluation), and with mixed positional / keyword arguments.
     _assert_close(unit(params={"w1": state["w1"]}, x=x), _layer({"w1": params["w1"]}, x))
-    _assert_close(unit({"w1": state["w1"]}, x, scale=3.0),
-                  _layer({"w1": params["w1"]}, x, scale=3.0))
+    _assert_close(
+        unit({"w1": state["w1"]}, x, scale=3.0), _layer({"w1": params["w1"]}, x, scale=3.0)
+    )
 
 
 def test_unit_called_without_its_params_names_the_unit():
     unit = fs.fully_shard(_layer)
-    with pytest.raises(errors.ShardingTypeError,
-                       match=r"unit '_layer' was called without its parameters.*params=\.\.\."):
+    with pytest.raises(
+        errors.ShardingTypeError,
+        match=r"unit '_layer' was called without its parameters.*params=\.\.\.",
+    ):
         unit(x=jnp.ones((2, 4)))
 
 
@@ -125,8 +130,10 @@ def test_vmap_over_the_step_matches_plain_jax_per_batch(mesh_name):
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
     _assert_close(fs.unshard(grads), want)  # the stack of full gradients, (3, *shape)
     for k in range(3):  # and batch k's gradients as a state
-        _assert_close(fs.unshard(jax.tree.map(lambda g: g[k], grads)),
-                      jax.tree.map(lambda g: g[k], want))
+        _assert_close(
+            fs.unshard(jax.tree.map(lambda g, k=k: g[k], grads)),
+            jax.tree.map(lambda g, k=k: g[k], want),
+        )
 
 
 def test_string_leaf_reaching_the_optimizer_is_named():
@@ -150,18 +157,20 @@ def test_unshard_of_data_that_is_not_the_layout_names_the_leaf():
 
     state = fs.shard(_params(), mesh_for("8"))
     broken = dataclasses.replace(state["w1"], data=jnp.zeros((3, 5)))
-    with pytest.raises(errors.ShardingValueError,
-                       match=r"unshard: leaf \['w1'\] holds data of shape \(3, 5\).*\(16, 4\)"):
+    with pytest.raises(
+        errors.ShardingValueError,
+        match=r"unshard: leaf \['w1'\] holds data of shape \(3, 5\).*\(16, 4\)",
+    ):
         fs.unshard({"w1": broken})
 
 
 # ---- Flax -------------------------------------------------------------------------------
 
 flax = pytest.importorskip("flax")
-import flax.linen as nn  # noqa: E402
-from flax import nnx  # noqa: E402
+import flax.linen as nn
+from flax import nnx
 
-import funshard.flax  # noqa: E402,F401
+import funshard.flax
 
 X = jax.random.normal(jax.random.key(7), (8, 4))
 
@@ -171,17 +180,20 @@ def test_linen_module_applied_to_sharded_params_it_does_not_gather():
     variables = dense.init(jax.random.key(0), X)
     params = fs.shard(variables["params"], mesh_for("8"))
     hint = r"scope '/' read its parameter 'kernel' as an fs.Sharded leaf of shape \(4, 3\)"
-    with pytest.raises(errors.ShardingTypeError,
-                       match=hint + r".*fs\.flax\.fully_shard\(nn\.Dense\)"):
+    with pytest.raises(
+        errors.ShardingTypeError, match=hint + r".*fs\.flax\.fully_shard\(nn\.Dense\)"
+    ):
         fs.value_and_grad(lambda p, x: jnp.mean(dense.apply({"params": p}, x)))(params, X)
     with pytest.raises(errors.ShardingTypeError, match=hint):
         dense.apply({"params": params}, X)  # outside a step too
     # The fix the message gives trains as plain linen does.
     unit = fs.flax.fully_shard(nn.Dense)(3)
     loss, grads = fs.value_and_grad(lambda p, x: jnp.mean(unit.apply({"params": p}, x) ** 2))(
-        params, X)
-    want_loss, want = jax.value_and_grad(
-        lambda p, x: jnp.mean(dense.apply({"params": p}, x) ** 2))(variables["params"], X)
+        params, X
+    )
+    want_loss, want = jax.value_and_grad(lambda p, x: jnp.mean(dense.apply({"params": p}, x) ** 2))(
+        variables["params"], X
+    )
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     _assert_close(fs.unshard(grads), want)
 
@@ -201,15 +213,14 @@ def test_linen_sow_inside_a_unit_comes_out_as_plain_linen():
 
     def loss(p, x):
         out, sown = model.apply({"params": p}, x, mutable=["intermediates"])
-        return jnp.mean(out ** 2), sown
+        return jnp.mean(out**2), sown
 
     def plain(p, x):
         out, sown = _Sowing().apply({"params": p}, x, mutable=["intermediates"])
-        return jnp.mean(out ** 2), sown
+        return jnp.mean(out**2), sown
 
     (got, sown), grads = fs.value_and_grad(loss, has_aux=True)(params, X)
-    (want, want_sown), want_grads = jax.value_and_grad(plain, has_aux=True)(
-        variables["params"], X)
+    (want, want_sown), want_grads = jax.value_and_grad(plain, has_aux=True)(variables["params"], X)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     _assert_close(sown, want_sown)  # per-example values, gathered in batch order
     _assert_close(fs.unshard(grads), want_grads)
@@ -227,8 +238,9 @@ def _linen_stack(layer_cls):
     class Stack(nn.Module):
         @nn.compact
         def __call__(self, x):
-            scanned = nn.scan(layer_cls, variable_axes={"params": 0},
-                              split_rngs={"params": True}, length=3)
+            scanned = nn.scan(
+                layer_cls, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
             return scanned()(x, None)[0]
 
     return Stack
@@ -239,15 +251,19 @@ def test_linen_scan_over_a_marked_class_is_a_clear_error_and_the_outer_unit_work
     variables = plain.init(jax.random.key(0), X)
     params = fs.shard(variables["params"], mesh_for("8"))
     marked_inner = fs.flax.fully_shard(_linen_stack(fs.flax.fully_shard(_Layer)))()
-    with pytest.raises(errors.UnsupportedError,
-                       match=r"unit _Layer runs inside a lifted transform.*nn\.scan.*"
-                             r"\['Dense_0'\]\['bias'\].*Mark the module that runs the scan"):
+    with pytest.raises(
+        errors.UnsupportedError,
+        match=r"unit _Layer runs inside a lifted transform.*nn\.scan.*"
+        r"\['Dense_0'\]\['bias'\].*Mark the module that runs the scan",
+    ):
         fs.value_and_grad(lambda p, x: jnp.mean(marked_inner.apply({"params": p}, x)))(params, X)
     outer = fs.flax.fully_shard(_linen_stack(_Layer))()
     loss, grads = fs.value_and_grad(lambda p, x: jnp.mean(outer.apply({"params": p}, x) ** 2))(
-        params, X)
-    want_loss, want = jax.value_and_grad(
-        lambda p, x: jnp.mean(plain.apply({"params": p}, x) ** 2))(variables["params"], X)
+        params, X
+    )
+    want_loss, want = jax.value_and_grad(lambda p, x: jnp.mean(plain.apply({"params": p}, x) ** 2))(
+        variables["params"], X
+    )
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     _assert_close(fs.unshard(grads), want)
 
@@ -282,17 +298,18 @@ def test_nnx_scan_stacked_blocks_marked_as_a_unit_is_a_clear_error_and_the_outer
     fs.flax.fully_shard(model.blocks)
     fs.flax.fully_shard(model)
     graphdef, state = fs.flax.shard(model, mesh)
-    with pytest.raises(errors.UnsupportedError,
-                       match=r"unit _NBlock runs inside a lifted transform.*nnx\.scan"):
+    with pytest.raises(
+        errors.UnsupportedError, match=r"unit _NBlock runs inside a lifted transform.*nnx\.scan"
+    ):
         fs.value_and_grad(lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x)))(state, X)
 
     reference = _NStack(jax.random.key(0))
     outer = fs.flax.fully_shard(_NStack(jax.random.key(0)))  # the model alone is the unit
     graphdef, state = fs.flax.shard(outer, mesh)
-    loss, grads = fs.value_and_grad(
-        lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2))(state, X)
+    loss, grads = fs.value_and_grad(lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2))(state, X)
     ref_graph, ref_state = nnx.split(reference)
-    want_loss, want = jax.value_and_grad(
-        lambda s, x: jnp.mean(nnx.merge(ref_graph, s)(x) ** 2))(ref_state, X)
+    want_loss, want = jax.value_and_grad(lambda s, x: jnp.mean(nnx.merge(ref_graph, s)(x) ** 2))(
+        ref_state, X
+    )
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     _assert_close(jax.tree.leaves(fs.unshard(grads)), jax.tree.leaves(want))

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _hlo import collectives
+from conftest import mesh_for
 
 import funshard as fs
-from conftest import mesh_for
-from _hlo import collectives
 
 STEPS = 3
 TOLERANCE = 2e-6  # the unwrapped optimizers are off by 1e-4 to 1e-2
@@ -37,13 +37,19 @@ def _lamb():
 
 def _masked_chain():
     # adafactor on matrices, AdamW on the rest, adafactor masked off the even matrix.
-    labels = lambda p: jax.tree.map(lambda x: "matrix" if x.ndim == 2 else "vector", p)
-    only_uneven = lambda p: {k: k != "even" for k in p}
+    def labels(p):
+        return jax.tree.map(lambda x: "matrix" if x.ndim == 2 else "vector", p)
+
+    def only_uneven(p):
+        return {k: k != "even" for k in p}
+
     return optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.multi_transform(
-            {"matrix": optax.masked(optax.adafactor(1e-2), only_uneven),
-             "vector": optax.adamw(1e-2, weight_decay=0.1)},
+            {
+                "matrix": optax.masked(optax.adafactor(1e-2), only_uneven),
+                "vector": optax.adamw(1e-2, weight_decay=0.1),
+            },
             labels,
         ),
     )
@@ -60,12 +66,12 @@ CASES = {
 
 def _params(shapes):
     keys = jax.random.split(jax.random.key(0), len(shapes))
-    return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes.items())}
+    return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes.items(), strict=True)}
 
 
 def _targets(shapes):
     keys = jax.random.split(jax.random.key(1), len(shapes))
-    return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes.items())}
+    return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes.items(), strict=True)}
 
 
 def _loss(params, targets, batch):
@@ -156,11 +162,15 @@ def test_wrapped_state_saves_restores_and_has_a_state_dict(tmp_path):
     assert shapes["[0].v_col['even'].data"] == (136,)
 
 
-@pytest.mark.parametrize("make_opt, shape, padded", [
-    (_adafactor, (130, 128), (136, 128)),
-    # muon on a (130, 128) leaf is exact padded: it orthogonalises the 128 columns.
-    (_muon, (13, 32), (16, 32)),
-], ids=["adafactor", "muon"])
+@pytest.mark.parametrize(
+    "make_opt, shape, padded",
+    [
+        (_adafactor, (130, 128), (136, 128)),
+        # muon on a (130, 128) leaf is exact padded: it orthogonalises the 128 columns.
+        (_muon, (13, 32), (16, 32)),
+    ],
+    ids=["adafactor", "muon"],
+)
 def test_init_optimizer_refuses_padding_dependent_transform(make_opt, shape, padded):
     state = fs.shard(_params({"even": (16, 128), "uneven": shape}), mesh_for("8"))
     with pytest.raises(fs.errors.ShardingValueError) as info:
@@ -171,13 +181,17 @@ def test_init_optimizer_refuses_padding_dependent_transform(make_opt, shape, pad
     assert "['even']" not in message
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda: optax.adamw(1e-2, weight_decay=0.1),
-    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
-    lambda: optax.sgd(1e-2, momentum=0.9),
-    lambda: optax.lion(1e-3),
-    _lamb,
-], ids=["adamw", "clip_adamw", "sgd", "lion", "lamb"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda: optax.adamw(1e-2, weight_decay=0.1),
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+        lambda: optax.sgd(1e-2, momentum=0.9),
+        lambda: optax.lion(1e-3),
+        _lamb,
+    ],
+    ids=["adamw", "clip_adamw", "sgd", "lion", "lamb"],
+)
 def test_element_wise_transforms_pass_the_probe_on_uneven_leaves(make_opt):
     state = fs.shard(_params({"uneven": (13, 32), "bias": (13,)}), mesh_for("8"))
     fs.init_optimizer(make_opt(), state)
@@ -200,7 +214,10 @@ def test_abstract_state_gives_the_optimizer_state_layout():
     opt = fs.shard_optimizer(_adafactor())
     abstract = fs.init_optimizer(opt, jax.eval_shape(lambda: state))
     concrete = fs.init_optimizer(opt, state)
-    shardings = lambda tree: [x.sharding for x in jax.tree.leaves(tree)]
+
+    def shardings(tree):
+        return [x.sharding for x in jax.tree.leaves(tree)]
+
     assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
     assert shardings(abstract) == shardings(concrete)
 
@@ -222,15 +239,19 @@ def test_even_leaves_compile_to_plain_optax():
     plain = _compiled_update(_adafactor(), state)
     wrapped = _compiled_update(fs.shard_optimizer(_adafactor()), state)
     assert _without_metadata(wrapped.as_text()) == _without_metadata(plain.as_text())
-    assert (wrapped.memory_analysis().temp_size_in_bytes
-            == plain.memory_analysis().temp_size_in_bytes)
+    assert (
+        wrapped.memory_analysis().temp_size_in_bytes == plain.memory_analysis().temp_size_in_bytes
+    )
 
 
 def test_uneven_leaf_costs_its_gathers():
     # AdamW (which needs no wrapper) wrapped: the update, the parameter and both moments
     # of the uneven leaf are gathered; the even leaf adds nothing.
     state = fs.shard(_params({"uneven": (13, 32), "even": (16, 32)}), mesh_for("8"))
-    opt = lambda: optax.adamw(1e-2, weight_decay=0.1)
+
+    def opt():
+        return optax.adamw(1e-2, weight_decay=0.1)
+
     plain = _compiled_update(opt(), state)
     wrapped = _compiled_update(fs.shard_optimizer(opt()), state)
     gathers = [c for c in collectives(wrapped.as_text()) if c["kind"] == "all-gather"]
@@ -244,14 +265,19 @@ def test_probe_reports_every_leaf_a_line_each():
         fs.init_optimizer(_adafactor(), state)
     lines = str(info.value).splitlines()
     assert [line.split(" (shape")[0] for line in lines] == [
-        "init_optimizer: leaf ['a']", "init_optimizer: leaf ['b']"]
+        "init_optimizer: leaf ['a']",
+        "init_optimizer: leaf ['b']",
+    ]
 
 
 def test_transform_that_needs_extra_arguments_is_not_refused(caplog):
     # reduce_on_plateau's update needs value=: the probe cannot run it, says so in the
     # log, and lets it through; the wrapper passes the extra argument on.
     state = fs.shard(_params({"uneven": (13, 32)}), mesh_for("8"))
-    make_opt = lambda: optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau())
+
+    def make_opt():
+        return optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau())
+
     fs.init_optimizer(make_opt(), state)
     assert "could not probe" in caplog.text
     opt = fs.shard_optimizer(make_opt())

@@ -3,12 +3,12 @@
 import jax
 import numpy as np
 import pytest
+from _hlo import collectives, compiled
+from _models import mlp_loss, mlp_params, mlp_sharded_loss
+from _util import mlp_batch
+from conftest import mesh_for
 
 import funshard as fs
-from _hlo import collectives, compiled
-from _util import mlp_batch
-from _models import mlp_loss, mlp_params, mlp_sharded_loss
-from conftest import mesh_for
 
 
 def _dim1_when_even(path, x):
@@ -20,22 +20,27 @@ def _replicate_biases(path, x):
 
 
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
-@pytest.mark.parametrize("placement,min_size", [
-    (_dim1_when_even, 0), (_replicate_biases, 0), (None, 100),
-])
+@pytest.mark.parametrize(
+    "placement,min_size",
+    [
+        (_dim1_when_even, 0),
+        (_replicate_biases, 0),
+        (None, 100),
+    ],
+)
 @pytest.mark.parametrize("units", [False, True])
 def test_placements_round_trip_and_gradient_parity(mesh_name, placement, min_size, units):
     params = mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for(mesh_name), placement=placement, min_shard_size=min_size)
     back = fs.unshard(state)
-    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(got, want)
     loss, grads = jax.jit(fs.value_and_grad(mlp_sharded_loss(units)))(state, mlp_batch())
     ref_loss, ref = jax.value_and_grad(mlp_loss)(params, mlp_batch())
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    for g, r in zip(jax.tree.leaves(fs.unshard(grads)), jax.tree.leaves(ref)):
+    for g, r in zip(jax.tree.leaves(fs.unshard(grads)), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
-    for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(state)):
+    for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(state), strict=True):
         assert g.sharding.is_equivalent_to(s.sharding, g.ndim)
 
 
@@ -64,10 +69,12 @@ def test_min_shard_size_replicates_small_leaves_and_all_reduces_their_grads():
 
 def test_uneven_other_dim_is_a_clear_error():
     with pytest.raises(ValueError, match=r"leaf \['w'\].*do not divide"):
-        fs.shard({"w": np.ones((4, 6), np.float32)}, mesh_for("8"),
-                 placement=lambda p, x: fs.Shard(1))
+        fs.shard(
+            {"w": np.ones((4, 6), np.float32)}, mesh_for("8"), placement=lambda p, x: fs.Shard(1)
+        )
     with pytest.raises(ValueError, match="cannot be sharded on dim 2"):
-        fs.shard({"w": np.ones((4, 8), np.float32)}, mesh_for("8"),
-                 placement=lambda p, x: fs.Shard(2))
+        fs.shard(
+            {"w": np.ones((4, 8), np.float32)}, mesh_for("8"), placement=lambda p, x: fs.Shard(2)
+        )
     with pytest.raises(TypeError, match="placement returned"):
         fs.shard({"w": np.ones((4, 8), np.float32)}, mesh_for("8"), placement=lambda p, x: 1)

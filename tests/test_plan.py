@@ -44,8 +44,11 @@ def _step(reshard, **options):
     """The step `fs.plan(..., units=UNITS)` describes: one unit per layer, the root's
     leaves gathered by one fs.unshard."""
     layers = [
-        fs.fully_shard(lambda p, h: jnp.tanh(h @ p["w"] + p["b"]),
-                       reshard_after_forward=reshard.get(f"layer{i}", True), name=f"layer{i}")
+        fs.fully_shard(
+            lambda p, h: jnp.tanh(h @ p["w"] + p["b"]),
+            reshard_after_forward=reshard.get(f"layer{i}", True),
+            name=f"layer{i}",
+        )
         for i in range(LAYERS)
     ]
 
@@ -53,7 +56,7 @@ def _step(reshard, **options):
         x, y = batch
         root = fs.unshard({"embed": state["embed"], "head": state["head"]})
         h = jnp.tanh(x @ root["embed"])
-        for layer, p in zip(layers, state["layers"]):
+        for layer, p in zip(layers, state["layers"], strict=True):
             h = layer(p, h)
         return jnp.mean(((h @ root["head"]).astype(jnp.float32) * state["scale"] - y) ** 2)
 
@@ -66,15 +69,22 @@ def _executed(text: str) -> dict:
     ops, facts = hlo.executed_collectives(text, 8)
     assert not facts["unknown_trip"] and not any(op["conditional"] for op in ops)
     return {
-        kind: Counter([(op["group"], op["bytes"]) for op in ops if op["kind"] == kind
-                       for _ in range(op["times"])])
+        kind: Counter(
+            [
+                (op["group"], op["bytes"])
+                for op in ops
+                if op["kind"] == kind
+                for _ in range(op["times"])
+            ]
+        )
         for kind in KINDS
     }
 
 
 def _planned(plan, kind: str) -> Counter:
-    return Counter([(c.group, c.bytes) for c in plan.collectives if c.kind == kind
-                    for _ in range(c.times)])
+    return Counter(
+        [(c.group, c.bytes) for c in plan.collectives if c.kind == kind for _ in range(c.times)]
+    )
 
 
 def _split_mesh():
@@ -92,7 +102,9 @@ CASES = {
     "microbatches-one-unit-keeps": dict(mesh="8", microbatches=2, reshard={"layer1": False}),
     "hsdp-no-sync": dict(mesh="2x4", microbatches=2, sync_every_microbatch=False),
     "hsdp-frozen-all-reduce-at-end": dict(
-        mesh="2x4", microbatches=2, all_reduce_every_microbatch=False,
+        mesh="2x4",
+        microbatches=2,
+        all_reduce_every_microbatch=False,
         trainable={"embed": True, "layers": [True, False], "head": False, "scale": True},
     ),
     "hpz": dict(mesh="split", shard_axis=("fsdp_outer", "fsdp_inner"), reshard=4),
@@ -142,8 +154,13 @@ def test_memory_matches_the_sharded_arrays(mesh_name, policy):
     planned = fs.plan(params, mesh, units=UNITS, mp_policy=policy, optimizer=opt)
     devices = set(mesh.devices.flat)
     held = lambda tree: {  # noqa: E731
-        sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
-            if s.device == d) for d in devices
+        sum(
+            s.data.nbytes
+            for leaf in jax.tree.leaves(tree)
+            for s in leaf.addressable_shards
+            if s.device == d
+        )
+        for d in devices
     }
     assert held(state) == {planned.params.per_device}
     assert held(opt_state) == {planned.optimizer.per_device}
@@ -162,7 +179,8 @@ def test_gradients_match_the_step_output():
     planned = fs.plan(state, units=UNITS)
     held = sum(
         np.prod(x.data.sharding.shard_shape(x.data.shape)) * x.data.dtype.itemsize
-        if isinstance(x, fs.Sharded) else np.prod(x.shape) * x.dtype.itemsize
+        if isinstance(x, fs.Sharded)
+        else np.prod(x.shape) * x.dtype.itemsize
         for x in jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, fs.Sharded))
     )
     assert held == planned.grads.per_device
@@ -174,8 +192,11 @@ def test_gathered_bytes_per_unit_are_the_units_all_gather():
     text, options = _compiled_case("hsdp-bf16-microbatches")
     planned = fs.plan(_params(), units=UNITS, **options)
     for name in UNITS:
-        lines = [ln for ln in text.splitlines()
-                 if f"funshard/{name}/all_gather" in ln and " all-gather(" in ln]
+        lines = [
+            ln
+            for ln in text.splitlines()
+            if f"funshard/{name}/all_gather" in ln and " all-gather(" in ln
+        ]
         sizes = {c.nbytes for c in hlo.parse_collectives(lines)}
         assert sizes == {planned.unit(name).gathered_bytes}, (name, sizes)
     # 24 x 24 + 24 bf16 values over 4 shards: 6 rows of w and of b each; 13 rows of
@@ -222,13 +243,13 @@ def test_leaves_kept_whole_are_all_reduced_in_the_units_dtype():
     by autodiff, in the dtype their unit computes with. Read from the program funshard
     emits (StableHLO): XLA CPU widens 16-bit all-reduces to f32 only afterwards."""
     mesh = mesh_for("8")
-    options = dict(mp_policy=BF16, placement=lambda path, x: fs.Replicate() if x.ndim == 1
-                   else None)
+    options = dict(
+        mp_policy=BF16, placement=lambda path, x: fs.Replicate() if x.ndim == 1 else None
+    )
     state = fs.shard(_params(), mesh, **options)
     lowered = jax.jit(_step({})).lower(state, BATCH).as_text()
     measured = Counter()
-    for operands in re.findall(r"stablehlo\.all_reduce.*?\}\) : \(([^)]*)\)", lowered,
-                               re.DOTALL):
+    for operands in re.findall(r"stablehlo\.all_reduce.*?\}\) : \(([^)]*)\)", lowered, re.DOTALL):
         for dims, dtype in re.findall(r"tensor<((?:\d+x)*)(\w+)>", operands):
             dtype = {"f32": "float32", "bf16": "bfloat16"}[dtype]
             size = np.prod([int(d) for d in dims.split("x") if d], dtype=int)
@@ -250,8 +271,9 @@ def test_nested_prefixes_go_to_the_innermost_unit():
     assert planned.unit("layer0").leaves == ("['layers'][0]['b']", "['layers'][0]['w']")
     assert "['layers'][1]['w']" in planned.unit("model").leaves
     assert not any("['layers'][0]" in leaf for leaf in planned.unit("model").leaves)
-    emptied = fs.plan(_params(), mesh_for("8"), units={"all": "layers", "a": "layers.0",
-                                                       "b": "layers.1"})
+    emptied = fs.plan(
+        _params(), mesh_for("8"), units={"all": "layers", "a": "layers.0", "b": "layers.1"}
+    )
     assert emptied.unit("all").leaves == () and emptied.count(unit="all") == 0
 
 
@@ -266,7 +288,9 @@ def test_flax_nnx_state_paths():
     params = nnx.state(nnx.eval_shape(lambda: Model(nnx.Rngs(0))), nnx.Param)
     planned = fs.plan(params, mesh_for("8"), units={"block0": "blocks.0", "block1": "blocks.1"})
     assert planned.unit("block0").leaves == (
-        "['blocks'][0]['bias'].value", "['blocks'][0]['kernel'].value")
+        "['blocks'][0]['bias'].value",
+        "['blocks'][0]['kernel'].value",
+    )
     assert planned.unit("block0").gathered_bytes == (16 * 16 + 16) * 4
     assert planned.unit("root").replicated_bytes == (16 * 4 + 4) * 4
 
@@ -290,8 +314,14 @@ def test_no_units_gathers_everything_at_the_root():
 
 
 def test_accumulators_without_sync():
-    planned = fs.plan(_params(), mesh_for("8"), units=UNITS, mp_policy=BF16,
-                      microbatches=4, sync_every_microbatch=False)
+    planned = fs.plan(
+        _params(),
+        mesh_for("8"),
+        units=UNITS,
+        mp_policy=BF16,
+        microbatches=4,
+        sync_every_microbatch=False,
+    )
     full_f32 = sum(x.nbytes for x in jax.tree.leaves(_params()) if x.ndim)
     assert planned.accumulators.per_device == full_f32
     assert planned.count("reduce-scatter") == 1  # one deferred reduce-scatter of everything
@@ -299,12 +329,21 @@ def test_accumulators_without_sync():
 
 
 def test_printing():
-    planned = fs.plan(_params(), mesh_for("2x4"), units=UNITS, optimizer=optax.adam(1e-3),
-                      microbatches=2)
+    planned = fs.plan(
+        _params(), mesh_for("2x4"), units=UNITS, optimizer=optax.adam(1e-3), microbatches=2
+    )
     text = str(planned)
     assert "mesh (replicate=2, fsdp=4), 4 shards x 2 replicas, 2 microbatches" in text
-    for fragment in ("parameters", "optimizer state", "layer1", "root", "all-gather",
-                     "reduce-scatter", "all-reduce", "KiB"):
+    for fragment in (
+        "parameters",
+        "optimizer state",
+        "layer1",
+        "root",
+        "all-gather",
+        "reduce-scatter",
+        "all-reduce",
+        "KiB",
+    ):
         assert fragment in text, fragment
     shown_by_ipython = []
     printer = type("Printer", (), {"text": lambda self, t: shown_by_ipython.append(t)})()
@@ -341,21 +380,27 @@ def _raises(exc_type, call, *fragments):
         assert fragment in message, (fragment, message)
 
 
-@pytest.mark.parametrize("units,exc_type,fragments", [
-    ({"layer9": ("layers", 9)}, ValueError, ["'layer9'", "layers holds '0', '1'."]),
-    ({"x": "blocks.0"}, ValueError, ["'blocks.0'", "params holds 'embed', 'head', 'layers'"]),
-    ({"a": "layers.1", "b": ("layers", 1)}, ValueError,
-     ["['layers'][1]['b']", "units 'a' and 'b'", "same prefix"]),
-    ({"a": 3.5}, TypeError, ["unit 'a' selects 3.5", "('layers', 0)"]),
-    ({"a": []}, TypeError, ["unit 'a'", "non-empty list"]),
-    ({"a": "layers..0"}, TypeError, ["'layers..0'"]),
-    ("layers.0", TypeError, ["units must be a mapping", "got str"]),
-    ({"root": "layers.0"}, ValueError, ["other than 'root'"]),
-    ({"": "layers.0"}, TypeError, ["non-empty strings"]),
-    ({"s": "scale"}, ValueError, ["unit 's' holds no sharded parameter", "['scale']"]),
-    (["layers.0", "layers.0"], ValueError, ["lists 'layers.0' twice"]),
-    ([""], TypeError, ["non-empty strings", "name the unit"]),
-])
+@pytest.mark.parametrize(
+    "units,exc_type,fragments",
+    [
+        ({"layer9": ("layers", 9)}, ValueError, ["'layer9'", "layers holds '0', '1'."]),
+        ({"x": "blocks.0"}, ValueError, ["'blocks.0'", "params holds 'embed', 'head', 'layers'"]),
+        (
+            {"a": "layers.1", "b": ("layers", 1)},
+            ValueError,
+            ["['layers'][1]['b']", "units 'a' and 'b'", "same prefix"],
+        ),
+        ({"a": 3.5}, TypeError, ["unit 'a' selects 3.5", "('layers', 0)"]),
+        ({"a": []}, TypeError, ["unit 'a'", "non-empty list"]),
+        ({"a": "layers..0"}, TypeError, ["'layers..0'"]),
+        ("layers.0", TypeError, ["units must be a mapping", "got str"]),
+        ({"root": "layers.0"}, ValueError, ["other than 'root'"]),
+        ({"": "layers.0"}, TypeError, ["non-empty strings"]),
+        ({"s": "scale"}, ValueError, ["unit 's' holds no sharded parameter", "['scale']"]),
+        (["layers.0", "layers.0"], ValueError, ["lists 'layers.0' twice"]),
+        ([""], TypeError, ["non-empty strings", "name the unit"]),
+    ],
+)
 def test_bad_units(units, exc_type, fragments):
     _raises(exc_type, lambda: fs.plan(_params(), mesh_for("8"), units=units), *fragments)
 
@@ -364,8 +409,9 @@ def test_bad_inputs():
     mesh, params = mesh_for("8"), _params()
     state = fs.shard(params, mesh)
     _raises(TypeError, lambda: fs.plan(params), "fs.plan(params, mesh")
-    _raises(ValueError, lambda: fs.plan(state, mp_policy=BF16), "already sharded",
-            "drop mp_policy=")
+    _raises(
+        ValueError, lambda: fs.plan(state, mp_policy=BF16), "already sharded", "drop mp_policy="
+    )
     _raises(ValueError, lambda: fs.plan(state, min_shard_size=4), "min_shard_size")
     _raises(ValueError, lambda: fs.plan(state, mesh_for("4")), "leave mesh out")
     bad = {**params, "names": np.array(["a", "b"])}
@@ -374,19 +420,38 @@ def test_bad_inputs():
     _raises(ValueError, lambda: fs.plan(params, mesh, shard_axis="nope"), "'nope'")
     _raises(ValueError, lambda: fs.plan({"s": jnp.float32(1)}, mesh), "no array leaf")
     _raises(ValueError, lambda: fs.plan(params, mesh, microbatches=0), "microbatches")
-    _raises(TypeError, lambda: fs.plan(params, mesh, sync_every_microbatch=None),
-            "sync_every_microbatch must be a bool")
-    _raises(ValueError, lambda: fs.plan(params, mesh, units=UNITS,
-                                        reshard_after_forward={"layer7": False}),
-            "['layer7']", "'layer0'")
-    _raises(ValueError, lambda: fs.plan(params, mesh, units=UNITS, reshard_after_forward=3),
-            "must divide the number of shards (8)")
-    _raises(TypeError, lambda: fs.plan(params, mesh, reshard_after_forward="yes"),
-            "reshard_after_forward must be")
-    _raises(TypeError, lambda: fs.plan(params, mesh, optimizer=optax.adam),
-            "GradientTransformation", "function")
-    _raises(ValueError, lambda: fs.plan(params, mesh, trainable={"nope": False}),
-            "`trainable` must be a pytree prefix")
+    _raises(
+        TypeError,
+        lambda: fs.plan(params, mesh, sync_every_microbatch=None),
+        "sync_every_microbatch must be a bool",
+    )
+    _raises(
+        ValueError,
+        lambda: fs.plan(params, mesh, units=UNITS, reshard_after_forward={"layer7": False}),
+        "['layer7']",
+        "'layer0'",
+    )
+    _raises(
+        ValueError,
+        lambda: fs.plan(params, mesh, units=UNITS, reshard_after_forward=3),
+        "must divide the number of shards (8)",
+    )
+    _raises(
+        TypeError,
+        lambda: fs.plan(params, mesh, reshard_after_forward="yes"),
+        "reshard_after_forward must be",
+    )
+    _raises(
+        TypeError,
+        lambda: fs.plan(params, mesh, optimizer=optax.adam),
+        "GradientTransformation",
+        "function",
+    )
+    _raises(
+        ValueError,
+        lambda: fs.plan(params, mesh, trainable={"nope": False}),
+        "`trainable` must be a pytree prefix",
+    )
 
 
 def test_unit_taking_a_child_units_state_first_still_gathers_every_microbatch():

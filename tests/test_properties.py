@@ -13,25 +13,30 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import MESHES, mesh_for
 from hypothesis import given, settings
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import funshard as fs
-from conftest import MESHES, mesh_for
 
 pytestmark = pytest.mark.slow
 
 MESH_NAMES = list(MESHES)
 # Small, uneven, size-0 and size-1 dims; each distinct shape costs a compile.
 DIMS = [0, 1, 2, 3, 5, 7, 8, 9, 13]
-DTYPES = [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16),
-          np.dtype(np.int32), np.dtype(np.bool_)]
+DTYPES = [
+    np.dtype(np.float32),
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(np.float16),
+    np.dtype(np.int32),
+    np.dtype(np.bool_),
+]
 KEYS = ["w", "b", "bias", "layers", "0", "a_b"]
 SPECIAL_FLOATS = [0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -2.5]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mesh(name):
     return mesh_for(name)
 
@@ -119,7 +124,7 @@ def _assert_same_tree(got, want):
             _assert_same_tree(got[k], want[k])
     elif isinstance(want, (list, tuple)):
         assert type(got) is type(want) and len(got) == len(want)
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             _assert_same_tree(g, w)
     else:
         assert type(got) is type(want) and got == want
@@ -166,12 +171,12 @@ def _check_layout(s, x, mesh, axes=("fsdp",)):
         if c:
             start, stop, step = sh.index[0].indices(n * c)
             assert (start, stop, step) == (i * c, (i + 1) * c, 1)
-        for dim_index, dim in zip(sh.index[1:], x.shape[1:]):
+        for dim_index, dim in zip(sh.index[1:], x.shape[1:], strict=True):
             assert dim_index.indices(dim) == (0, dim, 1)
         # torch.chunk semantics: device i owns rows [i*c, min((i+1)*c, d0)).
-        want = x[i * c:min((i + 1) * c, d0)]
+        want = x[i * c : min((i + 1) * c, d0)]
         assert np.array_equal(_bits(block[: len(want)]), _bits(want))
-        assert not np.any(block[len(want):]), "padding rows must be zero"
+        assert not np.any(block[len(want) :]), "padding rows must be zero"
 
 
 # --- properties -------------------------------------------------------------------------
@@ -251,11 +256,16 @@ def test_reshard_of_unshard_is_identity(tree, mesh_name):
     got = _array_leaves_with_path(again)
     assert jax.tree.structure(again) == jax.tree.structure(state)
     assert [p for p, _ in got] == [p for p, _ in want]
-    for (path, g), (_, w) in zip(got, want):
+    for (path, g), (_, w) in zip(got, want, strict=True):
         if isinstance(w, fs.Sharded):
             assert isinstance(g, fs.Sharded), path
             assert (g.shape, g.dtype, g.mesh, g.shard_axis, g.replicate_axis, g.mp_policy) == (
-                w.shape, w.dtype, w.mesh, w.shard_axis, w.replicate_axis, w.mp_policy
+                w.shape,
+                w.dtype,
+                w.mesh,
+                w.shard_axis,
+                w.replicate_axis,
+                w.mp_policy,
             )
             assert g.data.shape == w.data.shape and g.data.dtype == w.data.dtype
             assert g.data.sharding.is_equivalent_to(w.data.sharding, w.data.ndim)
@@ -298,13 +308,21 @@ def test_reshard_zero_size_leaf_blocks(mesh_name):
 @pytest.mark.parametrize("mesh_name", MESH_NAMES)
 def test_sharded_is_a_pytree_with_one_child(mesh_name):
     mesh = _mesh(mesh_name)
-    params = {"w": np.arange(15, dtype=np.float32).reshape(5, 3), "b": np.ones(3, np.float32),
-              "s": np.float32(2.0), "name": "mlp"}
+    params = {
+        "w": np.arange(15, dtype=np.float32).reshape(5, 3),
+        "b": np.ones(3, np.float32),
+        "s": np.float32(2.0),
+        "name": "mlp",
+    }
     state = fs.shard(params, mesh, mp_policy=fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16))
     leaves = jax.tree.leaves(state)
     # Sorted keys: 'b', 'name', 's', 'w'; the string is a leaf that passes through.
-    assert [type(x) for x in leaves] == [type(state["b"].data), str, type(state["s"]),
-                                         type(state["w"].data)]
+    assert [type(x) for x in leaves] == [
+        type(state["b"].data),
+        str,
+        type(state["s"]),
+        type(state["w"].data),
+    ]
     n = _fsdp_size(mesh)
     assert leaves[0] is state["b"].data and leaves[3] is state["w"].data
     assert leaves[3].shape == (n * math.ceil(5 / n), 3)
@@ -317,9 +335,21 @@ def test_sharded_is_a_pytree_with_one_child(mesh_name):
     for key in ("w", "b"):
         got, want = doubled[key], state[key]
         assert isinstance(got, fs.Sharded)
-        assert (got.shape, got.dtype, got.mesh, got.shard_axis, got.replicate_axis,
-                got.mp_policy) == (want.shape, want.dtype, want.mesh, want.shard_axis,
-                                   want.replicate_axis, want.mp_policy)
+        assert (
+            got.shape,
+            got.dtype,
+            got.mesh,
+            got.shard_axis,
+            got.replicate_axis,
+            got.mp_policy,
+        ) == (
+            want.shape,
+            want.dtype,
+            want.mesh,
+            want.shard_axis,
+            want.replicate_axis,
+            want.mp_policy,
+        )
         assert got.data.sharding.is_equivalent_to(want.data.sharding, want.data.ndim)
         np.testing.assert_array_equal(np.asarray(got.data), 2 * np.asarray(want.data))
     np.testing.assert_array_equal(np.asarray(fs.unshard(doubled)["w"]), 2 * params["w"])

@@ -27,8 +27,11 @@ def test_assumptions_hold_on_this_python():
 
 
 # Ids by position: the same on every xdist worker (a function's repr is not).
-@pytest.mark.parametrize("what,read,want", _py_compat._probes(),
-                         ids=[f"probe{i}" for i in range(len(_py_compat._probes()))])
+@pytest.mark.parametrize(
+    "what,read,want",
+    _py_compat._probes(),
+    ids=[f"probe{i}" for i in range(len(_py_compat._probes()))],
+)
 def test_each_probe_reads_as_expected(what, read, want):
     assert read(_py_compat._Probe()) is want, what
 
@@ -36,8 +39,11 @@ def test_each_probe_reads_as_expected(what, read, want):
 def test_a_wrong_argument_decoding_names_itself_and_the_range(monkeypatch):
     # LOAD_ATTR's argument with its flag bit handled as on the other side of 3.12.
     monkeypatch.setattr(_py_compat, "_METHOD_BIT", not _py_compat._METHOD_BIT)
-    with pytest.raises(RuntimeError, match=r"CPython .* no longer show `x\.seen` in the "
-                       r"reader's code .*`\.data` read.*Python" + _RANGE):
+    with pytest.raises(
+        RuntimeError,
+        match=r"CPython .* no longer show `x\.seen` in the "
+        r"reader's code .*`\.data` read.*Python" + _RANGE,
+    ):
         _py_compat.check()
 
 
@@ -53,8 +59,10 @@ def test_a_missing_opcode_names_itself(monkeypatch):
         _py_compat.check()
 
 
-@pytest.mark.skipif(sys.version_info[:2] != (3, 12),
-                    reason="only 3.12 moves f_lasti onto a specialised read's inline cache")
+@pytest.mark.skipif(
+    sys.version_info[:2] != (3, 12),
+    reason="only 3.12 moves f_lasti onto a specialised read's inline cache",
+)
 def test_a_specialised_read_needs_the_walk_back_over_its_cache(monkeypatch):
     monkeypatch.setattr(_py_compat, "_CACHE", -1)  # no code unit is a cache entry
     assert not _py_compat._hot_read(_py_compat._Probe())

@@ -21,14 +21,18 @@ ROWS, WIDTH = 16, 6
 
 def _params():
     k1, k2 = jax.random.split(jax.random.key(7))
-    return {"w": jax.random.normal(k1, (WIDTH, WIDTH)) / 3.0,
-            "v": jax.random.normal(k2, (WIDTH, 1))}
+    return {
+        "w": jax.random.normal(k1, (WIDTH, WIDTH)) / 3.0,
+        "v": jax.random.normal(k2, (WIDTH, 1)),
+    }
 
 
 def _batch():
     rng = np.random.default_rng(1)
-    return {"x": rng.normal(size=(ROWS, WIDTH)).astype(np.float32),
-            "y": rng.normal(size=(ROWS, 1)).astype(np.float32)}
+    return {
+        "x": rng.normal(size=(ROWS, WIDTH)).astype(np.float32),
+        "y": rng.normal(size=(ROWS, 1)).astype(np.float32),
+    }
 
 
 def _dropout_loss(p, x, y, key):

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import collectives
 from jax.sharding import AxisType, Mesh
 
 import funshard as fs
-from _hlo import collectives
 
 LAYERS, WIDTH = 4, 67  # 67 rows: uneven over 8 devices
 
@@ -22,8 +22,7 @@ def _split_mesh():
 def _setup():
     keys = jax.random.split(jax.random.key(0), LAYERS)
     params = [
-        {"w": jax.random.normal(k, (WIDTH, WIDTH)) / 8, "b": jnp.full((WIDTH,), 0.1)}
-        for k in keys
+        {"w": jax.random.normal(k, (WIDTH, WIDTH)) / 8, "b": jnp.full((WIDTH,), 0.1)} for k in keys
     ]
     x = jax.random.normal(keys[0], (64, WIDTH))
     state = fs.shard(params, _split_mesh(), shard_axis=("fsdp_outer", "fsdp_inner"))
@@ -67,7 +66,7 @@ def test_parity_with_reference(results, policy):
     ref_loss, ref_grads = jax.value_and_grad(_ref_loss)(params, x)
     loss, grads, _ = out[repr(policy)]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, atol=1e-6, rtol=1e-5)
 
 

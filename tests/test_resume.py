@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import mesh_for
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import funshard as fs
-from conftest import mesh_for
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +61,9 @@ def _assert_bit_identical(got, want):
     assert got.keys() == want.keys()
     for key in want:
         assert got[key].dtype == want[key].dtype, key
-        np.testing.assert_array_equal(got[key].reshape(-1).view(np.uint8),
-                                      want[key].reshape(-1).view(np.uint8), err_msg=key)
+        np.testing.assert_array_equal(
+            got[key].reshape(-1).view(np.uint8), want[key].reshape(-1).view(np.uint8), err_msg=key
+        )
 
 
 def _placements(tree):
@@ -80,8 +82,13 @@ def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("resume") / f"step_{SAVED_STEPS}"
     fs.save(path, {"params": state, "opt": opt_state, "step": SAVED_STEPS})
     state, opt_state, loss = train_step(state, opt_state, _batch(SAVED_STEPS))
-    return {"path": path, "state": state, "opt": opt_state, "loss": loss,
-            "compiles": train_step._cache_size()}
+    return {
+        "path": path,
+        "state": state,
+        "opt": opt_state,
+        "loss": loss,
+        "compiles": train_step._cache_size(),
+    }
 
 
 def test_uninterrupted_run_matches_single_device_jax(run):
@@ -110,7 +117,7 @@ def test_init_optimizer_compiles_the_step_once(run):
     # Same values and layout as optax's own init, only placed on the mesh.
     plain = OPT.init(state)
     assert jax.tree.structure(plain) == jax.tree.structure(opt_state)
-    for got, want in zip(jax.tree.leaves(opt_state), jax.tree.leaves(plain)):
+    for got, want in zip(jax.tree.leaves(opt_state), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -151,8 +158,7 @@ def test_documented_resume_recipe(run, mesh_name, init):
         # Four devices sum the gradient in another order: equal up to rounding.
         got, want = _logical(resumed), _logical(reference)
         for key in want:
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7,
-                                       err_msg=key)
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
         np.testing.assert_allclose(loss, run["loss"], rtol=1e-6)
         assert state["w1"].mesh == mesh
 
@@ -160,21 +166,28 @@ def test_documented_resume_recipe(run, mesh_name, init):
 def _abstract(tree, with_sharding=True):
     """`tree` with every array (a `Sharded` leaf's data too) turned into a ShapeDtypeStruct."""
     return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=x.sharding if with_sharding else None),
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding if with_sharding else None
+        ),
         tree,
     )
 
 
 ABSTRACT_LIKES = {
-    "with shardings": lambda s: {"params": _abstract(s), "opt": _abstract(OPT.init(s)),
-                                 "step": 0},
-    "without shardings": lambda s: {"params": _abstract(s, False),
-                                    "opt": _abstract(OPT.init(s), False), "step": 0},
+    "with shardings": lambda s: {"params": _abstract(s), "opt": _abstract(OPT.init(s)), "step": 0},
+    "without shardings": lambda s: {
+        "params": _abstract(s, False),
+        "opt": _abstract(OPT.init(s), False),
+        "step": 0,
+    },
     "jax.eval_shape": lambda s: jax.eval_shape(
-        lambda s: {"params": s, "opt": OPT.init(s), "step": 0}, s),
-    "fs.init_optimizer": lambda s: {"params": _abstract(s),
-                                    "opt": fs.init_optimizer(OPT, _abstract(s)), "step": 0},
+        lambda s: {"params": s, "opt": OPT.init(s), "step": 0}, s
+    ),
+    "fs.init_optimizer": lambda s: {
+        "params": _abstract(s),
+        "opt": fs.init_optimizer(OPT, _abstract(s)),
+        "step": 0,
+    },
 }
 
 
@@ -202,14 +215,15 @@ def test_restore_into_abstract_like_matches_concrete(run, mesh_name, kind):
 
 def test_abstract_leaves_without_a_mesh_are_all_named(tmp_path):
     fs.save(tmp_path / "plain", {"count": jnp.int32(3), "mu": jnp.arange(2.0)})
-    like = {"count": jax.ShapeDtypeStruct((), jnp.int32),
-            "mu": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    like = {
+        "count": jax.ShapeDtypeStruct((), jnp.int32),
+        "mu": jax.ShapeDtypeStruct((2,), jnp.float32),
+    }
     with pytest.raises(ValueError, match=r"without a sharding.*\n  \['count'\]\n  \['mu'\]\n"):
         fs.restore(tmp_path / "plain", like)
     # With no Sharded leaf there is no state mesh: a given sharding is kept.
     replicated = NamedSharding(mesh_for("4"), P())
-    like = {"count": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-            "mu": jnp.zeros(2)}
+    like = {"count": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), "mu": jnp.zeros(2)}
     tree = fs.restore(tmp_path / "plain", like)
     assert int(tree["count"]) == 3 and tree["count"].sharding == replicated
     np.testing.assert_array_equal(tree["mu"], [0.0, 1.0])

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import collectives, compiled, computations, count_by_kind
+from _models import mlp_loss, mlp_params, mlp_sharded_loss
+from _util import assert_tree_close, mlp_batch
+from conftest import mesh_for
 
 import funshard as fs
-from _hlo import collectives, compiled, computations, count_by_kind
-from _util import assert_tree_close, mlp_batch
-from _models import mlp_loss, mlp_params, mlp_sharded_loss
-from conftest import mesh_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,13 +65,13 @@ def _reachable(comps: dict, root: str) -> set[str]:
 def _microbatch_loop(text: str) -> tuple[int, Counter, Counter]:
     """(trip count, collectives inside the loop, collectives outside) of a step's HLO."""
     comps = computations(text)
-    whiles = re.findall(r"while\(.*body=%?([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"",
-                        text)
+    whiles = re.findall(r"while\(.*body=%?([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"", text)
     assert len(whiles) == 1, whiles
     body, trips = whiles[0]
     inside = _reachable(comps, body)
     count = lambda names: Counter(  # noqa: E731
-        c["kind"] for name in names for c in collectives(comps[name]))
+        c["kind"] for name in names for c in collectives(comps[name])
+    )
     return int(trips), count(inside), count(set(comps) - inside)
 
 
@@ -88,7 +88,8 @@ def test_reduce_scatter_every_microbatch_inside_one_loop(k):
 @pytest.mark.parametrize("k", [2, 8])
 def test_deferred_sums_reduced_once_after_the_loop(k):
     trips, inside, outside = _microbatch_loop(
-        _scatter_count(microbatches=k, rows=8 * k, sync_every_microbatch=False))
+        _scatter_count(microbatches=k, rows=8 * k, sync_every_microbatch=False)
+    )
     # Unreduced sums accumulate in the loop; one reduce-scatter per dtype after it.
     assert trips == k and inside["reduce-scatter"] == 0 and outside["reduce-scatter"] == 1
 
@@ -96,7 +97,8 @@ def test_deferred_sums_reduced_once_after_the_loop(k):
 def test_hsdp_all_reduce_once_after_the_last_microbatch():
     def replicate_reduce_elements(text):
         return sum(
-            c["elements"] for c in collectives(text)
+            c["elements"]
+            for c in collectives(text)
             if c["kind"] == "all-reduce" and c["groups"] == "{{0,4},{1,5},{2,6},{3,7}}"
         )
 
@@ -135,8 +137,9 @@ def test_frozen_everything_in_a_unit_means_no_reduce_scatter():
     params = mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("8"))
     trainable = {"layers": [False, False, False], "scale": True}
-    text = compiled(fs.value_and_grad(mlp_sharded_loss(True), trainable=trainable),
-                    state, mlp_batch(32))[1]
+    text = compiled(
+        fs.value_and_grad(mlp_sharded_loss(True), trainable=trainable), state, mlp_batch(32)
+    )[1]
     assert count_by_kind(text)["reduce-scatter"] == 0
 
 
@@ -148,7 +151,9 @@ def test_gradient_divide_factor_scales_the_sum(factor):
     loss, grads = jax.jit(step)(state, mlp_batch(32))
     ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, mlp_batch(32))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the loss is still the mean
-    assert_tree_close(fs.unshard(grads), jax.tree.map(lambda g: g * 8 / factor, ref_grads), atol=1e-4)
+    assert_tree_close(
+        fs.unshard(grads), jax.tree.map(lambda g: g * 8 / factor, ref_grads), atol=1e-4
+    )
 
 
 def test_one_all_gather_for_a_unit_of_mixed_dtypes():
@@ -173,7 +178,11 @@ def test_one_all_gather_for_a_unit_of_mixed_dtypes():
     np.testing.assert_allclose(got["w"], ref["w"], rtol=1e-5)
     assert got["h"].dtype == jnp.bfloat16
     np.testing.assert_allclose(got["h"].astype(np.float32), ref["h"].astype(np.float32), rtol=2e-2)
-    gathers = [c for c in collectives(compiled(step, state, jnp.ones((8, 16)))[1]) if c["kind"] == "all-gather"]
+    gathers = [
+        c
+        for c in collectives(compiled(step, state, jnp.ones((8, 16)))[1])
+        if c["kind"] == "all-gather"
+    ]
     # Three leaves of three dtypes: ONE collective of raw 16-bit words.
     assert len(gathers) == 1 and gathers[0]["dtype"] == "u16"
     assert gathers[0]["elements"] == 8 * (2 * 8 * 2 + 1 * 8 + 1 * 2)  # u16 words per device

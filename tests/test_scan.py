@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import funshard as fs
 from _hlo import compiled, computations, count_by_kind
 from conftest import mesh_for
+
+import funshard as fs
 
 pytestmark = pytest.mark.slow
 
@@ -17,8 +17,11 @@ LAYERS, WIDTH = 4, 67
 def _layers():
     keys = jax.random.split(jax.random.key(0), LAYERS)
     return [
-        {"w": jax.random.normal(k, (WIDTH, WIDTH)) / 8, "b": jnp.full((WIDTH,), 0.1),
-         "gain": jnp.float32(1.0 + i / 4)}
+        {
+            "w": jax.random.normal(k, (WIDTH, WIDTH)) / 8,
+            "b": jnp.full((WIDTH,), 0.1),
+            "gain": jnp.float32(1.0 + i / 4),
+        }
         for i, k in enumerate(keys)
     ]
 
@@ -74,8 +77,9 @@ def test_scan_matches_python_loop_and_reference(mesh_name, reshard):
     got = fs.unshard(grads)
     for name in ("w", "b", "gain"):
         np.testing.assert_allclose(got[name], ref_grads[name], atol=1e-6, rtol=1e-5)
-        np.testing.assert_allclose(got[name], _stack(fs.unshard(loop_grads))[name],
-                                   atol=1e-6, rtol=1e-5)
+        np.testing.assert_allclose(
+            got[name], _stack(fs.unshard(loop_grads))[name], atol=1e-6, rtol=1e-5
+        )
 
 
 def test_scan_outside_a_step_evaluates():
@@ -121,6 +125,7 @@ def test_scan_requires_a_stacked_state():
 # below is written as outside code writes it (a GPT-2-like residual block with a
 # per-layer auxiliary output), scanned with jax.lax.scan on plain parameters.
 
+
 def _block(h, x):
     """One residual block in lax.scan's order: (carry, layer) -> (carry, per-layer y)."""
     p, scale = x["params"], x["scale"]
@@ -152,8 +157,9 @@ def test_lax_scan_matches_jax_lax_scan(mesh_name, reshard):
     stack = _stack(_layers())
     state = fs.shard(stack, mesh_for(mesh_name), stacked=True)
     loss, grads = jax.jit(fs.value_and_grad(_lax_scan_loss(reshard)))(state, _x())
-    ref_loss, ref_grads = jax.value_and_grad(
-        lambda ps, h: _model_loss(jax.lax.scan, ps, h))(stack, _x())
+    ref_loss, ref_grads = jax.value_and_grad(lambda ps, h: _model_loss(jax.lax.scan, ps, h))(
+        stack, _x()
+    )
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     got = fs.unshard(grads)
     assert jax.tree.structure(got) == jax.tree.structure(ref_grads)
@@ -179,10 +185,12 @@ def test_lax_scan_takes_the_stacked_state_as_xs_and_no_per_layer_output():
         return _layer(p, h), None
 
     state = fs.shard(_stack(_layers()), mesh_for("8"), stacked=True)
-    loss, grads = jax.jit(fs.value_and_grad(
-        lambda s, h: jnp.mean(fs.lax_scan(block, h, s, length=LAYERS)[0] ** 2)))(state, _x())
+    loss, grads = jax.jit(
+        fs.value_and_grad(lambda s, h: jnp.mean(fs.lax_scan(block, h, s, length=LAYERS)[0] ** 2))
+    )(state, _x())
     ref_loss, ref_grads = jax.value_and_grad(
-        lambda s, h: jnp.mean(jax.lax.scan(block, h, s)[0] ** 2))(_stack(_layers()), _x())
+        lambda s, h: jnp.mean(jax.lax.scan(block, h, s)[0] ** 2)
+    )(_stack(_layers()), _x())
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(fs.unshard(grads)["w"], ref_grads["w"], atol=1e-6, rtol=1e-5)
     assert fs.lax_scan(block, _x(), state)[1] is None
@@ -223,30 +231,67 @@ def _carry_only_block(h, p):
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda s, h: fs.lax_scan(_pair_block, s, h), ValueError,
-         r"passed as init.*xs \(the\s+third argument\).*fs\.scan"),
+        (
+            lambda s, h: fs.lax_scan(_pair_block, s, h),
+            ValueError,
+            r"passed as init.*xs \(the\s+third argument\).*fs\.scan",
+        ),
         (lambda s, h: fs.scan(_layer, h, s), ValueError, r"passed as the carry.*fs\.lax_scan"),
-        (lambda s, h: fs.lax_scan(_carry_only_block, h, s), TypeError,
-         r"_carry_only_block returned .*, not a pair \(carry, y\).*fs\.scan"),
-        (lambda s, h: fs.lax_scan(_pair_block, h, s, reverse=True), NotImplementedError,
-         r"reverse=True"),
-        (lambda s, h: fs.lax_scan(_pair_block, h, s, unroll=2), NotImplementedError,
-         r"unroll=2"),
-        (lambda s, h: fs.lax_scan(_pair_block, h, s, length=LAYERS + 1), ValueError,
-         rf"length={LAYERS + 1}, but xs stacks {LAYERS} layers"),
-        (lambda s, h: fs.lax_scan(_pair_block, h, (s, jnp.ones(LAYERS + 1))), ValueError,
-         r"disagree on the number of layers"),
-        (lambda s, h: fs.lax_scan(_pair_block, h, (s, jnp.float32(2.0))), ValueError,
-         r"leaf \[1\] of xs has shape \(\), no layer axis"),
-        (lambda s, h: fs.lax_scan(_pair_block, h, (s, "mlp")), ValueError,
-         r"leaf \[1\] of xs has a str, no layer axis"),
-        (lambda s, h: fs.lax_scan(_pair_block, h, _stack(_layers())), ValueError,
-         r"no fs\.Sharded leaves"),
-        (lambda s, h: fs.lax_scan(_pair_block, h, s, reshard_after_forward=2),
-         NotImplementedError, r"lax_scan: reshard_after_forward=2 \(hpZ\)"),
+        (
+            lambda s, h: fs.lax_scan(_carry_only_block, h, s),
+            TypeError,
+            r"_carry_only_block returned .*, not a pair \(carry, y\).*fs\.scan",
+        ),
+        (
+            lambda s, h: fs.lax_scan(_pair_block, h, s, reverse=True),
+            NotImplementedError,
+            r"reverse=True",
+        ),
+        (lambda s, h: fs.lax_scan(_pair_block, h, s, unroll=2), NotImplementedError, r"unroll=2"),
+        (
+            lambda s, h: fs.lax_scan(_pair_block, h, s, length=LAYERS + 1),
+            ValueError,
+            rf"length={LAYERS + 1}, but xs stacks {LAYERS} layers",
+        ),
+        (
+            lambda s, h: fs.lax_scan(_pair_block, h, (s, jnp.ones(LAYERS + 1))),
+            ValueError,
+            r"disagree on the number of layers",
+        ),
+        (
+            lambda s, h: fs.lax_scan(_pair_block, h, (s, jnp.float32(2.0))),
+            ValueError,
+            r"leaf \[1\] of xs has shape \(\), no layer axis",
+        ),
+        (
+            lambda s, h: fs.lax_scan(_pair_block, h, (s, "mlp")),
+            ValueError,
+            r"leaf \[1\] of xs has a str, no layer axis",
+        ),
+        (
+            lambda s, h: fs.lax_scan(_pair_block, h, _stack(_layers())),
+            ValueError,
+            r"no fs\.Sharded leaves",
+        ),
+        (
+            lambda s, h: fs.lax_scan(_pair_block, h, s, reshard_after_forward=2),
+            NotImplementedError,
+            r"lax_scan: reshard_after_forward=2 \(hpZ\)",
+        ),
     ],
-    ids=["init-holds-layers", "scan-carry-holds-layers", "not-a-pair", "reverse", "unroll",
-         "length", "extra-layer-count", "extra-0d", "extra-str", "plain-params", "hpz"],
+    ids=[
+        "init-holds-layers",
+        "scan-carry-holds-layers",
+        "not-a-pair",
+        "reverse",
+        "unroll",
+        "length",
+        "extra-layer-count",
+        "extra-0d",
+        "extra-str",
+        "plain-params",
+        "hpz",
+    ],
 )
 def test_lax_scan_misuse_raises_clear_errors(call, error, match):
     state = fs.shard(_stack(_layers()), mesh_for("8"), stacked=True)
@@ -278,12 +323,14 @@ def test_lax_scan_integer_outputs_and_inputs_under_bf16_params():
     state = fs.shard(stack, mesh_for("8"), stacked=True, mp_policy=policy)
     got, grads = jax.jit(fs.value_and_grad(lambda s, h: loss(fs.lax_scan, s, h)))(state, _x())
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), stack)
-    want, want_grads = jax.value_and_grad(
-        lambda s, h: loss(jax.lax.scan, s, h))(bf16, _x().astype(jnp.bfloat16))
+    want, want_grads = jax.value_and_grad(lambda s, h: loss(jax.lax.scan, s, h))(
+        bf16, _x().astype(jnp.bfloat16)
+    )
     assert grads["w"].dtype == jnp.float32
     np.testing.assert_allclose(got, want.astype(jnp.float32), rtol=2e-2)
-    np.testing.assert_allclose(fs.unshard(grads)["w"], want_grads["w"].astype(jnp.float32),
-                               atol=2e-2, rtol=5e-2)
+    np.testing.assert_allclose(
+        fs.unshard(grads)["w"], want_grads["w"].astype(jnp.float32), atol=2e-2, rtol=5e-2
+    )
 
 
 # The GPT-2-like model of docs/training.md, written for jax.lax.scan: porting it to
@@ -322,9 +369,14 @@ def _gpt2_params():
     def normal(*shape):
         return jax.random.normal(next(keys), shape) * 0.02
 
-    blocks = {"ln_1": jnp.ones((LAYERS, D)), "ln_2": jnp.ones((LAYERS, D)),
-              "c_attn": normal(LAYERS, D, 3 * D), "attn_proj": normal(LAYERS, D, D),
-              "c_fc": normal(LAYERS, D, 4 * D), "mlp_proj": normal(LAYERS, 4 * D, D)}
+    blocks = {
+        "ln_1": jnp.ones((LAYERS, D)),
+        "ln_2": jnp.ones((LAYERS, D)),
+        "c_attn": normal(LAYERS, D, 3 * D),
+        "attn_proj": normal(LAYERS, D, D),
+        "c_fc": normal(LAYERS, D, 4 * D),
+        "mlp_proj": normal(LAYERS, 4 * D, D),
+    }
     return {"wte": normal(VOCAB, D), "wpe": normal(T, D), "ln_f": jnp.ones(D), "blocks": blocks}
 
 
@@ -344,8 +396,9 @@ def test_gpt2_style_model_ports_with_one_call():
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     got = fs.unshard(grads)
     for path, want in jax.tree_util.tree_leaves_with_path(ref_grads):
-        np.testing.assert_allclose(_at(got, path), want, atol=1e-7, rtol=1e-4,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            _at(got, path), want, atol=1e-7, rtol=1e-4, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def _at(tree, path):

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import mlp_params, mlp_sharded_loss
+from conftest import MESHES, mesh_for
 from jax.sharding import NamedSharding, PartitionSpec
 
 import funshard as fs
-from conftest import MESHES, mesh_for
-from _models import mlp_params, mlp_sharded_loss
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def _exact_mlp_params(key, sizes=(13, 32, 24, 5)):
     """`mlp_params`' tree with exactly computed values: uniform draws scaled by 1/4."""
     params = mlp_params(key, sizes)
     keys = jax.random.split(key, len(params["layers"]))
-    for k, layer in zip(keys, params["layers"]):
+    for k, layer in zip(keys, params["layers"], strict=True):
         layer["w"] = jax.random.uniform(k, layer["w"].shape, minval=-1.0, maxval=1.0) * 0.25
     return params
 
@@ -46,8 +46,9 @@ def _init(key):
 
 
 def _host(x):
-    return np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
-        x.dtype, jax.dtypes.prng_key) else x)
+    return np.asarray(
+        jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    )
 
 
 def _eager_shard(init, key, mesh, **kwargs):
@@ -57,7 +58,7 @@ def _eager_shard(init, key, mesh, **kwargs):
 def _assert_same_state(got, want):
     """Same treedef (static metadata included), shardings, dtypes and exact values."""
     assert jax.tree.structure(got) == jax.tree.structure(want)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         if g.sharding.num_devices == 1:
             # jit reports a one-device output as P() whatever the spec.
             assert g.sharding.is_equivalent_to(w.sharding, g.ndim)
@@ -105,14 +106,20 @@ def test_eval_shape_of_shard_gives_the_abstract_state():
     eager = fs.shard(_init(key), mesh)
     abstract = jax.eval_shape(lambda: fs.shard(_init(key), mesh))
     assert jax.tree.structure(abstract) == jax.tree.structure(eager)
-    for a, e in zip(jax.tree.leaves(abstract, is_leaf=is_sharded),
-                    jax.tree.leaves(eager, is_leaf=is_sharded)):
+    for a, e in zip(
+        jax.tree.leaves(abstract, is_leaf=is_sharded),
+        jax.tree.leaves(eager, is_leaf=is_sharded),
+        strict=True,
+    ):
         if isinstance(e, fs.Sharded):
             assert isinstance(a.data, jax.ShapeDtypeStruct)
             # The layout fixes where the data lives, though eval_shape itself drops
             # shardings on a mesh with Auto axes.
             assert (a.data.shape, a.data.dtype, a.data.sharding) == (
-                e.data.shape, e.data.dtype, e.data.sharding)
+                e.data.shape,
+                e.data.dtype,
+                e.data.sharding,
+            )
         else:
             assert (a.shape, a.dtype) == (e.shape, e.dtype)
 
@@ -126,7 +133,7 @@ def test_shard_of_an_abstract_tree_gives_the_abstract_state():
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
     want = _expected_abstract(eager)
     assert len(jax.tree.leaves(abstract)) == len(want)
-    for a, e in zip(jax.tree.leaves(abstract), want):
+    for a, e in zip(jax.tree.leaves(abstract), want, strict=True):
         assert (a.shape, a.dtype) == e[:2]
         # Replicated key arrays report P(None,) for P(): the same placement.
         assert a.sharding.is_equivalent_to(e[2], len(a.shape))

@@ -22,11 +22,27 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from _launch import Job, port_pairs
-from _torch_citizen_worker import (FP16_GRAD, INT64, LR, MAX_NORM, SAVE_AT, STEPS, Ints, Titan,
-                                   batch, build, full_state, load, save)
+from _torch_citizen_worker import (
+    FP16_GRAD,
+    INT64,
+    LR,
+    MAX_NORM,
+    SAVE_AT,
+    STEPS,
+    Ints,
+    Titan,
+    batch,
+    build,
+    full_state,
+    load,
+    save,
+)
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     set_model_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -63,9 +79,12 @@ def jobs(tmp_path_factory):
     one_state = full_state(model)
     pair, hsdp = tmp_path_factory.mktemp("citizen_pair"), tmp_path_factory.mktemp("citizen_hsdp")
     ports = port_pairs(2)
-    started = {"pair": Job(WORKER, pair, WORLD, ports[0], JOB_TIMEOUT_S,
-                           "--one-process-ckpt", str(one / "dcp")),
-               "hsdp": Job(WORKER, hsdp, 4, ports[1], JOB_TIMEOUT_S, "--replicate", "2")}
+    started = {
+        "pair": Job(
+            WORKER, pair, WORLD, ports[0], JOB_TIMEOUT_S, "--one-process-ckpt", str(one / "dcp")
+        ),
+        "hsdp": Job(WORKER, hsdp, 4, ports[1], JOB_TIMEOUT_S, "--replicate", "2"),
+    }
     yield started, one_state
     for job in started.values():
         job.kill()
@@ -105,11 +124,12 @@ def plain():
 
 
 def _assert_same(ours: dict, theirs: dict, ours_prefix: str, theirs_prefix: str, **tol):
-    keys = [k[len(theirs_prefix):] for k in theirs if k.startswith(theirs_prefix)]
+    keys = [k[len(theirs_prefix) :] for k in theirs if k.startswith(theirs_prefix)]
     assert keys
     for key in keys:
-        np.testing.assert_allclose(ours[ours_prefix + key], theirs[theirs_prefix + key],
-                                   err_msg=key, **tol)
+        np.testing.assert_allclose(
+            ours[ours_prefix + key], theirs[theirs_prefix + key], err_msg=key, **tol
+        )
 
 
 # ---- the torchtitan-style script on two processes ----
@@ -153,8 +173,9 @@ def test_dcp_metadata_records_global_shapes(pair):
     shapes = {}
     for impl in IMPLS:
         metadata = dcp.FileSystemReader(str(out / f"dcp-{impl}")).read_metadata()
-        shapes[impl] = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-                        if hasattr(v, "size")}
+        shapes[impl] = {
+            k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")
+        }
     assert shapes["frontend"]["model.emb.weight"] == (47, 16)
     assert shapes["frontend"]["optim.state.emb.weight.exp_avg"] == (47, 16)
     assert shapes["frontend"] == shapes["fsdp2"]
@@ -193,7 +214,9 @@ def test_dcp_checkpoint_of_one_process_loads_on_two(jobs, pair, impl):
     for r in ranks:
         for key, want in one_state.items():
             np.testing.assert_array_equal(r[f"{impl}/from_one/{key}"], want, err_msg=key)
-    np.testing.assert_array_equal(ranks[0]["frontend/from_one_loss"], ranks[0]["fsdp2/from_one_loss"])
+    np.testing.assert_array_equal(
+        ranks[0]["frontend/from_one_loss"], ranks[0]["fsdp2/from_one_loss"]
+    )
 
 
 @pytest.mark.multiprocess
@@ -277,7 +300,7 @@ def test_parameters_are_dtensors_sharded_on_the_mesh(impl):
     sd = model.state_dict()
     assert all(isinstance(v, DTensor) for v in sd.values())
     torch.manual_seed(0)
-    for (name, ours), theirs in zip(model.named_parameters(), Titan().parameters()):
+    for (name, ours), theirs in zip(model.named_parameters(), Titan().parameters(), strict=True):
         torch.testing.assert_close(ours.full_tensor(), theirs.detach(), rtol=0, atol=0, msg=name)
 
 
@@ -341,7 +364,9 @@ def test_to_float64_after_fully_shard_is_honoured_as_by_fsdp2():
     assert runs["frontend"][0] == runs["fsdp2"][0]
     np.testing.assert_allclose(runs["frontend"][0], want, rtol=0, atol=1e-12)
     model = runs["frontend"][1]
-    for (name, ours), theirs in zip(model.named_parameters(), runs["fsdp2"][1].parameters()):
+    for (name, ours), theirs in zip(
+        model.named_parameters(), runs["fsdp2"][1].parameters(), strict=True
+    ):
         assert ours.dtype == torch.float64, name
         torch.testing.assert_close(ours.full_tensor(), theirs.full_tensor(), rtol=0, atol=0)
 
@@ -351,8 +376,9 @@ def test_get_and_set_model_state_dict_full_and_sharded_as_fsdp2():
     source = _mlp(seed=3)
     models = {impl: _shard_mlp(_mlp(), _shard_fn(impl), mesh) for impl in IMPLS}
     for model in models.values():
-        set_model_state_dict(model, source.state_dict(),
-                             options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(
+            model, source.state_dict(), options=StateDictOptions(full_state_dict=True)
+        )
     x = torch.randn(3, 6)
     for impl, model in models.items():
         torch.testing.assert_close(model(x), source(x), rtol=0, atol=0, msg=impl)
@@ -361,8 +387,10 @@ def test_get_and_set_model_state_dict_full_and_sharded_as_fsdp2():
         for key, value in source.state_dict().items():
             torch.testing.assert_close(full[key], value, rtol=0, atol=0)
         sharded = get_model_state_dict(model)
-        assert all(isinstance(v, DTensor) and v.shape == source.state_dict()[k].shape
-                   for k, v in sharded.items())
+        assert all(
+            isinstance(v, DTensor) and v.shape == source.state_dict()[k].shape
+            for k, v in sharded.items()
+        )
     # A sharded state dict of one loads into the other.
     target = _shard_mlp(_mlp(seed=9), tf.fully_shard, mesh)
     set_model_state_dict(target, get_model_state_dict(models["fsdp2"]))
@@ -390,8 +418,11 @@ def test_meta_device_init_recipe_matches_fsdp2():
         x, y = batch(0, 0)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
-        results[impl] = (loss.item(), full_state(model),
-                         {n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        results[impl] = (
+            loss.item(),
+            full_state(model),
+            {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        )
     assert results["frontend"][0] == results["fsdp2"][0]
     for key, value in results["fsdp2"][1].items():
         np.testing.assert_array_equal(results["frontend"][1][key], value, err_msg=key)
@@ -433,17 +464,18 @@ def test_load_state_dict_assign_on_a_meta_model_adopts_the_new_dtensors():
     with torch.device("meta"):
         model = _mlp()
     tf.fully_shard(model, mesh=mesh)
-    sharded = {name: nn.Parameter(distribute_tensor(value.detach().clone(), mesh, [Shard(0)]))
-               for name, value in reference.state_dict().items()}
+    sharded = {
+        name: nn.Parameter(distribute_tensor(value.detach().clone(), mesh, [Shard(0)]))
+        for name, value in reference.state_dict().items()
+    }
     model.load_state_dict(sharded, assign=True)
     for name, param in model.named_parameters():
         assert param is sharded[name] and param.device.type == "cpu", name
     x = torch.randn(3, 6)
     model(x).sum().backward()
     reference(x).sum().backward()
-    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(mine.grad.full_tensor(), theirs.grad, rtol=0, atol=0,
-                                   msg=name)
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad.full_tensor(), theirs.grad, rtol=0, atol=0, msg=name)
 
 
 def test_a_0d_parameter_is_a_value_error_in_fsdp2s_words():
@@ -458,8 +490,11 @@ def test_a_3d_mesh_is_a_value_error_in_fsdp2s_words():
     _mesh1()
     mesh = init_device_mesh("cpu", (1, 1, 1))
     for shard in (tf.fully_shard, fsdp2_shard):
-        with pytest.raises(ValueError, match=r"fully_shard expects a 1D or 2D DeviceMesh but "
-                                             r"got DeviceMesh"):
+        with pytest.raises(
+            ValueError,
+            match=r"fully_shard expects a 1D or 2D DeviceMesh but "
+            r"got DeviceMesh",
+        ):
             shard(nn.Linear(2, 2), mesh=mesh)
 
 

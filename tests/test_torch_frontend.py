@@ -29,9 +29,21 @@ pytestmark = pytest.mark.torch
 
 WORKER = Path(__file__).with_name("_torch_worker.py")
 JOB_TIMEOUT_S = 180
-CASES = ("seq", "uneven", "shard_dim1", "shard_dim1_uneven", "blocks_reshard", "blocks_keep",
-         "accum", "bf16", "prefetch", "raise_then_reset", "tied_embeddings",
-         "submodule_forward", "checkpointed_blocks")
+CASES = (
+    "seq",
+    "uneven",
+    "shard_dim1",
+    "shard_dim1_uneven",
+    "blocks_reshard",
+    "blocks_keep",
+    "accum",
+    "bf16",
+    "prefetch",
+    "raise_then_reset",
+    "tied_embeddings",
+    "submodule_forward",
+    "checkpointed_blocks",
+)
 HSDP_CASES = ("seq", "uneven", "blocks_reshard")
 FOUR_PROCESS_CASES = (*HSDP_CASES, "accum_all_reduce", "blocks_hpz")  # hpz: a 1-D mesh
 TOLERANCE = 1e-5
@@ -39,8 +51,16 @@ TOLERANCE = 1e-5
 
 def _job(tmp_path_factory, name: str, processes: int, cases, *args: str) -> Path:
     out = tmp_path_factory.mktemp(name)
-    job = Job(WORKER, out, processes, free_port(pair=True), JOB_TIMEOUT_S,
-              "--cases", ",".join(cases), *args)
+    job = Job(
+        WORKER,
+        out,
+        processes,
+        free_port(pair=True),
+        JOB_TIMEOUT_S,
+        "--cases",
+        ",".join(cases),
+        *args,
+    )
     assert job.wait() == 0, job.failure()
     return out
 
@@ -85,10 +105,16 @@ def test_uneven_shards_on_dim_1_train_like_fsdp2_on_dim_0(parity_dir):
         np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=0, atol=TOLERANCE)
         assert ours["param/2.weight"].shape == (8, 8 - rank)  # 15 columns: 8 + 7
     for name in ("0.weight", "2.weight"):
-        ours = np.concatenate([_load(parity_dir, "shard_dim1_uneven", "frontend", r)[f"param/{name}"]
-                               for r in range(2)], axis=1)
-        theirs = np.concatenate([_load(parity_dir, "seq", "fsdp2", r)[f"param/{name}"]
-                                 for r in range(2)], axis=0)
+        ours = np.concatenate(
+            [
+                _load(parity_dir, "shard_dim1_uneven", "frontend", r)[f"param/{name}"]
+                for r in range(2)
+            ],
+            axis=1,
+        )
+        theirs = np.concatenate(
+            [_load(parity_dir, "seq", "fsdp2", r)[f"param/{name}"] for r in range(2)], axis=0
+        )
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=TOLERANCE, err_msg=name)
 
 
@@ -123,8 +149,12 @@ def test_gradients_cross_to_the_gloo_reduce_scatter_in_place(parity_dir, hsdp_di
     # Over gloo a reduce-scatter is collective permutes of rows (jax-ml/jax#40830); the
     # flat gradient buffer's rows are 64-byte aligned, so every row JAX sends or adds
     # is read where torch wrote it, with no copy (a misaligned import would copy).
-    for out, case in ((parity_dir, "blocks_reshard"), (parity_dir, "bf16"),
-                      (parity_dir, "shard_dim1"), (hsdp_dir, "blocks_reshard")):
+    for out, case in (
+        (parity_dir, "blocks_reshard"),
+        (parity_dir, "bf16"),
+        (parity_dir, "shard_dim1"),
+        (hsdp_dir, "blocks_reshard"),
+    ):
         ours = _load(out, case, "frontend", 1)
         steps = len(ours["loss"])
         assert len(ours["rows_in_place"]) >= steps and ours["rows_in_place"].all(), case
@@ -136,21 +166,29 @@ def _assert_matches_fsdp2(out: Path, case: str, processes: int):
         del ours["step_seconds"], theirs["step_seconds"], ours["gather_worlds"], ours["all_reduces"]
         del ours["rows_in_place"]
         assert sorted(ours) == sorted(theirs)
-        np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=0, atol=TOLERANCE,
-                                   err_msg=f"{case}: per-step loss, rank {rank}")
+        np.testing.assert_allclose(
+            ours["loss"],
+            theirs["loss"],
+            rtol=0,
+            atol=TOLERANCE,
+            err_msg=f"{case}: per-step loss, rank {rank}",
+        )
         for name, shard in theirs.items():
             # Same local shard shapes (torch.chunk's, empty ones included) and values.
             assert ours[name].shape == shard.shape, (case, rank, name)
-            np.testing.assert_allclose(ours[name], shard, rtol=0, atol=TOLERANCE,
-                                       err_msg=f"{case}: {name}, rank {rank}")
+            np.testing.assert_allclose(
+                ours[name], shard, rtol=0, atol=TOLERANCE, err_msg=f"{case}: {name}, rank {rank}"
+            )
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_uneven_shards_follow_torch_chunk(parity_dir):
     # Linear(3, 1) on 2 ranks: rank 1's chunk of the (1, 3) weight and (1,) bias is empty.
-    shapes = [{k: v.shape for k, v in _load(parity_dir, "uneven", "frontend", r).items()}
-              for r in range(2)]
+    shapes = [
+        {k: v.shape for k, v in _load(parity_dir, "uneven", "frontend", r).items()}
+        for r in range(2)
+    ]
     assert shapes[0]["param/2.weight"] == (2, 15) and shapes[1]["param/2.weight"] == (1, 15)
     assert shapes[0]["param/4.weight"] == (1, 3) and shapes[1]["param/4.weight"] == (0, 3)
     assert shapes[1]["param/4.bias"] == (0,)
@@ -228,7 +266,7 @@ def test_single_process_matches_plain_torch():
     assert isinstance(model[0], FSDPModule) and isinstance(model[0], nn.Linear)
     batches = _batches(10)
     np.testing.assert_allclose(_train(model, batches), _train(reference, batches), atol=1e-6)
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert ours.shape == theirs.shape, name
         np.testing.assert_allclose(_full(ours), theirs.detach(), atol=1e-6, err_msg=name)
 
@@ -241,7 +279,7 @@ def test_reset_iter_state_after_an_exception_trains_as_if_the_step_never_ran(fai
     model = _shard_mlp(_mlp())
     got = _train(model, batches, fail_at=2, fail_in=fail_in)
     np.testing.assert_allclose(got, expected, atol=1e-6)
-    for ours, theirs in zip(model.parameters(), reference.parameters()):
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         np.testing.assert_allclose(_full(ours), theirs.detach(), atol=1e-6)
 
 
@@ -280,7 +318,13 @@ def test_parameter_in_two_groups_is_an_error_naming_it():
     fully_shard(model.emb)
     fully_shard(model.head)
     fully_shard(model)
-    with pytest.raises(ValueError, match=r"'head\.weight' is shared with a parameter already managed by another FSDP group \(as 'emb\.weight'\).*fully_shard\(\[module_a, module_b\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"'head\.weight' is shared with a parameter already managed by another FSDP "
+            r"group \(as 'emb\.weight'\).*fully_shard\(\[module_a, module_b\]\)"
+        ),
+    ):
         model(torch.randn(2, 4))
 
 
@@ -294,7 +338,9 @@ def test_tied_parameters_grouped_in_one_list_train_like_plain_torch():
     x = torch.randn(3, 4)
     for m in (model, reference):
         m(x).pow(2).sum().backward()
-    np.testing.assert_allclose(_full(next(model.parameters()).grad), reference.emb.weight.grad, atol=1e-6)
+    np.testing.assert_allclose(
+        _full(next(model.parameters()).grad), reference.emb.weight.grad, atol=1e-6
+    )
 
 
 def test_reset_iter_state_on_a_non_root_is_an_error():
@@ -337,8 +383,9 @@ def test_policy_validates_its_dtypes():
 @pytest.mark.multiprocess
 def test_import_funshard_does_not_import_torch():
     code = "import sys, funshard, funshard.distributed; sys.exit('torch' in sys.modules)"
-    done = run([sys.executable, "-c", code], env=clean_env(), timeout=120,
-               capture_output=True, text=True)
+    done = run(
+        [sys.executable, "-c", code], env=clean_env(), timeout=120, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-3000:] or "import funshard imported torch"
 
 
@@ -394,7 +441,7 @@ def _stack_pair(cls=Stack, **kwargs):
 
 
 def _assert_same(model, reference, what: str = "grad"):
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
         ours, theirs = (ours.grad, theirs.grad) if what == "grad" else (ours, theirs)
         np.testing.assert_allclose(_full(ours), theirs.detach(), atol=1e-6, err_msg=name)
 
@@ -417,7 +464,7 @@ def test_forward_of_a_submodule_alone_between_steps():
     reference, model = _stack_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(3, 8)
         for m, o in ((model, opt), (reference, ref_opt)):
             m(x).pow(2).mean().backward()
@@ -432,8 +479,9 @@ def test_forward_of_a_submodule_alone_between_steps():
 
 
 def test_mixed_precision_gathers_in_param_dtype_and_keeps_fp32_shards():
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                  output_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
     model = _shard_mlp(_mlp(), mp_policy=policy, reshard_after_forward=False)
     seen = []
     model[2].register_forward_pre_hook(lambda m, args: seen.append((m.weight.dtype, args[0].dtype)))
@@ -488,10 +536,12 @@ def test_reduce_scatter_overlaps_the_next_groups_backward(monkeypatch):
     reference, model = _stack_pair()
     events = []
     start, finish = _bridge.start_reduce_scatter, _bridge.finish_reduce_scatter
-    monkeypatch.setattr(_bridge, "start_reduce_scatter",
-                        lambda *a, **k: events.append("start") or start(*a, **k))
-    monkeypatch.setattr(_bridge, "finish_reduce_scatter",
-                        lambda pending: events.append("finish") or finish(pending))
+    monkeypatch.setattr(
+        _bridge, "start_reduce_scatter", lambda *a, **k: events.append("start") or start(*a, **k)
+    )
+    monkeypatch.setattr(
+        _bridge, "finish_reduce_scatter", lambda pending: events.append("finish") or finish(pending)
+    )
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     for m in (model, reference):
         m(x).pow(2).mean().backward()
@@ -519,11 +569,13 @@ def test_resharded_modules_keep_no_gathered_bytes_in_autograd():
     x_ref = x.detach().clone().requires_grad_(True)
     reference(x_ref).sum().backward()
     np.testing.assert_allclose(x.grad, x_ref.grad, atol=1e-6)
-    for mine, theirs in zip(weights, [reference[0], reference[2]]):
+    for mine, theirs in zip(weights, [reference[0], reference[2]], strict=True):
         np.testing.assert_allclose(mine.weight.grad.full_tensor(), theirs.weight.grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy", [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16)])
+@pytest.mark.parametrize(
+    "policy", [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16)]
+)
 def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
     # JAX treats its arrays as immutable: the arrays over the shards (and over their
     # cast buffers) live only while a gather runs, never across optimizer.step().
@@ -534,10 +586,14 @@ def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
     states = [m._fsdp_state() for m in (model[0], model[2], model)]
     for _ in range(2):
         model(torch.randn(2, 16)).pow(2).sum().backward()
-        torch_buffers = {p.padded.untyped_storage().data_ptr()
-                         for s in states for p in s.group.params}
-        jax_buffers = {shard.data.unsafe_buffer_pointer()
-                       for a in jax.live_arrays() for shard in a.addressable_shards}
+        torch_buffers = {
+            p.padded.untyped_storage().data_ptr() for s in states for p in s.group.params
+        }
+        jax_buffers = {
+            shard.data.unsafe_buffer_pointer()
+            for a in jax.live_arrays()
+            for shard in a.addressable_shards
+        }
         assert torch_buffers and not torch_buffers & jax_buffers
         opt.step()
         opt.zero_grad()
@@ -549,8 +605,9 @@ def _record_gathers(monkeypatch) -> list[int]:
 
     gathers = []
     real = _flat.copy_in
-    monkeypatch.setattr(_flat, "copy_in", lambda bucket, *a: gathers.append(len(bucket.members))
-                        or real(bucket, *a))
+    monkeypatch.setattr(
+        _flat, "copy_in", lambda bucket, *a: gathers.append(len(bucket.members)) or real(bucket, *a)
+    )
     return gathers
 
 
@@ -644,7 +701,9 @@ def test_register_fsdp_forward_method_gathers_for_that_method():
     fully_shard(model, reshard_after_forward=True)
     torch_frontend.register_fsdp_forward_method(model, "generate")
     x = torch.randn(2, 4)
-    np.testing.assert_allclose(model.generate(x).detach(), reference.generate(x).detach(), atol=1e-6)
+    np.testing.assert_allclose(
+        model.generate(x).detach(), reference.generate(x).detach(), atol=1e-6
+    )
 
 
 def test_register_fsdp_forward_method_as_in_fsdp2():
@@ -710,9 +769,12 @@ def test_an_output_that_is_a_view_warns():
         model(torch.randn(2, 4))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"dp_mesh_dims": object()}, "dp_mesh_dims"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"dp_mesh_dims": object()}, "dp_mesh_dims"),
+    ],
+)
 def test_arguments_not_supported_yet_say_so(kwargs, match):
     with pytest.raises(NotImplementedError, match=match):
         fully_shard(nn.Linear(2, 2), **kwargs)
@@ -731,7 +793,7 @@ def test_cpu_offload_on_a_cpu_mesh_trains_as_plain_torch():
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference)]
     for _ in range(3):
         x = torch.randn(5, 4)
-        for m, opt in zip((model, reference), opts):
+        for m, opt in zip((model, reference), opts, strict=True):
             opt.zero_grad()
             m(x).pow(2).sum().backward()
         _assert_same(model, reference)
@@ -744,25 +806,33 @@ def test_offload_policies_that_cannot_hold_here_are_errors_that_change_nothing()
     model = nn.Linear(2, 2)
     weight = model.weight
     custom = type("MyOffload", (torch_frontend.OffloadPolicy,), {})()
-    with pytest.raises(NotImplementedError,
-                       match=r"offload_policy=.*MyOffload.* is not supported by torch_frontend"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"offload_policy=.*MyOffload.* is not supported by torch_frontend",
+    ):
         fully_shard(model, offload_policy=custom)
     assert type(model) is nn.Linear and model.weight is weight
     pinned = torch_frontend.CPUOffloadPolicy()  # pin_memory=True: needs an accelerator
     if torch.accelerator.is_available():
         fully_shard(model, offload_policy=pinned)  # host memory, pinnable: accepted
         return
-    with pytest.raises(RuntimeError, match=r"CPUOffloadPolicy\(pin_memory=True\) pins host "
-                                           r"memory .* none is available"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"CPUOffloadPolicy\(pin_memory=True\) pins host "
+        r"memory .* none is available",
+    ):
         fully_shard(model, offload_policy=pinned)
     assert type(model) is nn.Linear and model.weight is weight
 
 
-@pytest.mark.parametrize("placement, error, match", [
-    (lambda p: 1, TypeError, r"returned 1 for parameter 'weight'; return torch.distributed"),
-    (lambda p: Shard(2), ValueError, r"Shard\(2\) for parameter 'weight' of shape \(3, 2\)"),
-    ("dim 1", TypeError, "must be a callable"),
-])
+@pytest.mark.parametrize(
+    "placement, error, match",
+    [
+        (lambda p: 1, TypeError, r"returned 1 for parameter 'weight'; return torch.distributed"),
+        (lambda p: Shard(2), ValueError, r"Shard\(2\) for parameter 'weight' of shape \(3, 2\)"),
+        ("dim 1", TypeError, "must be a callable"),
+    ],
+)
 def test_bad_shard_placement_is_an_error_that_changes_nothing(placement, error, match):
     model = nn.Linear(2, 3)
     weight = model.weight
@@ -779,16 +849,19 @@ def test_shard_placement_on_dim_1_trains_like_plain_torch():
     fully_shard(model)
     for m in (model, reference):
         (m(torch.randn(2, 16, generator=torch.Generator().manual_seed(0)))).pow(2).sum().backward()
-    for ours, theirs in zip(model.parameters(), reference.parameters()):
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         np.testing.assert_allclose(_full(ours.grad), theirs.grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("value, error, match", [
-    (2, ValueError, r"reshard_after_forward=2 must divide the number of shards \(1\)"),
-    (0, ValueError, r"reshard_after_forward=0 must divide"),
-    ("yes", TypeError, r"True, False, None or an int group size, got 'yes'"),
-    (1.0, TypeError, r"got 1.0 \(float\)"),
-])
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (2, ValueError, r"reshard_after_forward=2 must divide the number of shards \(1\)"),
+        (0, ValueError, r"reshard_after_forward=0 must divide"),
+        ("yes", TypeError, r"True, False, None or an int group size, got 'yes'"),
+        (1.0, TypeError, r"got 1.0 \(float\)"),
+    ],
+)
 def test_bad_reshard_after_forward_is_an_error_that_changes_nothing(value, error, match):
     model = nn.Linear(2, 2)
     weight = model.weight
@@ -815,8 +888,11 @@ def test_accumulation_without_reshard_after_backward_gathers_once(monkeypatch):
     model = _shard_mlp(copy.deepcopy(reference))
     started = []
     real = _bridge.start_all_gather
-    monkeypatch.setattr(_bridge, "start_all_gather",
-                        lambda layout, blocks, *a: started.append(1) or real(layout, blocks, *a))
+    monkeypatch.setattr(
+        _bridge,
+        "start_all_gather",
+        lambda layout, blocks, *a: started.append(1) or real(layout, blocks, *a),
+    )
     batches = _batches(3)
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
@@ -889,7 +965,7 @@ def test_set_unshard_in_backward_false_skips_the_backward_gather(monkeypatch):
     for m in (model, reference):
         m(tokens).pow(2).sum().backward()
     assert gathers == [2, 1]  # forward only: the root (head), the embedding; none in backward
-    for ours, theirs in zip(model.parameters(), reference.parameters()):
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         np.testing.assert_allclose(_full(ours.grad), theirs.grad, atol=1e-6)
 
 

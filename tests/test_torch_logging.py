@@ -73,8 +73,11 @@ def test_debug_records_name_lazy_init_groups_and_collectives(caplog):
     for fqn in ("a", "b"):  # forward, then backward (prefetched), per step
         gathers = [m for m in records if m.startswith(f"FSDP::all_gather ({fqn}): all-gather")]
         assert len(gathers) == 4, records
-        reduces = [m for m in records
-                   if m.startswith(f"FSDP::post_backward_reduce ({fqn}): reduce-scatter")]
+        reduces = [
+            m
+            for m in records
+            if m.startswith(f"FSDP::post_backward_reduce ({fqn}): reduce-scatter")
+        ]
         assert len(reduces) == 2, records
     # float64: weight and bias each all-reduced in torch's group, once per step.
     all_reduces = [m for m in records if m.startswith("FSDP::post_backward_reduce (c): all-reduce")]
@@ -111,14 +114,28 @@ def test_profiler_ranges_carry_the_module_fqn(grouped):
         _step(model)
     names = {e.name for e in prof.events() if e.name.startswith("FSDP::")}
     units = ["a, b"] if grouped else ["a", "b"]
-    expected = {"FSDP::root_pre_forward", "FSDP::root_post_backward_callback",
-                # the root: FSDP2 leaves its fqn ("") out
-                "FSDP::pre_forward", "FSDP::all_gather", "FSDP::post_forward"}
+    expected = {
+        "FSDP::root_pre_forward",
+        "FSDP::root_post_backward_callback",
+        # the root: FSDP2 leaves its fqn ("") out
+        "FSDP::pre_forward",
+        "FSDP::all_gather",
+        "FSDP::post_forward",
+    }
     for fqn in [*units, "c"]:
-        expected |= {f"FSDP::{what} ({fqn})" for what in (
-            "pre_forward", "all_gather", "all_gather_copy_out", "post_forward",
-            "pre_backward", "post_backward_accumulate", "post_backward_reshard",
-            "post_backward_reduce")}
+        expected |= {
+            f"FSDP::{what} ({fqn})"
+            for what in (
+                "pre_forward",
+                "all_gather",
+                "all_gather_copy_out",
+                "post_forward",
+                "pre_backward",
+                "post_backward_accumulate",
+                "post_backward_reshard",
+                "post_backward_reduce",
+            )
+        }
     expected |= {f"FSDP::backward_prefetch for {fqn}" for fqn in units}
     assert expected <= names, sorted(expected - names)
     assert not any(n.endswith(("(_Net)", "(FSDP_Net)", "()")) for n in names), sorted(names)
@@ -137,12 +154,17 @@ def test_hook_handles_remove_the_hooks_as_fsdp2s_do():
     root._post_forward_hook_handle.remove()
     assert not model._forward_hooks
     group = model.c._fsdp_state().group
-    hooks = (model.c._state_dict_pre_hooks, model.c._load_state_dict_pre_hooks,
-             model.c._load_state_dict_post_hooks)
+    hooks = (
+        model.c._state_dict_pre_hooks,
+        model.c._load_state_dict_pre_hooks,
+        model.c._load_state_dict_post_hooks,
+    )
     assert all(hooks)
-    for handles in (group._module_to_pre_save_state_dict_hook_handle,
-                    group._module_to_pre_load_state_dict_hook_handle,
-                    group._module_to_post_load_state_dict_hook_handle):
+    for handles in (
+        group._module_to_pre_save_state_dict_hook_handle,
+        group._module_to_pre_load_state_dict_hook_handle,
+        group._module_to_post_load_state_dict_hook_handle,
+    ):
         assert list(handles) == [model.c]
         handles[model.c].remove()
     assert not any(hooks)

@@ -26,8 +26,9 @@ from _parity_report import IMPLS, Jobs, selected
 pytestmark = [pytest.mark.torch, pytest.mark.multiprocess, pytest.mark.slow]
 
 CHOSEN = os.environ.get("FUNSHARD_PARITY", "")
-CASES = selected(ci_only=CHOSEN != "all",
-                 names=[n for n in CHOSEN.split(",") if n] if CHOSEN != "all" else None)
+CASES = selected(
+    ci_only=CHOSEN != "all", names=[n for n in CHOSEN.split(",") if n] if CHOSEN != "all" else None
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +54,21 @@ def test_upstream_case(jobs, name, impl):
     assert result is not None, jobs.missing(case)
     run, failed = result["subtests"]
     grid = f" ({failed} of {run} subtests failed)" if run else ""
-    assert result["ok"], (f"{case.upstream} failed on {impl}{grid}:\n"
-                          + "\n".join(result["messages"]))
+    assert result["ok"], f"{case.upstream} failed on {impl}{grid}:\n" + "\n".join(
+        result["messages"]
+    )
 
 
 def test_the_ci_subset_covers_every_area():
     areas = {c.upstream.split("::")[0] for c in pc.CASES.values() if c.ci}
-    for area in ("training", "autograd", "frozen", "mixed_precision", "clip_grad_norm_",
-                 "state_dict", "comm", "init"):
+    for area in (
+        "training",
+        "autograd",
+        "frozen",
+        "mixed_precision",
+        "clip_grad_norm_",
+        "state_dict",
+        "comm",
+        "init",
+    ):
         assert f"test_fully_shard_{area}.py" in areas, area

@@ -18,12 +18,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 from _launch import Job, port_pairs
 from _torch_state_worker import CLIPS, LR, STEPS, Net, batch, build, local, loss_of, shard
+from conftest import mesh_for
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import funshard as fs
 import torch_frontend as tf
-from conftest import mesh_for
 
 pytestmark = pytest.mark.torch
 
@@ -45,8 +45,10 @@ def _jax_model(sd: dict[str, np.ndarray], mesh) -> dict:
 
 
 def _param_groups(optimizer) -> list[dict]:
-    return [{k: v for k, v in g.items() if isinstance(v, (bool, int, float, tuple))}
-            for g in optimizer.param_groups]
+    return [
+        {k: v for k, v in g.items() if isinstance(v, (bool, int, float, tuple))}
+        for g in optimizer.param_groups
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +65,12 @@ def jobs(tmp_path_factory, jax_params):
     jax_checkpoint = out / "jax_ckpt"
     fs.save(jax_checkpoint, {"model": _jax_model(jax_params, mesh_for("8")), "step": 11})
     ports = port_pairs(2)
-    started = {"pair": Job(WORKER, out, WORLD, ports[0], JOB_TIMEOUT_S, "--jax-checkpoint", str(jax_checkpoint)),
-               "hsdp": Job(WORKER, hsdp, 4, ports[1], JOB_TIMEOUT_S, "--replicate", "2")}
+    started = {
+        "pair": Job(
+            WORKER, out, WORLD, ports[0], JOB_TIMEOUT_S, "--jax-checkpoint", str(jax_checkpoint)
+        ),
+        "hsdp": Job(WORKER, hsdp, 4, ports[1], JOB_TIMEOUT_S, "--replicate", "2"),
+    }
     yield started
     for job in started.values():
         job.kill()
@@ -81,7 +87,7 @@ def hsdp_job(jobs) -> tuple[Path, list[dict]]:
 
 
 def _global_batch(step: int, world: int = WORLD):
-    xs, ys = zip(*(batch(step, r) for r in range(world)))
+    xs, ys = zip(*(batch(step, r) for r in range(world)), strict=True)
     return torch.cat(xs), torch.cat(ys)
 
 
@@ -94,16 +100,19 @@ def _reference(world: int) -> dict:
         loss = loss_of(model, *_global_batch(step, world))
         loss.backward()
         if step == STEPS - 1:
-            out["norms"] = [torch.nn.utils.clip_grad_norm_(model.parameters(), m, p).item()
-                            for m, p in CLIPS]
+            out["norms"] = [
+                torch.nn.utils.clip_grad_norm_(model.parameters(), m, p).item() for m, p in CLIPS
+            ]
             out["grad"] = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         out["loss"].append(loss.item())
         if step == STEPS - 1:
             out["full"] = _numpy_state(model)
-            out["opt"] = {n: {k: v.numpy().copy() for k, v in opt.state[p].items()}
-                          for n, p in model.named_parameters()}
+            out["opt"] = {
+                n: {k: v.numpy().copy() for k, v in opt.state[p].items()}
+                for n, p in model.named_parameters()
+            }
     out["final"] = _numpy_state(model)
     return out
 
@@ -128,8 +137,9 @@ def _assert_state(got: dict, want: dict, prefix: str, what: str, atol=TOLERANCE)
     keys = {k.split("/", 1)[1] for k in got if k.startswith(prefix + "/")}
     assert keys == set(want), what
     for key in want:
-        np.testing.assert_allclose(got[f"{prefix}/{key}"], want[key], rtol=0, atol=atol,
-                                   err_msg=f"{what}: {key}")
+        np.testing.assert_allclose(
+            got[f"{prefix}/{key}"], want[key], rtol=0, atol=atol, err_msg=f"{what}: {key}"
+        )
 
 
 # ---- two processes (one torchrun job) ----
@@ -139,16 +149,22 @@ def _assert_state(got: dict, want: dict, prefix: str, what: str, atol=TOLERANCE)
 @pytest.mark.slow
 def test_two_process_training_with_clipping_matches_plain_torch(job, reference):
     _, ranks = job
-    np.testing.assert_allclose(np.mean([r["loss"] for r in ranks], axis=0), reference["loss"],
-                               rtol=0, atol=TOLERANCE)
+    np.testing.assert_allclose(
+        np.mean([r["loss"] for r in ranks], axis=0), reference["loss"], rtol=0, atol=TOLERANCE
+    )
     for rank, r in enumerate(ranks):
         np.testing.assert_allclose(r["norms"], reference["norms"], rtol=1e-5)
         _assert_state(r, reference["full"], "full", "full_state_dict")
         _assert_state(r, reference["final"], "final", "after one more step")
         for name, grad in reference["grad"].items():
             local = r[f"grad/{name}"]
-            np.testing.assert_allclose(local, _chunk(grad, rank, _dim(name)),
-                                       rtol=0, atol=1e-6, err_msg=f"clipped grad {name}")
+            np.testing.assert_allclose(
+                local,
+                _chunk(grad, rank, _dim(name)),
+                rtol=0,
+                atol=1e-6,
+                err_msg=f"clipped grad {name}",
+            )
 
 
 @pytest.mark.multiprocess
@@ -174,7 +190,9 @@ def test_full_state_dict_rank0_only_and_load_full_state_dict_on_two_processes(jo
     for rank, r in enumerate(ranks):
         for key, full in reference["full"].items():
             want = _chunk(full, rank, _dim(key)) if key in params else full
-            np.testing.assert_allclose(r[f"loaded/{key}"], want, rtol=0, atol=TOLERANCE, err_msg=key)
+            np.testing.assert_allclose(
+                r[f"loaded/{key}"], want, rtol=0, atol=TOLERANCE, err_msg=key
+            )
 
 
 @pytest.mark.multiprocess
@@ -209,7 +227,9 @@ def test_torch_checkpoint_resumes_on_one_process(job, reference):
             shards = [r[f"opt/{name}/{key}"] for r in ranks]
             want = shards[0] if key == "step" else np.concatenate(shards, axis=_dim(name))
             np.testing.assert_array_equal(local(value), want, err_msg=f"{name} {key}")
-            np.testing.assert_allclose(local(value), reference["opt"][name][key], rtol=0, atol=TOLERANCE)
+            np.testing.assert_allclose(
+                local(value), reference["opt"][name][key], rtol=0, atol=TOLERANCE
+            )
     assert _param_groups(opt) == _param_groups(torch.optim.AdamW(Net().parameters(), lr=LR))
     loss_of(model, *_global_batch(STEPS)).backward()
     opt.step()
@@ -224,11 +244,20 @@ def _jax_like(mesh) -> dict:
     template = build()
     zeros = {k: np.zeros_like(v) for k, v in _numpy_state(template).items()}
     params = {n: np.zeros(p.shape, np.float32) for n, p in template.named_parameters()}
-    state = {n: {"exp_avg": fs.shard(z, mesh), "exp_avg_sq": fs.shard(z, mesh),
-                 "step": np.zeros((), np.float32)} for n, z in params.items()}
+    state = {
+        n: {
+            "exp_avg": fs.shard(z, mesh),
+            "exp_avg_sq": fs.shard(z, mesh),
+            "step": np.zeros((), np.float32),
+        }
+        for n, z in params.items()
+    }
     groups = _param_groups(torch.optim.AdamW(template.parameters(), lr=LR))
-    return {"model": _jax_model(zeros, mesh), "optimizer": {"state": state, "param_groups": groups},
-            "step": 0}
+    return {
+        "model": _jax_model(zeros, mesh),
+        "optimizer": {"state": state, "param_groups": groups},
+        "step": 0,
+    }
 
 
 @pytest.mark.multiprocess
@@ -258,8 +287,12 @@ def test_hsdp_clip_and_checkpoint_match_plain_torch(hsdp_job):
     # be sqrt(2) times torch's and the clipped step would differ.
     out, ranks = hsdp_job
     reference = _reference(4)
-    np.testing.assert_allclose(np.mean([r["loss"] for r in ranks], axis=0),
-                               reference["loss"][:STEPS], rtol=0, atol=TOLERANCE)
+    np.testing.assert_allclose(
+        np.mean([r["loss"] for r in ranks], axis=0),
+        reference["loss"][:STEPS],
+        rtol=0,
+        atol=TOLERANCE,
+    )
     for r in ranks:
         np.testing.assert_allclose(r["norms"], reference["norms"], rtol=1e-5)
         _assert_state(r, reference["full"], "full", "HSDP full_state_dict")
@@ -306,7 +339,7 @@ def test_state_dict_between_forward_and_backward_keeps_training_exact():
     assert all(sd[k] is shards[k] for k in shards)  # the hooks bound the shards again
     out.pow(2).sum().backward()
     reference(_x()).pow(2).sum().backward()
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
         np.testing.assert_allclose(local(ours.grad), theirs.grad, rtol=0, atol=1e-6, err_msg=name)
 
 
@@ -319,13 +352,13 @@ def test_full_state_dict_loads_into_plain_torch_and_back():
     opt.step()
     plain = _mlp()
     plain.load_state_dict(tf.full_state_dict(model))  # strict: every key, full shapes
-    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters()):
+    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters(), strict=True):
         np.testing.assert_array_equal(local(ours), theirs.detach(), err_msg=name)
     fresh = _sharded_mlp(nn.Sequential(nn.Linear(16, 15), nn.ReLU(), nn.Linear(15, 8)))
     shards = list(fresh.parameters())
     tf.load_full_state_dict(fresh, plain.state_dict())
-    assert all(a is b for a, b in zip(fresh.parameters(), shards))  # loaded in place
-    for ours, theirs in zip(fresh.parameters(), plain.parameters()):
+    assert all(a is b for a, b in zip(fresh.parameters(), shards, strict=True))  # loaded in place
+    for ours, theirs in zip(fresh.parameters(), plain.parameters(), strict=True):
         np.testing.assert_array_equal(local(ours), theirs.detach())
 
 
@@ -339,8 +372,11 @@ def test_load_full_state_dict_names_every_bad_key():
     with pytest.raises(ValueError) as info:
         tf.load_full_state_dict(model, sd)
     message = str(info.value)
-    for part in ("missing key '0.bias'", "unexpected key 'extra.weight'",
-                 "key '2.weight' has shape (8, 14); the module's full tensor has shape (8, 15)"):
+    for part in (
+        "missing key '0.bias'",
+        "unexpected key 'extra.weight'",
+        "key '2.weight' has shape (8, 14); the module's full tensor has shape (8, 15)",
+    ):
         assert part in message
 
 
@@ -359,10 +395,12 @@ def test_sharded_load_state_dict_after_forward_and_with_assign():
         sharded = {k: _like(v.clone(), model.state_dict()[k]) for k, v in want.items()}
         model.load_state_dict(sharded, assign=assign)
         if assign:  # as FSDP2's: the modules hold the assigned DTensors from now on
-            assert all(a is not b and isinstance(a, DTensor)
-                       for a, b in zip(model.parameters(), shards))
+            assert all(
+                a is not b and isinstance(a, DTensor)
+                for a, b in zip(model.parameters(), shards, strict=True)
+            )
         else:
-            assert all(a is b for a, b in zip(model.parameters(), shards))
+            assert all(a is b for a, b in zip(model.parameters(), shards, strict=True))
         np.testing.assert_allclose(model(_x()).detach(), source(_x()).detach(), rtol=0, atol=1e-6)
 
 
@@ -391,7 +429,7 @@ def test_clip_grad_norm_matches_torch(norm_type):
     want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5, norm_type)
     assert got.shape == () and got.dtype == want.dtype
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    for ours, theirs in zip(model.parameters(), reference.parameters()):
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         np.testing.assert_allclose(local(ours.grad), theirs.grad, rtol=1e-6, atol=1e-9)
 
 
@@ -420,14 +458,14 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
     assert tf.restore(tmp_path / "c", fresh, fresh_opt) == 1
     assert fresh_opt.param_groups[0]["lr"] == 1e-3
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         np.testing.assert_array_equal(local(a), local(b))
         for key, value in opt.state[a].items():
             np.testing.assert_array_equal(local(value), local(fresh_opt.state[b][key]))
     for a, b in ((model, opt), (fresh, fresh_opt)):  # both train on alike
         a(_x()).sum().backward()
         b.step()
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         np.testing.assert_array_equal(local(a), local(b))
     tf.save(tmp_path / "c", model, opt, step=2, overwrite=True)
     assert tf.restore(tmp_path / "c", fresh, fresh_opt) == 2
@@ -446,12 +484,19 @@ def test_restore_errors_name_every_offending_path(tmp_path):
     with pytest.raises(ValueError, match="holds no optimizer state"):
         other = _sharded_mlp(_mlp())
         tf.restore(tmp_path / "model_only", other, torch.optim.AdamW(other.parameters()))
-    wider = _sharded_mlp(nn.Sequential(nn.Linear(16, 14), nn.ReLU(), nn.Linear(14, 8), nn.Linear(8, 2)))
+    wider = _sharded_mlp(
+        nn.Sequential(nn.Linear(16, 14), nn.ReLU(), nn.Linear(14, 8), nn.Linear(8, 2))
+    )
     with pytest.raises(ValueError) as info:
         tf.restore(tmp_path / "model_only", wider)
     message = str(info.value)
-    for key in ("['model']['0.weight']", "['model']['0.bias']", "['model']['2.weight']",
-                "['model']['3.weight']", "['model']['3.bias']"):
+    for key in (
+        "['model']['0.weight']",
+        "['model']['0.bias']",
+        "['model']['2.weight']",
+        "['model']['3.weight']",
+        "['model']['3.bias']",
+    ):
         assert key in message
     with pytest.raises(FileNotFoundError):
         tf.restore(tmp_path / "nothing", model)
@@ -466,7 +511,7 @@ def test_jax_tree_restores_into_a_module_in_one_process(tmp_path):
     fs.save(tmp_path / "jax", {"model": _jax_model(_numpy_state(source), mesh_for("2x4"))})
     model = _sharded_mlp(_mlp())
     assert tf.restore(tmp_path / "jax", model) is None
-    for a, b in zip(model.parameters(), source.parameters()):
+    for a, b in zip(model.parameters(), source.parameters(), strict=True):
         np.testing.assert_array_equal(local(a), local(b))
 
 
@@ -506,8 +551,10 @@ def test_tied_and_unmanaged_parameters_round_trip(tmp_path):
     fresh = _sharded_tied()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     assert tf.restore(tmp_path / "c", fresh, fresh_opt) == 2
-    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
         np.testing.assert_array_equal(local(a), local(b), err_msg=name)
         for key, value in opt.state[a].items():
-            np.testing.assert_array_equal(local(value), local(fresh_opt.state[b][key]), err_msg=f"{name} {key}")
+            np.testing.assert_array_equal(
+                local(value), local(fresh_opt.state[b][key]), err_msg=f"{name} {key}"
+            )
     np.testing.assert_array_equal(fresh(x).detach(), plain(x).detach())

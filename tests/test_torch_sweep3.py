@@ -62,8 +62,9 @@ def test_requires_grad_toggled_between_steps_matches_fsdp2(sweep):
         ours, theirs = _results(sweep, "frontend", rank), _results(sweep, "fsdp2", rank)
         assert ours["freeze"]["ok"] == theirs["freeze"]["ok"] == [False, True, True, False, False]
         moved = _arrays(sweep, "frontend", rank)["freeze_moved"]
-        np.testing.assert_allclose(moved, _arrays(sweep, "fsdp2", rank)["freeze_moved"],
-                                   rtol=0, atol=TOLERANCE)
+        np.testing.assert_allclose(
+            moved, _arrays(sweep, "fsdp2", rank)["freeze_moved"], rtol=0, atol=TOLERANCE
+        )
         assert moved[1] == moved[2] == 0 and moved[3] > 0
 
 
@@ -72,8 +73,9 @@ def test_group_of_frozen_and_trainable_parameters_matches_fsdp2(sweep):
         assert _results(sweep, "frontend", rank)["mixed_group"] == {"ok": True}
         ours, theirs = _arrays(sweep, "frontend", rank), _arrays(sweep, "fsdp2", rank)
         for name in (k for k in theirs if k.startswith("mixed/")):
-            np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=TOLERANCE,
-                                       err_msg=name)
+            np.testing.assert_allclose(
+                ours[name], theirs[name], rtol=0, atol=TOLERANCE, err_msg=name
+            )
 
 
 @pytest.mark.parametrize("case", ["bias_none_before_forward", "bias_none_root_before_forward"])
@@ -99,8 +101,10 @@ def test_forward_while_kept_gathered_after_removal_computes_without_the_bias(swe
     # The root stays gathered after forward: the forward right after `bias = None`
     # runs without it (FSDP2 too); only the next gather raises.
     for rank in range(2):
-        np.testing.assert_array_equal(_arrays(sweep, "frontend", rank)["kept_gathered_out"],
-                                      _arrays(sweep, "fsdp2", rank)["kept_gathered_out"])
+        np.testing.assert_array_equal(
+            _arrays(sweep, "frontend", rank)["kept_gathered_out"],
+            _arrays(sweep, "fsdp2", rank)["kept_gathered_out"],
+        )
 
 
 def test_to_float64_after_fully_shard_fails_as_fsdp2_with_a_note(sweep):
@@ -110,8 +114,9 @@ def test_to_float64_after_fully_shard_fails_as_fsdp2_with_a_note(sweep):
     note = " ".join(ours["to_float64"]["notes"])
     assert "parameter '0.weight'" in note and "became torch.float64 after fully_shard" in note
     assert "Cast the inputs to torch.float64" in note
-    assert ours["to_float64_inputs"]["ok"] == pytest.approx(theirs["to_float64_inputs"]["ok"],
-                                                            abs=1e-12)
+    assert ours["to_float64_inputs"]["ok"] == pytest.approx(
+        theirs["to_float64_inputs"]["ok"], abs=1e-12
+    )
 
 
 def test_module_list_without_forward_raises_fsdp2s_value_error(sweep):
@@ -122,12 +127,19 @@ def test_module_list_without_forward_raises_fsdp2s_value_error(sweep):
     assert "for block in model.blocks: fully_shard(block)" in ours
 
 
-@pytest.mark.parametrize("case,builtin,words", [
-    ("empty_list", "IndexError", "empty list of modules"),
-    ("same_module_twice", "AssertionError", "listed twice in one call"),
-    ("deepcopy", "AssertionError", "FSDP does not support deepcopy. Please use state dict"),
-    ("two_parents", "TypeError", "shared with a parameter already managed by another FSDP group"),
-])
+@pytest.mark.parametrize(
+    "case,builtin,words",
+    [
+        ("empty_list", "IndexError", "empty list of modules"),
+        ("same_module_twice", "AssertionError", "listed twice in one call"),
+        ("deepcopy", "AssertionError", "FSDP does not support deepcopy. Please use state dict"),
+        (
+            "two_parents",
+            "TypeError",
+            "shared with a parameter already managed by another FSDP group",
+        ),
+    ],
+)
 def test_obscure_fsdp2_errors_keep_their_type_and_say_why(sweep, case, builtin, words):
     _raised(_results(sweep, "fsdp2")[case], builtin)
     ours = _raised(_results(sweep, "frontend")[case], builtin)
@@ -141,9 +153,12 @@ def test_shared_module_sharded_first_trains_as_fsdp2(sweep):
         ours = _results(sweep, "frontend", rank)["shared_module_first"]["ok"]
         theirs = _results(sweep, "fsdp2", rank)["shared_module_first"]["ok"]
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
-        np.testing.assert_allclose(_arrays(sweep, "frontend", rank)["shared_first/weight"],
-                                   _arrays(sweep, "fsdp2", rank)["shared_first/weight"],
-                                   rtol=0, atol=TOLERANCE)
+        np.testing.assert_allclose(
+            _arrays(sweep, "frontend", rank)["shared_first/weight"],
+            _arrays(sweep, "fsdp2", rank)["shared_first/weight"],
+            rtol=0,
+            atol=TOLERANCE,
+        )
 
 
 def test_zero_row_parameter_with_a_gradient_trains_where_fsdp2_fails(sweep):
@@ -152,8 +167,9 @@ def test_zero_row_parameter_with_a_gradient_trains_where_fsdp2_fails(sweep):
     for rank in range(2):
         assert _results(sweep, "frontend", rank)["zero_rows"] == {"ok": [0, 4]}
         arrays = _arrays(sweep, "frontend", rank)
-        np.testing.assert_allclose(arrays["zero_rows/lin.weight"], arrays["zero_rows/reference"],
-                                   rtol=0, atol=TOLERANCE)
+        np.testing.assert_allclose(
+            arrays["zero_rows/lin.weight"], arrays["zero_rows/reference"], rtol=0, atol=TOLERANCE
+        )
 
 
 def test_collective_check_names_the_units_each_rank_issues(sweep):
@@ -165,8 +181,10 @@ def test_collective_check_names_the_units_each_rank_issues(sweep):
         message = checks[rank]["message"]
         assert checks[rank]["error"] == "DistributedError", message
         assert "the ranks do not issue the same collectives" in message
-        assert f"process {rank} is about to issue an all-gather of 1 tensor for the " \
-               f"all-gather of '{mine}'" in message, message
+        assert (
+            f"process {rank} is about to issue an all-gather of 1 tensor for the "
+            f"all-gather of '{mine}'" in message
+        ), message
         assert f"issues an all-gather of 1 tensor for the all-gather of '{theirs}'" in message
 
 
@@ -179,8 +197,9 @@ def test_rank_that_runs_fewer_steps_is_named_on_the_survivor(tmp_path, monkeypat
     log = job.log()
     assert code not in (0, -1), log[-4000:]
     assert "rank 1: step 1 done" in log and "rank 0: step 2 done" not in log, log[-4000:]
-    assert ("DistributedError: funshard.distributed: process 0 of 2 gives up: process 1 "
-            "returned normally and left the job after 2 steps (backward passes)") in log, \
-        log[-4000:]
+    assert (
+        "DistributedError: funshard.distributed: process 0 of 2 gives up: process 1 "
+        "returned normally and left the job after 2 steps (backward passes)"
+    ) in log, log[-4000:]
     assert "The last step both reached is step 2" in log
     assert re.search(r"process 0 of 2 stops on an uncaught DistributedError", log), log[-4000:]

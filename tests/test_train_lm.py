@@ -61,8 +61,10 @@ def refused(argv, capsys) -> str:
 BAD_FLAGS = [
     (["--steps", "-1"], ["--steps -1: must be at least 1"]),
     (["--steps", "0"], ["--steps 0: must be at least 1"]),
-    (["--devices", "3"],
-     ["--batch 32 is not divisible by --devices 3", "--batch 30 or --batch 33"]),
+    (
+        ["--devices", "3"],
+        ["--batch 32 is not divisible by --devices 3", "--batch 30 or --batch 33"],
+    ),
     (["--devices", "3", "--batch", "8"], ["--batch 8 is not divisible", "--batch 6 or --batch 9"]),
     (["--devices", "16", "--batch", "8"], ["pass --batch 16, or a --devices that divides 8"]),
     (["--replicate", "3"], ["--replicate 3 does not divide --devices 8"]),
@@ -95,8 +97,19 @@ def test_bad_flags_are_refused_before_jax_starts(argv, messages, tmp_path, capsy
 
 def test_good_flags_reach_the_devices(tmp_path, no_jax):
     with pytest.raises(Started):
-        train_lm.main(["--tiny", "--devices", "4", "--batch", "8", "--replicate", "2",
-                       "--run-dir", str(tmp_path / "run")])
+        train_lm.main(
+            [
+                "--tiny",
+                "--devices",
+                "4",
+                "--batch",
+                "8",
+                "--replicate",
+                "2",
+                "--run-dir",
+                str(tmp_path / "run"),
+            ]
+        )
     assert no_jax == [4]
 
 
@@ -136,14 +149,36 @@ def test_every_setting_has_a_resume_rule():
 
 
 def test_a_new_run_folder_keeps_every_setting(tmp_path, trained_with):
-    train_lm.main(["--tiny", "--steps", "20", "--lr", "0.01", "--clip", "0.5", "--seed", "3",
-                   "--run-dir", str(tmp_path)])
+    train_lm.main(
+        [
+            "--tiny",
+            "--steps",
+            "20",
+            "--lr",
+            "0.01",
+            "--clip",
+            "0.5",
+            "--seed",
+            "3",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["settings"] == {
-        "tiny": True, "scan": False, "batch": 32, "lr": 0.01, "seed": 3,
+        "tiny": True,
+        "scan": False,
+        "batch": 32,
+        "lr": 0.01,
+        "seed": 3,
         "warmup": 2,  # the default: an eighth of a short run
-        "clip": 0.5, "steps": 20, "devices": 8, "replicate": 1, "param_dtype": "f32",
-        "eval_every": 100, "checkpoint_every": 200,
+        "clip": 0.5,
+        "steps": 20,
+        "devices": 8,
+        "replicate": 1,
+        "param_dtype": "f32",
+        "eval_every": 100,
+        "checkpoint_every": 200,
     }
     assert saved["model"] == {"width": 32, "depth": 2, "heads": 2, "context": 32}
     assert trained_with[0] == train_lm.Settings(**saved["settings"])
@@ -161,11 +196,31 @@ def test_resume_refuses_changed_settings(tmp_path, capsys, no_jax):
 def test_resume_takes_unset_flags_from_the_run_folder(tmp_path, trained_with):
     saved_run(tmp_path, tiny=True, lr=3e-3, batch=16, warmup=7, clip=1.0, seed=2, steps=50)
     # The same values again, and settings a resume may change: accepted.
-    train_lm.main(["--lr", "0.003", "--steps", "80", "--devices", "4", "--replicate", "2",
-                   "--param-dtype", "bf16", "--run-dir", str(tmp_path)])
+    train_lm.main(
+        [
+            "--lr",
+            "0.003",
+            "--steps",
+            "80",
+            "--devices",
+            "4",
+            "--replicate",
+            "2",
+            "--param-dtype",
+            "bf16",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
     got = trained_with[0]
     assert (got.tiny, got.lr, got.batch, got.warmup, got.clip, got.seed) == (
-        True, 3e-3, 16, 7, 1.0, 2)
+        True,
+        3e-3,
+        16,
+        7,
+        1.0,
+        2,
+    )
     assert (got.steps, got.devices, got.replicate, got.param_dtype) == (80, 4, 2, "bf16")
     changes = json.loads((tmp_path / "config.json").read_text())["changes"]
     assert {c["change"] for c in changes} >= {"--steps 80 (was 50)", "--devices 4 (was 8)"}
@@ -209,8 +264,9 @@ def test_a_finished_run_folder_says_so_at_once(tmp_path, capsys, no_jax):
 
 
 def test_the_default_sample_prompt_is_the_documented_one():
-    documented = __import__("re").search(r"`--sample`, default `([^`]*)`",
-                                         (DOCS / "getting-started.md").read_text())
+    documented = __import__("re").search(
+        r"`--sample`, default `([^`]*)`", (DOCS / "getting-started.md").read_text()
+    )
     assert documented, "docs/getting-started.md no longer states --sample's default"
     assert train_lm.build_parser().parse_args([]).sample == documented.group(1)
 
@@ -233,15 +289,17 @@ def test_clip_limits_the_global_norm_before_adamw():
     params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
     big = {"w": jnp.full((3, 2), 4.0), "b": jnp.array([3.0, -2.0])}  # norm > 1
     small = {"w": jnp.full((3, 2), 0.1), "b": jnp.array([0.05, 0.2])}  # norm < 1
-    clipped = _updates(train_lm.make_optimizer(
-        train_lm.Settings(steps=10, warmup=0, clip=1.0)), params)([big, small])
-    plain = _updates(train_lm.make_optimizer(
-        train_lm.Settings(steps=10, warmup=0, clip=0.0)), params)
+    clipped = _updates(
+        train_lm.make_optimizer(train_lm.Settings(steps=10, warmup=0, clip=1.0)), params
+    )([big, small])
+    plain = _updates(
+        train_lm.make_optimizer(train_lm.Settings(steps=10, warmup=0, clip=0.0)), params
+    )
     scale = 1.0 / float(np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(big))))
     by_hand = plain([jax.tree.map(lambda g: g * scale, big), small])
     unclipped = plain([big, small])
     # Adam's moments remember the clipped first gradient: the second update shows it.
-    for a, b in zip(jax.tree.leaves(clipped[1]), jax.tree.leaves(by_hand[1])):
+    for a, b in zip(jax.tree.leaves(clipped[1]), jax.tree.leaves(by_hand[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert not np.allclose(clipped[1]["w"], unclipped[1]["w"], rtol=1e-3)
     # The same optimizer state either way: a checkpoint restores whatever --clip was.
@@ -285,8 +343,11 @@ def test_tensorboard_scalars_follow_the_metrics_log(tmp_path, monkeypatch):
     run.log({"step": 10, "val": 2.25})
     run.close()
     assert run.scalars.logdir == str(tmp_path / "tensorboard") and run.scalars.closed
-    assert run.scalars.scalars == [("train_lm/loss", 2.5, 10), ("train_lm/grad_norm", 0.75, 10),
-                                   ("train_lm/val", 2.25, 10)]
+    assert run.scalars.scalars == [
+        ("train_lm/loss", 2.5, 10),
+        ("train_lm/grad_norm", 0.75, 10),
+        ("train_lm/val", 2.25, 10),
+    ]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
@@ -327,8 +388,7 @@ def test_a_read_only_run_folder_is_a_flag_error(tmp_path, capsys, no_jax, monkey
     assert not (tmp_path / "run" / "lock").exists()
 
 
-def test_a_run_folder_in_a_read_only_folder_is_a_flag_error(tmp_path, capsys, no_jax,
-                                                            monkeypatch):
+def test_a_run_folder_in_a_read_only_folder_is_a_flag_error(tmp_path, capsys, no_jax, monkeypatch):
     _deny_writes_under(monkeypatch, tmp_path / "ro")
     (tmp_path / "ro").mkdir()
     err = refused(["--run-dir", str(tmp_path / "ro" / "new" / "run")], capsys)
@@ -350,14 +410,14 @@ def test_a_chmod_read_only_run_folder_is_refused(tmp_path, capsys, no_jax):
 
 def test_a_held_run_folder_is_refused_naming_the_holder(tmp_path, capsys, no_jax):
     run = saved_run(tmp_path, tiny=True, steps=20)
-    with run.hold():
-        with pytest.raises(SystemExit) as exit_:
-            train_lm.main(["--run-dir", str(tmp_path)])
+    with run.hold(), pytest.raises(SystemExit) as exit_:
+        train_lm.main(["--run-dir", str(tmp_path)])
     assert exit_.value.code == 2 and no_jax == []
     err = capsys.readouterr().err.strip()
     prog = train_lm.build_parser().prog  # train_lm.py when run as a script
-    assert err.startswith(f"{prog}: error: --run-dir {tmp_path} is in use by pid "
-                          f"{train_lm.os.getpid()} on host ")
+    assert err.startswith(
+        f"{prog}: error: --run-dir {tmp_path} is in use by pid {train_lm.os.getpid()} on host "
+    )
     assert ", started 20" in err and "kill -TERM" in err and len(err.splitlines()) == 1
     # Released at the end of the block: the next run takes the folder.
     with pytest.raises(Started):
@@ -391,8 +451,10 @@ def test_a_signal_only_asks_the_loop_to_stop(signum):
         train_lm.os.kill(train_lm.os.getpid(), signum)  # handled before kill returns
         assert stop.received == signum  # no exception: nothing a JAX callback could swallow
         # The next one is the system's: it ends the process even inside XLA.
-        assert all(train_lm.signal.getsignal(s) == train_lm.signal.SIG_DFL
-                   for s in train_lm.StopSignals.SIGNALS)
+        assert all(
+            train_lm.signal.getsignal(s) == train_lm.signal.SIG_DFL
+            for s in train_lm.StopSignals.SIGNALS
+        )
     assert stop.name == signum.name and stop.exit_status == 128 + signum
     assert train_lm.signal.getsignal(signum) == previous
 
@@ -401,8 +463,18 @@ def test_the_resume_command_names_the_run_folder(tmp_path):
     argv = ["--tiny", "--steps", "40", "--sample", "", "--run-dir", "old", "--lr=0.01"]
     command = train_lm.shlex.split(train_lm.resume_command(argv, tmp_path / "a b"))
     assert command[0] == sys.executable and Path(command[1]) == EXAMPLES / "train_lm.py"
-    assert command[2:] == ["--tiny", "--steps", "40", "--sample", "", "--lr=0.01",
-                           "--run-dir", str(tmp_path / "a b")]
+    assert command[2:] == [
+        "--tiny",
+        "--steps",
+        "40",
+        "--sample",
+        "",
+        "--lr=0.01",
+        "--run-dir",
+        str(tmp_path / "a b"),
+    ]
     for given in (["--run-dir=old"], ["--run", "old"]):
-        assert train_lm.shlex.split(
-            train_lm.resume_command(given, tmp_path))[2:] == ["--run-dir", str(tmp_path)]
+        assert train_lm.shlex.split(train_lm.resume_command(given, tmp_path))[2:] == [
+            "--run-dir",
+            str(tmp_path),
+        ]

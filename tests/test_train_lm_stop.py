@@ -31,8 +31,11 @@ STEPS = 30  # long enough that a run is still training when the test's signal ar
 FLAGS = ["--tiny", "--steps", str(STEPS), "--eval-every", "1", "--batch", "8", "--sample", ""]
 TIMEOUT_S = 240
 STEP_LINE = re.compile(r"^step\s+(\d+)\s+train ", re.M)
-STOPPED = re.compile(r"^(SIG\w+): stopped after step (\d+) of (\d+); checkpoint (\S+)\. "
-                     r"Resume with:\n(.+)$", re.M)
+STOPPED = re.compile(
+    r"^(SIG\w+): stopped after step (\d+) of (\d+); checkpoint (\S+)\. "
+    r"Resume with:\n(.+)$",
+    re.M,
+)
 
 
 class Example:
@@ -41,8 +44,9 @@ class Example:
     def __init__(self, command: list[str], cwd: Path, name: str):
         self.out, self.err = cwd / f"{name}.out", cwd / f"{name}.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(command, cwd=cwd, env=env(cwd), stdout=out,
-                                         stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen(
+                command, cwd=cwd, env=env(cwd), stdout=out, stderr=err, start_new_session=True
+            )
 
     def __enter__(self):
         return self
@@ -86,9 +90,11 @@ class Example:
 
 def env(cwd: Path) -> dict:
     """The runs' environment: one compilation cache, so that only the first run compiles."""
-    return clean_env(JAX_COMPILATION_CACHE_DIR=str(cwd / "jax-cache"),
-                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return clean_env(
+        JAX_COMPILATION_CACHE_DIR=str(cwd / "jax-cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
 
 def train_lm(run_dir: Path) -> list[str]:
@@ -110,8 +116,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def finished(command: list[str], cwd: Path) -> str:
-    proc = run(command, cwd=cwd, env=env(cwd), capture_output=True, text=True,
-               timeout=TIMEOUT_S)
+    proc = run(command, cwd=cwd, env=env(cwd), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -130,8 +135,14 @@ def chain(tmp_path_factory):
         # train to the end meanwhile.
         first.proc.send_signal(signal.SIGSTOP)
         second_started = time.monotonic()
-        second = run(train_lm(folder), cwd=cwd, env=env(cwd), capture_output=True,
-                     text=True, timeout=TIMEOUT_S)
+        second = run(
+            train_lm(folder),
+            cwd=cwd,
+            env=env(cwd),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
         found["second"] = (second, time.monotonic() - second_started, first.proc.pid)
         first.proc.send_signal(signal.SIGTERM)  # pending until it runs again
         first.proc.send_signal(signal.SIGCONT)
@@ -158,10 +169,10 @@ def test_a_second_run_on_the_folder_is_refused_at_once(chain):
     second, seconds, holder = found["second"]
     assert second.returncode == 2, second.stdout + second.stderr
     message = second.stderr.strip()
-    assert message.startswith(f"train_lm.py: error: --run-dir {folder} is in use by pid "
-                              f"{holder} on host "), message
-    assert re.search(r", started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} \(\d+ s ago\)\.",
-                     message)
+    assert message.startswith(
+        f"train_lm.py: error: --run-dir {folder} is in use by pid {holder} on host "
+    ), message
+    assert re.search(r", started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} \(\d+ s ago\)\.", message)
     assert "Traceback" not in message and len(message.splitlines()) == 1
     assert second.stdout == ""  # refused before building anything
     assert seconds < 60
@@ -175,8 +186,7 @@ def test_sigterm_saves_the_step_and_prints_the_resume_command(chain):
     assert checkpoint == folder / "checkpoints" / f"step_{step:06d}" and checkpoint.is_dir()
     assert "finishing the current step, then saving a checkpoint" in output
     assert "Traceback" not in output
-    assert shlex.split(command) == [sys.executable, str(EXAMPLE), *FLAGS,
-                                    "--run-dir", str(folder)]
+    assert shlex.split(command) == [sys.executable, str(EXAMPLE), *FLAGS, "--run-dir", str(folder)]
 
 
 def test_the_printed_command_resumes_and_sigint_stops_it_too(chain):
@@ -206,8 +216,9 @@ def test_the_interrupted_chain_trains_as_one_uninterrupted_run(chain):
     # Each step once (no duplicated rows from a second writer or a redone step), and
     # the same loss, learning rate, gradient norm and validation loss.
     keys = ("step", "loss", "lr", "grad_norm", "val")
-    assert [{k: r[k] for k in keys if k in r} for r in got] == \
-        [{k: r[k] for k in keys if k in r} for r in want]
+    assert [{k: r[k] for k in keys if k in r} for r in got] == [
+        {k: r[k] for k in keys if k in r} for r in want
+    ]
 
 
 SECOND_SIGNAL = """
@@ -226,8 +237,14 @@ print("still running after the block", flush=True)
 
 
 def test_a_second_signal_exits_at_once(tmp_path):
-    proc = run([sys.executable, "-c", SECOND_SIGNAL, str(EXAMPLE)], cwd=tmp_path,
-               env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = run(
+        [sys.executable, "-c", SECOND_SIGNAL, str(EXAMPLE)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
     assert proc.stdout == f"first: {int(signal.SIGTERM)}\n"
     assert "send SIGTERM again to exit at once" in proc.stderr

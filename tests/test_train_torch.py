@@ -31,8 +31,10 @@ def torchrun(script: Path, *args: str, cwd: Path, processes: int = 2) -> str:
     command = torchrun_command(script, processes, free_port(pair=True), *args)
     start = time.monotonic()
     code, out = run_bounded(command, cwd, JOB_TIMEOUT_S)
-    assert code == 0, f"{script.name} {args} failed (exit {code}) after " \
-                      f"{time.monotonic() - start:.0f} s:\n{out[-6000:]}"
+    assert code == 0, (
+        f"{script.name} {args} failed (exit {code}) after "
+        f"{time.monotonic() - start:.0f} s:\n{out[-6000:]}"
+    )
     return out
 
 
@@ -57,46 +59,80 @@ def test_train_torch_on_two_processes_checkpoints_and_resumes(tmp_path):
 
     # As if the run had died after step 3's checkpoint: the resumed run redoes 4..6.
     shutil.rmtree(checkpoints / "step_000006")
-    second = torchrun(EXAMPLE, *TINY, "--steps", "6", "--run-dir", str(run_dir), "--resume",
-                      cwd=tmp_path)
+    second = torchrun(
+        EXAMPLE, *TINY, "--steps", "6", "--run-dir", str(run_dir), "--resume", cwd=tmp_path
+    )
     assert "resumed at step 3" in second, second
     resumed = metrics(run_dir)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):  # same batches, same state: the same losses
-        assert math.isclose(resumed[step], losses[step], rel_tol=1e-6, abs_tol=1e-6), \
-            (step, resumed[step], losses[step])
+        assert math.isclose(resumed[step], losses[step], rel_tol=1e-6, abs_tol=1e-6), (
+            step,
+            resumed[step],
+            losses[step],
+        )
     assert (checkpoints / "step_000006").is_dir()
 
 
 def test_bench_torch_quick_runs_every_variant(tmp_path):
     result = tmp_path / "result.json"
-    code, out = run_bounded([sys.executable, str(BENCH), "--quick", "--steps", "2",
-                             "--warmup", "1", "--profile-steps", "1", "--out-json", str(result),
-                             "--out-md", str(tmp_path / "result.md")], tmp_path, JOB_TIMEOUT_S)
+    code, out = run_bounded(
+        [
+            sys.executable,
+            str(BENCH),
+            "--quick",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--profile-steps",
+            "1",
+            "--out-json",
+            str(result),
+            "--out-md",
+            str(tmp_path / "result.md"),
+        ],
+        tmp_path,
+        JOB_TIMEOUT_S,
+    )
     assert code == 0, out[-6000:]
     facts = json.loads(result.read_text())
     rows = {v["name"]: v for v in facts["variants"]}
-    assert set(rows) == {"torch_frontend reshard=True", "FSDP2 reshard=True",
-                         "torch_frontend reshard=False", "FSDP2 reshard=False", "DDP",
-                         "funshard JAX step reshard=True", "1 process alone",
-                         "compute floor (1 rank's rows)"}
+    assert set(rows) == {
+        "torch_frontend reshard=True",
+        "FSDP2 reshard=True",
+        "torch_frontend reshard=False",
+        "FSDP2 reshard=False",
+        "DDP",
+        "funshard JAX step reshard=True",
+        "1 process alone",
+        "compute floor (1 rank's rows)",
+    }
     for row in rows.values():
         assert len(row["times"]) == 2 and row["median"] > 0, row["name"]
         assert all(math.isfinite(x) for x in row["losses"]), row["name"]
         assert row["state"] > 0, row["name"]
-    for name in ("torch_frontend reshard=True", "FSDP2 reshard=True", "DDP",
-                 "funshard JAX step reshard=True"):
+    for name in (
+        "torch_frontend reshard=True",
+        "FSDP2 reshard=True",
+        "DDP",
+        "funshard JAX step reshard=True",
+    ):
         assert rows[name]["sent"] > 0, name  # gloo wrote to its sockets
     assert rows["compute floor (1 rank's rows)"]["sent"] < 1024
     # The same model, weights and data: the frontend trains exactly as FSDP2, and the
     # JAX step and the single process see the same global losses (float rounding apart).
     assert [c["equal"] for c in facts["loss_checks"]] == [True, True]
     jax_losses = rows["funshard JAX step reshard=True"]["losses"]
-    np_close = [math.isclose(a, b, abs_tol=1e-3) for a, b in
-                zip(jax_losses, rows["1 process alone"]["losses"])]
+    np_close = [
+        math.isclose(a, b, abs_tol=1e-3)
+        for a, b in zip(jax_losses, rows["1 process alone"]["losses"], strict=True)
+    ]
     assert all(np_close), (jax_losses, rows["1 process alone"]["losses"])
-    assert {p["variant"] for p in facts["profile"]} == {"torch_frontend reshard=True",
-                                                        "torch_frontend reshard=False"}
+    assert {p["variant"] for p in facts["profile"]} == {
+        "torch_frontend reshard=True",
+        "torch_frontend reshard=False",
+    }
     assert "| torch_frontend reshard=True |" in (tmp_path / "result.md").read_text()
 
 

@@ -5,10 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import funshard as fs
-from conftest import mesh_for
-from _util import assert_tree_close, mlp_batch
 from _models import (
     block_loss,
     block_params,
@@ -17,6 +13,10 @@ from _models import (
     mlp_params,
     mlp_sharded_loss,
 )
+from _util import assert_tree_close, mlp_batch
+from conftest import mesh_for
+
+import funshard as fs
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_mlp_grad_parity(mesh_name, units, reshard):
     ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert jax.tree.structure(grads) == jax.tree.structure(state)
-    for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(state)):
+    for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(state), strict=True):
         assert g.sharding.is_equivalent_to(s.sharding, g.ndim) and g.dtype == s.dtype
     assert_tree_close(fs.unshard(grads), ref_grads)
 
@@ -82,7 +82,7 @@ def test_replicated_extra_args_and_int_leaves():
         return jnp.mean((x @ fs.unshard(state)["w"]) ** 2) * scale
 
     trainable = {"w": True, "step": False}
-    value, grads = jax.jit(fs.value_and_grad(loss, trainable=trainable))(state, x, 3.0)
+    _value, grads = jax.jit(fs.value_and_grad(loss, trainable=trainable))(state, x, 3.0)
     ref = jax.grad(lambda w: jnp.mean((x @ w) ** 2) * 3.0)(params["w"])
     np.testing.assert_allclose(fs.unshard(grads)["w"], ref, rtol=1e-6)
     np.testing.assert_array_equal(fs.unshard(grads)["step"], np.zeros(3, np.int32))
@@ -109,7 +109,7 @@ def test_adamw_trajectory_matches_unsharded(mesh_name):
         return optax.apply_updates(params, updates), opt_state, loss
 
     for i in range(20):
-        batch = jax.tree.map(lambda a: a * (1 + 0.05 * i), mlp_batch())
+        batch = jax.tree.map(lambda a, i=i: a * (1 + 0.05 * i), mlp_batch())
         state, opt_state, loss = step(state, opt_state, batch)
         ref_params, ref_opt_state, ref_loss = ref_step(ref_params, ref_opt_state, batch)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

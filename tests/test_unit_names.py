@@ -10,12 +10,12 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import pytest
+from _hlo import compiled, count_by_kind
+from _models import mlp_layer, mlp_params, mse
+from _util import mlp_batch
+from conftest import mesh_for
 
 import funshard as fs
-from _hlo import compiled, count_by_kind
-from _util import mlp_batch
-from _models import mlp_layer, mlp_params, mse
-from conftest import mesh_for
 
 _NAMED = re.compile(
     r"= [^ ]+ (all-gather|reduce-scatter)(?:-start)?\(.*op_name=\"[^\"]*funshard/(.+?)/"
@@ -42,17 +42,21 @@ def test_unit_collectives_are_named_after_the_unit(reshard):
     text = compiled(fs.value_and_grad(loss), state, mlp_batch())[1]
     named = _named_collectives(text)
     # Every all-gather and reduce-scatter of the step is the unit's, and named so.
-    assert named == Counter({
-        ("all-gather", "mlp_block", "all_gather"): count_by_kind(text)["all-gather"],
-        ("reduce-scatter", "mlp_block", "reduce_scatter"): 3,
-    })
+    assert named == Counter(
+        {
+            ("all-gather", "mlp_block", "all_gather"): count_by_kind(text)["all-gather"],
+            ("reduce-scatter", "mlp_block", "reduce_scatter"): 3,
+        }
+    )
     assert count_by_kind(text)["all-gather"] >= 3
 
 
 def test_default_names_unshard_scan_and_root():
     params = {"w": jnp.ones((3, 8, 8)), "head": jnp.ones((8, 5))}
-    state = {"w": fs.shard({"w": params["w"]}, mesh_for("8"), stacked=True)["w"],
-             "head": fs.shard(params["head"], mesh_for("8"))}
+    state = {
+        "w": fs.shard({"w": params["w"]}, mesh_for("8"), stacked=True)["w"],
+        "head": fs.shard(params["head"], mesh_for("8")),
+    }
 
     def block(p, h):
         return jnp.tanh(h @ p)
@@ -67,7 +71,9 @@ def test_default_names_unshard_scan_and_root():
     assert units == {"scan/block", "unshard"}, named
     deferred = fs.value_and_grad(
         lambda s, b: mse(fs.fully_shard(lambda p, h: h @ p)(s["head"], b[0][:, :8]), b[1]),
-        microbatches=2, sync_every_microbatch=False)
+        microbatches=2,
+        sync_every_microbatch=False,
+    )
     named = _named_collectives(compiled(deferred, state, mlp_batch())[1])
     assert ("reduce-scatter", "root", "reduce_scatter") in named
     assert ("all-gather", "<lambda>", "all_gather") in named

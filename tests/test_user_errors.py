@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import mlp_apply, mlp_params
+from conftest import mesh_for
 
 import funshard as fs
-from conftest import mesh_for
-from _models import mlp_apply, mlp_params
 
 UNSHARD_HINT = "call fs.unshard(state)"
 
@@ -42,8 +42,11 @@ def test_make_mesh_rejects_a_repeated_device():
 
 @pytest.mark.parametrize("sd", [None, [("['w']", np.zeros(3))], "state.npz"])
 def test_load_state_dict_rejects_a_non_mapping(state, sd):
-    with pytest.raises(TypeError, match=rf"load_state_dict: sd is a {type(sd).__name__}.*"
-                                        r"fs\.state_dict\(tree\)"):
+    with pytest.raises(
+        TypeError,
+        match=rf"load_state_dict: sd is a {type(sd).__name__}.*"
+        r"fs\.state_dict\(tree\)",
+    ):
         fs.load_state_dict(sd, state)
 
 
@@ -80,7 +83,7 @@ def _user_code(state):
         "1.0 * w": lambda: 1.0 * w,
         "-w": lambda: -w,
         "w[0]": lambda: w[0],
-        "for row in w": lambda: [row for row in w],
+        "for row in w": lambda: list(w),
         "apply on the state": lambda: mlp_apply(state, x),
         "apply under jit": lambda: jax.jit(mlp_apply)(state, x),
     }

@@ -3,11 +3,11 @@
 import jax
 import numpy as np
 import pytest
+from _models import mlp_layer, mlp_params, mse
+from _util import mlp_batch_dict
+from conftest import mesh_for
 
 import funshard as fs
-from conftest import mesh_for
-from _util import mlp_batch_dict
-from _models import mlp_layer, mlp_params, mse
 
 F32 = np.float32
 
@@ -124,7 +124,9 @@ def test_hpz_group_that_the_axes_cannot_form():
     def loss(state, b):
         return mse(unit(state["layers"][0], b["x"])[:, :5], b["y"])
 
-    with pytest.raises(ValueError, match="reshard_after_forward=2 needs the parameters' shard axes"):
+    with pytest.raises(
+        ValueError, match="reshard_after_forward=2 needs the parameters' shard axes"
+    ):
         jax.jit(fs.value_and_grad(loss))(state, mlp_batch_dict())
 
 
@@ -135,15 +137,19 @@ def test_hpz_group_that_does_not_divide_the_shards():
     def loss(state, b):
         return mse(unit(state["layers"][0], b["x"])[:, :5], b["y"])
 
-    with pytest.raises(ValueError, match="reshard_after_forward=3 must divide the number of shards"):
+    with pytest.raises(
+        ValueError, match="reshard_after_forward=3 must divide the number of shards"
+    ):
         jax.jit(fs.value_and_grad(loss))(state, mlp_batch_dict())
 
 
 def test_scan_reports_every_unstacked_leaf_at_once():
     mesh = mesh_for("4")
-    stacked = {"a": fs.shard(np.ones((2, 4, 4), F32), mesh),
-               "b": fs.shard(np.ones((2, 4), F32), mesh),
-               "c": fs.shard({"c": np.ones((2, 4, 4), F32)}, mesh, stacked=True)["c"]}
+    stacked = {
+        "a": fs.shard(np.ones((2, 4, 4), F32), mesh),
+        "b": fs.shard(np.ones((2, 4), F32), mesh),
+        "c": fs.shard({"c": np.ones((2, 4, 4), F32)}, mesh, stacked=True)["c"],
+    }
     with pytest.raises(ValueError) as err:
         fs.scan(lambda p, h: h, stacked, np.ones(4, F32))
     assert "leaf ['a'] is sharded on dim 0" in str(err.value)

@@ -21,9 +21,9 @@ except ModuleNotFoundError as error:
     # A subclass of ImportError with the missing module's name, as pytest.importorskip
     # and `except ModuleNotFoundError` expect; the message names the extra to install.
     raise ModuleNotFoundError(
-        'torch_frontend needs PyTorch, an optional extra of funshard: pip install "funshard[torch]" '
-        "(torch >=2.13,<2.15; on a CPU-only machine install torch from PyTorch's CPU wheel index "
-        "first, see docs/torch.md).",
+        "torch_frontend needs PyTorch, an optional extra of funshard: "
+        'pip install "funshard[torch]" (torch >=2.13,<2.15; on a CPU-only machine '
+        "install torch from PyTorch's CPU wheel index first, see docs/torch.md).",
         name="torch",
     ) from error
 

@@ -11,11 +11,12 @@ in place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -30,7 +31,7 @@ from torch_frontend import _cuda
 DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
 
 
-def check_collective(layout: "RankLayout", kind: str, label: str, leaves: list[tuple]) -> None:
+def check_collective(layout: RankLayout, kind: str, label: str, leaves: list[tuple]) -> None:
     """Raises unless every process of `layout` issues the same collective now.
 
     The signature is the collective's kind, the unit it serves and its operands'
@@ -47,8 +48,7 @@ def check_collective(layout: "RankLayout", kind: str, label: str, leaves: list[t
     processes = {d.process_index for d in layout.mesh.devices.flat}
     nouns = (f"tensor for the {kind} of {label}", f"tensors for the {kind} of {label}")
     try:
-        distributed.same_collective(f"torch_frontend's {kind} of {label}", leaves, processes,
-                                    nouns)
+        distributed.same_collective(f"torch_frontend's {kind} of {label}", leaves, processes, nouns)
     except (errors.DistributedError, errors.DistributedTimeoutError) as exc:
         raise type(exc)(_different_collectives(str(exc))) from None
 
@@ -98,9 +98,9 @@ class CommContext:
         label, self._label = self._label, None
         return label or default
 
-    def submit_checked(self, layout: RankLayout, kind: str,
-                       leaves: Callable[[], list[tuple]], fn,
-                       *args) -> Future:
+    def submit_checked(
+        self, layout: RankLayout, kind: str, leaves: Callable[[], list[tuple]], fn, *args
+    ) -> Future:
         """`submit(fn, *args)`; first, with `check_collectives`, the signature check.
 
         The check runs on the collective thread, right before the collective, so it
@@ -171,10 +171,8 @@ class CommContext:
         self._finish_queued = False
         held, self._held = self._held, None
         if held is not None and held[0] is not None:
-            try:
+            with contextlib.suppress(Exception):
                 held[0].result()
-            except Exception:  # noqa: BLE001 -- discarded with the failed iteration
-                pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,15 +229,25 @@ def layout_of(mesh: Mesh, comm: CommContext) -> RankLayout:
         raise errors.ShardingTypeError(_not_a_jax_mesh(mesh))
     if SHARD_AXIS not in mesh.axis_names:
         raise errors.ShardingValueError(_lacks_shard_axis(mesh))
-    mine = [idx for idx, d in np.ndenumerate(mesh.devices) if d.process_index == jax.process_index()]
+    mine = [
+        idx for idx, d in np.ndenumerate(mesh.devices) if d.process_index == jax.process_index()
+    ]
     if len(mine) != 1:
         raise errors.ShardingValueError(_devices_per_process(len(mine)))
     idx = mine[0]
     replicate = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
     position = idx[mesh.axis_names.index(SHARD_AXIS)]
     device = mesh.devices[idx]
-    return RankLayout(mesh, device, (SHARD_AXIS,), replicate, int(position),
-                  mesh.shape[SHARD_AXIS], mesh.devices.size, comm)
+    return RankLayout(
+        mesh,
+        device,
+        (SHARD_AXIS,),
+        replicate,
+        int(position),
+        mesh.shape[SHARD_AXIS],
+        mesh.devices.size,
+        comm,
+    )
 
 
 def _not_a_jax_mesh(mesh) -> str:
@@ -268,7 +276,7 @@ HPZ_INNER_AXIS = "hpz_inner"
 HPZ_OUTER_AXIS = "hpz_outer"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hpz_layout(layout: RankLayout, k: int) -> RankLayout:
     """The layout of the hpZ groups of `k` consecutive ranks (FSDP2's post-forward mesh).
 
@@ -282,10 +290,14 @@ def hpz_layout(layout: RankLayout, k: int) -> RankLayout:
     lead = devices.shape[:-1]
     devices = devices.reshape(*lead, layout.world // k, k)
     names = tuple(a for a in layout.mesh.axis_names if a != SHARD_AXIS)
-    mesh = Mesh(devices, (*names, HPZ_OUTER_AXIS, HPZ_INNER_AXIS),
-                axis_types=layout.mesh.axis_types[:1] * devices.ndim)
+    mesh = Mesh(
+        devices,
+        (*names, HPZ_OUTER_AXIS, HPZ_INNER_AXIS),
+        axis_types=layout.mesh.axis_types[:1] * devices.ndim,
+    )
     return dataclasses.replace(
-        layout, mesh=mesh, shard_axes=(HPZ_INNER_AXIS,), rank=layout.rank % k, world=k)
+        layout, mesh=mesh, shard_axes=(HPZ_INNER_AXIS,), rank=layout.rank % k, world=k
+    )
 
 
 def _import(layout: RankLayout, tensor: torch.Tensor) -> jax.Array:
@@ -341,15 +353,20 @@ def _export(block: jax.Array) -> torch.Tensor:
     return _cuda.export(block)
 
 
-def _gather_now(layout: RankLayout, blocks: Sequence[jax.Array], rows: Sequence[int],
-                dims: Sequence[int] | None) -> list[jax.Array]:
+def _gather_now(
+    layout: RankLayout, blocks: Sequence[jax.Array], rows: Sequence[int], dims: Sequence[int] | None
+) -> list[jax.Array]:
     fulls = comm.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows, dims=dims)
     outs = [f.addressable_shards[0].data for f in fulls]
     return jax.block_until_ready(outs)
 
 
-def start_all_gather(layout: RankLayout, blocks: Sequence[jax.Array], rows: Sequence[int],
-                     dims: Sequence[int] | None = None) -> Future:
+def start_all_gather(
+    layout: RankLayout,
+    blocks: Sequence[jax.Array],
+    rows: Sequence[int],
+    dims: Sequence[int] | None = None,
+) -> Future:
     """Starts ONE all-gather of every rank's padded blocks and returns at once.
 
     It runs on the collective thread while torch computes: this is FSDP2's prefetch.
@@ -363,11 +380,16 @@ def start_all_gather(layout: RankLayout, blocks: Sequence[jax.Array], rows: Sequ
     Returns:
       A future of the gathered arrays, for `finish_all_gather`.
     """
+
     def leaves():  # built only when the signature check runs (off the hot path)
-        return [(tuple(b.shape), 0 if dims is None else dims[i], str(b.dtype))
-                for i, b in enumerate(blocks)]
-    return layout.comm.submit_checked(layout, "all-gather", leaves, _gather_now,
-                                      layout, blocks, rows, dims)
+        return [
+            (tuple(b.shape), 0 if dims is None else dims[i], str(b.dtype))
+            for i, b in enumerate(blocks)
+        ]
+
+    return layout.comm.submit_checked(
+        layout, "all-gather", leaves, _gather_now, layout, blocks, rows, dims
+    )
 
 
 def finish_all_gather(pending: Future) -> list[torch.Tensor]:
@@ -413,8 +435,12 @@ def row_align(layout: RankLayout, dtype: torch.dtype) -> int:
     return max(1, ALIGN_BYTES // dtype.itemsize)
 
 
-def start_reduce_scatter(layout: RankLayout, fulls: Sequence[torch.Tensor],
-                         dims: Sequence[int] | None = None, all_reduce: bool = True) -> Future:
+def start_reduce_scatter(
+    layout: RankLayout,
+    fulls: Sequence[torch.Tensor],
+    dims: Sequence[int] | None = None,
+    all_reduce: bool = True,
+) -> Future:
     """Starts ONE reduce-scatter (sum) of every rank's full tensors and returns at once.
 
     It runs on the collective thread while torch computes the rest of the backward
@@ -438,17 +464,24 @@ def start_reduce_scatter(layout: RankLayout, fulls: Sequence[torch.Tensor],
       A future of this rank's blocks, for `finish_reduce_scatter`.
     """
     dims = tuple(dims) if dims is not None else (0,) * len(fulls)
+
     def leaves():  # built only when the signature check runs (off the hot path)
-        return [(tuple(f.shape), d, str(f.dtype)) for f, d in zip(fulls, dims)]
-    if (comm.reduce_scatter_by_permutes(layout.device.platform)
-            and all(full.dim() == 1 and dim == 0 for full, dim in zip(fulls, dims, strict=True))):
+        return [(tuple(f.shape), d, str(f.dtype)) for f, d in zip(fulls, dims, strict=True)]
+
+    if comm.reduce_scatter_by_permutes(layout.device.platform) and all(
+        full.dim() == 1 and dim == 0 for full, dim in zip(fulls, dims, strict=True)
+    ):
         rows = [_rows(layout, padded_full(layout, full, 0)) for full in fulls]
-        return layout.comm.submit_checked(layout, "reduce-scatter", leaves, _reduce_rows_now,
-                                          layout, rows, all_reduce)
-    stacked = [_contribution(layout, _stacked_block(layout, full, dim))
-               for full, dim in zip(fulls, dims, strict=True)]
-    return layout.comm.submit_checked(layout, "reduce-scatter", leaves, _reduce_now,
-                                      layout, stacked, dims, all_reduce)
+        return layout.comm.submit_checked(
+            layout, "reduce-scatter", leaves, _reduce_rows_now, layout, rows, all_reduce
+        )
+    stacked = [
+        _contribution(layout, _stacked_block(layout, full, dim))
+        for full, dim in zip(fulls, dims, strict=True)
+    ]
+    return layout.comm.submit_checked(
+        layout, "reduce-scatter", leaves, _reduce_now, layout, stacked, dims, all_reduce
+    )
 
 
 def _contribution(layout: RankLayout, block: torch.Tensor) -> jax.Array:
@@ -480,11 +513,13 @@ def finish_reduce_scatter(pending: Future) -> list[torch.Tensor]:
 
 def _reduce_now(layout: RankLayout, stacked: Sequence[jax.Array], dims, all_reduce: bool):
     sums = comm.eager_reduce_scatter(
-        stacked, layout.mesh, layout.shard_axes, layout.replicate_axes, dims, all_reduce)
+        stacked, layout.mesh, layout.shard_axes, layout.replicate_axes, dims, all_reduce
+    )
     return jax.block_until_ready([s.addressable_shards[0].data for s in sums])
 
 
 def _reduce_rows_now(layout: RankLayout, rows: Sequence[Sequence[jax.Array]], all_reduce: bool):
     sums = comm.eager_reduce_scatter_rows(
-        rows, layout.mesh, layout.shard_axes, layout.replicate_axes, all_reduce)
+        rows, layout.mesh, layout.shard_axes, layout.replicate_axes, all_reduce
+    )
     return jax.block_until_ready([s.addressable_shards[0].data for s in sums])

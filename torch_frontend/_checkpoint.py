@@ -79,8 +79,14 @@ def _np_dtype(dtype: torch.dtype) -> np.dtype:
 
 def _leaf_layout(layout: _bridge.RankLayout, shape, dtype, dim: int) -> comm.Layout:
     """A parameter's layout as the JAX core describes its leaves (fs.restore reads it)."""
-    return comm.Layout(tuple(shape), np.dtype(dtype), layout.mesh, layout.shard_axes,
-                       layout.replicate_axes, dim=dim)
+    return comm.Layout(
+        tuple(shape),
+        np.dtype(dtype),
+        layout.mesh,
+        layout.shard_axes,
+        layout.replicate_axes,
+        dim=dim,
+    )
 
 
 def _leaf(layout: _bridge.RankLayout, data, shape, dtype, dim: int) -> fs.Sharded:
@@ -112,8 +118,13 @@ def _chunk_of_full(layout: _bridge.RankLayout, full: torch.Tensor) -> torch.Tens
 # ---- save ----
 
 
-def _model_tree(module: nn.Module, local: dict, managed: dict[int, Managed],
-                base: _bridge.RankLayout, copy: bool) -> dict:
+def _model_tree(
+    module: nn.Module,
+    local: dict,
+    managed: dict[int, Managed],
+    base: _bridge.RankLayout,
+    copy: bool,
+) -> dict:
     tree: dict[str, Any] = {}
     leaves: dict[int, fs.Sharded] = {}  # tied parameters: one leaf under each name
     for key, t in local.items():
@@ -125,7 +136,9 @@ def _model_tree(module: nn.Module, local: dict, managed: dict[int, Managed],
                     raise errors.UnsupportedError(_checkpoint_64bit(key, param.dtype))
                 padded = param.sync_padded()
                 # An asynchronous save outlives this call: the optimizer writes `padded`.
-                data = _bridge.global_block(entry.layout, padded.clone() if copy else padded, param.dim)
+                data = _bridge.global_block(
+                    entry.layout, padded.clone() if copy else padded, param.dim
+                )
                 leaves[id(t)] = _leaf(entry.layout, data, param.shape, data.dtype, param.dim)
             tree[key] = leaves[id(t)]
         elif _shardable(t):
@@ -167,8 +180,9 @@ def _param_not_in_module(group: int, index: int, shape) -> str:
     )
 
 
-def _state_leaf(fqn: str, name: str, value, param: torch.Tensor, entry: Managed | None,
-                base: _bridge.RankLayout):
+def _state_leaf(
+    fqn: str, name: str, value, param: torch.Tensor, entry: Managed | None, base: _bridge.RankLayout
+):
     if isinstance(value, (bool, int, float)):
         return value
     if not isinstance(value, torch.Tensor):
@@ -224,13 +238,16 @@ def _optimizer_tree(optimizer, module, managed, base) -> dict:
     for fqn, param in _optimizer_params(optimizer, _names(module)):
         entries = optimizer.state.get(param)
         if entries:
-            state[fqn] = {name: _state_leaf(fqn, name, value, param, managed.get(id(param)), base)
-                          for name, value in entries.items()}
+            state[fqn] = {
+                name: _state_leaf(fqn, name, value, param, managed.get(id(param)), base)
+                for name, value in entries.items()
+            }
     return {_STATE: state, _GROUPS: _groups_tree(optimizer)}
 
 
-def checkpoint_tree(module: nn.Module, optimizer=None, step: int | None = None,
-                    copy: bool = False) -> dict:
+def checkpoint_tree(
+    module: nn.Module, optimizer=None, step: int | None = None, copy: bool = False
+) -> dict:
     """The tree `save` writes (see the module docstring); no collectives run.
 
     Args:
@@ -249,8 +266,15 @@ def checkpoint_tree(module: nn.Module, optimizer=None, step: int | None = None,
     return tree
 
 
-def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         step: int | None = None, *, overwrite: bool = False, asynchronous: bool = False):
+def save(
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+    *,
+    overwrite: bool = False,
+    asynchronous: bool = False,
+):
     """Writes the module's (and optimizer's) state as a `funshard.save` checkpoint.
 
     Each process writes only its own shards; the checkpoint appears at `path` only
@@ -331,7 +355,7 @@ def _state_names(stored: dict[str, dict], fqn: str) -> tuple[dict[str, dict], li
     for path, record in stored.items():
         if not path.startswith(prefix):
             continue
-        rest = path[len(prefix):]
+        rest = path[len(prefix) :]
         try:
             name = ast.literal_eval(rest[1:-1])
         except (ValueError, SyntaxError):
@@ -347,8 +371,9 @@ def _like_optimizer(path: str, stored: dict, optimizer, module, managed, base) -
     problems, state, claimed = [], {}, set()
     for fqn, param in _optimizer_params(optimizer, _names(module)):
         records, deeper = _state_names(stored, fqn)
-        claimed.update(keystr((DictKey(OPTIMIZER), DictKey(_STATE), DictKey(fqn), DictKey(n)))
-                       for n in records)
+        claimed.update(
+            keystr((DictKey(OPTIMIZER), DictKey(_STATE), DictKey(fqn), DictKey(n))) for n in records
+        )
         problems += [f"  not a tensor or number: {p}" for p in deeper]
         claimed.update(deeper)
         full_shape = managed[id(param)].param.shape if id(param) in managed else param.shape
@@ -356,14 +381,19 @@ def _like_optimizer(path: str, stored: dict, optimizer, module, managed, base) -
         for name, record in records.items():
             likes[name] = _like_entry(record, full_shape, managed.get(id(param)), base)
             if likes[name] is None:
-                problems.append(f"  state {name!r} of {fqn!r} is {record['kind']} "
-                                f"{tuple(record['shape'])} {record['dtype']} in the checkpoint; the "
-                                f"parameter has shape {tuple(full_shape)}")
+                problems.append(
+                    f"  state {name!r} of {fqn!r} is {record['kind']} "
+                    f"{tuple(record['shape'])} {record['dtype']} in the checkpoint; the "
+                    f"parameter has shape {tuple(full_shape)}"
+                )
         if records:
             state[fqn] = likes
     state_prefix = keystr((DictKey(OPTIMIZER), DictKey(_STATE)))
-    problems += [f"  not a parameter of the optimizer: {p}" for p in stored
-                 if p.startswith(state_prefix) and p not in claimed]
+    problems += [
+        f"  not a parameter of the optimizer: {p}"
+        for p in stored
+        if p.startswith(state_prefix) and p not in claimed
+    ]
     if problems:
         raise errors.CheckpointError(_optimizer_mismatch(path, problems))
     like: dict[str, Any] = {_STATE: state}
@@ -375,7 +405,8 @@ def _like_optimizer(path: str, stored: dict, optimizer, module, managed, base) -
 def _optimizer_mismatch(path: str, problems: list[str]) -> str:
     return (
         f"restore: the optimizer state in the checkpoint at {path} does not fit the "
-        "optimizer:\n" + "\n".join(problems)
+        "optimizer:\n"
+        + "\n".join(problems)
         + "\nRestore into an optimizer of the same kind, built over the same parameters."
     )
 
@@ -422,7 +453,9 @@ def _write_model(local, managed, restored: dict, base) -> None:
                 whole.append((value, t))
             else:
                 t.copy_(_torch(value))
-        for (_, t), full in zip(whole, _gather_sharded([leaf for leaf, _ in whole], base)):
+        for (_, t), full in zip(
+            whole, _gather_sharded([leaf for leaf, _ in whole], base), strict=True
+        ):
             t.copy_(full)
 
 
@@ -441,7 +474,8 @@ def _write_optimizer(optimizer, module, managed, restored: dict, base) -> None:
                 whole.append((value, state, name))
             elif isinstance(value, fs.Sharded):
                 state[name] = entry.param.to_dtensor(
-                    _local_rows(value, entry.param.local_rows).clone())
+                    _local_rows(value, entry.param.local_rows).clone()
+                )
             elif isinstance(value, np.ndarray):
                 full = _torch(value)
                 if entry is not None and full.ndim:
@@ -450,9 +484,11 @@ def _write_optimizer(optimizer, module, managed, restored: dict, base) -> None:
             else:
                 state[name] = value
         optimizer.state[param] = state
-    for (_, state, name), full in zip(whole, _gather_sharded([w[0] for w in whole], base)):
+    for (_, state, name), full in zip(
+        whole, _gather_sharded([w[0] for w in whole], base), strict=True
+    ):
         state[name] = full
-    for group, values in zip(optimizer.param_groups, restored.get(_GROUPS, [])):
+    for group, values in zip(optimizer.param_groups, restored.get(_GROUPS, []), strict=False):
         for option, value in values.items():
             if isinstance(group[option], torch.Tensor):
                 group[option].copy_(_torch(value))
@@ -467,8 +503,9 @@ def _like_record(record: dict):
     return np.zeros(tuple(record["shape"]), jnp.dtype(record["dtype"]))
 
 
-def restore(path: str | os.PathLike, module: nn.Module,
-            optimizer: torch.optim.Optimizer | None = None) -> int | None:
+def restore(
+    path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> int | None:
     """Loads a checkpoint into the module's shards (and the optimizer) in place.
 
     The checkpoint may come from `save` on any world size or from `funshard.save` of

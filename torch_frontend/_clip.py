@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -20,28 +20,38 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The `norm_type` norm of all of `grads` together (0 without elements), in float32."""
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32)
-             for g in grads if g.numel()]
+    norms = [
+        torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32)
+        for g in grads
+        if g.numel()
+    ]
     if not norms:
         return torch.zeros((), dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
-def _gathered_norms(partials: dict[_bridge.RankLayout, list[torch.Tensor]],
-                    norm_type: float) -> list[torch.Tensor]:
+def _gathered_norms(
+    partials: dict[_bridge.RankLayout, list[torch.Tensor]], norm_type: float
+) -> list[torch.Tensor]:
     """Each layout's norm over every rank's shards: one row per rank, one all-gather."""
     pending = []
     for layout, grads in partials.items():
         row = _local_norm(grads, norm_type).reshape(1, 1).clone()  # own, aligned storage
         block = _bridge.global_block(layout, row)
         pending.append(_bridge.start_all_gather(layout, [block], [layout.world]))
-    return [torch.linalg.vector_norm(_bridge.finish_all_gather(f)[0].reshape(-1), norm_type)
-            for f in pending]
+    return [
+        torch.linalg.vector_norm(_bridge.finish_all_gather(f)[0].reshape(-1), norm_type)
+        for f in pending
+    ]
 
 
-def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
-                    norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
     """Clips gradients by their global norm across ranks, as torch's own on one model.
 
     `torch.nn.utils.clip_grad_norm_` on the unsharded model gives the same norm and
@@ -84,8 +94,11 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     norms = _gathered_norms(partials, norm_type)
     if replicated:
         norms.append(_local_norm(replicated, norm_type))
-    total = (torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms
-             else torch.zeros((), dtype=torch.float32))
+    total = (
+        torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if norms
+        else torch.zeros((), dtype=torch.float32)
+    )
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(_nonfinite_norm(norm_type))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

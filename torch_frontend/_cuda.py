@@ -31,8 +31,8 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping, MutableMapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -66,9 +66,12 @@ def allocator_env(environ: Mapping[str, str], cuda: bool) -> dict[str, str]:
     return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
-def configure_allocator(environ: MutableMapping[str, str] | None = None, *,
-                        cuda: bool | None = None,
-                        backend_started: Callable[[], bool] | None = None) -> dict[str, str]:
+def configure_allocator(
+    environ: MutableMapping[str, str] | None = None,
+    *,
+    cuda: bool | None = None,
+    backend_started: Callable[[], bool] | None = None,
+) -> dict[str, str]:
     """Sets `allocator_env` in the environment, before JAX's GPU backend starts.
 
     Call it before any JAX call that starts a backend (`init_distributed` does, first).
@@ -161,9 +164,13 @@ def _other_device(have: torch.device, jax_device: Any, want: torch.device) -> st
         f"{jax_device} (torch {want}); tensors cross to JAX without a copy, so they "
         f"must be on {want}. Move the model there before the first forward "
         f"(model.to({str(want)!r}); under torchrun, torch.device('cuda', LOCAL_RANK))"
-        + ("" if want.type == "cuda" else
-           ", or install JAX's CUDA plugin (pip install -e '.[cuda]') so that JAX "
-           "runs on the GPU") + "."
+        + (
+            ""
+            if want.type == "cuda"
+            else ", or install JAX's CUDA plugin (pip install -e '.[cuda]') so that JAX "
+            "runs on the GPU"
+        )
+        + "."
     )
 
 

@@ -107,8 +107,11 @@ def _init_process_group() -> None:
             dist.init_process_group(backend)  # torchrun's MASTER_ADDR / MASTER_PORT
         _keep_excepthook(hook)
     if (dist.get_rank(), dist.get_world_size()) != (jax.process_index(), jax.process_count()):
-        raise errors.DistributedError(_ranks_disagree(
-            dist.get_rank(), dist.get_world_size(), jax.process_index(), jax.process_count()))
+        raise errors.DistributedError(
+            _ranks_disagree(
+                dist.get_rank(), dist.get_world_size(), jax.process_index(), jax.process_count()
+            )
+        )
 
 
 def _keep_excepthook(hook) -> None:
@@ -175,8 +178,9 @@ def device_mesh(mesh: Mesh | None = None) -> DeviceMesh:
         # A 1-D mesh without dim names, as FSDP2's default `init_device_mesh(type, (n,))`,
         # so that the two compare equal; HSDP's dims keep their names.
         names = tuple(mesh.axis_names) if len(mesh.axis_names) > 1 else None
-        made = DeviceMesh(device_type, torch.as_tensor(_process_grid(mesh), device="cpu"),
-                          mesh_dim_names=names)
+        made = DeviceMesh(
+            device_type, torch.as_tensor(_process_grid(mesh), device="cpu"), mesh_dim_names=names
+        )
         _device_meshes[mesh], _jax_meshes[made] = made, mesh
     return _device_meshes[mesh]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -67,14 +67,19 @@ def buckets(dtypes: Sequence[torch.dtype], blocks: Sequence[Sequence[int]]) -> l
     found: dict[torch.dtype, list[int]] = {}
     for i, dtype in enumerate(dtypes):
         found.setdefault(crossing_dtype(dtype), []).append(i)
-    return [Bucket(dtype, tuple(members),
-                   tuple(math.prod(blocks[i]) * (dtypes[i].itemsize // dtype.itemsize)
-                         for i in members))
-            for dtype, members in found.items()]
+    return [
+        Bucket(
+            dtype,
+            tuple(members),
+            tuple(math.prod(blocks[i]) * (dtypes[i].itemsize // dtype.itemsize) for i in members),
+        )
+        for dtype, members in found.items()
+    ]
 
 
-def copy_in(bucket: Bucket, sources: Sequence[torch.Tensor],
-            dtypes: Sequence[torch.dtype]) -> torch.Tensor:
+def copy_in(
+    bucket: Bucket, sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]
+) -> torch.Tensor:
     """This rank's padded blocks of `bucket`'s members, cast, in one new flat buffer.
 
     Args:
@@ -93,8 +98,14 @@ def copy_in(bucket: Bucket, sources: Sequence[torch.Tensor],
     return torch.cat(parts, out=flat)
 
 
-def copy_out(bucket: Bucket, gathered: torch.Tensor, targets: Sequence[torch.Tensor],
-             shapes: Sequence[Sequence[int]], dims: Sequence[int], world: int) -> None:
+def copy_out(
+    bucket: Bucket,
+    gathered: torch.Tensor,
+    targets: Sequence[torch.Tensor],
+    shapes: Sequence[Sequence[int]],
+    dims: Sequence[int],
+    world: int,
+) -> None:
     """Writes each member's full tensor from a gathered flat buffer into its target.
 
     Args:
@@ -109,11 +120,12 @@ def copy_out(bucket: Bucket, gathered: torch.Tensor, targets: Sequence[torch.Ten
     rank_major = gathered.view(world, bucket.total)
     outs = [as_words(targets[i]) for i in bucket.members]
     if all(dims[i] == 0 for i in bucket.members):
-        torch.split_with_sizes_copy(rank_major, list(bucket.sizes), dim=1,
-                                    out=[o.view(world, -1) for o in outs])
+        torch.split_with_sizes_copy(
+            rank_major, list(bucket.sizes), dim=1, out=[o.view(world, -1) for o in outs]
+        )
         return
     offset = 0
-    for i, out, size in zip(bucket.members, outs, bucket.sizes):
+    for i, out, size in zip(bucket.members, outs, bucket.sizes, strict=True):
         block = block_shape(out.shape, dims[i], world)
         blocks = rank_major.narrow(1, offset, size).view(world, *block)
         offset += size
@@ -124,8 +136,9 @@ def copy_out(bucket: Bucket, gathered: torch.Tensor, targets: Sequence[torch.Ten
             out.copy_(full.narrow(dims[i], 0, shapes[i][dims[i]]))
 
 
-def reduce_input(grads: Sequence[torch.Tensor], dims: Sequence[int], world: int,
-                 row_align: int = 1) -> torch.Tensor:
+def reduce_input(
+    grads: Sequence[torch.Tensor], dims: Sequence[int], world: int, row_align: int = 1
+) -> torch.Tensor:
     """One flat, rank-major buffer of full gradients (same dtype), padded per member.
 
     The reduce-scatter of it leaves rank r with the sum of every rank's row r: its
@@ -138,7 +151,7 @@ def reduce_input(grads: Sequence[torch.Tensor], dims: Sequence[int], world: int,
       row_align: each row's length is rounded up to a multiple of this many elements
         (zeros after the blocks), so that every row starts as aligned as the buffer.
     """
-    sizes = [math.prod(block_shape(g.shape, d, world)) for g, d in zip(grads, dims)]
+    sizes = [math.prod(block_shape(g.shape, d, world)) for g, d in zip(grads, dims, strict=True)]
     total = sum(sizes)
     length = -(-total // row_align) * row_align
     flat = torch.empty(world, length, dtype=grads[0].dtype, device=grads[0].device)
@@ -149,7 +162,7 @@ def reduce_input(grads: Sequence[torch.Tensor], dims: Sequence[int], world: int,
         torch._chunk_cat(list(grads), dim=0, num_chunks=world, out=blocks)
         return flat.view(-1)
     offset = 0
-    for grad, dim, size in zip(grads, dims, sizes):
+    for grad, dim, size in zip(grads, dims, sizes, strict=True):
         chunks = torch.chunk(grad, world, dim=dim)
         block = block_shape(grad.shape, dim, world)
         for rank in range(world):
@@ -161,8 +174,9 @@ def reduce_input(grads: Sequence[torch.Tensor], dims: Sequence[int], world: int,
     return flat.view(-1)
 
 
-def split_reduced(reduced: torch.Tensor, shapes: Sequence[Sequence[int]], dims: Sequence[int],
-                  world: int) -> list[torch.Tensor]:
+def split_reduced(
+    reduced: torch.Tensor, shapes: Sequence[Sequence[int]], dims: Sequence[int], world: int
+) -> list[torch.Tensor]:
     """This rank's block of each gradient in a reduce-scattered flat buffer (views).
 
     Args:
@@ -171,7 +185,7 @@ def split_reduced(reduced: torch.Tensor, shapes: Sequence[Sequence[int]], dims: 
       dims: each gradient's sharded dim.
       world: the number of ranks.
     """
-    blocks = [block_shape(shape, d, world) for shape, d in zip(shapes, dims)]
+    blocks = [block_shape(shape, d, world) for shape, d in zip(shapes, dims, strict=True)]
     sizes = [math.prod(b) for b in blocks]
     parts = reduced.narrow(0, 0, sum(sizes)).split(sizes)  # a row may end in padding
-    return [part.view(block) for part, block in zip(parts, blocks)]
+    return [part.view(block) for part, block in zip(parts, blocks, strict=True)]

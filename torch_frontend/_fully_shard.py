@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -73,7 +73,7 @@ class FSDPModule:
                 states.append(state)
         return states
 
-    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gathers this module's parameters now (one collective); they stay until reshard.
 
         Args:
@@ -105,7 +105,9 @@ class FSDPModule:
                     param.reset_sharded_param()
         return result
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """False: backward keeps gradients unsharded and unreduced (gradient accumulation).
 
         Also sets `set_requires_all_reduce` to the same value, as FSDP2 does.
@@ -129,12 +131,15 @@ class FSDPModule:
         """Changes `reshard_after_forward` (a bool) at run time."""
         if not isinstance(reshard_after_forward, bool):
             raise errors.ShardingValueError(
-                f"set_reshard_after_forward: expected a bool, got {reshard_after_forward!r}.")
+                f"set_reshard_after_forward: expected a bool, got {reshard_after_forward!r}."
+            )
         for state in self._fsdp_states(recurse):
             state.group.reshard_after_forward = reshard_after_forward
             state.auto_reshard_after_forward = False
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """False keeps parameters gathered after backward (e.g. between accumulation steps)."""
         for state in self._fsdp_states(recurse):
             state.group.reshard_after_backward = reshard_after_backward
@@ -176,9 +181,10 @@ class FSDPModule:
         """
         if not isinstance(enable, bool):
             raise errors.ShardingTypeError(
-                f"set_force_sum_reduction_for_comms: expected a bool, got {enable!r}.")
+                f"set_force_sum_reduction_for_comms: expected a bool, got {enable!r}."
+            )
 
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Dispatches these modules' gathers right after this module's own (forward).
 
         Replaces the default, which from the second iteration on prefetches the module
@@ -190,7 +196,7 @@ class FSDPModule:
         """
         self._fsdp_state().forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
 
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Dispatches these modules' gathers at this module's pre-backward.
 
         Replaces the default, which prefetches the module whose forward ran just
@@ -199,7 +205,9 @@ class FSDPModule:
         Args:
           modules: FSDP modules, usually the next one(s) to run backward.
         """
-        self._fsdp_state().backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
+        self._fsdp_state().backward_prefetch = _states_of(
+            modules, "set_modules_to_backward_prefetch"
+        )
 
 
 def _deepcopy_message(module: nn.Module) -> str:
@@ -224,8 +232,7 @@ def _note_converted_dtype(module: nn.Module, exc: RuntimeError) -> None:
     (`mat1 and mat2 must have the same dtype`) without a word about why. The
     exception keeps its type and text (FSDP2's); the note says what changed.
     """
-    if getattr(exc, "_torch_frontend_noted", False) or not any(
-            w in str(exc) for w in _DTYPE_WORDS):
+    if getattr(exc, "_torch_frontend_noted", False) or not any(w in str(exc) for w in _DTYPE_WORDS):
         return
     state = state_of(module)
     states = [state, *state.ctx.all_states] if state is not None else []
@@ -298,8 +305,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return
     if not callable(getattr(module, method_name, None)):
         raise errors.ShardingValueError(
-            f"register_fsdp_forward_method: {type(module).__name__} has no method "
-            f"{method_name!r}.")
+            f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}."
+        )
     method = getattr(module, method_name)  # bound: the original implementation
 
     def wrapped(*args, **kwargs):
@@ -326,25 +333,33 @@ def _check_offload(offload_policy, layout: _bridge.RankLayout) -> None:
     if offload_policy is None or type(offload_policy) is OffloadPolicy:
         return
     if type(offload_policy) is not CPUOffloadPolicy:
-        raise errors.UnsupportedError(_not_supported_yet(
-            f"offload_policy={offload_policy!r}", "pass None, OffloadPolicy() or "
-            "CPUOffloadPolicy()."))
+        raise errors.UnsupportedError(
+            _not_supported_yet(
+                f"offload_policy={offload_policy!r}",
+                "pass None, OffloadPolicy() or CPUOffloadPolicy().",
+            )
+        )
     if layout.device.platform != "cpu":
-        raise errors.UnsupportedError(_not_supported_yet(
-            f"offload_policy={offload_policy!r} on a {layout.device.platform.upper()} mesh",
-            "pass None to keep the shards in device memory, or run on a CPU mesh."))
+        raise errors.UnsupportedError(
+            _not_supported_yet(
+                f"offload_policy={offload_policy!r} on a {layout.device.platform.upper()} mesh",
+                "pass None to keep the shards in device memory, or run on a CPU mesh.",
+            )
+        )
     if offload_policy.pin_memory and not torch.accelerator.is_available():
         raise RuntimeError(
             "fully_shard: CPUOffloadPolicy(pin_memory=True) pins host memory for copies to "
             "an accelerator, and none is available (FSDP2's pin_memory() raises: Cannot "
             "access accelerator device when none is available). Pass "
-            "CPUOffloadPolicy(pin_memory=False).")
+            "CPUOffloadPolicy(pin_memory=False)."
+        )
 
 
 def _check_not_yet(dp_mesh_dims) -> None:
     if dp_mesh_dims is not None:
-        raise errors.UnsupportedError(_not_supported_yet(
-            "dp_mesh_dims", "pass None and a mesh from init_distributed()."))
+        raise errors.UnsupportedError(
+            _not_supported_yet("dp_mesh_dims", "pass None and a mesh from init_distributed().")
+        )
 
 
 def _not_supported_yet(what: str, how: str) -> str:
@@ -357,11 +372,15 @@ def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_
     for i, module in enumerate(modules):
         if not isinstance(module, nn.Module):
             raise errors.ShardingTypeError(
-                f"fully_shard: expected an nn.Module or a list of them, got {type(module).__name__}.")
+                "fully_shard: expected an nn.Module or a list of them, got "
+                f"{type(module).__name__}."
+            )
         if state_of(module) is not None or any(m is module for m in modules[:i]):
             raise ShardedTwiceError(_sharded_twice(module))
-        if (isinstance(module, (nn.ModuleList, nn.ModuleDict))
-                and type(module).forward is nn.Module.forward):
+        if (
+            isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            and type(module).forward is nn.Module.forward
+        ):
             raise errors.ShardingValueError(_container_without_forward(module))
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise errors.ShardingTypeError(_bad_reshard_after_forward(reshard_after_forward))
@@ -422,14 +441,19 @@ def _bad_placement_fn(fn) -> str:
 def _check_unmanaged(param: nn.Parameter, fqn: str, modules: list[nn.Module]) -> None:
     owner = _param.managed(param)
     if owner is not None:
-        outer = any(m is o or any(m is d for d in o.modules())
-                    for m in modules for o in owner.group_modules)
+        outer = any(
+            m is o or any(m is d for d in o.modules()) for m in modules for o in owner.group_modules
+        )
         raise SharedParameterError(
-            _already_managed(fqn) if outer else _shared_with_group(fqn, owner.fqn))
+            _already_managed(fqn) if outer else _shared_with_group(fqn, owner.fqn)
+        )
     if isinstance(param, DTensor):
-        raise errors.UnsupportedError(_not_supported_yet(
-            f"the DTensor parameter {fqn!r} (tensor parallelism)",
-            "pass modules with plain tensor parameters."))
+        raise errors.UnsupportedError(
+            _not_supported_yet(
+                f"the DTensor parameter {fqn!r} (tensor parallelism)",
+                "pass modules with plain tensor parameters.",
+            )
+        )
 
 
 def _already_managed(fqn: str) -> str:
@@ -463,7 +487,8 @@ def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
         raise errors.ShardingTypeError(_bad_placement(fqn, placement))
     if not -param.ndim <= placement.dim < param.ndim:
         raise errors.ShardingValueError(
-            _placement_out_of_range(fqn, placement.dim, tuple(param.shape)))
+            _placement_out_of_range(fqn, placement.dim, tuple(param.shape))
+        )
     return placement.dim % param.ndim
 
 
@@ -513,9 +538,15 @@ def _log_group(modules: list[nn.Module], group: ParamGroup) -> None:
     """One debug record per `fully_shard` call: what the new group holds and how."""
     names = ", ".join(type(m).__name__ for m in modules)
     params = ", ".join(f"{p.fqn} {tuple(p.shape)} dim {p.dim}" for p in group.params)
-    logger.debug("fully_shard: group of %s: %d parameters [%s] over %d ranks, "
-                 "reshard_after_forward=%s, %s", names, len(group.params), params,
-                 group.layout.world, group.reshard_after_forward, group.mp_policy)
+    logger.debug(
+        "fully_shard: group of %s: %d parameters [%s] over %d ranks, reshard_after_forward=%s, %s",
+        names,
+        len(group.params),
+        params,
+        group.layout.world,
+        group.reshard_after_forward,
+        group.mp_policy,
+    )
 
 
 def fully_shard(

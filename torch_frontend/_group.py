@@ -61,9 +61,14 @@ class ParamGroup:
     floating gradients, which JAX cannot sum without x64, reduce in torch's group).
     """
 
-    def __init__(self, params: list[FSDPParam], layout: _bridge.RankLayout,
-                 mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool | int,
-                 device_mesh=None):
+    def __init__(
+        self,
+        params: list[FSDPParam],
+        layout: _bridge.RankLayout,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | int,
+        device_mesh=None,
+    ):
         self.params, self.layout, self.mp_policy = params, layout, mp_policy
         self.device_mesh = device_mesh
         self.reshard_after_forward = reshard_after_forward
@@ -127,12 +132,18 @@ class ParamGroup:
                 # hpZ: gather the kept parts within the group of k ranks only.
                 blocks = [p.part_block() for p in self.params]
                 if logger.isEnabledFor(logging.DEBUG):
-                    logger.debug("%s: all-gather of %d parameters within groups of %d "
-                                 "ranks (hpZ re-gather)%s", label, len(blocks),
-                                 self._parts.world, " (prefetch)" if async_op else "")
+                    logger.debug(
+                        "%s: all-gather of %d parameters within groups of %d "
+                        "ranks (hpZ re-gather)%s",
+                        label,
+                        len(blocks),
+                        self._parts.world,
+                        " (prefetch)" if async_op else "",
+                    )
                 self.layout.comm.label_next(f"{self.name!r} (hpZ re-gather)")
                 self._pending = _bridge.start_all_gather(
-                    self._parts, blocks, *self._rows_and_dims())
+                    self._parts, blocks, *self._rows_and_dims()
+                )
             elif self.params:
                 self._start_flat_gather(label, async_op)
             else:
@@ -153,21 +164,26 @@ class ParamGroup:
         for param in self.params:
             param.check_bound()
         sources = [p.sync_padded() for p in self.params]
-        on_meta = [p.fqn for p, source in zip(self.params, sources) if source.is_meta]
+        on_meta = [p.fqn for p, source in zip(self.params, sources, strict=True) if source.is_meta]
         if on_meta:
             raise RuntimeError(_meta_forward(on_meta))
         dtypes = [self.param_dtype(p) for p in self.params]
         buckets = _flat.buckets(dtypes, [s.shape for s in sources])
         world = self.layout.world
-        blocks = [_bridge.global_block(self.layout, _flat.copy_in(b, sources, dtypes))
-                  for b in buckets]
+        blocks = [
+            _bridge.global_block(self.layout, _flat.copy_in(b, sources, dtypes)) for b in buckets
+        ]
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s: all-gather of %d parameters over %d ranks, %s%s", label,
-                         len(self.params), world, _describe_buckets(buckets, world),
-                         " (prefetch)" if async_op else "")
+            logger.debug(
+                "%s: all-gather of %d parameters over %d ranks, %s%s",
+                label,
+                len(self.params),
+                world,
+                _describe_buckets(buckets, world),
+                " (prefetch)" if async_op else "",
+            )
         self.layout.comm.label_next(f"{self.name!r}")
-        future = _bridge.start_all_gather(
-            self.layout, blocks, [world * b.total for b in buckets])
+        future = _bridge.start_all_gather(self.layout, blocks, [world * b.total for b in buckets])
         self._pending = future
         self._buckets = buckets
 
@@ -179,7 +195,7 @@ class ParamGroup:
             fulls = _bridge.finish_all_gather(self._pending)
             buckets, self._pending, self._buckets = self._buckets, None, None
             if buckets is None:  # hpZ: one gathered tensor per parameter
-                for param, full in zip(self.params, fulls):
+                for param, full in zip(self.params, fulls, strict=True):
                     param.to_unsharded(_bridge.from_words(full, self.param_dtype(param)))
             else:
                 self._copy_out(buckets, fulls)
@@ -195,9 +211,15 @@ class ParamGroup:
         # Autograd saved views of these parameters in forward; refilling them for the
         # backward is not the in-place change its version check guards against.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unsharded):
-            for bucket, full in zip(buckets, fulls):
-                _flat.copy_out(bucket, full, targets, [p.shape for p in params],
-                               [p.dim for p in params], self.layout.world)
+            for bucket, full in zip(buckets, fulls, strict=True):
+                _flat.copy_out(
+                    bucket,
+                    full,
+                    targets,
+                    [p.shape for p in params],
+                    [p.dim for p in params],
+                    self.layout.world,
+                )
         for param in params:
             param.bind_unsharded()
 
@@ -302,8 +324,9 @@ class ParamGroup:
                 posts.append(post)
         return with_grad, grads, posts
 
-    def _reduce(self, with_grad: list[FSDPParam], grads: list[torch.Tensor],
-                posts: list, all_reduce: bool) -> None:
+    def _reduce(
+        self, with_grad: list[FSDPParam], grads: list[torch.Tensor], posts: list, all_reduce: bool
+    ) -> None:
         """Starts the reduce-scatter of `grads`; it writes the shards' `.grad` when done."""
         dims, shapes = [p.dim for p in with_grad], [g.shape for g in grads]
         pending, blocks = self._start_reduce_scatter(grads, dims, all_reduce)
@@ -311,7 +334,7 @@ class ParamGroup:
         def finish() -> None:  # once the reduce-scatter is done: write the gradients
             if pending is not None:
                 self._finish_blocks(pending, shapes, dims, blocks)
-            for param, block, post in zip(with_grad, blocks, posts):
+            for param, block, post in zip(with_grad, blocks, posts, strict=True):
                 if all_reduce:
                     param.add_sharded_grad(block, post)
                 else:
@@ -320,8 +343,9 @@ class ParamGroup:
         # The flat inputs stay referenced by `pending` (JAX reads them) until it completes.
         self.layout.comm.hold_reduce(None if pending is None else pending[0], finish)
 
-    def _start_reduce_scatter(self, grads: list[torch.Tensor], dims: list[int],
-                              all_reduce: bool) -> tuple[object, list[torch.Tensor | None]]:
+    def _start_reduce_scatter(
+        self, grads: list[torch.Tensor], dims: list[int], all_reduce: bool
+    ) -> tuple[object, list[torch.Tensor | None]]:
         """Starts the group's reduce-scatter on JAX; 64-bit gradients reduce now, in torch.
 
         The others cross as one flat buffer per dtype (`_flat.reduce_input`): one
@@ -347,9 +371,15 @@ class ParamGroup:
             return None, blocks
         world = self.layout.world
         members = list(by_dtype.values())
-        flats = [_flat.reduce_input([grads[i] for i in m], [dims[i] for i in m], world,
-                                    _bridge.row_align(self.layout, grads[m[0]].dtype))
-                 for m in members]
+        flats = [
+            _flat.reduce_input(
+                [grads[i] for i in m],
+                [dims[i] for i in m],
+                world,
+                _bridge.row_align(self.layout, grads[m[0]].dtype),
+            )
+            for m in members
+        ]
         if logger.isEnabledFor(logging.DEBUG):
             self._log_reduce_scatter(flats, all_reduce)
         self.layout.comm.label_next(f"{self.name!r}")
@@ -359,21 +389,31 @@ class ParamGroup:
     def _log_reduce_scatter(self, flats: list[torch.Tensor], all_reduce: bool) -> None:
         label, layout = self.with_fqn("FSDP::post_backward_reduce"), self.layout
         sizes = ", ".join(f"{f.numel()} x {f.dtype}" for f in flats)
-        logger.debug("%s: reduce-scatter over %d ranks of %d flat buffer(s) (%s)", label,
-                     layout.world, len(flats), sizes)
+        logger.debug(
+            "%s: reduce-scatter over %d ranks of %d flat buffer(s) (%s)",
+            label,
+            layout.world,
+            len(flats),
+            sizes,
+        )
         if all_reduce and layout.replicate_axes:
             # HSDP: one JAX program sums over the replicas too (no collective of its own).
-            logger.debug("%s: all-reduce over %d replicas (in the same program)", label,
-                         layout.data_parallel // layout.world)
+            logger.debug(
+                "%s: all-reduce over %d replicas (in the same program)",
+                label,
+                layout.data_parallel // layout.world,
+            )
 
-    def _finish_blocks(self, pending, shapes: list[torch.Size], dims: list[int],
-                       blocks: list[torch.Tensor | None]) -> None:
+    def _finish_blocks(
+        self, pending, shapes: list[torch.Size], dims: list[int], blocks: list[torch.Tensor | None]
+    ) -> None:
         """Fills `blocks` with this rank's parts of the finished flat reduce-scatter."""
         future, members, _ = pending
-        for m, reduced in zip(members, _bridge.finish_reduce_scatter(future)):
-            parts = _flat.split_reduced(reduced, [shapes[i] for i in m], [dims[i] for i in m],
-                                        self.layout.world)
-            for i, part in zip(m, parts):
+        for m, reduced in zip(members, _bridge.finish_reduce_scatter(future), strict=True):
+            parts = _flat.split_reduced(
+                reduced, [shapes[i] for i in m], [dims[i] for i in m], self.layout.world
+            )
+            for i, part in zip(m, parts, strict=True):
                 blocks[i] = part
 
     def _torch_reduce_scatter(self, grad: torch.Tensor, dim: int, all_reduce: bool) -> torch.Tensor:
@@ -383,10 +423,13 @@ class ParamGroup:
         mesh = self.device_mesh
         replicas = all_reduce and mesh.ndim > 1
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s: all-reduce of a %s gradient %s in torch's group (JAX holds "
-                         "no 64-bit float)%s", self.with_fqn("FSDP::post_backward_reduce"),
-                         full.dtype, tuple(full.shape), ", then over the replicas" if replicas
-                         else "")
+            logger.debug(
+                "%s: all-reduce of a %s gradient %s in torch's group (JAX holds no 64-bit float)%s",
+                self.with_fqn("FSDP::post_backward_reduce"),
+                full.dtype,
+                tuple(full.shape),
+                ", then over the replicas" if replicas else "",
+            )
         dist.all_reduce(full, group=mesh.get_group(mesh.ndim - 1))
         if replicas:
             dist.all_reduce(full, group=mesh.get_group(0))
@@ -434,7 +477,7 @@ class ParamGroup:
 
 
 def _describe_buckets(buckets: list, world: int) -> str:
-    """"<elements> x <dtype>" of each flat buffer a gather returns, for debug records."""
+    """ "<elements> x <dtype>" of each flat buffer a gather returns, for debug records."""
     return ", ".join(f"{world * b.total} x {b.dtype}" for b in buckets)
 
 

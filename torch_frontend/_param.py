@@ -22,12 +22,12 @@ from torch_frontend import _bridge
 # `to_empty()` swap a DTensor parameter's contents in place (torch.utils.swap_tensors),
 # which refuses tensors with weak references. A hit counts only if the FSDPParam still
 # holds that very tensor, so an address reused by a later tensor is never mistaken for it.
-_MANAGED: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
+_MANAGED: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
 _UID_ATTR = "_torch_frontend_uid"
 _uids = itertools.count()
 
 
-def managed(tensor: torch.Tensor) -> "FSDPParam | None":
+def managed(tensor: torch.Tensor) -> FSDPParam | None:
     """The FSDPParam that binds `tensor` (a shard or an unsharded parameter), if any."""
     owner = _MANAGED.get(id(tensor))
     if owner is not None and (owner.sharded is tensor or owner.unsharded is tensor):
@@ -86,8 +86,15 @@ class FSDPParam:
         groups.
     """
 
-    def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], fqn: str,
-                 layout: _bridge.RankLayout, spec: ShardSpec, dim: int = 0):
+    def __init__(
+        self,
+        param: nn.Parameter,
+        uses: list[tuple[nn.Module, str]],
+        fqn: str,
+        layout: _bridge.RankLayout,
+        spec: ShardSpec,
+        dim: int = 0,
+    ):
         if param.ndim == 0:
             raise errors.ShardingValueError(_scalar_param(fqn))
         self.fqn, self.uses, self.dim = fqn, uses, dim
@@ -105,8 +112,9 @@ class FSDPParam:
             self._local(padded).copy_(param.detach().narrow(dim, start, self.local_rows))
         self.padded = padded
         # On a dim other than 0 a shard shorter than the padding is a strided view.
-        self.sharded = nn.Parameter(self.to_dtensor(self._local(padded)),
-                                    requires_grad=param.requires_grad)
+        self.sharded = nn.Parameter(
+            self.to_dtensor(self._local(padded)), requires_grad=param.requires_grad
+        )
         _MANAGED[id(self.sharded)] = self
         self.unsharded: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None
@@ -131,7 +139,8 @@ class FSDPParam:
         if self._dtensor_spec is None or self._dtensor_spec.tensor_meta.dtype != local.dtype:
             meta = TensorMeta(torch.Size(self.shape), _contiguous_strides(self.shape), local.dtype)
             self._dtensor_spec = DTensorSpec(
-                self.spec.device_mesh, self.spec.placements(self.dim), tensor_meta=meta)
+                self.spec.device_mesh, self.spec.placements(self.dim), tensor_meta=meta
+            )
         return DTensor(local.detach(), self._dtensor_spec, requires_grad=False)
 
     def local_shard(self) -> torch.Tensor:
@@ -191,9 +200,12 @@ class FSDPParam:
         if new is None:
             raise AttributeError(_removed_param(self.fqn))
         if new is not self.sharded:
-            if (not isinstance(new, DTensor) or new.shape != self.sharded.shape
-                    or new.device_mesh != self.spec.device_mesh
-                    or tuple(new.placements) != self.spec.placements(self.dim)):
+            if (
+                not isinstance(new, DTensor)
+                or new.shape != self.sharded.shape
+                or new.device_mesh != self.spec.device_mesh
+                or tuple(new.placements) != self.spec.placements(self.dim)
+            ):
                 raise errors.ShardingValueError(_replaced_param(self.fqn))
             _MANAGED.pop(id(self.sharded), None)
             self.sharded = new
@@ -247,8 +259,9 @@ class FSDPParam:
             full_shape[0] = self.layout.world * self.layout.padded_rows(self.rows)
         if self.unsharded is None or self.unsharded.dtype != dtype:
             base = torch.empty(full_shape, dtype=dtype, device=self.padded.device)
-            self.unsharded = nn.Parameter(base.narrow(self.dim, 0, self.rows),
-                                          requires_grad=self.sharded.requires_grad)
+            self.unsharded = nn.Parameter(
+                base.narrow(self.dim, 0, self.rows), requires_grad=self.sharded.requires_grad
+            )
             _MANAGED[id(self.unsharded)] = self
         storage = self.unsharded.untyped_storage()
         nbytes = dtype.itemsize * math.prod(full_shape)
@@ -315,9 +328,13 @@ class FSDPParam:
 
     def add_partial_grad(self, block: torch.Tensor) -> None:
         """Accumulates this replica's reduce-scattered sum (no all-reduce this time)."""
-        self.partial_grad = block.clone() if self.partial_grad is None else self.partial_grad + block
+        self.partial_grad = (
+            block.clone() if self.partial_grad is None else self.partial_grad + block
+        )
 
-    def with_partial_grad(self, grad: torch.Tensor | None, dtype: torch.dtype, rank: int) -> torch.Tensor | None:
+    def with_partial_grad(
+        self, grad: torch.Tensor | None, dtype: torch.dtype, rank: int
+    ) -> torch.Tensor | None:
         """`grad` (full) with the partial sum added at this rank's rows, then forgets it.
 
         The reduce-scatter sums every rank's contribution to rank r's rows, so a partial
@@ -388,5 +405,8 @@ def _replaced_param(fqn: str) -> str:
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.device == b.device and a.dtype == b.dtype
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )

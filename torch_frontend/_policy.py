@@ -32,12 +32,15 @@ class MixedPrecisionPolicy:
     def __post_init__(self):
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
                 raise errors.ShardingTypeError(_bad_dtype(name, value))
         if not isinstance(self.cast_forward_inputs, bool):
             raise errors.ShardingTypeError(
                 f"MixedPrecisionPolicy: cast_forward_inputs={self.cast_forward_inputs!r} must "
-                "be True or False.")
+                "be True or False."
+            )
 
 
 def _bad_dtype(name: str, value) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import warnings
 from typing import Any
@@ -11,8 +12,8 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import _MultiHandle
-from torch.utils.hooks import RemovableHandle
 from torch.profiler import record_function
+from torch.utils.hooks import RemovableHandle
 
 from funshard import errors
 from torch_frontend._group import ParamGroup, TrainingState
@@ -50,8 +51,13 @@ def state_of(module: nn.Module) -> FSDPState | None:
 class FSDPState:
     """The hooks of one `fully_shard` call (one module, or a list grouped as one)."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup,
-                 mp_policy: MixedPrecisionPolicy, auto_reshard_after_forward: bool):
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: ParamGroup,
+        mp_policy: MixedPrecisionPolicy,
+        auto_reshard_after_forward: bool,
+    ):
         self.modules, self.group, self.mp_policy = modules, group, mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None
@@ -67,12 +73,19 @@ class FSDPState:
             module.__dict__[STATE_ATTR] = self
             # Under torch.compile the hooks run eagerly, around the compiled forward (as
             # FSDP2's, by default): Dynamo must not trace the bridge into JAX.
-            pre_handles.append(module.register_forward_pre_hook(
-                torch.compiler.disable(functools.partial(self._module_pre_forward, module)),
-                prepend=True, with_kwargs=True))
-            post_handles.append(module.register_forward_hook(
-                torch.compiler.disable(functools.partial(self._module_post_forward, module)),
-                prepend=False))
+            pre_handles.append(
+                module.register_forward_pre_hook(
+                    torch.compiler.disable(functools.partial(self._module_pre_forward, module)),
+                    prepend=True,
+                    with_kwargs=True,
+                )
+            )
+            post_handles.append(
+                module.register_forward_hook(
+                    torch.compiler.disable(functools.partial(self._module_post_forward, module)),
+                    prepend=False,
+                )
+            )
         # FSDP2's attributes, so code that removes its hooks finds them here too: a
         # single module has one handle per hook; a group of modules one handle that
         # removes all of them (pre and post: its hooks only work together).
@@ -166,8 +179,9 @@ class FSDPState:
         if self.mp_policy.output_dtype is None:
             return output
         with record_function("FSDP::cast_forward_outputs"):
-            return map_tensors(functools.partial(cast_floating, self.mp_policy.output_dtype),
-                               output)
+            return map_tensors(
+                functools.partial(cast_floating, self.mp_policy.output_dtype), output
+            )
 
     def _root_pre_forward(self) -> None:
         self.lazy_init()
@@ -247,9 +261,14 @@ class FSDPState:
         groups = "; ".join(
             f"{s.group.module_fqn or '<root>'}: {len(s.group.params)} parameters, "
             f"reshard_after_forward={s.group.reshard_after_forward}"
-            for s in self.ctx.all_states)
-        logger.debug("FSDP::lazy_init: root %s with %d fully_shard groups (%s)",
-                     type(root).__name__, len(self.ctx.all_states), groups)
+            for s in self.ctx.all_states
+        )
+        logger.debug(
+            "FSDP::lazy_init: root %s with %d fully_shard groups (%s)",
+            type(root).__name__,
+            len(self.ctx.all_states),
+            groups,
+        )
 
     def _name_params(self, root: nn.Module) -> None:
         """Names every managed parameter by its path from the root, for messages."""
@@ -277,7 +296,8 @@ class FSDPState:
             for param in state.group.params:
                 if param.orig_uid in owners:
                     raise errors.ShardingValueError(
-                        _param_in_two_groups(param.fqn, owners[param.orig_uid]))
+                        _param_in_two_groups(param.fqn, owners[param.orig_uid])
+                    )
                 owners[param.orig_uid] = param.fqn
 
     # ---- backward ----
@@ -363,7 +383,7 @@ class FSDPState:
     def _learn_forward_order(self) -> None:
         order, self.ctx.pre_forward_order = self.ctx.pre_forward_order, []
         nexts: dict[FSDPState, FSDPState] = {}
-        for before, after in zip(order, order[1:]):  # None: a new forward pass began
+        for before, after in itertools.pairwise(order):  # None: a new forward pass began
             if before is not None and after is not None and after is not before:
                 nexts.setdefault(before, after)
         self.ctx.next_in_forward = nexts

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import torch
@@ -49,11 +49,14 @@ def register_hooks(group: ParamGroup) -> None:
         reshard = functools.partial(_reshard, group)
         # Kept, as FSDP2 keeps its handles, so the hooks can be removed.
         group._module_to_pre_save_state_dict_hook_handle[module] = (
-            module.register_state_dict_pre_hook(reshard))
+            module.register_state_dict_pre_hook(reshard)
+        )
         group._module_to_pre_load_state_dict_hook_handle[module] = (
-            module.register_load_state_dict_pre_hook(reshard))
+            module.register_load_state_dict_pre_hook(reshard)
+        )
         group._module_to_post_load_state_dict_hook_handle[module] = (
-            module.register_load_state_dict_post_hook(functools.partial(_adopt_assigned, group)))
+            module.register_load_state_dict_post_hook(functools.partial(_adopt_assigned, group))
+        )
 
 
 def _reshard(group: ParamGroup, *_) -> None:
@@ -96,11 +99,17 @@ def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
     pending = []
     for layout, params in by_layout.items():
         blocks = [_bridge.global_block(layout, p.sync_padded(), p.dim) for p in params]
-        pending.append((params, _bridge.start_all_gather(
-            layout, blocks, [p.rows for p in params], [p.dim for p in params])))
+        pending.append(
+            (
+                params,
+                _bridge.start_all_gather(
+                    layout, blocks, [p.rows for p in params], [p.dim for p in params]
+                ),
+            )
+        )
     fulls: dict[int, torch.Tensor] = {}
     for params, future in pending:
-        for param, full in zip(params, _bridge.finish_all_gather(future)):
+        for param, full in zip(params, _bridge.finish_all_gather(future), strict=True):
             # JAX's buffer is read-only: the caller gets its own copy.
             fulls[id(param.sharded)] = _bridge.from_words(full, param.dtype).clone()
     return fulls
@@ -115,8 +124,9 @@ def _same_on_every_rank(by_layout: dict[_bridge.RankLayout, list[FSDPParam]]) ->
     """
     processes = {d.process_index for layout in by_layout for d in layout.mesh.devices.flat}
     leaves = [(p.shape, p.dim, p.dtype) for group in by_layout.values() for p in group]
-    distributed.same_collective("full_state_dict", leaves, processes,
-                                noun=("parameter", "parameters"))
+    distributed.same_collective(
+        "full_state_dict", leaves, processes, noun=("parameter", "parameters")
+    )
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -146,8 +156,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
     fulls = gather_full([managed[id(t)] for t in local.values() if id(t) in managed])
     if rank0_only and jax.process_index() != 0:
         return {}
-    return {key: fulls[id(t)] if id(t) in fulls else t.detach().clone()
-            for key, t in local.items()}
+    return {key: fulls[id(t)] if id(t) in fulls else t.detach().clone() for key, t in local.items()}
 
 
 def _problems(expected: dict[str, tuple], state_dict: Mapping[str, object]) -> list[str]:
@@ -161,8 +170,10 @@ def _problems(expected: dict[str, tuple], state_dict: Mapping[str, object]) -> l
         if not isinstance(value, torch.Tensor):
             problems.append(f"  key {key!r} holds a {type(value).__name__}, not a tensor")
         elif tuple(value.shape) != shape:
-            problems.append(f"  key {key!r} has shape {tuple(value.shape)}; the module's "
-                            f"full tensor has shape {tuple(shape)}")
+            problems.append(
+                f"  key {key!r} has shape {tuple(value.shape)}; the module's "
+                f"full tensor has shape {tuple(shape)}"
+            )
     return problems
 
 
@@ -183,19 +194,24 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     """
     local = module.state_dict(keep_vars=True)
     managed = managed_params(module)
-    expected = {key: managed[id(t)].param.shape if id(t) in managed else tuple(t.shape)
-                for key, t in local.items()}
+    expected = {
+        key: managed[id(t)].param.shape if id(t) in managed else tuple(t.shape)
+        for key, t in local.items()
+    }
     problems = _problems(expected, state_dict)
     if problems:
         raise errors.ShardingValueError(_mismatch(problems))
-    chunks = {key: _chunk(managed[id(t)], state_dict[key]) if id(t) in managed else state_dict[key]
-              for key, t in local.items()}
+    chunks = {
+        key: _chunk(managed[id(t)], state_dict[key]) if id(t) in managed else state_dict[key]
+        for key, t in local.items()
+    }
     module.load_state_dict(chunks)
 
 
 def _mismatch(problems: list[str]) -> str:
     return (
-        "load_full_state_dict: the state dict does not fit the module:\n" + "\n".join(problems)
+        "load_full_state_dict: the state dict does not fit the module:\n"
+        + "\n".join(problems)
         + "\nPass the full (unsharded) tensors of every key of the module's state_dict(), "
         "as full_state_dict() or an unsharded copy's state_dict() returns them."
     )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -17,6 +18,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     module returning a dataclass of activations needs its hooks on those tensors too.
     A dataclass is rebuilt with `dataclasses.replace` only where a field changed.
     """
+
     def visit(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return fn(leaf)

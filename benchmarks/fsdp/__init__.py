@@ -22,7 +22,7 @@ before JAX starts a backend, so it comes before every other import of the benchm
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
+import jax
 
 NUM_DEVICES = 8
 jax.config.update("jax_num_cpu_devices", NUM_DEVICES)

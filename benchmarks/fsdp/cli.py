@@ -23,8 +23,9 @@ from .probes import double_batch_variant, plain_grad_program, scaling_row, scali
 from .report import report
 from .variants import BASELINE, Context, builders
 
-DESCRIPTION = ("FSDP benchmark: funshard against JAX's own data-parallel forms, side by side, "
-               "in ONE run.")
+DESCRIPTION = (
+    "FSDP benchmark: funshard against JAX's own data-parallel forms, side by side, in ONE run."
+)
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
@@ -39,19 +40,26 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None, help="also write the Markdown report here")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny model, 3 steps, scaling for N=4 and 8 only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: tiny model, 3 steps, scaling for N=4 and 8 only",
+    )
     parser.add_argument("--no-scaling", action="store_true", help="skip the N=1,2,4,8 table")
-    parser.add_argument("--no-microbatches", action="store_true",
-                        help="skip the compile time vs microbatches table")
+    parser.add_argument(
+        "--no-microbatches", action="store_true", help="skip the compile time vs microbatches table"
+    )
     args = parser.parse_args(argv)
 
     defaults = Config(blocks=2, width=64, vocab=256, seq=16) if args.quick else Config()
-    cfg = Config(**{
-        field.name: getattr(args, field.name) if getattr(args, field.name, None) is not None
-        else getattr(defaults, field.name)
-        for field in dataclasses.fields(Config)
-    })
+    cfg = Config(
+        **{
+            field.name: getattr(args, field.name)
+            if getattr(args, field.name, None) is not None
+            else getattr(defaults, field.name)
+            for field in dataclasses.fields(Config)
+        }
+    )
     if args.steps is None:
         args.steps = 3 if args.quick else 10
     n = min(NUM_DEVICES, len(jax.devices()))
@@ -83,8 +91,7 @@ def build_probes(ctx: Context, args, variants: list) -> list:
 def probe_facts(args, results: list[dict], extra: list, facts: dict, compiled: dict):
     """(activation probe figures, scaling rows) from the probes' compiled programs."""
     plain = compiled.get("plain grad")
-    act = {"plain": plain[0].memory_analysis().temp_size_in_bytes if plain else None,
-           "slope": None}
+    act = {"plain": plain[0].memory_analysis().temp_size_in_bytes if plain else None, "slope": None}
     if not extra:
         return act, []
     base = next(r for r in results if r["name"] == BASELINE)
@@ -101,8 +108,9 @@ def main(argv=None) -> None:
     args.load_start = os.getloadavg()[0]
     params = init_params(cfg, seed=0)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab, (cfg.batch, cfg.seq), np.int32)
-    ctx = Context(cfg, params, tokens, jax.devices()[:NUM_DEVICES],
-                  optax.adamw(1e-3, weight_decay=0.01))
+    ctx = Context(
+        cfg, params, tokens, jax.devices()[:NUM_DEVICES], optax.adamw(1e-3, weight_decay=0.01)
+    )
 
     variants = build_variants(ctx)
     extra = build_probes(ctx, args, variants)
@@ -112,8 +120,10 @@ def main(argv=None) -> None:
     compiled = compile_all(lowered)
 
     timing = time_steps(variants, compiled, args.warmup, args.steps)
-    results = [dict(static_facts(v, compiled[v.name][0]), compile_s=compiled[v.name][1],
-                    **timing[v.name]) for v in variants]
+    results = [
+        dict(static_facts(v, compiled[v.name][0]), compile_s=compiled[v.name][1], **timing[v.name])
+        for v in variants
+    ]
     facts = {v.name: static_facts(v, compiled[v.name][0]) for v in extra}
     act, scale_facts = probe_facts(args, results, extra, facts, compiled)
     scale = [scaling_row(ctx, f) for f in scale_facts]

@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import jax
-
 from hlo import KINDS, executed_collectives  # benchmarks/hlo.py, shared with the tests
 
 from .variants import Variant
@@ -50,8 +49,7 @@ def compile_all(lowered: dict[str, Any]) -> dict[str, tuple[Any, float]]:
 def summarize(ops: list[dict]) -> dict:
     """Per kind: executions per step, bytes, bytes moved, dtypes, and whether an upper bound."""
     by_kind = {
-        k: {"count": 0, "bytes": 0.0, "moved": 0.0, "dtypes": set(), "upper": False}
-        for k in KINDS
+        k: {"count": 0, "bytes": 0.0, "moved": 0.0, "dtypes": set(), "upper": False} for k in KINDS
     }
     for op in ops:
         s = by_kind[op["kind"]]
@@ -85,11 +83,18 @@ def static_facts(v: Variant, compiled) -> dict:
     ops, loops = executed_collectives(compiled.as_text(), v.devices)
     mem = compiled.memory_analysis()
     return {
-        "name": v.name, "note": v.note, "devices": v.devices, "has_loss": v.has_loss,
-        "ops": ops, "by_kind": summarize(ops), "unknown_trip": loops["unknown_trip"],
+        "name": v.name,
+        "note": v.note,
+        "devices": v.devices,
+        "has_loss": v.has_loss,
+        "ops": ops,
+        "by_kind": summarize(ops),
+        "unknown_trip": loops["unknown_trip"],
         "while": loops["while"],
-        "arg": mem.argument_size_in_bytes, "out": mem.output_size_in_bytes,
-        "temp": mem.temp_size_in_bytes, "flops": flops_of(compiled),
+        "arg": mem.argument_size_in_bytes,
+        "out": mem.output_size_in_bytes,
+        "temp": mem.temp_size_in_bytes,
+        "flops": flops_of(compiled),
         "state_bytes": bytes_on(v.state, jax.devices()[0]),
     }
 
@@ -116,8 +121,10 @@ def time_steps(variants: list[Variant], compiled: dict, warmup: int, steps: int)
                 out[v.name]["times"].append(elapsed)
             out[v.name]["losses"].append(float(loss))
         kind = "warm-up" if i < warmup else "timed"
-        log(f"round {i + 1}/{warmup + steps} ({kind}): " + ", ".join(
-            f"{v.name} {_elapsed(out, v.name, i, warmup)}" for v in variants))
+        log(
+            f"round {i + 1}/{warmup + steps} ({kind}): "
+            + ", ".join(f"{v.name} {_elapsed(out, v.name, i, warmup)}" for v in variants)
+        )
     for r in out.values():
         times, losses = r["times"], r["losses"]
         r.update(

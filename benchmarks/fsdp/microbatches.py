@@ -22,12 +22,11 @@ import time
 
 import jax
 import numpy as np
+from hlo import computations, executed_collectives, parse_collectives  # benchmarks/hlo.py
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import funshard as fs
-
-from hlo import computations, executed_collectives, parse_collectives  # benchmarks/hlo.py
 
 from .measure import log
 from .variants import AXIS, Context
@@ -43,7 +42,8 @@ def _compile_once(ctx: Context, k: int, sync: bool, state, tokens) -> tuple[floa
     """(lowering s, compile s, compiled HLO text) of one fresh jit of the gradient step."""
     jax.clear_caches()
     grad_step = fs.value_and_grad(
-        funshard_loss(ctx.cfg, True), microbatches=k, sync_every_microbatch=sync)
+        funshard_loss(ctx.cfg, True), microbatches=k, sync_every_microbatch=sync
+    )
     t0 = time.perf_counter()
     lowered = jax.jit(grad_step).lower(state, tokens)
     t1 = time.perf_counter()
@@ -62,8 +62,12 @@ def _hlo_facts(text: str, n: int) -> dict:
     executed = {}
     for op in executed_collectives(text, n)[0]:
         executed[op["kind"]] = executed.get(op["kind"], 0) + op["times"]
-    return {"lines": len(text.splitlines()), "whiles": whiles, "static": static,
-            "executed": executed}
+    return {
+        "lines": len(text.splitlines()),
+        "whiles": whiles,
+        "static": static,
+        "executed": executed,
+    }
 
 
 def microbatch_rows(ctx: Context, repeats: int = 3) -> list[dict]:
@@ -84,16 +88,23 @@ def microbatch_rows(ctx: Context, repeats: int = 3) -> list[dict]:
         for sync, k in runs:
             lower_s, compile_s, text[sync, k] = _compile_once(ctx, k, sync, state, tokens[k])
             runs[sync, k].append((lower_s, compile_s))
-        log(f"microbatch compiles, round {r + 1}/{repeats}: " + ", ".join(
-            f"sync={s} k={k} {sum(t[-1]):.1f} s" for (s, k), t in runs.items()))
+        log(
+            f"microbatch compiles, round {r + 1}/{repeats}: "
+            + ", ".join(f"sync={s} k={k} {sum(t[-1]):.1f} s" for (s, k), t in runs.items())
+        )
     rows = []
     for (sync, k), times in runs.items():
-        rows.append({
-            "sync": sync, "k": k, "batch": int(tokens[k].shape[0]), "repeats": repeats,
-            "lower_s": statistics.median(t[0] for t in times),
-            "compile_s": statistics.median(t[1] for t in times),
-            "total_s": statistics.median(t[0] + t[1] for t in times),
-            "fastest_s": min(t[0] + t[1] for t in times),
-            **_hlo_facts(text[sync, k], n),
-        })
+        rows.append(
+            {
+                "sync": sync,
+                "k": k,
+                "batch": int(tokens[k].shape[0]),
+                "repeats": repeats,
+                "lower_s": statistics.median(t[0] for t in times),
+                "compile_s": statistics.median(t[1] for t in times),
+                "total_s": statistics.median(t[0] + t[1] for t in times),
+                "fastest_s": min(t[0] + t[1] for t in times),
+                **_hlo_facts(text[sync, k], n),
+            }
+        )
     return rows

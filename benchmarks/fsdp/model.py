@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
@@ -23,7 +23,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])  # the repository: examples.mod
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
-from examples.models.jax_gpt import lm_loss, make_block  # noqa: E402,F401  (the variants)
+from examples.models.jax_gpt import lm_loss, make_block  # noqa: E402  (the variants)
 
 # The root unit: everything outside the blocks, gathered once per step by fs.unshard.
 ROOT_KEYS = ("embed", "pos", "lnf_g", "lnf_b", "head")
@@ -69,12 +69,18 @@ def init_params(cfg: Config, seed: int = 0) -> dict:
     out_scale = 1.0 / math.sqrt(2 * cfg.blocks)
     blocks = [
         {
-            "ln1_g": ones(d), "ln1_b": zeros(d),
-            "qkv": dense((d, 3 * d)), "qkv_b": zeros(3 * d),
-            "proj": dense((d, d), out_scale), "proj_b": zeros(d),
-            "ln2_g": ones(d), "ln2_b": zeros(d),
-            "ff1": dense((d, f)), "ff1_b": zeros(f),
-            "ff2": dense((f, d), out_scale), "ff2_b": zeros(d),
+            "ln1_g": ones(d),
+            "ln1_b": zeros(d),
+            "qkv": dense((d, 3 * d)),
+            "qkv_b": zeros(3 * d),
+            "proj": dense((d, d), out_scale),
+            "proj_b": zeros(d),
+            "ln2_g": ones(d),
+            "ln2_b": zeros(d),
+            "ff1": dense((d, f)),
+            "ff1_b": zeros(f),
+            "ff2": dense((f, d), out_scale),
+            "ff2_b": zeros(d),
         }
         for _ in range(cfg.blocks)
     ]
@@ -82,7 +88,8 @@ def init_params(cfg: Config, seed: int = 0) -> dict:
         "embed": normal((v, d), 0.02),
         "pos": normal((t, d), 0.02),
         "blocks": blocks,
-        "lnf_g": ones(d), "lnf_b": zeros(d),
+        "lnf_g": ones(d),
+        "lnf_b": zeros(d),
         "head": dense((d, v)),
     }
 

@@ -60,7 +60,10 @@ def scaling_row(ctx: Context, facts: dict) -> dict:
     """One row of the scaling table from a program's `measure.static_facts`."""
     n = facts["devices"]
     return {
-        "n": n, "state_bytes": facts["state_bytes"], "ag": facts["by_kind"]["all-gather"],
-        "rs": facts["by_kind"]["reduce-scatter"], "temp": facts["temp"],
+        "n": n,
+        "state_bytes": facts["state_bytes"],
+        "ag": facts["by_kind"]["all-gather"],
+        "rs": facts["by_kind"]["reduce-scatter"],
+        "temp": facts["temp"],
         "ideal_comm": ideal_comm(ctx.params, n, True),
     }

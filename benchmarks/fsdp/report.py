@@ -9,7 +9,6 @@ import sys
 
 import jax
 import optax
-
 from hlo import KINDS  # benchmarks/hlo.py, shared with the tests
 
 from .model import Config, gathered_unit_bytes
@@ -33,11 +32,19 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     """A Markdown table, followed by a blank line."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out + [""]
+    return [*out, ""]
 
 
-def report(args, cfg: Config, ctx: Context, results: list[dict], scale: list[dict],
-           act: dict, wall: float, micro: list[dict] | None = None) -> str:
+def report(
+    args,
+    cfg: Config,
+    ctx: Context,
+    results: list[dict],
+    scale: list[dict],
+    act: dict,
+    wall: float,
+    micro: list[dict] | None = None,
+) -> str:
     """The whole report.
 
     Args:
@@ -109,14 +116,28 @@ def _collectives_section(results: list[dict]) -> list[str]:
         "",
     ]
     lines += table(
-        ["variant", "dev", "all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-         "coll-permute", "dtypes", "AG+RS moved MiB", "all moved MiB"],
-        [_collectives_row(r) for r in results])
+        [
+            "variant",
+            "dev",
+            "all-gather",
+            "reduce-scatter",
+            "all-reduce",
+            "all-to-all",
+            "coll-permute",
+            "dtypes",
+            "AG+RS moved MiB",
+            "all moved MiB",
+        ],
+        [_collectives_row(r) for r in results],
+    )
     if any(s["upper"] for r in results for s in r["by_kind"].values()):
-        lines += ["≤: an upper bound. Collectives inside a `conditional` branch (e.g. "
-                  "fs.scan's prefetch gathers, whose branch need not run on every "
-                  "iteration) are counted as if it ran on every loop iteration; collectives "
-                  "in while-loop bodies are counted trip-count times.", ""]
+        lines += [
+            "≤: an upper bound. Collectives inside a `conditional` branch (e.g. "
+            "fs.scan's prefetch gathers, whose branch need not run on every "
+            "iteration) are counted as if it ran on every loop iteration; collectives "
+            "in while-loop bodies are counted trip-count times.",
+            "",
+        ]
     if any(r["unknown_trip"] for r in results):
         lines += ["Note: some while loop had no known trip count; its body counted once.", ""]
     return lines
@@ -126,29 +147,50 @@ def _collectives_row(r: dict) -> list[str]:
     k = r["by_kind"]
     dtypes = sorted(set().union(*(s["dtypes"] for s in k.values())))
     cells = [r["name"], str(r["devices"])]
-    cells += [f"{bound(k[x])}{k[x]['count']} / {mib(k[x]['bytes'])}" if k[x]["count"]
-              else "-" for x in KINDS]
+    cells += [
+        f"{bound(k[x])}{k[x]['count']} / {mib(k[x]['bytes'])}" if k[x]["count"] else "-"
+        for x in KINDS
+    ]
     ag_rs = k["all-gather"]["moved"] + k["reduce-scatter"]["moved"]
     total = sum(s["moved"] for s in k.values())
     ag_rs_bound = bound(k["all-gather"]) or bound(k["reduce-scatter"])
     total_bound = "≤ " if any(s["upper"] for s in k.values()) else ""
-    return cells + [", ".join(dtypes) or "-", ag_rs_bound + mib(ag_rs), total_bound + mib(total)]
+    return [*cells, ", ".join(dtypes) or "-", ag_rs_bound + mib(ag_rs), total_bound + mib(total)]
 
 
 def _memory_section(results: list[dict], n: int) -> list[str]:
     base = next((r for r in results if r["name"] == BASELINE), None)
-    lines = ["## Memory, FLOPs and step time (per device)", "",
-             "argument / output / temp: `compiled.memory_analysis()`; state: parameters + "
-             "optimizer state (or buffers) held on device 0, from `addressable_shards`; "
-             "GFLOP: `cost_analysis()['flops']` of one device's program; compile s: "
-             "wall time of `.compile()`.", ""]
+    lines = [
+        "## Memory, FLOPs and step time (per device)",
+        "",
+        "argument / output / temp: `compiled.memory_analysis()`; state: parameters + "
+        "optimizer state (or buffers) held on device 0, from `addressable_shards`; "
+        "GFLOP: `cost_analysis()['flops']` of one device's program; compile s: "
+        "wall time of `.compile()`.",
+        "",
+    ]
     lines += table(
-        ["variant", "arg MiB", "out MiB", "temp MiB", "state MiB", "GFLOP", "compile s",
-         "median ms", "min ms", "time / funshard", "loss first -> last"],
-        [_memory_row(r, base) for r in results])
+        [
+            "variant",
+            "arg MiB",
+            "out MiB",
+            "temp MiB",
+            "state MiB",
+            "GFLOP",
+            "compile s",
+            "median ms",
+            "min ms",
+            "time / funshard",
+            "loss first -> last",
+        ],
+        [_memory_row(r, base) for r in results],
+    )
     if any(r["while"] for r in results):
-        lines += ["*: the program has a while loop, and XLA's cost analysis counts a loop "
-                  "body once, not once per iteration: these FLOPs are too low.", ""]
+        lines += [
+            "*: the program has a while loop, and XLA's cost analysis counts a loop "
+            "body once, not once per iteration: these FLOPs are too low.",
+            "",
+        ]
     lines += ["Variant notes:", ""]
     lines += [f"- **{r['name']}**: {r['note']}" for r in results]
     return lines + _times_note(results, n)
@@ -157,9 +199,14 @@ def _memory_section(results: list[dict], n: int) -> list[str]:
 def _memory_row(r: dict, base: dict | None) -> list[str]:
     ratio = r["median"] / base["median"] if base else float("nan")
     return [
-        r["name"], mib(r["arg"]), mib(r["out"]), mib(r["temp"]), mib(r["state_bytes"]),
+        r["name"],
+        mib(r["arg"]),
+        mib(r["out"]),
+        mib(r["temp"]),
+        mib(r["state_bytes"]),
         f"{r['flops'] / 1e9:,.2f}" + ("*" if r["while"] else ""),
-        f"{r['compile_s']:.1f}", f"{r['median'] * 1e3:,.1f}",
+        f"{r['compile_s']:.1f}",
+        f"{r['median'] * 1e3:,.1f}",
         f"{min(r['times']) * 1e3:,.1f}" if r["times"] else "-",
         f"{ratio:.2f}",
         f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}" if r["has_loss"] else "-",
@@ -185,30 +232,54 @@ def _times_note(results: list[dict], n: int) -> list[str]:
     ]
     floor = next((r for r in results if r["name"].startswith("comm-free")), None)
     if floor:
-        lines += [f"Floor: {floor['median'] * 1e3:,.1f} ms; {n} x floor = "
-                  f"{n * floor['median'] * 1e3:,.1f} ms.", ""]
+        lines += [
+            f"Floor: {floor['median'] * 1e3:,.1f} ms; {n} x floor = "
+            f"{n * floor['median'] * 1e3:,.1f} ms.",
+            "",
+        ]
     return lines
 
 
 def _scaling_section(scale: list[dict], param_bytes: int) -> list[str]:
-    lines = ["## Scaling: funshard reshard_after_forward=True on N devices", "",
-             "state = parameters + AdamW state on device 0 (ideal 3 x params / N); AG/RS "
-             "from the compiled HLO (full-buffer bytes, the same at every N), moved = "
-             "(N-1)/N x full buffer; ideal as in the targets below.", ""]
+    lines = [
+        "## Scaling: funshard reshard_after_forward=True on N devices",
+        "",
+        "state = parameters + AdamW state on device 0 (ideal 3 x params / N); AG/RS "
+        "from the compiled HLO (full-buffer bytes, the same at every N), moved = "
+        "(N-1)/N x full buffer; ideal as in the targets below.",
+        "",
+    ]
     rows = []
     for s in scale:
         ideal_state = 3 * param_bytes / s["n"]
         moved = s["ag"]["moved"] + s["rs"]["moved"]
-        rows.append([
-            str(s["n"]), mib(s["state_bytes"]), mib(ideal_state),
-            f"{s['state_bytes'] / ideal_state:.3f}",
-            f"{s['ag']['count']} / {mib(s['ag']['bytes'])}",
-            f"{s['rs']['count']} / {mib(s['rs']['bytes'])}",
-            mib(moved), mib(s["ideal_comm"]), mib(s["temp"]),
-        ])
-    return lines + table(["N", "state MiB", "ideal MiB", "ratio", "AG count / MiB",
-                          "RS count / MiB", "AG+RS moved MiB", "ideal moved MiB", "temp MiB"],
-                         rows)
+        rows.append(
+            [
+                str(s["n"]),
+                mib(s["state_bytes"]),
+                mib(ideal_state),
+                f"{s['state_bytes'] / ideal_state:.3f}",
+                f"{s['ag']['count']} / {mib(s['ag']['bytes'])}",
+                f"{s['rs']['count']} / {mib(s['rs']['bytes'])}",
+                mib(moved),
+                mib(s["ideal_comm"]),
+                mib(s["temp"]),
+            ]
+        )
+    return lines + table(
+        [
+            "N",
+            "state MiB",
+            "ideal MiB",
+            "ratio",
+            "AG count / MiB",
+            "RS count / MiB",
+            "AG+RS moved MiB",
+            "ideal moved MiB",
+            "temp MiB",
+        ],
+        rows,
+    )
 
 
 def _kinds(counts: dict) -> str:
@@ -223,7 +294,8 @@ def microbatch_section(micro: list[dict]) -> list[str]:
         return []
     r0 = micro[0]
     lines = [
-        "## Microbatches: compile time and program size vs k", "",
+        "## Microbatches: compile time and program size vs k",
+        "",
         "`jax.jit(fs.value_and_grad(loss, microbatches=k, sync_every_microbatch=...))` "
         "of variant 1's loss (fully_shard per block, reshard_after_forward=True; "
         "gradients only, no optimizer update), lowered and compiled, never run. The "
@@ -234,13 +306,37 @@ def microbatch_section(micro: list[dict]) -> list[str]:
         "fastest s: the fastest of them (lower+compile). HLO "
         "lines: lines of `compiled.as_text()`; while: while loops in it; collectives in "
         "HLO: instructions in the text (AG / RS / other); executed per step: the same "
-        "with while bodies counted trip-count times (`benchmarks/hlo.py`).", "",
+        "with while bodies counted trip-count times (`benchmarks/hlo.py`).",
+        "",
     ]
     return lines + table(
-        ["sync_every_microbatch", "k", "global batch", "lower s", "compile s",
-         "lower+compile s", "fastest s", "HLO lines", "while", "collectives in HLO AG / RS / other",
-         "executed per step AG / RS / other"],
-        [[str(r["sync"]), str(r["k"]), str(r["batch"]), f"{r['lower_s']:.2f}",
-          f"{r['compile_s']:.2f}", f"{r['total_s']:.2f}",
-          f"{r['fastest_s']:.2f}", f"{r['lines']:,}",
-          str(r["whiles"]), _kinds(r["static"]), _kinds(r["executed"])] for r in micro])
+        [
+            "sync_every_microbatch",
+            "k",
+            "global batch",
+            "lower s",
+            "compile s",
+            "lower+compile s",
+            "fastest s",
+            "HLO lines",
+            "while",
+            "collectives in HLO AG / RS / other",
+            "executed per step AG / RS / other",
+        ],
+        [
+            [
+                str(r["sync"]),
+                str(r["k"]),
+                str(r["batch"]),
+                f"{r['lower_s']:.2f}",
+                f"{r['compile_s']:.2f}",
+                f"{r['total_s']:.2f}",
+                f"{r['fastest_s']:.2f}",
+                f"{r['lines']:,}",
+                str(r["whiles"]),
+                _kinds(r["static"]),
+                _kinds(r["executed"]),
+            ]
+            for r in micro
+        ],
+    )

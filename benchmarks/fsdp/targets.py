@@ -17,8 +17,9 @@ def check(label: str, ok: bool, detail: str) -> str:
     return f"- **{'PASS' if ok else 'MISS'}** {label}: {detail}"
 
 
-def targets(ctx: Context, by_name: dict[str, dict], act: dict,
-            micro: list[dict] | None = None) -> list[str]:
+def targets(
+    ctx: Context, by_name: dict[str, dict], act: dict, micro: list[dict] | None = None
+) -> list[str]:
     """The target lines for the variants present, then a blank line.
 
     Args:
@@ -31,18 +32,26 @@ def targets(ctx: Context, by_name: dict[str, dict], act: dict,
     out = []
     if t and act.get("plain") is not None:
         out.append(_memory(ctx, t, f, auto, act))
-        out += [_comm(ctx, name, by_name[name], reshard)
-                for name, reshard in ((BASELINE, True), (KEEP, False)) if name in by_name]
+        out += [
+            _comm(ctx, name, by_name[name], reshard)
+            for name, reshard in ((BASELINE, True), (KEEP, False))
+            if name in by_name
+        ]
         out.append(_state(ctx, t))
     if t and f:
-        out.append(check("FLOPs", abs(t["flops"] - f["flops"]) <= 0.02 * f["flops"],
-                         f"FLOPs(True) = {t['flops']:,.0f} vs FLOPs(False) = "
-                         f"{f['flops']:,.0f} ({t['flops'] / f['flops'] - 1:+.2%}; within 2%)"))
+        out.append(
+            check(
+                "FLOPs",
+                abs(t["flops"] - f["flops"]) <= 0.02 * f["flops"],
+                f"FLOPs(True) = {t['flops']:,.0f} vs FLOPs(False) = "
+                f"{f['flops']:,.0f} ({t['flops'] / f['flops'] - 1:+.2%}; within 2%)",
+            )
+        )
     if t and auto:
         out.append(_speed(t, auto))
     if micro:
         out.append(_microbatches(micro))
-    return out + [""]
+    return [*out, ""]
 
 
 def _param_bytes(ctx: Context) -> int:
@@ -58,7 +67,8 @@ def _memory(ctx: Context, t: dict, f: dict | None, auto: dict | None, act: dict)
     rest = t["temp"] - a
     rows = ctx.cfg.batch // n
     return check(
-        "memory", t["temp"] <= bound,
+        "memory",
+        t["temp"] <= bound,
         f"temp(True) = {t['temp']:,} B <= activations {a:,} B + 4 x largest unit "
         f"{largest:,} B = {bound:,} B (ratio {t['temp'] / bound:.3f}). Activations = "
         f"the temp bytes of plain jax.grad on one device's {rows} rows on one device "
@@ -70,11 +80,15 @@ def _memory(ctx: Context, t: dict, f: dict | None, auto: dict | None, act: dict)
         "time), their copy-outs, and full-size gradients until their reduce-scatter."
         + (f" For comparison: temp(reshard=False) = {f['temp']:,} B" if f else "")
         + (f", temp(automatic sharding) = {auto['temp']:,} B" if auto else "")
-        + (f"; temp(True, {2 * rows} rows per device) - temp(True) = "
-           f"{act['slope']:,} B (growth with the batch; XLA's schedule changes "
-           "with it, so this is not a clean activation measure)"
-           if act.get("slope") is not None else "")
-        + ".")
+        + (
+            f"; temp(True, {2 * rows} rows per device) - temp(True) = "
+            f"{act['slope']:,} B (growth with the batch; XLA's schedule changes "
+            "with it, so this is not a clean activation measure)"
+            if act.get("slope") is not None
+            else ""
+        )
+        + ".",
+    )
 
 
 def _comm(ctx: Context, name: str, r: dict, reshard: bool) -> str:
@@ -85,13 +99,15 @@ def _comm(ctx: Context, name: str, r: dict, reshard: bool) -> str:
     ideal = ideal_comm(ctx.params, n, reshard)
     naive = (3 if reshard else 2) * (n - 1) / n * _param_bytes(ctx)
     return check(
-        f"comm bytes ({name})", abs(moved - ideal) <= 0.02 * ideal,
+        f"comm bytes ({name})",
+        abs(moved - ideal) <= 0.02 * ideal,
         f"AG+RS moved/device {moved:,.0f} B vs ideal {ideal:,.0f} B "
         f"({moved / ideal - 1:+.2%}); ideal = (N-1)/N x (2 x root unit + "
         f"{3 if reshard else 2} x each block), since the root is gathered once. "
         f"For reference {3 if reshard else 2}(N-1)/N x params = {naive:,.0f} B "
         f"({moved / naive - 1:+.2%}). {k['all-gather']['count']} all-gathers, "
-        f"{k['reduce-scatter']['count']} reduce-scatters.")
+        f"{k['reduce-scatter']['count']} reduce-scatters.",
+    )
 
 
 def _state(ctx: Context, t: dict) -> str:
@@ -99,10 +115,12 @@ def _state(ctx: Context, t: dict) -> str:
     param_bytes = _param_bytes(ctx)
     ideal_state = 3 * param_bytes / len(ctx.devices)
     return check(
-        "per-device state", t["state_bytes"] <= 1.05 * ideal_state,
+        "per-device state",
+        t["state_bytes"] <= 1.05 * ideal_state,
         f"params + AdamW state on device 0 = {t['state_bytes']:,} B <= 1.05 x "
         f"3 x {param_bytes:,} / {len(ctx.devices)} = {1.05 * ideal_state:,.0f} B "
-        f"(ratio {t['state_bytes'] / ideal_state:.4f})")
+        f"(ratio {t['state_bytes'] / ideal_state:.4f})",
+    )
 
 
 def _speed(t: dict, auto: dict) -> str:
@@ -110,11 +128,13 @@ def _speed(t: dict, auto: dict) -> str:
     ratio = t["median"] / auto["median"]
     best = min(t["times"]) / min(auto["times"]) if t["times"] and auto["times"] else 0
     return check(
-        "speed vs automatic sharding", ratio <= 1.0,
+        "speed vs automatic sharding",
+        ratio <= 1.0,
         f"funshard {t['median'] * 1e3:,.1f} ms / auto-sharding "
         f"{auto['median'] * 1e3:,.1f} ms = {ratio:.2f} median over median (target "
         f"<= 1.00); fastest over fastest step {best:.2f}. CPU-simulated devices, see "
-        "the note on times.")
+        "the note on times.",
+    )
 
 
 def _microbatches(micro: list[dict]) -> str:
@@ -128,8 +148,11 @@ def _microbatches(micro: list[dict]) -> str:
         parts.append(
             f"sync_every_microbatch={sync}: lower+compile k={big['k']} "
             f"{big['total_s']:.2f} s / k={one['k']} {one['total_s']:.2f} s = {t:.2f}, "
-            f"HLO lines {big['lines']:,} / {one['lines']:,} = {lines:.2f}")
+            f"HLO lines {big['lines']:,} / {one['lines']:,} = {lines:.2f}"
+        )
     return check(
-        "microbatches compile flat in k", ok,
+        "microbatches compile flat in k",
+        ok,
         "; ".join(parts) + f" (targets: time <= {TIME_RATIO}x, lines <= {LINES_RATIO}x; "
-        "median of the compiles, see the microbatch table)")
+        "median of the compiles, see the microbatch table)",
+    )

@@ -6,8 +6,16 @@ import dataclasses
 
 TARGETS = {"funshard / plain JAX": 1.05, "torch_frontend / FSDP2": 1.10, "MFU": 0.35}
 # Seconds per part (their sum stays under the 8-minute total with a margin).
-BUDGETS = {"probe": 40, "dlpack": 30, "tests": 90, "jax-plain": 85, "jax-funshard": 95,
-           "torch-plain": 35, "torch-fsdp2": 40, "torch-frontend": 50}
+BUDGETS = {
+    "probe": 40,
+    "dlpack": 30,
+    "tests": 90,
+    "jax-plain": 85,
+    "jax-funshard": 95,
+    "torch-plain": 35,
+    "torch-fsdp2": 40,
+    "torch-frontend": 50,
+}
 TORCH_PARTS = ("torch-plain", "torch-fsdp2", "torch-frontend")
 JAX_PARTS = ("jax-plain", "jax-funshard")
 
@@ -31,7 +39,7 @@ class GPT:
         """Training FLOPs per step: 6 per matmul parameter per token, plus attention
         (12 * blocks * width * seq per token, counted without the causal half)."""
         tokens = self.batch * self.seq
-        matmul = self.blocks * 12 * self.width ** 2 + self.width * self.vocab
+        matmul = self.blocks * 12 * self.width**2 + self.width * self.vocab
         return 6.0 * matmul * tokens + 12.0 * self.blocks * self.width * self.seq * tokens
 
 

@@ -34,16 +34,30 @@ def _jax_model(cfg: GPT):
             return normal(shape, scale / math.sqrt(shape[0]))
 
         out_scale = 1.0 / math.sqrt(2 * cfg.blocks)
-        blocks = [{
-            "ln1_g": jnp.ones((d,)), "ln1_b": jnp.zeros((d,)),
-            "qkv": dense((d, 3 * d)), "qkv_b": jnp.zeros((3 * d,)),
-            "proj": dense((d, d), out_scale), "proj_b": jnp.zeros((d,)),
-            "ln2_g": jnp.ones((d,)), "ln2_b": jnp.zeros((d,)),
-            "ff1": dense((d, 4 * d)), "ff1_b": jnp.zeros((4 * d,)),
-            "ff2": dense((4 * d, d), out_scale), "ff2_b": jnp.zeros((d,)),
-        } for _ in range(cfg.blocks)]
-        root = {"embed": normal((v, d), 0.02), "pos": normal((cfg.seq, d), 0.02),
-                "lnf_g": jnp.ones((d,)), "lnf_b": jnp.zeros((d,)), "head": dense((d, v))}
+        blocks = [
+            {
+                "ln1_g": jnp.ones((d,)),
+                "ln1_b": jnp.zeros((d,)),
+                "qkv": dense((d, 3 * d)),
+                "qkv_b": jnp.zeros((3 * d,)),
+                "proj": dense((d, d), out_scale),
+                "proj_b": jnp.zeros((d,)),
+                "ln2_g": jnp.ones((d,)),
+                "ln2_b": jnp.zeros((d,)),
+                "ff1": dense((d, 4 * d)),
+                "ff1_b": jnp.zeros((4 * d,)),
+                "ff2": dense((4 * d, d), out_scale),
+                "ff2_b": jnp.zeros((d,)),
+            }
+            for _ in range(cfg.blocks)
+        ]
+        root = {
+            "embed": normal((v, d), 0.02),
+            "pos": normal((cfg.seq, d), 0.02),
+            "lnf_g": jnp.ones((d,)),
+            "lnf_b": jnp.zeros((d,)),
+            "head": dense((d, v)),
+        }
         return {"root": root, "blocks": blocks}
 
     return init, jax_gpt.make_block(cfg.heads, fused_attention=True), jax_gpt.lm_loss
@@ -60,12 +74,15 @@ def part_jax(args, variant: str) -> dict:
     deadline = time.monotonic() + args.part_seconds * 0.8
     device = jax.devices()[0]
     init, block, lm_loss = _jax_model(cfg)
-    params = jax.jit(init, out_shardings=jax.sharding.SingleDeviceSharding(device))(jax.random.key(0))
+    params = jax.jit(init, out_shardings=jax.sharding.SingleDeviceSharding(device))(
+        jax.random.key(0)
+    )
     tokens = jax.random.randint(jax.random.key(1), (cfg.batch, cfg.seq), 0, cfg.vocab)
     opt = optax.adamw(1e-4)
     bf16 = jnp.bfloat16
 
     if variant == "plain":
+
         def loss_fn(params, tokens):
             p = jax.tree.map(lambda x: x.astype(bf16), params)
             return lm_loss(p["root"], p["blocks"], tokens, block)
@@ -105,15 +122,28 @@ def part_jax(args, variant: str) -> dict:
     flops = flops_of(compiled)
     peak = args.peak_tflops or peak_tflops(device.device_kind)
     return {
-        "variant": variant, "device_kind": device.device_kind, "params": cfg.params(),
-        "config": dataclasses.asdict(cfg), "compile_s": compile_s, "median_s": median,
-        "times_s": times, "losses": losses, "flops_compiled": flops,
-        "flops_model": cfg.model_flops(), "peak_tflops": peak,
-        "mfu_compiled": mfu(flops, median, peak), "mfu_model": mfu(cfg.model_flops(), median, peak),
+        "variant": variant,
+        "device_kind": device.device_kind,
+        "params": cfg.params(),
+        "config": dataclasses.asdict(cfg),
+        "compile_s": compile_s,
+        "median_s": median,
+        "times_s": times,
+        "losses": losses,
+        "flops_compiled": flops,
+        "flops_model": cfg.model_flops(),
+        "peak_tflops": peak,
+        "mfu_compiled": mfu(flops, median, peak),
+        "mfu_model": mfu(cfg.model_flops(), median, peak),
         "peak_bytes": jax_peak_bytes(device),
-        "temp_bytes": memory.temp_size_in_bytes, "argument_bytes": memory.argument_size_in_bytes,
+        "temp_bytes": memory.temp_size_in_bytes,
+        "argument_bytes": memory.argument_size_in_bytes,
         # The step's own footprint, from the compiled program (the process peak above
         # also holds whatever setup allocated, e.g. the f32 parameters before sharding).
-        "step_bytes": (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                       + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
+        "step_bytes": (
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes
+            - memory.alias_size_in_bytes
+        ),
     }

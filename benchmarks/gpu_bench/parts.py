@@ -31,13 +31,20 @@ def part_probe(args) -> dict:
     import jax
 
     device = jax.devices()[0]
-    out = {"backend": jax.default_backend(), "device_kind": device.device_kind,
-           "devices": jax.device_count(), "jax": jax.__version__}
+    out = {
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+    }
     try:
         import torch
 
-        out.update(torch=torch.__version__, torch_cuda=torch.cuda.is_available(),
-                   torch_cuda_version=torch.version.cuda)
+        out.update(
+            torch=torch.__version__,
+            torch_cuda=torch.cuda.is_available(),
+            torch_cuda_version=torch.version.cuda,
+        )
     except ImportError:
         out.update(torch=None, torch_cuda=False)
     return out
@@ -71,7 +78,8 @@ def part_dlpack(args) -> dict:
     gathered = _bridge._gather_now(layout, [block], [tensor.shape[0]], None)[0]
     full = _bridge._export(gathered)
     checks["gathered buffer crosses without a copy"] = (
-        full.data_ptr() == gathered.unsafe_buffer_pointer())
+        full.data_ptr() == gathered.unsafe_buffer_pointer()
+    )
     checks["gather values"] = bool(torch.equal(full, tensor))
     out["import_us"] = time_us(lambda: _bridge._import(layout, tensor))
     out["export_us"] = time_us(lambda: _bridge._export(result))
@@ -81,14 +89,34 @@ def part_dlpack(args) -> dict:
 
 def part_tests(args) -> dict:
     env = child_env(args, "tests")
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-               "tests/test_gpu.py"]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          check=False, timeout=max(1.0, args.part_seconds - 5))
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_gpu.py",
+    ]
+    proc = subprocess.run(
+        command,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=max(1.0, args.part_seconds - 5),
+    )
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    return {"command": " ".join(command[1:]), "returncode": proc.returncode,
-            "summary": lines[-1] if lines else "", "tail": proc.stdout[-3000:] + proc.stderr[-1000:],
-            "ok": proc.returncode == 0}
+    return {
+        "command": " ".join(command[1:]),
+        "returncode": proc.returncode,
+        "summary": lines[-1] if lines else "",
+        "tail": proc.stdout[-3000:] + proc.stderr[-1000:],
+        "ok": proc.returncode == 0,
+    }
 
 
 PARTS = {

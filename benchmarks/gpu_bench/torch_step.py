@@ -18,8 +18,14 @@ def _torch_model(cfg: GPT):
     from examples.models.torch_gpt import GPT as TorchGPT
 
     torch.manual_seed(0)
-    return TorchGPT(width=cfg.width, depth=cfg.blocks, heads=cfg.heads, context=cfg.seq,
-                    vocab=cfg.vocab, zero_biases=False)
+    return TorchGPT(
+        width=cfg.width,
+        depth=cfg.blocks,
+        heads=cfg.heads,
+        context=cfg.seq,
+        vocab=cfg.vocab,
+        zero_biases=False,
+    )
 
 
 def part_torch(args, variant: str) -> dict:
@@ -54,8 +60,9 @@ def part_torch(args, variant: str) -> dict:
         from torch.distributed.fsdp import fully_shard
 
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(),
-                                    rank=0, world_size=1)
+            dist.init_process_group(
+                "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
         mesh = init_device_mesh(device.type, (1,))
         for blk in model.blocks:
             fully_shard(blk, mesh=mesh)
@@ -68,8 +75,10 @@ def part_torch(args, variant: str) -> dict:
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
-               for _ in range(args.warmup + args.steps)]
+    batches = [
+        torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
+        for _ in range(args.warmup + args.steps)
+    ]
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -84,8 +93,13 @@ def part_torch(args, variant: str) -> dict:
 
     median, times, losses = median_step(run, args.warmup, args.steps, deadline)
     return {
-        "variant": variant, "params": cfg.params(), "config": dataclasses.asdict(cfg),
-        "device": str(device), "median_s": median, "times_s": times, "losses": losses,
+        "variant": variant,
+        "params": cfg.params(),
+        "config": dataclasses.asdict(cfg),
+        "device": str(device),
+        "median_s": median,
+        "times_s": times,
+        "losses": losses,
         "torch_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "jax_peak_bytes": jax_peak_bytes(jax_device) if jax_device is not None else None,
     }

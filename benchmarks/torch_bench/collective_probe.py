@@ -22,11 +22,23 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 WIDTH = 1024
-SHAPES = [(WIDTH,), (WIDTH,), (3 * WIDTH, WIDTH), (3 * WIDTH,), (WIDTH, WIDTH), (WIDTH,),
-          (WIDTH,), (WIDTH,), (4 * WIDTH, WIDTH), (4 * WIDTH,), (WIDTH, 4 * WIDTH), (WIDTH,)]
+SHAPES = [
+    (WIDTH,),
+    (WIDTH,),
+    (3 * WIDTH, WIDTH),
+    (3 * WIDTH,),
+    (WIDTH, WIDTH),
+    (WIDTH,),
+    (WIDTH,),
+    (WIDTH,),
+    (4 * WIDTH, WIDTH),
+    (4 * WIDTH,),
+    (WIDTH, 4 * WIDTH),
+    (WIDTH,),
+]
 
 
 def tensors(seed: int) -> list[np.ndarray]:
@@ -56,7 +68,8 @@ def main(argv=None) -> int:
 
     def global_array(local: np.ndarray, shape) -> jax.Array:
         return jax.make_array_from_single_device_arrays(
-            shape, sharded, [jax.device_put(local, device)])
+            shape, sharded, [jax.device_put(local, device)]
+        )
 
     rng = random.Random(rank)
     wrong = 0
@@ -66,18 +79,25 @@ def main(argv=None) -> int:
         sums = comm.eager_reduce_scatter(stacked, mesh, ("fsdp",))
         for i, s in enumerate(sums):
             rows = SHAPES[i][0] // world
-            want = sum(c[i] for c in contributions)[rank * rows:(rank + 1) * rows]
+            want = sum(c[i] for c in contributions)[rank * rows : (rank + 1) * rows]
             got = np.asarray(s.addressable_shards[0].data)
             if not np.array_equal(got, want):
                 wrong += 1
-                print(f"rank {rank} round {r}: reduce-scatter result {i} {SHAPES[i]} wrong, "
-                      f"max |diff| {np.abs(got - want).max():.2e}", flush=True)
+                print(
+                    f"rank {rank} round {r}: reduce-scatter result {i} {SHAPES[i]} wrong, "
+                    f"max |diff| {np.abs(got - want).max():.2e}",
+                    flush=True,
+                )
         time.sleep(rng.random() * args.pause)
         if args.no_gather:
             continue
         full = tensors(7 + 1000 * r)
-        blocks = [global_array(a[rank * (a.shape[0] // world):(rank + 1) * (a.shape[0] // world)],
-                               a.shape) for a in full]
+        blocks = [
+            global_array(
+                a[rank * (a.shape[0] // world) : (rank + 1) * (a.shape[0] // world)], a.shape
+            )
+            for a in full
+        ]
         for i, g in enumerate(comm.eager_all_gather(blocks, mesh, ("fsdp",))):
             if not np.array_equal(np.asarray(g.addressable_shards[0].data), full[i]):
                 wrong += 1

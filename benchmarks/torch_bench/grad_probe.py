@@ -13,7 +13,8 @@ itself is deterministic here (its losses equal DDP's to the last bit), so any
 difference is the frontend's. `--no-prefetch` turns the frontend's forward and/or
 backward prefetch off (`set_modules_to_*_prefetch([])`); `--hold-gradients` and
 `--recheck-outputs` wrap `torch_frontend._bridge.start_reduce_scatter` /
-`finish_reduce_scatter` (in this process only) to keep its inputs alive until the step ends, or to re-read its results after a pause.
+`finish_reduce_scatter` (in this process only) to keep its inputs alive until the step
+ends, or to re-read its results after a pause.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the package
 
-import torch  # noqa: E402
+import torch
 
-from torch_bench import model as gpt  # noqa: E402
+from torch_bench import model as gpt
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -56,12 +57,18 @@ def main(argv=None) -> int:
     p.add_argument("--no-prefetch", choices=["forward", "backward", "both"], default=None)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--hold-gradients", action="store_true",
-                   help="keep every tensor the frontend reduce-scatters alive until the "
-                        "step ends (tells whether their lifetime matters)")
-    p.add_argument("--recheck-outputs", action="store_true",
-                   help="read every reduce-scatter result again 50 ms after it returned "
-                        "and report results that changed meanwhile")
+    p.add_argument(
+        "--hold-gradients",
+        action="store_true",
+        help="keep every tensor the frontend reduce-scatters alive until the "
+        "step ends (tells whether their lifetime matters)",
+    )
+    p.add_argument(
+        "--recheck-outputs",
+        action="store_true",
+        help="read every reduce-scatter result again 50 ms after it returned "
+        "and report results that changed meanwhile",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -95,8 +102,11 @@ def main(argv=None) -> int:
             out = scatter(pending)
             first = [o.clone() for o in out]
             time.sleep(0.05)
-            changed.extend(f"output {i} ({tuple(o.shape)}): {(o - f).abs().max().item():.1e}"
-                           for i, (o, f) in enumerate(zip(out, first)) if not torch.equal(o, f))
+            changed.extend(
+                f"output {i} ({tuple(o.shape)}): {(o - f).abs().max().item():.1e}"
+                for i, (o, f) in enumerate(zip(out, first, strict=True))
+                if not torch.equal(o, f)
+            )
             return out
 
         _bridge.finish_reduce_scatter = rechecking
@@ -110,7 +120,7 @@ def main(argv=None) -> int:
     rows = cfg.batch // world
     differing_steps = 0
     for step in range(args.steps):
-        batch = torch.from_numpy(gpt.batch_at(step, cfg)[rank * rows:(rank + 1) * rows])
+        batch = torch.from_numpy(gpt.batch_at(step, cfg)[rank * rows : (rank + 1) * rows])
         losses, grads = {}, {}
         for name, (model, opt) in models.items():
             dist.barrier()
@@ -122,16 +132,24 @@ def main(argv=None) -> int:
             losses[name] = loss.item()
         held.clear()
         if changed:
-            print(f"rank {rank} step {step}: reduce-scatter results changed after returning: "
-                  + "; ".join(changed), flush=True)
+            print(
+                f"rank {rank} step {step}: reduce-scatter results changed after returning: "
+                + "; ".join(changed),
+                flush=True,
+            )
             changed.clear()
-        diffs = sorted(((g - grads["fsdp2"][n]).abs().max().item(), n)
-                       for n, g in grads["frontend"].items()
-                       if not torch.equal(g, grads["fsdp2"][n]))[::-1]
+        diffs = sorted(
+            ((g - grads["fsdp2"][n]).abs().max().item(), n)
+            for n, g in grads["frontend"].items()
+            if not torch.equal(g, grads["fsdp2"][n])
+        )[::-1]
         differing_steps += bool(diffs)
         shown = ", ".join(f"{n} {d:.1e}" for d, n in diffs[:4])
-        print(f"rank {rank} step {step}: loss diff {losses['frontend'] - losses['fsdp2']:+.2e}; "
-              f"{len(diffs)} gradients differ{': ' + shown if diffs else ''}", flush=True)
+        print(
+            f"rank {rank} step {step}: loss diff {losses['frontend'] - losses['fsdp2']:+.2e}; "
+            f"{len(diffs)} gradients differ{': ' + shown if diffs else ''}",
+            flush=True,
+        )
     dist.destroy_process_group()
     print(f"rank {rank}: gradients differed at {differing_steps} of {args.steps} steps", flush=True)
     return 0

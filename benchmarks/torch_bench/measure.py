@@ -131,8 +131,14 @@ class BridgeProfile:
     `_import` / `_export` are DLPack's share.
     """
 
-    MAIN = ("global_block", "finish_all_gather", "start_reduce_scatter",
-            "finish_reduce_scatter", "_import", "_export")
+    MAIN = (
+        "global_block",
+        "finish_all_gather",
+        "start_reduce_scatter",
+        "finish_reduce_scatter",
+        "_import",
+        "_export",
+    )
     THREAD = ("_gather_now", "_reduce_now")
 
     def __init__(self):
@@ -144,8 +150,10 @@ class BridgeProfile:
         from funshard import comm
         from torch_frontend import _bridge
 
-        for module, names in ((_bridge, (*self.MAIN, *self.THREAD)),
-                              (comm, ("eager_all_gather", "eager_reduce_scatter"))):
+        for module, names in (
+            (_bridge, (*self.MAIN, *self.THREAD)),
+            (comm, ("eager_all_gather", "eager_reduce_scatter")),
+        ):
             for name in names:
                 if hasattr(module, name):  # the bridge's internals may move
                     setattr(module, name, self._wrap(name, getattr(module, name)))

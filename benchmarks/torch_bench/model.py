@@ -82,15 +82,31 @@ def jax_params(model: GPT) -> dict:
     blocks = []
     for i in range(len(model.blocks)):
         p = f"blocks.{i}"
-        blocks.append({"ln1_g": sd[f"{p}.norm1.weight"], "ln1_b": sd[f"{p}.norm1.bias"],
-                       "qkv": sd[f"{p}.qkv.weight"].T.copy(), "qkv_b": sd[f"{p}.qkv.bias"],
-                       "proj": sd[f"{p}.proj.weight"].T.copy(), "proj_b": sd[f"{p}.proj.bias"],
-                       "ln2_g": sd[f"{p}.norm2.weight"], "ln2_b": sd[f"{p}.norm2.bias"],
-                       "ff1": sd[f"{p}.up.weight"].T.copy(), "ff1_b": sd[f"{p}.up.bias"],
-                       "ff2": sd[f"{p}.down.weight"].T.copy(), "ff2_b": sd[f"{p}.down.bias"]})
-    return {"root": {"tokens": sd["tokens.weight"], "positions": sd["positions.weight"],
-                     "norm": norm("norm"), "head": linear("head")},
-            "blocks": blocks}
+        blocks.append(
+            {
+                "ln1_g": sd[f"{p}.norm1.weight"],
+                "ln1_b": sd[f"{p}.norm1.bias"],
+                "qkv": sd[f"{p}.qkv.weight"].T.copy(),
+                "qkv_b": sd[f"{p}.qkv.bias"],
+                "proj": sd[f"{p}.proj.weight"].T.copy(),
+                "proj_b": sd[f"{p}.proj.bias"],
+                "ln2_g": sd[f"{p}.norm2.weight"],
+                "ln2_b": sd[f"{p}.norm2.bias"],
+                "ff1": sd[f"{p}.up.weight"].T.copy(),
+                "ff1_b": sd[f"{p}.up.bias"],
+                "ff2": sd[f"{p}.down.weight"].T.copy(),
+                "ff2_b": sd[f"{p}.down.bias"],
+            }
+        )
+    return {
+        "root": {
+            "tokens": sd["tokens.weight"],
+            "positions": sd["positions.weight"],
+            "norm": norm("norm"),
+            "head": linear("head"),
+        },
+        "blocks": blocks,
+    }
 
 
 def jax_loss(cfg: Config, reshard_after_forward: bool = True):
@@ -105,8 +121,10 @@ def jax_loss(cfg: Config, reshard_after_forward: bool = True):
     import funshard as fs
     from examples.models import jax_gpt
 
-    unit = fs.fully_shard(jax_gpt.make_block(cfg.heads, fused_attention=True),
-                          reshard_after_forward=reshard_after_forward)
+    unit = fs.fully_shard(
+        jax_gpt.make_block(cfg.heads, fused_attention=True),
+        reshard_after_forward=reshard_after_forward,
+    )
 
     def loss_fn(state, tokens):
         root = fs.unshard(state["root"])
@@ -133,5 +151,9 @@ def nbytes(tensors) -> int:
 
 def adam_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's tensor state (AdamW's moments)."""
-    return nbytes(v for s in opt.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.ndim > 0)
+    return nbytes(
+        v
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.ndim > 0
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -65,8 +65,14 @@ def _torch_step(model, opt, threads: int | None = None, whole_batch: bool = Fals
 
 def _torch_variant(name, peer, note, model, threads=None, whole_batch=False, scope="local"):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    return Variant(name, peer, note, _torch_step(model, opt, threads, whole_batch),
-                   lambda: gpt.nbytes(model.parameters()) + gpt.adam_bytes(opt), scope)
+    return Variant(
+        name,
+        peer,
+        note,
+        _torch_step(model, opt, threads, whole_batch),
+        lambda: gpt.nbytes(model.parameters()) + gpt.adam_bytes(opt),
+        scope,
+    )
 
 
 def frontend(cfg: gpt.Config, reshard: bool, compile_blocks: bool = False) -> Variant:
@@ -82,9 +88,12 @@ def frontend(cfg: gpt.Config, reshard: bool, compile_blocks: bool = False) -> Va
         if compile_blocks:
             block.compile()
     fully_shard(model)
-    return _torch_variant(f"torch_frontend reshard={reshard}", f"FSDP2 reshard={reshard}",
-                          "fully_shard per block, then the root; collectives on JAX (gloo)",
-                          model)
+    return _torch_variant(
+        f"torch_frontend reshard={reshard}",
+        f"FSDP2 reshard={reshard}",
+        "fully_shard per block, then the root; collectives on JAX (gloo)",
+        model,
+    )
 
 
 def fsdp2(cfg: gpt.Config, reshard: bool, mesh, compile_blocks: bool = False) -> Variant:
@@ -97,9 +106,12 @@ def fsdp2(cfg: gpt.Config, reshard: bool, mesh, compile_blocks: bool = False) ->
         if compile_blocks:
             block.compile()
     fully_shard(model, mesh=mesh)
-    return _torch_variant(f"FSDP2 reshard={reshard}", None,
-                          "torch.distributed.fsdp.fully_shard per block, then the root; gloo",
-                          model)
+    return _torch_variant(
+        f"FSDP2 reshard={reshard}",
+        None,
+        "torch.distributed.fsdp.fully_shard per block, then the root; gloo",
+        model,
+    )
 
 
 def ddp(cfg: gpt.Config) -> Variant:
@@ -107,21 +119,31 @@ def ddp(cfg: gpt.Config) -> Variant:
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(gpt.build(cfg))
-    return _torch_variant("DDP", FSDP2, "DistributedDataParallel, gloo all-reduce "
-                          "(25 MiB buckets)", model)
+    return _torch_variant(
+        "DDP", FSDP2, "DistributedDataParallel, gloo all-reduce (25 MiB buckets)", model
+    )
 
 
 def compute_floor(cfg: gpt.Config) -> Variant:
     """Plain torch on this rank's rows, nothing communicated: what every step computes."""
-    return _torch_variant("compute floor (1 rank's rows)", FSDP2,
-                          "plain torch, this rank's rows only, no communication "
-                          "(a yardstick: it does not train the global batch)", gpt.build(cfg))
+    return _torch_variant(
+        "compute floor (1 rank's rows)",
+        FSDP2,
+        "plain torch, this rank's rows only, no communication "
+        "(a yardstick: it does not train the global batch)",
+        gpt.build(cfg),
+    )
 
 
 def single_process(cfg: gpt.Config, rank: int, threads: int) -> Variant:
     """Plain torch in ONE process (rank 0) on the whole global batch; others wait."""
-    name, note = "1 process alone", (f"plain torch on rank 0, whole global batch, "
-                                     f"{threads} threads (the whole machine); rank 1 idles")
+    name, note = (
+        "1 process alone",
+        (
+            f"plain torch on rank 0, whole global batch, "
+            f"{threads} threads (the whole machine); rank 1 idles"
+        ),
+    )
     if rank == 0:
         return _torch_variant(name, FSDP2, note, gpt.build(cfg), threads, True, "rank 0")
     return Variant(name, FSDP2, note, lambda local, batch: float("nan"), lambda: 0, "rank 0")
@@ -147,14 +169,25 @@ def funshard_jax(cfg: gpt.Config, mesh, reshard: bool = True) -> Variant:
 
     world = jax.process_count()
     rows = cfg.batch // world
-    place = lambda batch: fs.distributed.shard_batch(  # noqa: E731
-        batch[jax.process_index() * rows:(jax.process_index() + 1) * rows].astype(np.int32), mesh)
+
+    def place(batch):
+        return fs.distributed.shard_batch(
+            batch[jax.process_index() * rows : (jax.process_index() + 1) * rows].astype(np.int32),
+            mesh,
+        )
+
     t0 = time.perf_counter()
-    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(
-        state, opt_state, place(gpt.batch_at(0, cfg))).compile()
+    compiled = (
+        jax.jit(train_step, donate_argnums=(0, 1))
+        .lower(state, opt_state, place(gpt.batch_at(0, cfg)))
+        .compile()
+    )
     memory = compiled.memory_analysis()
-    facts = {"compile_s": time.perf_counter() - t0, "compiled_temp": memory.temp_size_in_bytes,
-             "compiled_arg": memory.argument_size_in_bytes}
+    facts = {
+        "compile_s": time.perf_counter() - t0,
+        "compiled_temp": memory.temp_size_in_bytes,
+        "compiled_arg": memory.argument_size_in_bytes,
+    }
     held = {"state": state, "opt": opt_state}
 
     def step(local: torch.Tensor, batch: np.ndarray) -> float:
@@ -163,9 +196,20 @@ def funshard_jax(cfg: gpt.Config, mesh, reshard: bool = True) -> Variant:
 
     def state_bytes() -> int:
         device = mesh.devices.flat[jax.process_index()]
-        return sum(s.data.nbytes for leaf in jax.tree.leaves((held["state"], held["opt"]))
-                   for s in leaf.addressable_shards if s.device == device)
+        return sum(
+            s.data.nbytes
+            for leaf in jax.tree.leaves((held["state"], held["opt"]))
+            for s in leaf.addressable_shards
+            if s.device == device
+        )
 
-    return Variant(f"funshard JAX step reshard={reshard}", FSDP2,
-                   "fs.value_and_grad, fs.fully_shard per block, root via fs.unshard; "
-                   "optax.adamw; one compiled program", step, state_bytes, "global", facts)
+    return Variant(
+        f"funshard JAX step reshard={reshard}",
+        FSDP2,
+        "fs.value_and_grad, fs.fully_shard per block, root via fs.unshard; "
+        "optax.adamw; one compiled program",
+        step,
+        state_bytes,
+        "global",
+        facts,
+    )

@@ -4,8 +4,8 @@
 
 Starts JAX's runtime and torch's gloo process group (both by
 torch_frontend.init_distributed), builds every variant, then runs rounds: round r runs
-step r of every variant in turn (starting at a rotating variant), each after a barrier, so that load on
-the machine hits all variants alike. After the timed rounds come one memory step per
+step r of every variant in turn (starting at a rotating variant), each after a barrier, so
+that load on the machine hits all variants alike. After the timed rounds come one memory step per
 variant and, with `--profile`, a few profiled steps of the frontend. Writes
 `rank{r}.json` into DIR.
 """
@@ -24,10 +24,10 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the package
 
-import torch  # noqa: E402
+import torch
 
-from torch_bench import measure, variants  # noqa: E402
-from torch_bench import model as gpt  # noqa: E402
+from torch_bench import measure, variants
+from torch_bench import model as gpt
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, gpt.Config]:
@@ -40,17 +40,29 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, gpt.Config]:
     p.add_argument("--deadline", type=float, default=3600.0)
     p.add_argument("--only", default="", help="comma-separated variant keys (default: all)")
     p.add_argument("--compile", action="store_true", help="block.compile() every block")
-    p.add_argument("--sample-memory", action="store_true",
-                   help="sample the peaks of anonymous and file-backed resident memory")
-    p.add_argument("--malloc", choices=("trimmed", "default"), default="trimmed",
-                   help="trimmed: glibc returns freed blocks over 64 KiB at once (default)")
+    p.add_argument(
+        "--sample-memory",
+        action="store_true",
+        help="sample the peaks of anonymous and file-backed resident memory",
+    )
+    p.add_argument(
+        "--malloc",
+        choices=("trimmed", "default"),
+        default="trimmed",
+        help="trimmed: glibc returns freed blocks over 64 KiB at once (default)",
+    )
     for field in dataclasses.fields(gpt.Config):
         p.add_argument(f"--{field.name}", type=int, default=None)
     args = p.parse_args(argv)
     base = gpt.QUICK if args.quick else gpt.Config()
-    cfg = dataclasses.replace(base, **{f.name: getattr(args, f.name) for f in
-                                       dataclasses.fields(gpt.Config)
-                                       if getattr(args, f.name) is not None})
+    cfg = dataclasses.replace(
+        base,
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(gpt.Config)
+            if getattr(args, f.name) is not None
+        },
+    )
     return args, cfg
 
 
@@ -62,8 +74,9 @@ def log(rank: int, text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def build_all(cfg: gpt.Config, rank: int, world: int, mesh, only: str = "",
-              compile_blocks: bool = False) -> list[variants.Variant]:
+def build_all(
+    cfg: gpt.Config, rank: int, world: int, mesh, only: str = "", compile_blocks: bool = False
+) -> list[variants.Variant]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch_mesh = init_device_mesh("cpu", (world,))
@@ -93,7 +106,7 @@ def run_rounds(vs, cfg, rank, world, rounds: int, warmup: int) -> dict:
     out = {v.name: {"times": [], "all_times": [], "losses": [], "sent": []} for v in vs}
     for r in range(rounds):
         batch = gpt.batch_at(r, cfg)
-        local = torch.from_numpy(batch[rank * rows:(rank + 1) * rows])
+        local = torch.from_numpy(batch[rank * rows : (rank + 1) * rows])
         shift = r % len(vs)
         for v in vs[shift:] + vs[:shift]:
             dist.barrier()  # every rank starts the step together
@@ -105,9 +118,14 @@ def run_rounds(vs, cfg, rank, world, rounds: int, warmup: int) -> dict:
                 rec["times"].append(seconds)
                 rec["sent"].append(sent)
         kind = "warm-up" if r < warmup else "timed"
-        log(rank, f"round {r + 1}/{rounds} ({kind}): " + ", ".join(
-            f"{v.name} {out[v.name]['times'][-1] * 1e3:,.0f} ms" if r >= warmup else v.name
-            for v in vs))
+        log(
+            rank,
+            f"round {r + 1}/{rounds} ({kind}): "
+            + ", ".join(
+                f"{v.name} {out[v.name]['times'][-1] * 1e3:,.0f} ms" if r >= warmup else v.name
+                for v in vs
+            ),
+        )
     return out
 
 
@@ -117,7 +135,7 @@ def memory_pass(vs, cfg, rank, world) -> dict:
     measure.return_freed_memory()
     rows = cfg.batch // world
     batch = gpt.batch_at(10_000, cfg)
-    local = torch.from_numpy(batch[rank * rows:(rank + 1) * rows])
+    local = torch.from_numpy(batch[rank * rows : (rank + 1) * rows])
     out = {}
     for v in vs:
         dist.barrier()
@@ -137,11 +155,15 @@ def profile_pass(vs, cfg, rank, world, steps: int) -> dict:
         with profiler.recording():
             for i in range(steps):
                 batch = gpt.batch_at(20_000 + i, cfg)
-                local = torch.from_numpy(batch[rank * rows:(rank + 1) * rows])
+                local = torch.from_numpy(batch[rank * rows : (rank + 1) * rows])
                 dist.barrier()
                 times.append(measure.timed(v.step, local, batch)[0])
-        out[v.name] = {"steps": steps, "step_s": times,
-                       "seconds": dict(profiler.seconds), "calls": dict(profiler.calls)}
+        out[v.name] = {
+            "steps": steps,
+            "step_s": times,
+            "seconds": dict(profiler.seconds),
+            "calls": dict(profiler.calls),
+        }
     return out
 
 
@@ -182,17 +204,35 @@ def main(argv=None) -> int:
     timing = run_rounds(vs, cfg, rank, world, args.warmup + args.steps, args.warmup)
     # The whole process's peak so far (start-up, build, timed steps), before the memory
     # pass resets the kernel's counter per step.
-    rss_process = {"start": rss_start, "peak": measure.peak_resident_bytes(),
-                   **(sampler.stop() if sampler is not None else {})}
+    rss_process = {
+        "start": rss_start,
+        "peak": measure.peak_resident_bytes(),
+        **(sampler.stop() if sampler is not None else {}),
+    }
     memory = memory_pass(vs, cfg, rank, world)
     profile = profile_pass(vs, cfg, rank, world, args.profile_steps) if args.profile_steps else {}
     result = {
-        "rank": rank, "world": world, "config": dataclasses.asdict(cfg),
-        "steps": args.steps, "warmup": args.warmup, "build_s": build_s,
-        "only": args.only, "rss_process": rss_process, "compile": args.compile,
-        "variants": [{"name": v.name, "peer": v.peer, "note": v.note,
-                      "loss_scope": v.loss_scope, "facts": v.facts,
-                      **timing[v.name], "memory": memory[v.name]} for v in vs],
+        "rank": rank,
+        "world": world,
+        "config": dataclasses.asdict(cfg),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "build_s": build_s,
+        "only": args.only,
+        "rss_process": rss_process,
+        "compile": args.compile,
+        "variants": [
+            {
+                "name": v.name,
+                "peer": v.peer,
+                "note": v.note,
+                "loss_scope": v.loss_scope,
+                "facts": v.facts,
+                **timing[v.name],
+                "memory": memory[v.name],
+            }
+            for v in vs
+        ],
         "profile": profile,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))

@@ -11,7 +11,7 @@ device for a model too large for the host).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -46,8 +46,16 @@ class GPT(nn.Module):
         keeps torch's default biases (`benchmarks/gpu_check.py`'s model).
     """
 
-    def __init__(self, *, width: int, depth: int, heads: int, context: int, vocab: int = VOCAB,
-                 zero_biases: bool = True):
+    def __init__(
+        self,
+        *,
+        width: int,
+        depth: int,
+        heads: int,
+        context: int,
+        vocab: int = VOCAB,
+        zero_biases: bool = True,
+    ):
         super().__init__()
         self.vocab = vocab
         self.tokens = nn.Embedding(vocab, width)

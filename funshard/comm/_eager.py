@@ -10,7 +10,8 @@ rank holds its one shard) wraps them first with `global_array`, without a copy.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,13 +26,13 @@ backends_started = _jax_compat.backends_started
 Blocks = Any  # a jax.Array or numpy array, or a sequence of them: one per local device
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _local_devices(mesh: Mesh) -> tuple[jax.Device, ...]:
     """This process's devices of `mesh`, in the mesh's order."""
     return tuple(d for d in mesh.devices.flat if d.process_index == jax.process_index())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sharding(mesh: Mesh, axes: tuple[str, ...], dim: int) -> NamedSharding:
     # Cached: the torch frontend wraps a block per parameter group per call, and a
     # NamedSharding costs as much to build as the wrapping itself.
@@ -102,19 +103,21 @@ def global_array(blocks: Blocks, mesh: Mesh, axes: tuple[str, ...], dim: int = 0
     shape = list(arrays[0].shape)
     shape[dim] *= _mesh.axes_size(mesh, axes)
     return jax.make_array_from_single_device_arrays(
-        tuple(shape), _sharding(mesh, axes, dim), arrays)
+        tuple(shape), _sharding(mesh, axes, dim), arrays
+    )
 
 
-@functools.lru_cache(maxsize=None)
-def _gather_fn(mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...],
-               dims: tuple[int, ...]):
+@functools.cache
+def _gather_fn(
+    mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...], dims: tuple[int, ...]
+):
     """The compiled gather of `eager_all_gather` for one mesh and layout."""
+
     def body(*blocks):
         # "invarying": the result is replicated, and nothing differentiates it here.
         fulls = _lowering.all_gather_blocks(blocks, shard_axes, dims=dims, to="invarying")
         return tuple(
-            jax.lax.slice_in_dim(f, 0, r, axis=d)
-            for f, r, d in zip(fulls, rows, dims, strict=True)
+            jax.lax.slice_in_dim(f, 0, r, axis=d) for f, r, d in zip(fulls, rows, dims, strict=True)
         )
 
     mapped = jax.shard_map(
@@ -158,18 +161,23 @@ def eager_all_gather(
     return list(_gather_fn(mesh, tuple(shard_axes), tuple(rows), dims)(*datas))
 
 
-def _out_axes(shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...],
-              all_reduce: bool) -> tuple[str, ...]:
+def _out_axes(
+    shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...], all_reduce: bool
+) -> tuple[str, ...]:
     """The axes a reduce-scatter's result is split over."""
     # Without the all-reduce, each replica keeps its own partial sum: the result differs
     # along the replicate axes too.
     return shard_axes if all_reduce else (*replicate_axes, *shard_axes)
 
 
-@functools.lru_cache(maxsize=None)
-def _reduce_scatter_fn(mesh: Mesh, shard_axes: tuple[str, ...],
-                       replicate_axes: tuple[str, ...], dims: tuple[int, ...],
-                       all_reduce: bool):
+@functools.cache
+def _reduce_scatter_fn(
+    mesh: Mesh,
+    shard_axes: tuple[str, ...],
+    replicate_axes: tuple[str, ...],
+    dims: tuple[int, ...],
+    all_reduce: bool,
+):
     """The compiled reduce-scatter of `eager_reduce_scatter` for one mesh and layout."""
     summed_over = replicate_axes if all_reduce else ()
     out_axes = _out_axes(shard_axes, replicate_axes, all_reduce)
@@ -222,21 +230,25 @@ def eager_reduce_scatter(
     if not stacked:
         return []
     dims = (0,) * len(stacked) if dims is None else tuple(dims)
-    fn = _reduce_scatter_fn(
-        mesh, tuple(shard_axes), tuple(replicate_axes), dims, bool(all_reduce))
+    fn = _reduce_scatter_fn(mesh, tuple(shard_axes), tuple(replicate_axes), dims, bool(all_reduce))
     return list(fn(*stacked))
 
 
-@functools.lru_cache(maxsize=None)
-def _row_sum_fn(mesh: Mesh, shard_axes: tuple[str, ...], replicate_axes: tuple[str, ...],
-                leaves: int, all_reduce: bool):
+@functools.cache
+def _row_sum_fn(
+    mesh: Mesh,
+    shard_axes: tuple[str, ...],
+    replicate_axes: tuple[str, ...],
+    leaves: int,
+    all_reduce: bool,
+):
     """The compiled reduce-scatter of `eager_reduce_scatter_rows` for one mesh and layout."""
     summed_over = replicate_axes if all_reduce else ()
     n = _mesh.axes_size(mesh, shard_axes)
 
     def body(*rows):
         mine = [r.reshape(r.shape[1:]) for r in rows]
-        per_leaf = [mine[leaf * n:(leaf + 1) * n] for leaf in range(leaves)]
+        per_leaf = [mine[leaf * n : (leaf + 1) * n] for leaf in range(leaves)]
         return tuple(_lowering.reduce_scatter_rows(per_leaf, shard_axes, summed_over))
 
     mapped = jax.shard_map(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ class LeafLayout:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return (*self.shape[: self.dim], self.rows, *self.shape[self.dim + 1:])
+        return (*self.shape[: self.dim], self.rows, *self.shape[self.dim + 1 :])
 
     @property
     def differentiable(self) -> bool:
@@ -105,7 +105,10 @@ def gather_values(
     dims = [leaf.dim for leaf in layout.leaves]
     with scope(layout, "all_gather"):
         out = _lowering.all_gather_blocks(
-            _blocks(datas, layout), layout.shard_axes, dims=dims, dependency=dependency,
+            _blocks(datas, layout),
+            layout.shard_axes,
+            dims=dims,
+            dependency=dependency,
             keep_group=keep_group,
         )
     if keep_group is None:
@@ -115,9 +118,7 @@ def gather_values(
 
 def regather_values(part, layout: GroupLayout, group, dependency=None) -> list[jax.Array]:
     """The logical full arrays again, gathered from hpZ `part`s within `group` only."""
-    structs = [
-        jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in layout.leaves
-    ]
+    structs = [jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in layout.leaves]
     packing = _lowering.packing_of(structs, [leaf.dim for leaf in layout.leaves])
     with scope(layout, "all_gather"):
         fulls = _lowering.regather_group(part, packing, group, dependency)

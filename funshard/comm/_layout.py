@@ -83,7 +83,7 @@ class LayoutFacts:
         return self._with_dim(self.rows_per_shard)
 
     def _with_dim(self, size: int) -> tuple[int, ...]:
-        return (*self.shape[: self.dim], size, *self.shape[self.dim + 1:])
+        return (*self.shape[: self.dim], size, *self.shape[self.dim + 1 :])
 
     @property
     def ndim(self) -> int:

@@ -15,7 +15,8 @@ normalisation would otherwise widen a bf16 all-gather to f32) and is exact every
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +118,7 @@ def packing_of(blocks: Sequence[Any], dims: Sequence[int] | None = None) -> Pack
     dtypes = tuple(np.dtype(b.dtype) for b in blocks)
     carrier, width = _carrier(dtypes), _word_width(dtypes)
     shapes = tuple(
-        (b.shape[d], *b.shape[:d], *b.shape[d + 1:]) for b, d in zip(blocks, dims, strict=True)
+        (b.shape[d], *b.shape[:d], *b.shape[d + 1 :]) for b, d in zip(blocks, dims, strict=True)
     )
     sizes = tuple(
         int(np.prod(shape)) * (1 if carrier is not None else dtype.itemsize // width)
@@ -141,7 +142,7 @@ def unpack(gathered: jax.Array, packing: Packing) -> list[jax.Array]:
     out, start = [], 0
     layout = zip(packing.shapes, packing.dtypes, packing.dims, packing.sizes, strict=True)
     for shape, dtype, d, size in layout:
-        slab = gathered[:, start:start + size]
+        slab = gathered[:, start : start + size]
         start += size
         full_shape = (n * shape[0], *shape[1:])
         if packing.carrier is None:
@@ -215,6 +216,7 @@ def _materialized(fn, operand, axes: tuple[str, ...]):
     on every device but unknown to the compiler; the other branch never runs. (On GPU
     a conditional would cost a device-to-host sync, hence not everywhere.)
     """
+
     def barrier(x):
         return jax.lax.optimization_barrier(fn(x))
 
@@ -242,8 +244,11 @@ def materialize(tree: Any, axes: tuple[str, ...]) -> Any:
     # varies over `axes`, and its branches must type alike. A value already reduced
     # over the devices (a pmean'd statistic) is small and stays as it is.
     idx = [
-        i for i, x in enumerate(leaves)
-        if isinstance(x, jax.Array) and is_inexact_array(x) and x.size
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array)
+        and is_inexact_array(x)
+        and x.size
         and set(axes) <= _jax_compat.varying_axes(x)
     ]
     if not idx:
@@ -298,6 +303,7 @@ def _scatter_sum(slab: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
     (`platform_dependent`): only a CPU lowering takes the permutes, so a GPU program
     (NCCL) keeps its reduce-scatter even in a job whose CPU collectives are gloo.
     """
+
     def native(x):
         return jax.lax.psum_scatter(x, shard_axes, scatter_dimension=0, tiled=False)
 
@@ -332,8 +338,7 @@ def _scatter_sum_by_permutes(slab: jax.Array, shard_axes: tuple[str, ...]) -> ja
     """
     n = slab.shape[0]
     me = jax.lax.axis_index(shard_axes)
-    rows = [jax.lax.dynamic_index_in_dim(slab, (me + k) % n, 0, keepdims=False)
-            for k in range(n)]
+    rows = [jax.lax.dynamic_index_in_dim(slab, (me + k) % n, 0, keepdims=False) for k in range(n)]
     return _sum_rows(rows[0], rows[1:], shard_axes)
 
 
@@ -428,7 +433,7 @@ def reduce_scatter_blocks(
         start = 0
         for i, col in zip(idx, cols, strict=True):
             rows = fulls[i].shape[0] // n
-            block = flat[start:start + col.shape[1]].reshape(rows, *fulls[i].shape[1:])
+            block = flat[start : start + col.shape[1]].reshape(rows, *fulls[i].shape[1:])
             out[i] = jnp.moveaxis(block, 0, dims[i]) if dims[i] else block
             start += col.shape[1]
     return out  # type: ignore[return-value]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -127,8 +127,7 @@ def resolve_axes(
     for role, axes in (("shard_axis", shard_axes), ("replicate_axis", replicate_axes)):
         for axis in axes:
             if axis not in mesh.axis_names:
-                raise errors.ShardingValueError(
-                    _unknown_axis(fn, axis, mesh.axis_names, role))
+                raise errors.ShardingValueError(_unknown_axis(fn, axis, mesh.axis_names, role))
     if not shard_axes or set(shard_axes) & set(replicate_axes):
         raise errors.ShardingValueError(_axes_overlap(fn, shard_axes, replicate_axes))
     return shard_axes, replicate_axes

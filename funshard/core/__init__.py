@@ -5,7 +5,7 @@ used by `funshard.io`, `funshard.planning` and `funshard.flax`. The names below 
 the core's interface to those layers; users import the public ones from `funshard`.
 """
 
-from funshard.core._context import current as current_step
+from funshard.core._context import current as current_step  # noqa: F401 (re-export)
 from funshard.core._context import in_unit as in_unit
 from funshard.core._context import layout_of as layout_of
 from funshard.core._fully_shard import fully_shard as fully_shard
@@ -22,21 +22,21 @@ from funshard.core._options import trainable_flags as trainable_flags
 from funshard.core._placement import Replicate as Replicate
 from funshard.core._placement import Shard as Shard
 from funshard.core._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
-from funshard.core._random import fold_in as fold_in_key
 from funshard.core._policy import param_dtype_for as param_dtype_for
+from funshard.core._random import fold_in as fold_in_key  # noqa: F401 (re-export)
 from funshard.core._routes import LeafRoute as LeafRoute
 from funshard.core._routes import leaf_routes as leaf_routes
 from funshard.core._routes import state_axes as state_axes
 from funshard.core._scan import lax_scan as lax_scan
 from funshard.core._scan import scan as scan
-from funshard.core._shard_optimizer import LeafStatistics as LeafStatistics
-from funshard.core._shard_optimizer import shard_optimizer as shard_optimizer
 from funshard.core._shard import dtype_problem as dtype_problem
 from funshard.core._shard import reshard as reshard
 from funshard.core._shard import reshard_leaf as reshard_leaf
 from funshard.core._shard import shard as shard
 from funshard.core._shard import unshard as unshard
 from funshard.core._shard import unshard_as as unshard_as
+from funshard.core._shard_optimizer import LeafStatistics as LeafStatistics
+from funshard.core._shard_optimizer import shard_optimizer as shard_optimizer
 from funshard.core._sharded import Sharded as Sharded
 from funshard.core._sharded import is_array as is_array
 from funshard.core._sharded import is_key as is_key

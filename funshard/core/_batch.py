@@ -49,7 +49,8 @@ def check_batch(batch: Any, world: int, dp_axes, microbatches: int = 1) -> None:
             raise errors.ShardingValueError(_batch_not_divisible(path, size, world, dp_axes))
         if size % (world * microbatches):
             raise errors.ShardingValueError(
-                _batch_not_microbatchable(path, size, world, microbatches))
+                _batch_not_microbatchable(path, size, world, microbatches)
+            )
 
 
 def _batch_not_array(path, leaf) -> str:

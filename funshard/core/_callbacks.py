@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -161,8 +162,11 @@ def outer_callbacks() -> list[str]:
     Returns:
       One "file:line (function)" per such callback, innermost trace first ([] if none).
     """
-    return [_jax_compat.source_line(eqn) for eqn in _jax_compat.enclosing_equations()
-            if _user_callback(eqn)]
+    return [
+        _jax_compat.source_line(eqn)
+        for eqn in _jax_compat.enclosing_equations()
+        if _user_callback(eqn)
+    ]
 
 
 def _callbacks_outside_root(fn: str, places) -> str:

@@ -17,18 +17,33 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from funshard import _jax_compat, errors
 
 # Primitives that exchange data between devices (jax.lax's parallel operators, in their
 # jax 0.10 names). `axis_index` and the varying-type casts move nothing.
-_COMMUNICATING = frozenset({
-    "all_gather", "all_gather_invariant", "all_gather_reduced", "all_to_all",
-    "ragged_all_to_all", "reduce_scatter", "unreduced_reduce_scatter", "psum",
-    "psum_invariant", "unreduced_psum", "pmax", "pmin", "ppermute", "psend", "precv",
-    "pbroadcast",
-})
+_COMMUNICATING = frozenset(
+    {
+        "all_gather",
+        "all_gather_invariant",
+        "all_gather_reduced",
+        "all_to_all",
+        "ragged_all_to_all",
+        "reduce_scatter",
+        "unreduced_reduce_scatter",
+        "psum",
+        "psum_invariant",
+        "unreduced_psum",
+        "pmax",
+        "pmin",
+        "ppermute",
+        "psend",
+        "precv",
+        "pbroadcast",
+    }
+)
 _UNIT = re.compile(r"funshard/([^()]+?)/(?:all_gather|reduce_scatter)")
 
 
@@ -93,8 +108,7 @@ def _first_conflict(jaxpr: Any) -> tuple[_Branching, list[Any]] | None:
     for eqn in jaxpr.eqns:
         branching, guarded = _branching(eqn)
         if branching is not None:
-            hits = [c for sub in guarded for c in _collectives(sub)
-                    if _axes_of(c) & branching.axes]
+            hits = [c for sub in guarded for c in _collectives(sub) if _axes_of(c) & branching.axes]
             if hits:
                 return branching, hits
         for sub in sub_jaxprs(eqn):

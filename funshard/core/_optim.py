@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from funshard import _text, comm, errors
 from funshard.core import _padding_probe, _tree
 from funshard.core._shard_optimizer import LeafStatistics, is_shard_optimizer
-from funshard.core._sharded import Sharded, is_sharded
+from funshard.core._sharded import Sharded
 
 
 def sharding_on(mesh: Mesh, x: Any) -> NamedSharding:
@@ -54,8 +54,9 @@ def _node_sharding(leaf: comm.LayoutFacts, x: Any) -> NamedSharding:
 def _place_in_node(leaf: comm.LayoutFacts, x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         # An abstract state array says where it will live, as a concrete one does.
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_node_sharding(leaf, x),
-                                    weak_type=x.weak_type)
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=_node_sharding(leaf, x), weak_type=x.weak_type
+        )
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
         sharding = _node_sharding(leaf, x)
         return x if x.sharding == sharding else jax.device_put(x, sharding)
@@ -67,13 +68,13 @@ def _place(mesh: Mesh, x: Any) -> Any:
         data = jax.tree.map(lambda a: _place_in_node(x, a), x.data)
         return dataclasses.replace(x, data=data)
     if isinstance(x, LeafStatistics):
-        return LeafStatistics(jax.tree.map(lambda a: _place_in_node(x.layout, a), x.data),
-                              x.layout)
+        return LeafStatistics(jax.tree.map(lambda a: _place_in_node(x.layout, a), x.data), x.layout)
     if isinstance(x, jax.core.Tracer):
         return x  # under a trace, the enclosing jit decides where its outputs go
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_on(mesh, x),
-                                    weak_type=x.weak_type)
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=sharding_on(mesh, x), weak_type=x.weak_type
+        )
     if isinstance(x, jax.Array):
         return jax.device_put(x, sharding_on(mesh, x))
     return x
@@ -130,9 +131,11 @@ def _check_numeric_leaves(paths, items) -> None:
     """Strings and other objects in the state pass through `fs.shard` and the step, but
     an optimizer makes a moment of every leaf (optax fails deep inside with "data type
     'mlp' not understood"): name them here instead."""
-    bad = [(p, type(x).__name__) for p, x in zip(paths, items, strict=True)
-           if not (isinstance(x, (Sharded, bool, int, float, complex))
-                   or hasattr(x, "dtype"))]
+    bad = [
+        (p, type(x).__name__)
+        for p, x in zip(paths, items, strict=True)
+        if not (isinstance(x, (Sharded, bool, int, float, complex)) or hasattr(x, "dtype"))
+    ]
     if bad:
         raise errors.ShardingTypeError(_non_numeric_leaves("init_optimizer", bad))
 
@@ -181,5 +184,8 @@ def init_optimizer(opt: Any, state: Any) -> Any:
     if not is_shard_optimizer(opt):
         _check_padding(opt, state)
     opt_state = jax.eval_shape(opt.init, state) if _is_abstract(state) else opt.init(state)
-    return jax.tree.map(lambda x: _place(mesh, x), opt_state,
-                        is_leaf=lambda x: isinstance(x, (Sharded, LeafStatistics)))
+    return jax.tree.map(
+        lambda x: _place(mesh, x),
+        opt_state,
+        is_leaf=lambda x: isinstance(x, (Sharded, LeafStatistics)),
+    )

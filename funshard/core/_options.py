@@ -58,8 +58,14 @@ def root_options(
     check_flag(fn, "sync_every_microbatch", sync_every_microbatch)
     check_flag(fn, "all_reduce_every_microbatch", all_reduce_every_microbatch)
     check_flag(fn, "per_device_keys", per_device_keys)
-    return RootOptions(microbatches, sync_every_microbatch, all_reduce_every_microbatch,
-                       gradient_divide_factor, has_aux, per_device_keys)
+    return RootOptions(
+        microbatches,
+        sync_every_microbatch,
+        all_reduce_every_microbatch,
+        gradient_divide_factor,
+        has_aux,
+        per_device_keys,
+    )
 
 
 def check_microbatches(fn: str, value: Any) -> None:
@@ -146,7 +152,9 @@ def trainable_flags(fn: str, trainable: Any, state: Any) -> list[bool]:
     try:
         expanded = jax.tree.map(
             lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub, is_leaf=is_sharded),
-            trainable, state, is_leaf=lambda x: x is None,
+            trainable,
+            state,
+            is_leaf=lambda x: x is None,
         )
     except (ValueError, TypeError) as exc:
         raise errors.ShardingValueError(_trainable_mismatch(fn, exc)) from exc

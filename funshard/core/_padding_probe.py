@@ -36,8 +36,11 @@ _MAX_VERDICTS = 64
 def _stand_in(x: Any, real: bool) -> Any:
     """A cheap host array standing in for a leaf that cannot see padding."""
     if is_key(x):
-        return jax.random.key(0) if not x.ndim else jax.random.split(
-            jax.random.key(0), 1).reshape((1,) * x.ndim)
+        return (
+            jax.random.key(0)
+            if not x.ndim
+            else jax.random.split(jax.random.key(0), 1).reshape((1,) * x.ndim)
+        )
     shape = tuple(x.shape) if real else (1,) * len(x.shape)
     return np.full(shape, 0.5, dtype=np.dtype(x.dtype))
 
@@ -65,8 +68,12 @@ def _probe_inputs(state: Any, seed: int, real_shapes: bool) -> tuple[Any, Any]:
         if _probed(x):
             p, g = _real_rows(x, seed + 2 * i), _real_rows(x, seed + 2 * i + 1)
             logical.append((dataclasses.replace(x, data=p), dataclasses.replace(x, data=g)))
-            padded.append((dataclasses.replace(x, data=_padded(x, p)),
-                           dataclasses.replace(x, data=_padded(x, g))))
+            padded.append(
+                (
+                    dataclasses.replace(x, data=_padded(x, p)),
+                    dataclasses.replace(x, data=_padded(x, g)),
+                )
+            )
             continue
         if isinstance(x, Sharded):
             stand_in = dataclasses.replace(x, data=_stand_in(x, real_shapes))
@@ -78,13 +85,14 @@ def _probe_inputs(state: Any, seed: int, real_shapes: bool) -> tuple[Any, Any]:
         padded.append((stand_in, stand_in))
 
     def trees(pairs):
-        return tuple(jax.tree.unflatten(treedef, list(half)) for half in zip(*pairs))
+        return tuple(jax.tree.unflatten(treedef, list(half)) for half in zip(*pairs, strict=True))
 
     return trees(logical), trees(padded)
 
 
 def _both_runs(opt: Any, logical: tuple, padded: tuple) -> tuple:
     """`(updates, opt_state)` after one init and update on each of the two inputs."""
+
     def run(params, grads):
         return opt.update(grads, opt.init(params), params)
 
@@ -94,8 +102,11 @@ def _both_runs(opt: Any, logical: tuple, padded: tuple) -> tuple:
     # One compiled program, at XLA's lowest backend optimisation (compiling, not running,
     # is the probe's cost: ~0.4 s against ~1 s, and op by op AdamW's dozens of small
     # operations would each compile on first use, seconds in all).
-    compiled = jax.jit(both).lower(logical, padded).compile(
-        compiler_options={"xla_backend_optimization_level": 0})
+    compiled = (
+        jax.jit(both)
+        .lower(logical, padded)
+        .compile(compiler_options={"xla_backend_optimization_level": 0})
+    )
     return compiled(logical, padded)
 
 
@@ -143,17 +154,23 @@ def _disagreeing(logical: Any, padded: Any, check_padding: bool) -> list[tuple[A
     """(path, padded-run item) of every leaf or state node where the two runs disagree."""
     with_path, treedef = jax.tree_util.tree_flatten_with_path(logical, is_leaf=is_sharded)
     padded_items = treedef.flatten_up_to(padded)
-    return [(path, b) for (path, a), b in zip(with_path, padded_items, strict=True)
-            if not _item_agrees(a, b, check_padding)]
+    return [
+        (path, b)
+        for (path, a), b in zip(with_path, padded_items, strict=True)
+        if not _item_agrees(a, b, check_padding)
+    ]
 
 
 def _probe(opt: Any, state: Any, real_shapes: bool) -> tuple[list, list]:
     (params, grads), (padded_params, padded_grads) = _probe_inputs(state, 0, real_shapes)
     with probing(), jax.default_device(_host_device()):
         (updates, opt_state), (padded_updates, padded_state) = _both_runs(
-            opt, (params, grads), (padded_params, padded_grads))
-    return (_disagreeing(updates, padded_updates, check_padding=True),
-            _disagreeing(opt_state, padded_state, check_padding=False))
+            opt, (params, grads), (padded_params, padded_grads)
+        )
+    return (
+        _disagreeing(updates, padded_updates, check_padding=True),
+        _disagreeing(opt_state, padded_state, check_padding=False),
+    )
 
 
 def _host_device() -> jax.Device:
@@ -197,24 +214,31 @@ def _probe_or_none(opt: Any, state: Any) -> tuple[list, list] | None:
     """The probe's verdict, or None when the transform cannot run without the caller."""
     try:
         return _probe(opt, state, real_shapes=False)
-    except Exception:  # noqa: BLE001 - the user's transform may raise anything
-        logger.debug("padding probe on one-element stand-ins failed; retrying with the "
-                     "leaves' real shapes", exc_info=True)
+    except Exception:
+        logger.debug(
+            "padding probe on one-element stand-ins failed; retrying with the leaves' real shapes",
+            exc_info=True,
+        )
     try:
         return _probe(opt, state, real_shapes=True)
-    except Exception:  # noqa: BLE001
+    except Exception:
         # E.g. an update that needs extra arguments (`value=` of reduce_on_plateau).
-        logger.warning("init_optimizer could not probe the optimizer on the uneven leaves "
-                       "(it raised the error below); if it looks at whole matrices, wrap it "
-                       "with fs.shard_optimizer", exc_info=True)
+        logger.warning(
+            "init_optimizer could not probe the optimizer on the uneven leaves "
+            "(it raised the error below); if it looks at whole matrices, wrap it "
+            "with fs.shard_optimizer",
+            exc_info=True,
+        )
         return None
 
 
 def _cache_key(opt: Any, treedef: Any, items: list) -> Any:
     layout = tuple(
-        (tuple(x.shape), str(x.dtype), x.padded_shape, x.dim) if isinstance(x, Sharded)
+        (tuple(x.shape), str(x.dtype), x.padded_shape, x.dim)
+        if isinstance(x, Sharded)
         else (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
-        for x in items)
+        for x in items
+    )
     key = (opt, treedef, layout)
     try:
         hash(key)
@@ -225,5 +249,7 @@ def _cache_key(opt: Any, treedef: Any, items: list) -> Any:
 
 def describe(path: Any, leaf: Sharded) -> str:
     """`params['w'] (shape (130, 128), padded to (136, 128) over 8 shards)`."""
-    return (f"{_text.leaf_name(path)} (shape {tuple(leaf.shape)}, padded to "
-            f"{leaf.padded_shape} over {leaf.num_shards} shards)")
+    return (
+        f"{_text.leaf_name(path)} (shape {tuple(leaf.shape)}, padded to "
+        f"{leaf.padded_shape} over {leaf.num_shards} shards)"
+    )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 from funshard import _text, errors
 
@@ -44,8 +45,8 @@ class Replicate:
     """
 
 
-Placement = Union[Shard, Replicate]
-PlacementFn = Callable[[Any, Any], Union[Placement, None]]
+Placement = Shard | Replicate
+PlacementFn = Callable[[Any, Any], Placement | None]
 
 
 def _placement_bad_return(path, chosen) -> str:

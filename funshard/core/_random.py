@@ -18,7 +18,8 @@ meant to be shared by every example (noise added to the parameters).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -48,8 +49,11 @@ def restore_keys(tree: Any, folded: Any, originals: Any) -> Any:
     Flax's units restore the keys they fold. Matched by identity: only a key the loss
     returned untouched is replaced.
     """
-    pairs = {id(f): o for f, o in zip(jax.tree.leaves(folded), jax.tree.leaves(originals),
-                                      strict=True) if f is not o}
+    pairs = {
+        id(f): o
+        for f, o in zip(jax.tree.leaves(folded), jax.tree.leaves(originals), strict=True)
+        if f is not o
+    }
     if not pairs:
         return tree
     return jax.tree.map(lambda x: pairs.get(id(x), x), tree)

@@ -61,8 +61,9 @@ def is_value(x: Any) -> bool:
     return isinstance(x, Sharded) or is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
-def leaf_routes(paths, items, flags, *, sync_every_microbatch: bool = True
-                ) -> tuple[LeafRoute, ...]:
+def leaf_routes(
+    paths, items, flags, *, sync_every_microbatch: bool = True
+) -> tuple[LeafRoute, ...]:
     """One `LeafRoute` per state leaf (`Sharded` leaves whole, as `sharded_leaves` gives).
 
     Args:
@@ -77,11 +78,16 @@ def leaf_routes(paths, items, flags, *, sync_every_microbatch: bool = True
         traced = is_value(x)
         sharded = isinstance(x, Sharded)
         wanted = traced and trainable and is_inexact_array(x)
-        routes.append(LeafRoute(
-            path=tuple(path), sharded=sharded, position=position if traced else None,
-            differentiable=is_inexact_array(x), trainable=trainable,
-            deferred=wanted and sharded and not sync_every_microbatch,
-        ))
+        routes.append(
+            LeafRoute(
+                path=tuple(path),
+                sharded=sharded,
+                position=position if traced else None,
+                differentiable=is_inexact_array(x),
+                trainable=trainable,
+                deferred=wanted and sharded and not sync_every_microbatch,
+            )
+        )
         position += traced
     return tuple(routes)
 

@@ -90,9 +90,7 @@ def _scan_hpz_unsupported(api: str, k: int) -> str:
     )
 
 
-def scan(
-    fn: Callable, stacked: Any, carry: Any, *, reshard_after_forward: bool = True
-) -> Any:
+def scan(fn: Callable, stacked: Any, carry: Any, *, reshard_after_forward: bool = True) -> Any:
     """Runs `carry = fn(layer_params, carry)` over a stack of sharded layers.
 
     Args:

@@ -137,9 +137,7 @@ def _dim_not_divisible(path, shape, dim: int, shards: int) -> str:
     )
 
 
-def _shard_leaf(
-    path, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_size, traced
-):
+def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_size, traced):
     if isinstance(x, Sharded):
         raise errors.ShardingValueError(_already_sharded(path))
     if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
@@ -153,11 +151,13 @@ def _shard_leaf(
     if isinstance(where, Replicate):
         return _replicate(_strong(x), mesh, traced)
     layout = comm.Layout(
-        tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim)
+        tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim
+    )
     stacked = placement is _stacked_placement
     if where.dim and not stacked and x.shape[where.dim] % layout.num_shards:
         raise errors.ShardingValueError(
-            _dim_not_divisible(path, x.shape, where.dim, layout.num_shards))
+            _dim_not_divisible(path, x.shape, where.dim, layout.num_shards)
+        )
     return Sharded.from_layout(layout, _place(x, layout, traced))
 
 
@@ -255,7 +255,14 @@ def shard(
     traced = any(_is_traced(x) for x in jax.tree.leaves(params))
     return jax.tree_util.tree_map_with_path(
         lambda p, x: _shard_leaf(
-            p, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_shard_size,
+            p,
+            x,
+            mesh,
+            shard_axes,
+            replicate_axes,
+            mp_policy,
+            placement,
+            min_shard_size,
             traced,
         ),
         params,
@@ -364,10 +371,12 @@ def _same_on_every_process(fn: str, mesh, leaves: list[Sharded]) -> None:
         return
     processes = {d.process_index for d in mesh.devices.flat}
     # A leaf stacked by jax.vmap gathers its stack: its leading axes count too.
-    shapes = [(*x.data.shape[:x.data.ndim - x.ndim], *x.shape) for x in leaves]
+    shapes = [(*x.data.shape[: x.data.ndim - x.ndim], *x.shape) for x in leaves]
     distributed.same_collective(
-        fn, [(shape, x.dim, x.data.dtype) for shape, x in zip(shapes, leaves, strict=True)],
-        processes)
+        fn,
+        [(shape, x.dim, x.data.dtype) for shape, x in zip(shapes, leaves, strict=True)],
+        processes,
+    )
 
 
 def _shape_mismatch(fn: str, path, shape, expected) -> str:
@@ -473,9 +482,11 @@ def reshard(full_tree: Any, like: Any) -> Any:
     except (ValueError, TypeError) as exc:
         got = jax.tree_util.tree_structure(full_tree, is_leaf=is_sharded)
         raise errors.ShardingValueError(
-            _structure_mismatch("reshard", "full", got, treedef)) from exc
+            _structure_mismatch("reshard", "full", got, treedef)
+        ) from exc
     problems = [
-        found for path, full, item in zip(paths, fulls, items, strict=True)
+        found
+        for path, full, item in zip(paths, fulls, items, strict=True)
         if isinstance(item, Sharded) and (found := _full_problem(path, full, item))
     ]
     if problems:  # every bad leaf at once, as jax.shard_map reports its specs

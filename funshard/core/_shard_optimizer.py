@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,7 @@ def _in_layout(x: Sharded) -> bool:
 
 def state_out(state: Any) -> Any:
     """The transform's state as stored: odd-shaped arrays moved out of `Sharded` nodes."""
+
     def node(x):
         if isinstance(x, Sharded) and not _in_layout(x):
             return LeafStatistics(x.data, x.layout)
@@ -91,6 +93,7 @@ def state_out(state: Any) -> Any:
 
 def state_in(state: Any) -> Any:
     """The stored state as the transform built it (the inverse of `state_out`)."""
+
     def node(x):
         return Sharded.from_layout(x.layout, x.data) if isinstance(x, LeafStatistics) else x
 
@@ -149,6 +152,7 @@ def _map_uneven(fn, tree: Any) -> Any:
     `MaskedNode`, a factored state's pieces) rather than one array; each array of it is
     mapped with the node's layout.
     """
+
     def node(x):
         if not is_uneven(x):
             return x
@@ -219,7 +223,8 @@ def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransfor
             new_updates, new_state = inner.update(updates, state, params, **extra_args)
             return new_updates, state_out(new_state)
         new_updates, new_state = inner.update(
-            to_logical(updates), to_logical(state), to_logical(params), **extra_args)
+            to_logical(updates), to_logical(state), to_logical(params), **extra_args
+        )
         return to_padded(new_updates), state_out(to_padded(new_state))
 
     # `init_optimizer` skips its padding probe for this transform (and only this one:

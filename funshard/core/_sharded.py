@@ -82,11 +82,12 @@ class Sharded(comm.LayoutFacts):
     @property
     def layout(self) -> comm.Layout:
         """This leaf's `funshard.comm.Layout` (its static fields)."""
-        return comm.Layout(**{f.name: getattr(self, f.name)
-                              for f in dataclasses.fields(comm.Layout)})
+        return comm.Layout(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(comm.Layout)}
+        )
 
     @classmethod
-    def from_layout(cls, layout: comm.Layout, data: Any) -> "Sharded":
+    def from_layout(cls, layout: comm.Layout, data: Any) -> Sharded:
         """The leaf holding `data` (the padded global array) in `layout`."""
         return cls(data, **{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)})
 
@@ -152,8 +153,9 @@ def is_concrete(data: Any) -> bool:
     kind = type(data)
     concrete = _CONCRETE.get(kind)
     if concrete is None:  # once per type: tracers are jax.Arrays too, without buffers
-        concrete = _CONCRETE[kind] = (isinstance(data, jax.Array)
-                                      and not isinstance(data, jax.core.Tracer))
+        concrete = _CONCRETE[kind] = isinstance(data, jax.Array) and not isinstance(
+            data, jax.core.Tracer
+        )
     return concrete
 
 
@@ -169,9 +171,11 @@ def _set_data(self, value: Any) -> None:
 # After the dataclass is made, so that `data` stays a required field: a data descriptor
 # on the class wins over the instance's __dict__ in attribute lookup.
 Sharded.data = property(
-    _live_data, _set_data,
+    _live_data,
+    _set_data,
     doc="The padded global array. Reading it raises RuntimeError once a jitted call has "
-        "donated it (and, on a step's leaf, TypeError in a loss function: see the class).")
+    "donated it (and, on a step's leaf, TypeError in a loss function: see the class).",
+)
 
 
 def is_sharded(x: Any) -> bool:

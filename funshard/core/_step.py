@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,8 @@ class _Root:
     def ctx(self) -> _context.StepContext:
         """What the units and `unshard` read of the running step."""
         return _context.StepContext(
-            self.mesh, self.dp_axes,
+            self.mesh,
+            self.dp_axes,
             skip_replicate_reduce=not self.opts.all_reduce_every_microbatch,
         )
 
@@ -78,8 +80,9 @@ class _Root:
     @property
     def specs(self) -> list[PartitionSpec]:
         """The shard_map spec of each traced value."""
-        return [comm.spec(x.shard_axis, x.dim) if r.sharded else PartitionSpec()
-                for r, x in self.traced]
+        return [
+            comm.spec(x.shard_axis, x.dim) if r.sharded else PartitionSpec() for r, x in self.traced
+        ]
 
     def values(self) -> list:
         """The traced values: `Sharded` leaves' padded arrays, and the arrays."""
@@ -108,7 +111,9 @@ def _step_leaf(root: _Root, route: LeafRoute, item: Sharded, value, accumulator)
     """`item` holding `value` as the loss function sees it inside the step."""
     fields = {f.name: getattr(item, f.name) for f in dataclasses.fields(Sharded)}
     return _context.StepLeaf(
-        **{**fields, "data": value}, frozen=not route.wanted, accumulator=accumulator,
+        **{**fields, "data": value},
+        frozen=not route.wanted,
+        accumulator=accumulator,
         skip_replicate_reduce=root.ctx.skip_replicate_reduce,
     )
 
@@ -125,8 +130,7 @@ def _read_state(state, batch, trainable, opts: RootOptions) -> _Root:
     dp_axes = (*replicate_axes, *shard_axes)
     check_batch(batch, comm.axes_size(mesh, dp_axes), dp_axes, opts.microbatches)
     flags = trainable_flags("value_and_grad", trainable, state)
-    routes = leaf_routes(paths, items, flags,
-                         sync_every_microbatch=opts.sync_every_microbatch)
+    routes = leaf_routes(paths, items, flags, sync_every_microbatch=opts.sync_every_microbatch)
     _check_trainable_leaves(routes, items)
     return _Root(opts, tuple(items), treedef, routes, mesh, replicate_axes, shard_axes)
 
@@ -137,9 +141,7 @@ def _as_arrays(items: list) -> list:
     Under jit a Python float leaf is a traced float32 (differentiable) and an int a
     traced int32; converting them here makes an un-jitted step behave the same.
     """
-    return [
-        jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x for x in items
-    ]
+    return [jnp.asarray(x) if isinstance(x, (bool, int, float, complex)) else x for x in items]
 
 
 def _check_context_mesh(mesh) -> None:
@@ -165,8 +167,11 @@ def _other_mesh_set(fn: str, context, mesh) -> str:
 
 def _check_trainable_leaves(routes, items) -> None:
     """Non-floating leaves have no gradient, but an optimizer would still change them."""
-    bad = [(r.path, str(x.dtype)) for r, x in zip(routes, items, strict=True)
-           if r.traced and r.trainable and not r.differentiable]
+    bad = [
+        (r.path, str(x.dtype))
+        for r, x in zip(routes, items, strict=True)
+        if r.traced and r.trainable and not r.differentiable
+    ]
     if bad:
         raise errors.ShardingTypeError(_non_float_leaves("value_and_grad", bad))
 
@@ -193,8 +198,10 @@ def _per_device(loss_fn, root: _Root, rebuild_args, values, local_batch, arg_val
     if not opts.all_reduce_every_microbatch:
         # Typed as varying over the replicate axes, the shards' gradients are not
         # all-reduced by autodiff; the root all-reduces them once at the end.
-        values = [comm.vary(v, root.replicate_axes) if r.sharded else v
-                  for (r, _), v in zip(root.traced, values, strict=True)]
+        values = [
+            comm.vary(v, root.replicate_axes) if r.sharded else v
+            for (r, _), v in zip(root.traced, values, strict=True)
+        ]
 
     callbacks = []  # whether the user's step has host callbacks (trace time)
 
@@ -212,7 +219,8 @@ def _per_device(loss_fn, root: _Root, rebuild_args, values, local_batch, arg_val
         loss, aux, grads, sums = one(local_batch)
     else:
         losses, auxes, grads, sums = _over_microbatches(
-            one, local_batch, opts.microbatches, _zero_sums(root, values))
+            one, local_batch, opts.microbatches, _zero_sums(root, values)
+        )
         loss, aux = jnp.mean(losses), _combine_microbatches(auxes)
     grads = _add(grads, _reduce_deferred(root, sums))
     # A loss already reduced over some data axes (psum / pmean in the loss function) is
@@ -240,8 +248,7 @@ def _keys_for(root: _Root, values: list, args, microbatch_index):
     index = jax.lax.axis_index(root.dp_axes)
     if microbatch_index is not None:
         index = index * root.opts.microbatches + microbatch_index
-        values = [_random.fold_in(v, microbatch_index) if _random.is_key(v) else v
-                  for v in values]
+        values = [_random.fold_in(v, microbatch_index) if _random.is_key(v) else v for v in values]
     return values, _random.fold_in_keys(args, index)
 
 
@@ -272,9 +279,9 @@ def _microbatch(loss_fn, root: _Root, values, batch, args):
         return _split_output(out, root.opts.has_aux)
 
     accumulators = [_accumulator(x, root.dp_axes) for _, x in deferred]
-    (loss, aux), (diff_grads, sums) = jax.value_and_grad(
-        local_loss, argnums=(0, 1), has_aux=True
-    )([values[r.position] for r in diff], accumulators)
+    (loss, aux), (diff_grads, sums) = jax.value_and_grad(local_loss, argnums=(0, 1), has_aux=True)(
+        [values[r.position] for r in diff], accumulators
+    )
     grads = {r.position: g for r, g in zip(diff, diff_grads, strict=True)}
     return loss, aux, grads, {r.position: s for (r, _), s in zip(deferred, sums, strict=True)}
 
@@ -294,11 +301,13 @@ def _split_output(out, has_aux: bool):
         if isinstance(out, (tuple, list)):
             raise errors.ShardingTypeError(_aux_unexpected(len(out)))
         loss, aux = out, None
-    if not (hasattr(loss, "dtype") and jnp.ndim(loss) == 0
-            and jnp.issubdtype(loss.dtype, jnp.floating)):
+    if not (
+        hasattr(loss, "dtype") and jnp.ndim(loss) == 0 and jnp.issubdtype(loss.dtype, jnp.floating)
+    ):
         raise errors.ShardingTypeError(_loss_not_scalar(loss))
-    sharded_aux = [p for p, x in tree_flatten_with_path(aux, is_leaf=is_sharded)[0]
-                   if isinstance(x, Sharded)]
+    sharded_aux = [
+        p for p, x in tree_flatten_with_path(aux, is_leaf=is_sharded)[0] if isinstance(x, Sharded)
+    ]
     if sharded_aux:
         raise errors.ShardingTypeError(_sharded_aux(sharded_aux))
     return loss, aux
@@ -387,6 +396,7 @@ def _combine_microbatches(stacked: Any) -> Any:
     """Per-microbatch aux values (stacked on axis 0) as one: scalars averaged (floating)
     or summed, arrays (per-example values) concatenated in batch order, PRNG keys (RNG
     streams written back) the last microbatch's."""
+
     def combine(x):
         if _random.is_key(x):
             return x[-1]
@@ -403,8 +413,9 @@ def _reduce_deferred(root: _Root, sums: dict) -> dict:
         return {}
     order = sorted(sums)
     item_at = {r.position: x for r, x in root.traced}
-    layout = _context.layout_of([item_at[i] for i in order],
-                                root.ctx.skip_replicate_reduce, name="root")
+    layout = _context.layout_of(
+        [item_at[i] for i in order], root.ctx.skip_replicate_reduce, name="root"
+    )
     reduced = comm.reduce_values([sums[i] for i in order], layout)
     return dict(zip(order, reduced, strict=True))
 
@@ -536,22 +547,24 @@ def value_and_grad(
     Raises:
       ValueError: `microbatches` is not an int >= 1 or `gradient_divide_factor` is
         not positive (raised at once, as is the TypeError of a `sync_every_microbatch`
-        or `all_reduce_every_microbatch` that is not a bool); the state has no `Sharded` leaves or mixes
-        meshes or axes, the global batch size is not a multiple of the data-parallel
-        world size times `microbatches`, batch leaves have different leading sizes, or
-        `trainable` does not fit the state; a `cond` / `switch` / `while_loop` whose
-        predicate differs between devices guards a unit or another collective; a random
-        draw uses a key equal on every device (see `per_device_keys`).
+        or `all_reduce_every_microbatch` that is not a bool); the state has no
+        `Sharded` leaves or mixes meshes or axes, the global batch size is not a
+        multiple of the data-parallel world size times `microbatches`, batch leaves
+        have different leading sizes, or `trainable` does not fit the state; a `cond` /
+        `switch` / `while_loop` whose predicate differs between devices guards a unit or
+        another collective; a random draw uses a key equal on every device (see `per_device_keys`).
       TypeError: the state has integer or bool leaves (they have no gradient, yet an
         optimizer would change them) that `trainable` does not mark False; the loss
         function's output does not match `has_aux`, its loss is not a floating
         scalar, or its aux holds `Sharded` leaves.
     """
     opts = root_options(
-        "value_and_grad", microbatches=microbatches,
+        "value_and_grad",
+        microbatches=microbatches,
         sync_every_microbatch=sync_every_microbatch,
         all_reduce_every_microbatch=all_reduce_every_microbatch,
-        gradient_divide_factor=gradient_divide_factor, has_aux=has_aux,
+        gradient_divide_factor=gradient_divide_factor,
+        has_aux=has_aux,
         per_device_keys=per_device_keys,
     )
 

@@ -20,7 +20,8 @@ which would keep all parameters alive.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +61,7 @@ def prepare(fn: str, params: Any) -> UnitParams:
     paths, items, _ = _tree.sharded_leaves(params)
     if _tree.common_mesh(fn, paths, items) is None:
         if _context.in_unit():
-            raise errors.ShardingValueError(
-                _text.nested_units("a unit called inside another unit"))
+            raise errors.ShardingValueError(_text.nested_units("a unit called inside another unit"))
         raise errors.ShardingValueError(_text.no_sharded(fn))
     return UnitParams(_tree.partition(params), paths, policy_of(fn, paths, items))
 
@@ -124,12 +124,18 @@ def _preferred_dependency(arrays: list, excluded: set[int]) -> int | None:
     sharded parameters (positions in `excluded`), and values that vary over the mesh
     axes (the batch) before replicated ones (RNG counters), floating before integer.
     """
-    candidates = [i for i, x in enumerate(arrays)
-                  if i not in excluded and isinstance(x, jax.Array) and x.size]
+    candidates = [
+        i for i, x in enumerate(arrays) if i not in excluded and isinstance(x, jax.Array) and x.size
+    ]
     if not candidates:
         return None
-    return min(candidates, key=lambda i: (not _jax_compat.varying_axes(arrays[i]),
-                                          not _tree.is_inexact_array(arrays[i])))
+    return min(
+        candidates,
+        key=lambda i: (
+            not _jax_compat.varying_axes(arrays[i]),
+            not _tree.is_inexact_array(arrays[i]),
+        ),
+    )
 
 
 def group_size(reshard_after_forward: bool | int, sharded: list[Sharded]) -> int | None:
@@ -210,10 +216,15 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
     # jax.vjp takes and returns arrays only: the other leaves stay static.
     operand_arrays, rebuild_operands = _tree.split_arrays((unit.parts.others, args))
     # Positions, computed here and now (static ints): identities do not survive traces.
-    in_sharded = {id(x) for leaf in _tree.sharded_leaves(args)[1] if is_sharded(leaf)
-                  for x in jax.tree.leaves(leaf)}
+    in_sharded = {
+        id(x)
+        for leaf in _tree.sharded_leaves(args)[1]
+        if is_sharded(leaf)
+        for x in jax.tree.leaves(leaf)
+    }
     dependency_index = _preferred_dependency(
-        operand_arrays, {i for i, x in enumerate(operand_arrays) if id(x) in in_sharded})
+        operand_arrays, {i for i, x in enumerate(operand_arrays) if id(x) in in_sharded}
+    )
 
     def run(fulls, operand_arrays):
         others, call_args = rebuild_operands(operand_arrays)
@@ -263,8 +274,7 @@ def _layer_layout(sharded, name: str):
     return dataclasses.replace(stack, leaves=layer)
 
 
-def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: bool,
-                 name: str):
+def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: bool, name: str):
     """`carry, y = fn(carry, layer)` over a stack of sharded layers, one custom_vjp.
 
     `fn` follows `jax.lax.scan`'s convention, and so does the result: the final carry
@@ -311,8 +321,9 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
         def body(c, xs):
             h, current = c
             i, others_i = xs
-            upcoming = prefetch(datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1),
-                                dependency_of(h), current)
+            upcoming = prefetch(
+                datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1), dependency_of(h), current
+            )
             (h, y), vjp_fn = jax.vjp(run_layer, current, others_i, h)
             kept = record.drop_gathered(vjp_fn, current if reshard_after_forward else ())
             return (h, upcoming), (kept, y)

@@ -36,8 +36,12 @@ _calls: dict[tuple[int, ...], itertools.count] = {}
 _WAIT_SLICE_MS = 500
 
 
-def same_collective(fn: str, leaves: Sequence[tuple], processes: Collection[int],
-                    noun: tuple[str, str] = ("leaf", "leaves")) -> None:
+def same_collective(
+    fn: str,
+    leaves: Sequence[tuple],
+    processes: Collection[int],
+    noun: tuple[str, str] = ("leaf", "leaves"),
+) -> None:
     """Returns once every process of `processes` issues the same eager all-gather.
 
     Args:
@@ -72,7 +76,8 @@ def same_collective(fn: str, leaves: Sequence[tuple], processes: Collection[int]
             theirs = _wait_for(client, f"{prefix}{call}/{other}", other, since, fn)
             if theirs is None:
                 raise errors.DistributedTimeoutError(
-                    _not_issued(fn, rank, other, signature, call, time.monotonic() - since))
+                    _not_issued(fn, rank, other, signature, call, time.monotonic() - since)
+                )
             if theirs != signature:  # every process sees it and raises
                 _departure.announce_failure()
                 _departure.await_failures(group)
@@ -84,8 +89,10 @@ def _describe(leaves: Sequence[tuple], noun: tuple[str, str]) -> str:
     exact = ";".join(f"{tuple(shape)}/{dim}/{dtype}" for shape, dim, dtype in leaves)
     digest = hashlib.sha256(exact.encode()).hexdigest()[:8]
     elements = sum(math.prod(shape) for shape, _, _ in leaves)
-    return (f"an all-gather of {len(leaves)} {noun[len(leaves) != 1]} ({elements:,} elements "
-            f"in all, layout digest {digest})")
+    return (
+        f"an all-gather of {len(leaves)} {noun[len(leaves) != 1]} ({elements:,} elements "
+        f"in all, layout digest {digest})"
+    )
 
 
 def _wait_for(client, key: str, other: int, since: float, fn: str) -> str | None:
@@ -98,13 +105,13 @@ def _wait_for(client, key: str, other: int, since: float, fn: str) -> str | None
         if left is not None:
             raise errors.DistributedError(
                 f"{fn} outside a step: process {jax.process_index()} issued a collective "
-                f"that {_departure.departure_text(left)} will never join.")
+                f"that {_departure.departure_text(left)} will never join."
+            )
         if time.monotonic() - since >= limit:
             return None
 
 
-def _not_issued(fn: str, rank: int, other: int, signature: str, call: int,
-                waited_s: float) -> str:
+def _not_issued(fn: str, rank: int, other: int, signature: str, call: int, waited_s: float) -> str:
     return (
         f"{fn} outside a step: process {rank} of {jax.process_count()} is about to issue "
         f"{signature} (its collective number {call + 1} outside a compiled step), and "

@@ -35,9 +35,9 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from funshard import _jax_compat, _py_compat, errors
 from funshard.distributed._rendezvous import not_seconds
@@ -83,9 +83,13 @@ def departure_timeout(value, environ: Mapping[str, str]) -> float:
     except (TypeError, ValueError):
         seconds = math.nan
     if isinstance(value, bool) or not seconds > 0:
-        raise errors.ShardingValueError(not_seconds(
-            source, value,
-            "departure_timeout=30 (or FUNSHARD_DEPARTURE_TIMEOUT=30), or inf to wait forever"))
+        raise errors.ShardingValueError(
+            not_seconds(
+                source,
+                value,
+                "departure_timeout=30 (or FUNSHARD_DEPARTURE_TIMEOUT=30), or inf to wait forever",
+            )
+        )
     return seconds
 
 
@@ -148,8 +152,10 @@ def _same_steps_hint(timeout: float | None) -> str:
         "returning) leaves the others waiting."
     )
     if timeout is not None:
-        text += (f" Gave up after departure_timeout={timeout:g} s (an argument of "
-                 "funshard.distributed.initialize, or FUNSHARD_DEPARTURE_TIMEOUT).")
+        text += (
+            f" Gave up after departure_timeout={timeout:g} s (an argument of "
+            "funshard.distributed.initialize, or FUNSHARD_DEPARTURE_TIMEOUT)."
+        )
     return text
 
 
@@ -157,8 +163,9 @@ def _at_step(step: int, kind: str) -> str:
     return "" if kind == "step" else f", at step {step},"
 
 
-def _peer_left(rank: int, count: int, notes, step: int, kind: str, waited_s: float,
-               what: str, timeout: float) -> str:
+def _peer_left(
+    rank: int, count: int, notes, step: int, kind: str, waited_s: float, what: str, timeout: float
+) -> str:
     who = ", ".join(str(n.rank) for n in notes)
     return (
         f"funshard.distributed: process {rank} of {count} gives up: "
@@ -195,7 +202,7 @@ class _Monitor:
         """The other processes' notes, read again from the service (kept if it is gone)."""
         try:
             pairs = self.client.key_value_dir_get(_NOTES)
-        except Exception:  # noqa: BLE001 -- a dead service: JAX ends the process anyway
+        except Exception:
             self.reachable = False
             return dict(self.notes)
         now = time.monotonic()
@@ -214,8 +221,9 @@ class _Monitor:
 
     def message(self, waited_s: float, what: str) -> str:
         notes = sorted(self.notes.values(), key=lambda n: n.rank)
-        return _peer_left(self.rank, self.count, notes, self.step, self.kind, waited_s,
-                          what, self.timeout)
+        return _peer_left(
+            self.rank, self.count, notes, self.step, self.kind, waited_s, what, self.timeout
+        )
 
     def watch(self) -> None:
         """The watchdog thread: gives up when this process is stuck on one that left."""
@@ -267,7 +275,7 @@ class _Monitor:
         """The other processes that announced an error of their own (`announce_failure`)."""
         try:
             pairs = self.client.key_value_dir_get(_FAILING)
-        except Exception:  # noqa: BLE001 -- a dead service: nobody left to wait for
+        except Exception:
             return set()
         return {int(key.rsplit("/", 1)[1]) for key, _ in pairs} - {self.rank}
 
@@ -284,15 +292,15 @@ class _Monitor:
         stuck = OrderedWorker.running > 0
         self.post(how, barrier=not stuck)
         deadline = time.monotonic() + self.shutdown_s
-        while (len(self.refresh()) < self.count - 1 and self.reachable
-               and time.monotonic() < deadline):
+        while (
+            len(self.refresh()) < self.count - 1 and self.reachable and time.monotonic() < deadline
+        ):
             time.sleep(_EXIT_POLL_S)
         gone = len(self.notes) < self.count - 1 or not all(n.barrier for n in self.notes.values())
         if stuck or gone:
             # JAX's shutdown barrier would wait for a process that will never arrive.
             self.leave(how)
             _exit_now(0 if failed is None else 1)
-
 
     def stop_watchdog(self) -> None:
         """Ends the watchdog thread before JAX's shutdown, waiting for it a bounded time.
@@ -342,7 +350,8 @@ def start(client, rank: int, count: int, timeout: float, shutdown_timeout: float
     atexit.register(_monitor.at_exit)
     if math.isfinite(timeout):
         _monitor.watchdog = threading.Thread(
-            target=_monitor.watch, name="funshard-departure-watchdog", daemon=True)
+            target=_monitor.watch, name="funshard-departure-watchdog", daemon=True
+        )
         _monitor.watchdog.start()
 
 

@@ -35,8 +35,7 @@ _ANSWER_SLACK_S = 1.0  # network and scheduling delay allowed for process 0's an
 def not_seconds(source: str, value, example: str) -> str:
     """A timeout of `initialize` (this one, or `_departure`'s) that is not one."""
     return (
-        f"initialize: {source}={value!r} is not a positive number of seconds; pass e.g. "
-        f"{example}."
+        f"initialize: {source}={value!r} is not a positive number of seconds; pass e.g. {example}."
     )
 
 
@@ -63,8 +62,11 @@ def initialization_timeout(value, environ: Mapping[str, str]) -> float:
     except (TypeError, ValueError):
         seconds = math.nan
     if isinstance(value, bool) or not 0 < seconds < math.inf:
-        raise errors.ShardingValueError(not_seconds(
-            source, value, "initialization_timeout=60 (or FUNSHARD_INITIALIZATION_TIMEOUT=60)"))
+        raise errors.ShardingValueError(
+            not_seconds(
+                source, value, "initialization_timeout=60 (or FUNSHARD_INITIALIZATION_TIMEOUT=60)"
+            )
+        )
     return seconds
 
 
@@ -104,8 +106,7 @@ def endpoint(address: str, source: str) -> tuple[str, int]:
     try:
         socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise errors.ShardingValueError(
-            _coordinator_unresolvable(host, source, str(exc))) from None
+        raise errors.ShardingValueError(_coordinator_unresolvable(host, source, str(exc))) from None
     return host, int(port)
 
 
@@ -184,8 +185,10 @@ def _serve(n: int, host: str, port: int, start: float, timeout: float) -> None:
             while len(arrived) < n - 1 and time.monotonic() - start < timeout:
                 if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
                     missing = sorted(set(range(1, n)) - set(arrived))
-                    _notice(f"{me} waiting for {_text.process_list(missing)} "
-                            f"at {address}, timeout {timeout:g} s")
+                    _notice(
+                        f"{me} waiting for {_text.process_list(missing)} "
+                        f"at {address}, timeout {timeout:g} s"
+                    )
                     noticed = True
                 for key, _ in selector.select(0.2):
                     _on_readable(key, server, selector, arrived, notes, n)
@@ -199,7 +202,8 @@ def _serve(n: int, host: str, port: int, start: float, timeout: float) -> None:
                     key.fileobj.close()
     if missing:
         raise errors.DistributedTimeoutError(
-            _start_missing_processes(me, missing, address, timeout, notes))
+            _start_missing_processes(me, missing, address, timeout, notes)
+        )
 
 
 def _start_note_refused(problem: str) -> str:
@@ -304,10 +308,13 @@ def _join(rank: int, n: int, host: str, port: int, start: float, timeout: float)
         left = timeout - (time.monotonic() - start)
         if left <= 0:
             raise errors.DistributedTimeoutError(
-                _start_no_coordinator(me, address, timeout, reason))
+                _start_no_coordinator(me, address, timeout, reason)
+            )
         if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
-            _notice(f"{me} waiting for process 0 (the coordinator) and the "
-                    f"others at {address}, timeout {timeout:g} s")
+            _notice(
+                f"{me} waiting for process 0 (the coordinator) and the "
+                f"others at {address}, timeout {timeout:g} s"
+            )
             noticed = True
         try:
             peer = socket.create_connection((host, port), timeout=min(left, 1.0))
@@ -349,8 +356,7 @@ def _await_reply(peer, rank: int, n: int, start: float, timeout: float, noticed,
         if left <= 0:
             raise errors.DistributedTimeoutError(_start_no_answer(me, address, timeout))
         if not noticed and time.monotonic() - start >= WAIT_NOTICE_S:
-            _notice(f"{me} waiting for the other processes at {address}, "
-                    f"timeout {timeout:g} s")
+            _notice(f"{me} waiting for the other processes at {address}, timeout {timeout:g} s")
             noticed = True
         peer.settimeout(min(left, 0.2))
         try:
@@ -386,5 +392,6 @@ def _on_reply(reply: str, me: str) -> None:
         return
     if word == "missing":
         raise errors.DistributedTimeoutError(
-            _start_gave_up_elsewhere(me, [int(r) for r in rest.split(",")]))
+            _start_gave_up_elsewhere(me, [int(r) for r in rest.split(",")])
+        )
     raise errors.DistributedError(rest if word == "error" else _start_unexpected_answer(reply))

@@ -103,16 +103,26 @@ def _from_environment(environ: Mapping[str, str]) -> tuple:
         if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
             coordinator = f"{environ['MASTER_ADDR']}:{_torchrun_port(environ)}"
         local = _int_env(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else None
-        return ("torchrun", coordinator, _int_env(environ, "WORLD_SIZE"),
-                _int_env(environ, "RANK"), local)
+        return (
+            "torchrun",
+            coordinator,
+            _int_env(environ, "WORLD_SIZE"),
+            _int_env(environ, "RANK"),
+            local,
+        )
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         host = environ.get("MASTER_ADDR") or environ.get("SLURM_LAUNCH_NODE_IPADDR")
         coordinator = None
         if host and ("MASTER_PORT" in environ or "SLURM_JOB_ID" in environ):
             coordinator = f"{host}:{_slurm_port(environ)}"
         local = _int_env(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else None
-        return ("slurm", coordinator, _int_env(environ, "SLURM_NTASKS"),
-                _int_env(environ, "SLURM_PROCID"), local)
+        return (
+            "slurm",
+            coordinator,
+            _int_env(environ, "SLURM_NTASKS"),
+            _int_env(environ, "SLURM_PROCID"),
+            local,
+        )
     return ("none", None, 1, 0, None)
 
 
@@ -164,9 +174,7 @@ def resolve_launch(
     explicit = (coordinator_address, num_processes, process_id)
     if any(v is not None for v in explicit):
         launcher = "arguments" if launcher == "none" else launcher
-    coordinator = (
-        coordinator_address or environ.get("JAX_COORDINATOR_ADDRESS") or env_coordinator
-    )
+    coordinator = coordinator_address or environ.get("JAX_COORDINATOR_ADDRESS") or env_coordinator
     n = env_n if num_processes is None else num_processes
     rank = env_id if process_id is None else process_id
     if local_device_ids is None:
@@ -293,8 +301,13 @@ def initialize(
     if launch.multi_process and not jax.distributed.is_initialized():
         source = _address_source(coordinator_address, launch, os.environ)
         _start(launch, source, timeout, heartbeat_timeout, shutdown_timeout)
-        _departure.start(_jax_compat.coordination_client(), launch.process_id,
-                         launch.num_processes, departure, shutdown_timeout)
+        _departure.start(
+            _jax_compat.coordination_client(),
+            launch.process_id,
+            launch.num_processes,
+            departure,
+            shutdown_timeout,
+        )
         if fail_fast:
             hosts = _exchange_hosts(launch, timeout)
             sys.excepthook = _fail_fast_hook(sys.excepthook, launch, hosts)
@@ -372,7 +385,7 @@ def _exchange_hosts(launch: Launch, timeout_s: float) -> dict[int, str]:
         client.wait_at_barrier("funshard/hosts", int(min(timeout_s, 60) * 1000))
         pairs = client.key_value_dir_get("funshard/host/")
         return {int(key.rsplit("/", 1)[1]): ip for key, ip in pairs}
-    except Exception:  # noqa: BLE001 -- naming peers is a nicety, never a failure
+    except Exception:
         return {}
 
 
@@ -396,8 +409,12 @@ def _dead_peer(message: str, launch: Launch, hosts: dict[int, str]) -> str | Non
     return f"the process at {where}"
 
 
-def failure_summary(exc: BaseException, launch: Launch, hosts: dict[int, str],
-                    departed: Mapping[int, Any] | None = None) -> str:
+def failure_summary(
+    exc: BaseException,
+    launch: Launch,
+    hosts: dict[int, str],
+    departed: Mapping[int, Any] | None = None,
+) -> str:
     """The one-paragraph explanation `fail_fast` prints after the traceback.
 
     `departed` holds the notes of the processes that said they left the job
@@ -446,11 +463,13 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
 def _local_positions(mesh: Mesh, axes: tuple[str, ...]) -> int:
     """How many distinct batch blocks (positions along `axes`) this process's devices hold."""
     me, where = jax.process_index(), [mesh.axis_names.index(a) for a in axes]
-    return len({
-        tuple(idx[i] for i in where)
-        for idx in np.ndindex(mesh.devices.shape)
-        if mesh.devices[idx].process_index == me
-    })
+    return len(
+        {
+            tuple(idx[i] for i in where)
+            for idx in np.ndindex(mesh.devices.shape)
+            if mesh.devices[idx].process_index == me
+        }
+    )
 
 
 def _local_batch_not_array(path, leaf) -> str:
@@ -588,15 +607,19 @@ _batch_calls = itertools.count()
 
 
 def _leaf_text(described, groups) -> str:
-    """"8 rows" where only the row counts differ, else "float32 (8, 3)"."""
+    """ "8 rows" where only the row counts differ, else "float32 (8, 3)"."""
     if described == "absent":
         return described
     if not isinstance(described, tuple):
         return f"a {described}, not an array,"
     arrays = [d for d in groups if isinstance(d, tuple)]
-    if len(arrays) == len(groups) and all(
-        len(d[0]) >= 1 and d[0][1:] == described[0][1:] and d[1] == described[1] for d in arrays
-    ) and described[0]:
+    if (
+        len(arrays) == len(groups)
+        and all(
+            len(d[0]) >= 1 and d[0][1:] == described[0][1:] and d[1] == described[1] for d in arrays
+        )
+        and described[0]
+    ):
         return f"{described[0][0]} rows"
     return f"{described[1]} {tuple(described[0])}"
 
@@ -614,7 +637,8 @@ def _batch_differs_across_processes(signatures) -> str:
             groups.setdefault(per_rank.get(rank, "absent"), []).append(rank)
         if len(groups) > 1:
             listing = "; ".join(
-                f"{_leaf_text(d, groups)} on {_text.process_list(r)}" for d, r in groups.items())
+                f"{_leaf_text(d, groups)} on {_text.process_list(r)}" for d, r in groups.items()
+            )
             lines.append(f"  local_batch{path}: {listing}")
     return (
         "shard_batch: the processes passed batches that do not fit together:\n"
@@ -668,7 +692,7 @@ def _wait_for(client, key: str, wait_s: float) -> str | None:
         left = deadline - time.monotonic()
         try:
             return client.blocking_key_value_get(key, max(1, int(min(left, 0.5) * 1000)))
-        except Exception:  # noqa: BLE001 -- a late or dead process: see _check_same_batch
+        except Exception:
             pass
         error = _departure.left_before_this_step()
         if error is not None:
@@ -686,8 +710,9 @@ def _all_signatures(client, root: str, text: str, wait_s: float) -> dict:
     else:
         _wait_for(client, f"{root}all_described", wait_s)  # else: name who did answer
     signatures = {
-        int(key.rsplit("/", 1)[1]): [(p, (tuple(d[0]), d[1]) if isinstance(d, list) else d)
-                                     for p, d in json.loads(value)]
+        int(key.rsplit("/", 1)[1]): [
+            (p, (tuple(d[0]), d[1]) if isinstance(d, list) else d) for p, d in json.loads(value)
+        ]
         for key, value in client.key_value_dir_get(f"{root}full/")
     }
     return dict(sorted(signatures.items()))

@@ -49,8 +49,11 @@ def _leaf_signature(x: Any) -> dict:
     """What of one leaf the compiled step depends on, as JSON-ready data."""
     if _is_layout(x):
         return {
-            "kind": "sharded", "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
-            "dim": x.dim, "shard_axis": list(x.shard_axis),
+            "kind": "sharded",
+            "shape": list(x.shape),
+            "dtype": np.dtype(x.dtype).name,
+            "dim": x.dim,
+            "shard_axis": list(x.shard_axis),
             "replicate_axis": list(x.replicate_axis),
             "mp_policy": None if x.mp_policy is None else repr(x.mp_policy),
         }
@@ -93,8 +96,13 @@ def same_state(fn: str, state: Any) -> None:
     start = time.perf_counter()
     root = f"{_ROOT}{next(_checks)}/"
     agreed = _verdict(client, root, digest, count)
-    logger.debug("%s: state signature %s compared across %d processes in %.1f ms",
-                 fn, digest[:8], count, (time.perf_counter() - start) * 1e3)
+    logger.debug(
+        "%s: state signature %s compared across %d processes in %.1f ms",
+        fn,
+        digest[:8],
+        count,
+        (time.perf_counter() - start) * 1e3,
+    )
     if agreed is not False:  # None: the others are late; they will raise if it differs
         _agreed.add(digest)
         return
@@ -128,7 +136,7 @@ def _wait_for(client, key: str) -> str | None:
         while True:
             try:
                 return client.blocking_key_value_get(key, _WAIT_SLICE_MS)
-            except Exception:  # noqa: BLE001 -- not posted yet (a deadline exceeded)
+            except Exception:
                 pass
             left = _departure.departed()
             if left:
@@ -152,13 +160,15 @@ def _all_signatures(client, root: str, text: str, count: int) -> dict[int, list]
         client.key_value_set(f"{root}all_described", "1")
     else:
         _wait_for(client, f"{root}all_described")
-    found = {int(key.rsplit("/", 1)[1]): [(p, d) for p, d in json.loads(value)]
-             for key, value in client.key_value_dir_get(f"{root}full/")}
+    found = {
+        int(key.rsplit("/", 1)[1]): [(p, d) for p, d in json.loads(value)]
+        for key, value in client.key_value_dir_get(f"{root}full/")
+    }
     return dict(sorted(found.items()))
 
 
 def _describe(leaf: dict | None) -> str:
-    """"float32 (16, 4)", "float32 (16, 4) sharded on dim 0 with mp_policy ...", "absent"."""
+    """ "float32 (16, 4)", "float32 (16, 4) sharded on dim 0 with mp_policy ...", "absent"."""
     if leaf is None:
         return "absent"
     if "shape" not in leaf:
@@ -197,8 +207,10 @@ def _differences(signatures: dict[int, list]) -> list[_Difference]:
 def _states_differ(fn: str, signatures: dict[int, list]) -> str:
     found = _differences(signatures)
     if not found:  # same leaves, another order: the structure differs
-        return (f"{fn}: the processes traced the step with states of different structures "
-                "(the same leaves in another order). Build the same model on every process.")
+        return (
+            f"{fn}: the processes traced the step with states of different structures "
+            "(the same leaves in another order). Build the same model on every process."
+        )
     first = found[0]
     listing = "; ".join(f"{d} on {_text.process_list(r)}" for d, r in first.groups.items())
     more = f" ({len(found) - 1} more leaves differ)" if len(found) > 1 else ""

@@ -254,8 +254,16 @@ def plan(
     """
     from funshard.flax import _plan
 
-    return _plan.plan(model, mesh, variables=variables, args=args, kwargs=kwargs, wrt=wrt,
-                      mp_policy=mp_policy, options=options)
+    return _plan.plan(
+        model,
+        mesh,
+        variables=variables,
+        args=args,
+        kwargs=kwargs,
+        wrt=wrt,
+        mp_policy=mp_policy,
+        options=options,
+    )
 
 
 __all__ = ["apply_updates", "fully_shard", "merge", "plan", "shard", "trainable"]

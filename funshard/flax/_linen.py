@@ -68,7 +68,8 @@ def fully_shard_class(cls: Any, options: UnitOptions) -> type:
         raise errors.ShardingTypeError(_not_a_module(cls))
     if is_unit_class(cls):
         raise errors.ShardingValueError(
-            marked_twice(cls._funshard_base.__name__, " (a linen class)"))
+            marked_twice(cls._funshard_base.__name__, " (a linen class)")
+        )
     key = (cls, options)
     if key not in _UNIT_CLASSES:
         namespace = {
@@ -169,7 +170,9 @@ def _child_unit_paths(apply, variables, args, kwargs, dp_axes) -> list[tuple]:
     with _discovering(found), nn.intercept_methods(_sync_batch_norm(dp_axes)):
         jax.eval_shape(
             lambda p, rest, arrays: apply({**rest, "params": p}, *rebuild(arrays)),
-            params, {c: v for c, v in variables.items() if c != "params"}, arrays,
+            params,
+            {c: v for c, v in variables.items() if c != "params"},
+            arrays,
         )
     return [path for path, _ in found]
 
@@ -185,17 +188,17 @@ def unit_scopes(model: nn.Module, variables: dict, args, kwargs) -> dict:
 
     def apply(variables, arrays):
         a, k = rebuild(arrays)
-        return model.apply(variables, *a, rngs={"params": key, "dropout": key},
-                           mutable=True, **k)
+        return model.apply(variables, *a, rngs={"params": key, "dropout": key}, mutable=True, **k)
 
     with _discovering(found), nn.intercept_methods(_sync_batch_norm(None)):
         jax.eval_shape(apply, variables, arrays)
-    return {path: options for path, options in found}
+    return dict(found)
 
 
 def unbox(tree):
     """`tree` with Flax's metadata boxes (`nn.with_logical_partitioning`,
     `nn.with_partitioning`) replaced by their values; no sharding constraint applied."""
+
     def open_box(x):
         if not isinstance(x, meta.AxisMetadata):
             return x
@@ -290,7 +293,8 @@ def _unit_call(self, *args, **kwargs):
     sliced = sliced_leaves(variables["params"])
     if sliced:
         raise errors.UnsupportedError(
-            sliced_by_transform(base.__name__, sliced, "nn.scan / nn.vmap over a marked class"))
+            sliced_by_transform(base.__name__, sliced, "nn.scan / nn.vmap over a marked class")
+        )
     variables["params"] = unbox(variables["params"])
     mutable = _mutable_collections(self)
     plain = _plain(self)

@@ -43,17 +43,22 @@ def _guarded(param):
         try:
             return param(self, name, init_fn, *init_args, **init_kwargs)
         except flax_errors.ScopeParamShapeError as exc:
-            value = self.get_variable("params", name) if self.has_variable("params", name) \
-                else None
-            leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, (fs.Sharded,
-                                                                             meta.AxisMetadata)))
+            value = self.get_variable("params", name) if self.has_variable("params", name) else None
+            leaves = jax.tree.leaves(
+                value, is_leaf=lambda x: isinstance(x, (fs.Sharded, meta.AxisMetadata))
+            )
             found = [x for x in leaves if isinstance(x, fs.Sharded)]
-            found += [x.value for x in leaves if isinstance(x, meta.AxisMetadata)
-                      and isinstance(getattr(x, "value", None), fs.Sharded)]
+            found += [
+                x.value
+                for x in leaves
+                if isinstance(x, meta.AxisMetadata)
+                and isinstance(getattr(x, "value", None), fs.Sharded)
+            ]
             if not found:
                 raise
             raise errors.ShardingTypeError(
-                _unmarked_module_error(self.path_text, name, found[0])) from exc
+                _unmarked_module_error(self.path_text, name, found[0])
+            ) from exc
 
     setattr(guarded, _WRAPPED, True)
     return guarded

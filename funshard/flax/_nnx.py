@@ -170,8 +170,9 @@ def sliced_leaves(tree) -> list:
     shape still describes the whole stack: its data then has fewer axes than its shape.
     """
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharded)[0]
-    return [path for path, x in leaves
-            if _is_sharded(x) and jax.tree.leaves(x)[0].ndim < len(x.shape)]
+    return [
+        path for path, x in leaves if _is_sharded(x) and jax.tree.leaves(x)[0].ndim < len(x.shape)
+    ]
 
 
 def sliced_by_transform(unit: str, paths, how: str) -> str:
@@ -201,7 +202,8 @@ def _unit_call(self, *args, **kwargs):
     sliced = sliced_leaves(params)
     if sliced:
         raise errors.UnsupportedError(
-            sliced_by_transform(base.__name__, sliced, "nnx.scan / nnx.vmap over stacked modules"))
+            sliced_by_transform(base.__name__, sliced, "nnx.scan / nnx.vmap over stacked modules")
+        )
     own_paths = set(_flat(params))
     dp_axes, outermost = _data_parallel.step_axes(), _data_parallel.is_outermost()
 
@@ -340,8 +342,10 @@ def _check_batch_norms(model, units, mesh) -> None:
     """BatchNorms that compute statistics must run inside a unit (which syncs them),
     unless they average over axes of the mesh themselves."""
     outside = [
-        path for path, node in nnx.iter_graph(model)
-        if isinstance(node, nnx.BatchNorm) and node.use_running_average is not True
+        path
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.BatchNorm)
+        and node.use_running_average is not True
         and not _data_parallel.names_axes_of(node.axis_name, mesh)
         and _owner(path, units) is None
     ]
@@ -378,9 +382,7 @@ def shard(model: nnx.Module, mesh, *filters, mp_policy=None):
     flat = list(nnx.to_flat_state(state))
     groups: dict = {}
     for path, variable in flat:
-        groups.setdefault(_group_key(path, variable, units, mp_policy), []).append(
-            (path, variable)
-        )
+        groups.setdefault(_group_key(path, variable, units, mp_policy), []).append((path, variable))
     placed: dict = {}
     for key, items in groups.items():
         options = dict(placement=_replicate) if key is None else dict(mp_policy=key[1])
@@ -424,7 +426,8 @@ def apply_updates(state, updates, written=None, wrt=nnx.Param):
     unknown = set(new) - {path for path, _ in flat}
     if unknown:
         raise errors.ShardingValueError(
-            _unknown_written(sorted(_module_path(p, root="state") for p in unknown)))
+            _unknown_written(sorted(_module_path(p, root="state") for p in unknown))
+        )
     updated = dict(nnx.to_flat_state(updates))
     out = []
     for path, variable in flat:

@@ -30,7 +30,8 @@ def _abstract(tree):
     """Every array (and `Sharded` leaf, whole) as an abstract array of its full shape."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x,
-        tree, is_leaf=_is_sharded,
+        tree,
+        is_leaf=_is_sharded,
     )
 
 
@@ -93,7 +94,7 @@ def linen_plan(model: nn.Module, mesh, variables, args, kwargs, mp_policy, optio
     if variables is None:
         raise errors.ShardingTypeError(_linen_needs_inputs(type(model).__name__))
     others = {c: v for c, v in variables.items() if c != "params"} if "params" in variables else {}
-    params = _linen.unbox(variables["params"] if "params" in variables else variables)
+    params = _linen.unbox(variables.get("params", variables))
     sharded = [x for x in jax.tree.leaves(params, is_leaf=_is_sharded) if _is_sharded(x)]
     if sharded:
         state, mesh = params, sharded[0].mesh
@@ -102,8 +103,9 @@ def linen_plan(model: nn.Module, mesh, variables, args, kwargs, mp_policy, optio
             raise errors.ShardingTypeError(_no_mesh(type(model).__name__))
         state = fs.shard(_abstract(params), mesh, mp_policy=mp_policy)
     _data_parallel.check_no_other_mesh("fs.flax.plan", mesh)
-    units = _linen.unit_scopes(model, {**_abstract(others), "params": _abstract(params)},
-                               args, kwargs or {})
+    units = _linen.unit_scopes(
+        model, {**_abstract(others), "params": _abstract(params)}, args, kwargs or {}
+    )
     if not units:
         raise errors.ShardingValueError(_no_units_called(type(model).__name__))
     state = _with_unit_policies(state, units)

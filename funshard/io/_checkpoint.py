@@ -23,7 +23,8 @@ import os
 import shutil
 import traceback
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,7 +39,7 @@ _FORMAT = "funshard-checkpoint-1"
 # background thread finishing, ends an entry, so every process refuses (or accepts) the
 # same later save whatever its thread timing: a refusal on one process only would hang
 # the others in the save's barrier.
-_IN_FLIGHT: dict[str, "PendingSave"] = {}
+_IN_FLIGHT: dict[str, PendingSave] = {}
 
 
 def _ocp():
@@ -54,14 +55,26 @@ def _is_abstract(x) -> bool:
 
 def _entry(path, x) -> dict | None:
     if isinstance(x, Sharded):
-        return {"path": keystr(tuple(path)), "kind": "sharded", "shape": list(x.shape),
-                "dtype": np.dtype(x.dtype).name}
+        return {
+            "path": keystr(tuple(path)),
+            "kind": "sharded",
+            "shape": list(x.shape),
+            "dtype": np.dtype(x.dtype).name,
+        }
     if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
-        return {"path": keystr(tuple(path)), "kind": "array", "shape": list(np.shape(x)),
-                "dtype": np.dtype(x.dtype).name}
+        return {
+            "path": keystr(tuple(path)),
+            "kind": "array",
+            "shape": list(np.shape(x)),
+            "dtype": np.dtype(x.dtype).name,
+        }
     if isinstance(x, (bool, int, float)):
-        return {"path": keystr(tuple(path)), "kind": "scalar", "shape": [],
-                "dtype": type(x).__name__}
+        return {
+            "path": keystr(tuple(path)),
+            "kind": "scalar",
+            "shape": [],
+            "dtype": type(x).__name__,
+        }
     return None
 
 
@@ -139,8 +152,9 @@ def _save_in_flight(path: str) -> str:
     )
 
 
-def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False,
-         asynchronous: bool = False) -> PendingSave | str:
+def save(
+    path: str | os.PathLike, tree: Any, *, overwrite: bool = False, asynchronous: bool = False
+) -> PendingSave | str:
     """Writes `tree` (params, optimizer state, step counters, ...) as a sharded checkpoint.
 
     Each process writes only the shards it owns. The checkpoint appears at `path` only
@@ -245,16 +259,23 @@ def _readable(have: dict, want: dict) -> bool:
     # `jax.eval_shape` turns a Python scalar such as `"step": 0` into a 0-d
     # ShapeDtypeStruct: an abstract `like` may ask for it as an array of its kind.
     kinds = {"bool": "b", "int": "iu", "float": "f"}
-    return (have["kind"] == "scalar" and want["kind"] == "array" and not want["shape"]
-            and np.dtype(want["dtype"]).kind in kinds.get(have["dtype"], ""))
+    return (
+        have["kind"] == "scalar"
+        and want["kind"] == "array"
+        and not want["shape"]
+        and np.dtype(want["dtype"]).kind in kinds.get(have["dtype"], "")
+    )
 
 
 def _unplaced(paths, items, mesh) -> list:
     """Paths of abstract `like` leaves that say nowhere to put them (no sharding, no mesh)."""
     if mesh is not None:
         return []
-    return [p for p, x in zip(paths, items, strict=True)
-            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None]
+    return [
+        p
+        for p, x in zip(paths, items, strict=True)
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None
+    ]
 
 
 def _restore_target(x, mesh):
@@ -262,15 +283,15 @@ def _restore_target(x, mesh):
     if isinstance(x, Sharded):
         struct = jax.ShapeDtypeStruct(x.padded_shape, x.dtype, sharding=x.sharding)
         # Padding rows are zeros at the end: pad or drop them for this shard count.
-        args = ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.padded_shape,
-                                    dtype=x.dtype, strict=False)
+        args = ocp.ArrayRestoreArgs(
+            sharding=x.sharding, global_shape=x.padded_shape, dtype=x.dtype, strict=False
+        )
         return struct, args
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         # See the module docstring: replicated on the state's mesh, if there is one.
         sharding = x.sharding if mesh is None else core.sharding_on(mesh, x)
         struct = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        return struct, ocp.ArrayRestoreArgs(sharding=sharding, global_shape=x.shape,
-                                            dtype=x.dtype)
+        return struct, ocp.ArrayRestoreArgs(sharding=sharding, global_shape=x.shape, dtype=x.dtype)
     return np.asarray(x), ocp.RestoreArgs(restore_type=np.ndarray)
 
 
@@ -315,7 +336,8 @@ def _drop_abandoned_coroutines(failure: BaseException) -> None:
     """
     with warnings.catch_warnings():
         warnings.filterwarnings(
-            "ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+            "ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning
+        )
         seen = set()
         while failure is not None and id(failure) not in seen:
             seen.add(id(failure))
@@ -353,7 +375,8 @@ def _held(entries: Sequence[str]) -> str:
 
 def _checkpoint_mismatch(path: str, problems: Sequence[str]) -> str:
     return (
-        f"restore: the checkpoint at {path} does not match `like`:\n" + "\n".join(problems)
+        f"restore: the checkpoint at {path} does not match `like`:\n"
+        + "\n".join(problems)
         + "\nBuild `like` exactly as the saved tree was built (same model, optimizer "
         "and dtypes)."
     )
@@ -406,8 +429,11 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     meta = _read(path, "metadata", ocp.args.Composite(funshard=ocp.args.JsonRestore()))
     meta = meta["funshard"]
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise errors.CheckpointError(_not_a_checkpoint(
-            path, "its 'funshard' metadata is not in the format this funshard writes"))
+        raise errors.CheckpointError(
+            _not_a_checkpoint(
+                path, "its 'funshard' metadata is not in the format this funshard writes"
+            )
+        )
     paths, items, treedef = core.sharded_leaves(like)
     mesh = core.common_mesh("restore", paths, items)
     problems = _mismatches(meta, paths, items)
@@ -422,12 +448,13 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     targets = [_restore_target(items[i], mesh) for i in stored]
     item = {str(k): t[0] for k, t in enumerate(targets)}
     restore_args = {str(k): t[1] for k, t in enumerate(targets)}
-    arrays = _read(path, "arrays", ocp.args.Composite(
-        arrays=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)))["arrays"]
+    arrays = _read(
+        path,
+        "arrays",
+        ocp.args.Composite(arrays=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)),
+    )["arrays"]
     parts = core.Partition(tuple(items), treedef, tuple(stored))
-    return parts.combine(
-        [_restored(items[i], arrays[str(k)]) for k, i in enumerate(stored)]
-    )
+    return parts.combine([_restored(items[i], arrays[str(k)]) for k, i in enumerate(stored)])
 
 
 def _restored(like: Any, value: Any) -> Any:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -111,9 +112,7 @@ def _state_dict_not_mapping(sd) -> str:
 
 
 def _state_dict_bad_entries(entries) -> str:
-    listing = "\n".join(
-        f"  {k!r}: {type(v).__name__}" for k, v in entries
-    )
+    listing = "\n".join(f"  {k!r}: {type(v).__name__}" for k, v in entries)
     return (
         "load_state_dict: sd must map path strings (such as \"['layers'][0]['w']\") to "
         f"numpy or jax arrays; these entries do not:\n{listing}\nPass the flat dict "
@@ -132,7 +131,8 @@ def _check_sd(sd: Any) -> None:
 
 def _state_dict_mismatch(problems: Sequence[str]) -> str:
     return (
-        "load_state_dict: the state dict does not match `like`:\n" + "\n".join(problems)
+        "load_state_dict: the state dict does not match `like`:\n"
+        + "\n".join(problems)
         + "\nExport it with fs.state_dict from a tree of the same structure, or fix "
         "the listed keys."
     )

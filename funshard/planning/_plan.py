@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -147,7 +148,8 @@ class Plan:
 
     def _select(self, kind: str | None, unit: str | None) -> list[Collective]:
         return [
-            c for c in self.collectives
+            c
+            for c in self.collectives
             if (kind is None or c.kind == kind) and (unit is None or c.unit == unit)
         ]
 
@@ -193,7 +195,8 @@ def _check_plain(params) -> None:
     problems = [
         problem
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-        if (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)) and not is_key(x)
+        if (is_array(x) or isinstance(x, jax.ShapeDtypeStruct))
+        and not is_key(x)
         and (problem := dtype_problem("plan", path, x))
     ]
     if problems:
@@ -215,8 +218,9 @@ def _laid_out(params, mesh, mp_policy, shard_options: dict) -> tuple[Any, Mesh]:
     if mesh is None:
         raise errors.ShardingTypeError(_no_mesh())
     options = {k: v for k, v in shard_options.items() if v is not None}
-    comm.resolve_axes("plan", mesh, options.get("shard_axis", comm.SHARD_AXIS),
-                       options.get("replicate_axis"))
+    comm.resolve_axes(
+        "plan", mesh, options.get("shard_axis", comm.SHARD_AXIS), options.get("replicate_axis")
+    )
     core.check_mp_policy("plan", mp_policy)
     _check_plain(params)
     abstract = jax.tree.map(lambda x: _abstract_array(x) if is_array(x) else x, params)
@@ -349,19 +353,21 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
         # root's unshard, a unit that keeps its parameters) is loop-invariant, and XLA
         # hoists it out of the microbatch loop: it runs once per step.
         tied = keep is not False  # normalised: False, True or an hpZ group size
-        out.append(Collective("all-gather", unit.name, "forward", dtype, n, gathered,
-                              k if tied else 1))
+        out.append(
+            Collective("all-gather", unit.name, "forward", dtype, n, gathered, k if tied else 1)
+        )
         if tied:
             group = n if keep is True else keep
-            out.append(Collective("all-gather", unit.name, "backward", dtype, group,
-                                  gathered, k))
+            out.append(Collective("all-gather", unit.name, "backward", dtype, group, gathered, k))
     if layout and opts.sync_every_microbatch:
         for dtype, size in _reduced_by_dtype(layout.leaves, n).items():
-            out.append(Collective("reduce-scatter", unit.name, "gradients", dtype.name, n,
-                                  size, k))
+            out.append(Collective("reduce-scatter", unit.name, "gradients", dtype.name, n, size, k))
             if replicas > 1 and opts.all_reduce_every_microbatch:
-                out.append(Collective("all-reduce", unit.name, "replicas", dtype.name,
-                                      replicas, size // n, k))
+                out.append(
+                    Collective(
+                        "all-reduce", unit.name, "replicas", dtype.name, replicas, size // n, k
+                    )
+                )
     return out
 
 
@@ -375,8 +381,9 @@ def _step_collectives(layouts, opts: RootOptions, dims) -> list[Collective]:
         for dtype, size in _reduced_by_dtype(leaves, n).items():
             out.append(Collective("reduce-scatter", "step", "gradients", dtype.name, n, size, 1))
             if replicas > 1 and opts.all_reduce_every_microbatch:
-                out.append(Collective("all-reduce", "step", "replicas", dtype.name,
-                                      replicas, size // n, 1))
+                out.append(
+                    Collective("all-reduce", "step", "replicas", dtype.name, replicas, size // n, 1)
+                )
     if replicas > 1 and not opts.all_reduce_every_microbatch:
         # Postponed gradients are back in the sharded parameters' own dtype.
         by_dtype: dict[np.dtype, int] = {}
@@ -385,8 +392,7 @@ def _step_collectives(layouts, opts: RootOptions, dims) -> list[Collective]:
                 size = math.prod(leaf.local_shape) * leaf.dtype.itemsize
                 by_dtype[leaf.dtype] = by_dtype.get(leaf.dtype, 0) + size
         for dtype, size in by_dtype.items():
-            out.append(Collective("all-reduce", "step", "replicas", dtype.name, replicas,
-                                  size, 1))
+            out.append(Collective("all-reduce", "step", "replicas", dtype.name, replicas, size, 1))
     return out
 
 
@@ -401,8 +407,15 @@ def _replicated_collectives(groups, opts: RootOptions, world: int) -> list[Colle
                 dtype = core.param_dtype_for(group.policy, np.dtype(x.dtype))
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(x.shape) * dtype.itemsize
         out += [
-            Collective("all-reduce", group.name, "replicated leaves", dtype.name, world, size,
-                       opts.microbatches)
+            Collective(
+                "all-reduce",
+                group.name,
+                "replicated leaves",
+                dtype.name,
+                world,
+                size,
+                opts.microbatches,
+            )
             for dtype, size in by_dtype.items()
         ]
     return out
@@ -413,7 +426,10 @@ def _accumulators(groups, opts: RootOptions) -> Footprint | None:
         return None
     size = sum(
         math.prod(leaf.shape) * leaf.reduce_dtype.itemsize
-        for group in groups if group.layout for leaf in group.layout.leaves if leaf.reduced
+        for group in groups
+        if group.layout
+        for leaf in group.layout.leaves
+        if leaf.reduced
     )
     return Footprint(size, size)
 
@@ -506,11 +522,18 @@ def plan(
         unit holds no shardable parameter, an option does not fit (e.g. `mp_policy` for
         a state that is already sharded), or `trainable` does not fit `params`.
     """
-    opts = core.root_options("plan", microbatches=microbatches,
-                             sync_every_microbatch=sync_every_microbatch,
-                             all_reduce_every_microbatch=all_reduce_every_microbatch)
-    shard_options = dict(shard_axis=shard_axis, replicate_axis=replicate_axis,
-                         placement=placement, min_shard_size=min_shard_size)
+    opts = core.root_options(
+        "plan",
+        microbatches=microbatches,
+        sync_every_microbatch=sync_every_microbatch,
+        all_reduce_every_microbatch=all_reduce_every_microbatch,
+    )
+    shard_options = dict(
+        shard_axis=shard_axis,
+        replicate_axis=replicate_axis,
+        placement=placement,
+        min_shard_size=min_shard_size,
+    )
     state, mesh = _laid_out(params, mesh, mp_policy, shard_options)
     specs = _units.unit_specs(units)
     rf = _units.reshard_by_unit(reshard_after_forward, [name for name, _ in specs])
@@ -544,5 +567,4 @@ def _routes(state, trainable, opts: RootOptions) -> tuple[core.LeafRoute, ...]:
     """Each leaf of `state` as `fs.value_and_grad` will route it (the same records)."""
     paths, items, _ = core.sharded_leaves(state)
     flags = core.trainable_flags("plan", trainable, state)
-    return core.leaf_routes(paths, items, flags,
-                            sync_every_microbatch=opts.sync_every_microbatch)
+    return core.leaf_routes(paths, items, flags, sync_every_microbatch=opts.sync_every_microbatch)

@@ -15,7 +15,7 @@ def human(n: float) -> str:
     """Bytes as `812 B`, `1.5 KiB`, `3.2 MiB`, ..."""
     if abs(n) < 1024:
         return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
+    for unit in ("KiB", "MiB", "GiB"):  # noqa: B007 (the unit it stops at is printed)
         n /= 1024
         if abs(n) < 1024:
             break
@@ -63,8 +63,16 @@ def _units(plan: Any) -> tuple[str, list[str], list[list[str]]]:
         ]
         for u in plan.units
     ]
-    headers = ["unit", "leaves", "reshard", "params/dev", "gathered", "gathers",
-               "scattered", "scatters"]
+    headers = [
+        "unit",
+        "leaves",
+        "reshard",
+        "params/dev",
+        "gathered",
+        "gathers",
+        "scattered",
+        "scatters",
+    ]
     return "units (bytes of one collective, counts per step)", headers, body
 
 
@@ -83,7 +91,7 @@ def sections(plan: Any) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def _text_table(name: str, headers: list[str], rows: list[list[str]]) -> list[str]:
-    table = [headers] + rows
+    table = [headers, *rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
 
     def line(cells):

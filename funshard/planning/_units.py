@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from funshard import _text, comm, core, errors
 from funshard.core import LeafRoute, Sharded
@@ -56,8 +57,10 @@ def _as_prefix(unit: str, spec: Any) -> tuple[str, ...]:
         if parsed is not None:
             return parsed
     elif isinstance(spec, tuple) and all(
-        isinstance(k, (str, numbers.Integral)) and not isinstance(k, bool)
-        or hasattr(k, "key") or hasattr(k, "idx") or hasattr(k, "name")
+        (isinstance(k, (str, numbers.Integral)) and not isinstance(k, bool))
+        or hasattr(k, "key")
+        or hasattr(k, "idx")
+        or hasattr(k, "name")
         for k in spec
     ):
         return tuple(key_name(k) for k in spec)
@@ -143,7 +146,7 @@ def reshard_by_unit(value: Any, names: list[str]) -> dict[str, bool | int]:
             core.check_reshard_after_forward("plan", v)
         return {name: value.get(name, True) for name in names}
     core.check_reshard_after_forward("plan", value)
-    return {name: value for name in names}
+    return dict.fromkeys(names, value)
 
 
 def _unknown_units(unknown, names) -> str:
@@ -185,8 +188,9 @@ def _not_found_hint(prefix, names) -> tuple[str, list[str]]:
     """The longest part of `prefix` that exists, and the keys found below it."""
     for depth in range(len(prefix) - 1, -1, -1):
         head = prefix[:depth]
-        below = sorted({n[depth] for n in names if n[:depth] == head and len(n) > depth},
-                       key=_natural)
+        below = sorted(
+            {n[depth] for n in names if n[:depth] == head and len(n) > depth}, key=_natural
+        )
         if below:
             return ("params" if not head else display(head)), below
     return "params", []
@@ -207,8 +211,7 @@ def _owners(specs, names, paths) -> dict[int, str]:
             hits = [i for i, n in enumerate(names) if n[: len(prefix)] == prefix]
             if not hits:
                 at, below = _not_found_hint(prefix, names)
-                raise errors.ShardingValueError(
-                    _prefix_not_found(name, display(prefix), at, below))
+                raise errors.ShardingValueError(_prefix_not_found(name, display(prefix), at, below))
             for i in hits:
                 depth, other = owner.get(i, (-1, name))
                 if depth == len(prefix) and other != name:
@@ -244,8 +247,7 @@ def _group(name, idx, paths, items, routes: tuple[LeafRoute, ...], reshard) -> L
             policy = core.policy_of(
                 f"plan: unit {name!r}", [paths[i] for i in sharded], [items[i] for i in sharded]
             )
-        layout = core.layout_of([items[i] for i in sharded], skip_replicate_reduce=False,
-                                   name=name)
+        layout = core.layout_of([items[i] for i in sharded], skip_replicate_reduce=False, name=name)
         frozen = tuple(
             dataclasses.replace(leaf, frozen=not routes[i].trainable)
             for leaf, i in zip(layout.leaves, sharded, strict=True)
@@ -253,16 +255,20 @@ def _group(name, idx, paths, items, routes: tuple[LeafRoute, ...], reshard) -> L
         layout = dataclasses.replace(layout, leaves=frozen)
     elif name != ROOT and idx:
         raise errors.ShardingValueError(_unit_not_sharded(name, [paths[i] for i in idx]))
-    replicated = tuple(
-        (items[i], routes[i]) for i in idx if not isinstance(items[i], Sharded)
+    replicated = tuple((items[i], routes[i]) for i in idx if not isinstance(items[i], Sharded))
+    return LeafGroup(
+        name,
+        tuple(paths[i] for i in idx),
+        tuple(items[i] for i in sharded),
+        replicated,
+        layout,
+        reshard,
+        policy,
     )
-    return LeafGroup(name, tuple(paths[i] for i in idx), tuple(items[i] for i in sharded),
-                     replicated, layout, reshard, policy)
 
 
 def _unit_not_sharded(unit: str, paths) -> str:
-    listing = ", ".join(_text.leaf_name(p) for p in paths[:6]) + (
-        ", ..." if len(paths) > 6 else "")
+    listing = ", ".join(_text.leaf_name(p) for p in paths[:6]) + (", ..." if len(paths) > 6 else "")
     return (
         f"plan: unit {unit!r} holds no sharded parameter ({listing}: "
         "0-d or replicated leaves only), and fs.fully_shard refuses such a unit. Leave "
@@ -270,8 +276,9 @@ def _unit_not_sharded(unit: str, paths) -> str:
     )
 
 
-def group_leaves(state: Any, specs, reshard: dict, routes: tuple[LeafRoute, ...]
-                 ) -> list[LeafGroup]:
+def group_leaves(
+    state: Any, specs, reshard: dict, routes: tuple[LeafRoute, ...]
+) -> list[LeafGroup]:
     """The state's traced leaves grouped by unit (in `specs` order), then the root's.
 
     `routes` are the state's `LeafRoute`s, as `fs.value_and_grad` will build them.
@@ -285,8 +292,9 @@ def group_leaves(state: Any, specs, reshard: dict, routes: tuple[LeafRoute, ...]
     owner = _owners(specs, [names[i] for i in arrays], [paths[i] for i in arrays])
     owner = {arrays[j]: name for j, name in owner.items()}
     groups = [
-        _group(name, [i for i in arrays if owner.get(i) == name], paths, items, routes,
-               reshard[name])
+        _group(
+            name, [i for i in arrays if owner.get(i) == name], paths, items, routes, reshard[name]
+        )
         for name, _ in specs
     ]
     rest = [i for i in arrays if i not in owner]

@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import optax
@@ -71,7 +72,7 @@ class Variant:
     has_loss: bool = True  # False: the step's scalar output is not a training loss
 
 
-Builder = Callable[[Context], Optional[Variant]]
+Builder = Callable[[Context], Variant | None]
 _REGISTRY: list[tuple[float, Builder]] = []
 
 

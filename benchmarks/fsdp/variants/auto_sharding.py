@@ -15,8 +15,9 @@ def variant_auto(ctx: Context) -> Variant:
     """Parameters and Adam state `P('fsdp')` on dim 0 where the device count divides it
     (else replicated), the batch `P('fsdp')`; XLA chooses the collectives."""
     n = len(ctx.devices)
-    mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=ctx.devices)
+    mesh = jax.make_mesh(
+        (n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=ctx.devices
+    )
 
     def sharding(x):
         split = getattr(x, "ndim", 0) >= 1 and x.shape[0] % n == 0
@@ -32,7 +33,10 @@ def variant_auto(ctx: Context) -> Variant:
         step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, NamedSharding(mesh, P()))
     )
     return Variant(
-        "jax auto-sharding", jitted, (params, opt_state),
-        (jax.device_put(ctx.tokens, batch_sh),), n,
+        "jax auto-sharding",
+        jitted,
+        (params, opt_state),
+        (jax.device_put(ctx.tokens, batch_sh),),
+        n,
         "plain jit; params/Adam P('fsdp') on dim 0 where divisible, else replicated",
     )

@@ -39,12 +39,19 @@ def variant_collectives_only(ctx: Context) -> Variant:
         return out, jax.lax.psum(buffers[0][0], AXIS)
 
     mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=([P(AXIS)] * len(sizes),),
+        body,
+        mesh=mesh,
+        in_specs=([P(AXIS)] * len(sizes),),
         out_specs=([P(AXIS)] * len(sizes), P()),
     )
     sharding = NamedSharding(mesh, P(AXIS))
     buffers = [jax.device_put(np.full((n * s,), 0.5, np.float32), sharding) for s in sizes]
     return Variant(
-        "collectives only", jax.jit(mapped), buffers, (), n,
-        "variant 1's AG/RS byte counts (f32), no compute", has_loss=False,
+        "collectives only",
+        jax.jit(mapped),
+        buffers,
+        (),
+        n,
+        "variant 1's AG/RS byte counts (f32), no compute",
+        has_loss=False,
     )

@@ -15,7 +15,9 @@ from . import AXIS, Context, Variant, register
 def variant_data_parallel(ctx: Context) -> Variant:
     """`jax.shard_map` with parameters and AdamW state replicated, gradients `pmean`."""
     mesh = jax.make_mesh(
-        (len(ctx.devices),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+        (len(ctx.devices),),
+        (AXIS,),
+        axis_types=(jax.sharding.AxisType.Auto,),
         devices=ctx.devices,
     )
     loss = model_loss(ctx.cfg)
@@ -41,7 +43,10 @@ def variant_data_parallel(ctx: Context) -> Variant:
     params = jax.device_put(ctx.params, replicated)
     opt_state = jax.device_put(opt.init(params), replicated)
     return Variant(
-        "replicated DP", jax.jit(step), (params, opt_state),
-        (jax.device_put(ctx.tokens, NamedSharding(mesh, P(AXIS))),), len(ctx.devices),
+        "replicated DP",
+        jax.jit(step),
+        (params, opt_state),
+        (jax.device_put(ctx.tokens, NamedSharding(mesh, P(AXIS))),),
+        len(ctx.devices),
         "shard_map, params P(), grads pmean, replicated AdamW",
     )

@@ -44,8 +44,11 @@ def variant_floor(ctx: Context) -> Variant:
     opt_state = jax.device_put(opt.init(shards), device)
     local = ctx.tokens[: ctx.tokens.shape[0] // n]
     return Variant(
-        "comm-free floor (1 device)", jax.jit(step), (shards, opt_state),
-        (full, jax.device_put(local, device)), 1,
+        "comm-free floor (1 device)",
+        jax.jit(step),
+        (shards, opt_state),
+        (full, jax.device_put(local, device)),
+        1,
         f"one device's work: batch/{n} rows, full params, grads summed over row chunks, "
         f"AdamW on 1/{n}",
     )

@@ -22,8 +22,7 @@ def variant_funshard_scan(ctx: Context) -> Variant:
 
     def loss_fn(state, tokens):  # per device, on its local batch slice
         root = fs.unshard(state["root"])
-        return lm_loss(root, [state["blocks"]], tokens,
-                       lambda stack, h: fs.scan(block, stack, h))
+        return lm_loss(root, [state["blocks"]], tokens, lambda stack, h: fs.scan(block, stack, h))
 
     step = train_step(fs.value_and_grad(loss_fn), ctx.opt)
     blocks = ctx.params["blocks"]
@@ -35,7 +34,11 @@ def variant_funshard_scan(ctx: Context) -> Variant:
     opt_state = ctx.opt.init(state)
     tokens = jax.device_put(ctx.tokens, NamedSharding(mesh, P(AXIS)))
     return Variant(
-        "funshard fs.scan", jax.jit(step), (state, opt_state), (tokens,), len(ctx.devices),
+        "funshard fs.scan",
+        jax.jit(step),
+        (state, opt_state),
+        (tokens,),
+        len(ctx.devices),
         "blocks stacked, fs.scan (reshard_after_forward=True, prefetch in the loop); root "
         "via fs.unshard",
     )

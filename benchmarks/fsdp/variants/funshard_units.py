@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from jax.sharding import NamedSharding
@@ -42,8 +42,11 @@ def build_funshard(ctx: Context, reshard_after_forward: bool) -> Variant:
     opt_state = ctx.opt.init(state)
     tokens = jax.device_put(ctx.tokens, NamedSharding(mesh, P(AXIS)))
     return Variant(
-        f"funshard reshard={reshard_after_forward}", jax.jit(step), (state, opt_state),
-        (tokens,), len(ctx.devices),
+        f"funshard reshard={reshard_after_forward}",
+        jax.jit(step),
+        (state, opt_state),
+        (tokens,),
+        len(ctx.devices),
         "fully_shard per block; root (embed, pos, final LN, head) via fs.unshard",
     )
 

@@ -16,6 +16,10 @@ def variant_single(ctx: Context) -> Variant:
     params = jax.device_put(ctx.params, device)
     opt_state = jax.device_put(ctx.opt.init(params), device)
     return Variant(
-        "single device", jax.jit(step), (params, opt_state),
-        (jax.device_put(ctx.tokens, device),), 1, "plain jit on devices[0], whole batch",
+        "single device",
+        jax.jit(step),
+        (params, opt_state),
+        (jax.device_put(ctx.tokens, device),),
+        1,
+        "plain jit on devices[0], whole batch",
     )
