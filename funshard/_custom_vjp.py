@@ -72,10 +72,13 @@ class filter_custom_vjp:
             return self.fn(*rebuild(arrays))
 
         def call_fwd(arrays):
+            assert self.fwd is not None, "filter_custom_vjp: differentiated before defvjp"
             return self.fwd(*rebuild(arrays))
 
         def call_bwd(residuals, ct):
-            flat = treedef.flatten_up_to(tuple(self.bwd(residuals, ct)))
+            assert self.bwd is not None, "filter_custom_vjp: differentiated before defvjp"
+            # jaxlib ships no stub for PyTreeDef: its public flatten_up_to is unknown to mypy.
+            flat = treedef.flatten_up_to(tuple(self.bwd(residuals, ct)))  # type: ignore[attr-defined]
             return ([flat[i] for i in positions],)
 
         call.defvjp(call_fwd, call_bwd)

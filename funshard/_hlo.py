@@ -82,8 +82,9 @@ def replica_groups(value: str) -> tuple[tuple[int, ...], ...]:
 
 def _mesh_groups(value: str) -> tuple[tuple[int, ...], ...]:
     m = _MESH.match(value)
-    axes = [_MESH_AXIS.match(a.strip()) for a in m.group(1).split(",")] if m else [None]
-    if not m or not all(axes):
+    parts = m.group(1).split(",") if m else []
+    axes = [a for a in (_MESH_AXIS.match(p.strip()) for p in parts) if a is not None]
+    if not m or len(axes) != len(parts):
         raise ValueError(f"replica groups {value!r}: not mesh['a'=n,...] {{'a',...}}")
     names = [a.group(1) for a in axes]
     dims = [int(a.group(2)) for a in axes]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ SUPPORTED_JAX = ">=0.10.2,<0.13"
 # options (Pallas's, on jax 0.12), and an option registered after a user's `jax.jit` has
 # traced once changes that jit's cache key, so the user's first step would compile twice.
 # It starts no backend.
+_extend_core: types.ModuleType | None
 try:
     from jax.extend import core as _extend_core
 except ImportError:  # pragma: no cover - every supported JAX has it
@@ -137,7 +139,8 @@ def cpu_devices_requested() -> int:
     """How many devices the CPU backend will create: `jax_num_cpu_devices` if set, else
     `--xla_force_host_platform_device_count` in `XLA_FLAGS`, else 1. Starts no backend.
     """
-    count = jax.config.jax_num_cpu_devices
+    # jax.config's options are attributes it sets at run time, unknown to its stub.
+    count = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined]
     if count >= 0:
         return count
     flags = re.findall(
@@ -190,7 +193,7 @@ def widen_cpu_pool() -> None:
         return
     registration = getattr(xla_bridge, "_backend_factories", {}).get("cpu")
     factory = getattr(registration, "factory", None)
-    if factory is None or getattr(factory, "_funshard_pool", False):
+    if registration is None or factory is None or getattr(factory, "_funshard_pool", False):
         return
 
     @functools.wraps(factory)
@@ -204,7 +207,7 @@ def widen_cpu_pool() -> None:
         finally:
             os.environ.pop(_CPU_POOL_ENV, None)
 
-    make_cpu_client._funshard_pool = True
+    vars(make_cpu_client)["_funshard_pool"] = True  # a function attribute, unknown to mypy
     registration.factory = make_cpu_client
 
 
@@ -232,8 +235,6 @@ def jaxpr_internals() -> tuple[Any, Any]:
     `ClosedJaxpr.replace`, `eval_jaxpr` and a `callback` parameter on
     `debug_callback_p`. Guarded by tests/test_callbacks.py.
     """
-    import types
-
     from jax._src import core as private_core
     from jax._src import debugging
 
@@ -272,7 +273,8 @@ def cpu_collectives_over_gloo() -> bool:
     return collectives_over_gloo(
         "cpu",
         distributed=coordination_client() is not None,
-        cpu_implementation=jax.config.jax_cpu_collectives_implementation,
+        # jax.config's options are attributes it sets at run time, unknown to its stub.
+        cpu_implementation=jax.config.jax_cpu_collectives_implementation,  # type: ignore[attr-defined]
     )
 
 
@@ -406,7 +408,12 @@ def _equations_seen_after_a_callback() -> list[Any]:
 
     def traced(x):
         jax.debug.callback(lambda _: None, x)
-        jax.vmap(lambda y: seen.extend(enclosing_equations()) or y)(jnp.stack([x, x]))
+
+        def record(y):
+            seen.extend(enclosing_equations())
+            return y
+
+        jax.vmap(record)(jnp.stack([x, x]))
         return x
 
     jax.make_jaxpr(traced)(jnp.zeros(()))

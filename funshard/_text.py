@@ -7,7 +7,7 @@ the root floor: anything may import it, and it imports nothing of funshard.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jax.tree_util import keystr
@@ -30,9 +30,10 @@ def joined(messages: Sequence[str]) -> str:
     return "\n".join(messages)
 
 
-def process_list(ranks) -> str:
+def process_list(ranks: Iterable[int]) -> str:
     """ "process 1" / "processes 0, 2-5": ranks with runs shortened to ranges."""
-    ranks, parts = sorted(ranks), []
+    ranks = sorted(ranks)
+    parts: list[list[int]] = []
     for r in ranks:
         if parts and parts[-1][1] == r - 1:
             parts[-1][1] = r

@@ -62,6 +62,13 @@ def _group_size_not_divisor(fn: str, k: int, shards: int) -> str:
 class LayoutFacts:
     """What follows from a layout's fields: shard count, padding, block shapes, sharding."""
 
+    # The fields these facts read, declared for the type checker: the dataclasses that
+    # share them (`Layout`, `funshard.Sharded`) define them.
+    shape: tuple[int, ...]
+    mesh: Mesh
+    shard_axis: tuple[str, ...]
+    dim: int
+
     @property
     def num_shards(self) -> int:
         """Number of devices the sharded dimension is split over."""

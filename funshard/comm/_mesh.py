@@ -44,6 +44,8 @@ def make_mesh(replicate: int | None = None, *, devices: Sequence[jax.Device] | N
     devices = list(jax.devices() if devices is None else devices)
     _check_devices(devices)
     n = len(devices)
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
     if replicate is None:
         shape, names = (n,), (SHARD_AXIS,)
     else:
@@ -120,6 +122,7 @@ def resolve_axes(
     if not isinstance(mesh, Mesh):
         raise errors.ShardingTypeError(_not_a_mesh(fn, mesh))
     shard_axes = as_axes(shard_axis)
+    replicate_axes: tuple[str, ...]
     if replicate_axis is None:
         replicate_axes = (REPLICATE_AXIS,) if REPLICATE_AXIS in mesh.axis_names else ()
     else:

@@ -45,7 +45,8 @@ def _deferring(callback: Callable) -> Callable:
                 _PENDING.append(exc)
             return None
 
-    run.funshard_deferred = True  # one of the root's own: see `outer_callbacks`
+    # A function attribute (unknown to mypy): one of the root's own, see `outer_callbacks`.
+    vars(run)["funshard_deferred"] = True
     return run
 
 

@@ -66,9 +66,14 @@ def _local_block_read(shape, local_shape) -> str:
     )
 
 
+# `Sharded.data` as the property `_sharded.py` puts on the class (the type checker sees
+# the dataclass field).
+_SHARDED_DATA: property = vars(Sharded)["data"]
+
+
 def _local_block(self) -> Any:
     # `Sharded`'s own getter first: it refuses donated buffers, as for every leaf.
-    data = Sharded.data.fget(self)
+    data = _SHARDED_DATA.__get__(self)
     if not is_concrete(data) and _read_in_user_code(_py_compat.calling_frame()):
         raise errors.ShardingTypeError(_local_block_read(self.shape, self.local_shape))
     return data
@@ -88,7 +93,7 @@ def _read_in_user_code(frame) -> bool:
 
 # Reading `.data` in a loss function is a TypeError on a step's leaves only: outside a
 # step it is the padded global array, as the user expects.
-StepLeaf.data = property(_local_block, Sharded.data.fset, doc=Sharded.data.__doc__)
+StepLeaf.data = property(_local_block, _SHARDED_DATA.fset, doc=_SHARDED_DATA.__doc__)
 
 
 @dataclasses.dataclass(frozen=True)

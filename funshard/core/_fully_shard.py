@@ -94,7 +94,7 @@ def fully_shard(
             out = comm.materialize(out, ctx.dp_axes)
         return _unit.cast_floating(out, unit.output_dtype)
 
-    wrapped._funshard_unit = True
+    vars(wrapped)["_funshard_unit"] = True  # a function attribute, unknown to mypy
     return wrapped
 
 

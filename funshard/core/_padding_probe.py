@@ -105,7 +105,8 @@ def _both_runs(opt: Any, logical: tuple, padded: tuple) -> tuple:
     compiled = (
         jax.jit(both)
         .lower(logical, padded)
-        .compile(compiler_options={"xla_backend_optimization_level": 0})
+        # jax's stub types option values as str | bool; XLA's integer options take ints.
+        .compile(compiler_options={"xla_backend_optimization_level": 0})  # type: ignore[dict-item]
     )
     return compiled(logical, padded)
 
@@ -153,7 +154,8 @@ def _item_agrees(logical: Any, padded: Any, check_padding: bool) -> bool:
 def _disagreeing(logical: Any, padded: Any, check_padding: bool) -> list[tuple[Any, Any]]:
     """(path, padded-run item) of every leaf or state node where the two runs disagree."""
     with_path, treedef = jax.tree_util.tree_flatten_with_path(logical, is_leaf=is_sharded)
-    padded_items = treedef.flatten_up_to(padded)
+    # jaxlib ships no stub for PyTreeDef: its public flatten_up_to is unknown to mypy.
+    padded_items = treedef.flatten_up_to(padded)  # type: ignore[attr-defined]
     return [
         (path, b)
         for (path, a), b in zip(with_path, padded_items, strict=True)

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import tree_unflatten
 
-from funshard import _text, comm, distributed, errors
+from funshard import _text, comm, errors
 from funshard.core import _context, _options, _placement, _tree
 from funshard.core._placement import Replicate
 from funshard.core._policy import MixedPrecisionPolicy
@@ -161,7 +161,7 @@ def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement,
     return Sharded.from_layout(layout, _place(x, layout, traced))
 
 
-def _place(x, layout: comm.Layout, traced: bool) -> jax.Array:
+def _place(x, layout: comm.Layout, traced: bool) -> jax.Array | jax.ShapeDtypeStruct:
     """`x` padded and laid out as `layout.data`, each process slicing its own shards.
 
     Under a trace (`shard` under `jax.jit` / `jax.eval_shape`) the padded value gets a
@@ -319,7 +319,7 @@ def unshard_as(tree: Any, name: str) -> Any:
     if ctx is not None and mesh != ctx.mesh:
         path = next(p for p, x in zip(paths, items, strict=True) if isinstance(x, Sharded))
         raise errors.ShardingValueError(_other_mesh_in_step("unshard", path, mesh, ctx.mesh))
-    gathered = {}
+    gathered: dict[int, Any] = {}
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
@@ -372,7 +372,7 @@ def _same_on_every_process(fn: str, mesh, leaves: list[Sharded]) -> None:
     processes = {d.process_index for d in mesh.devices.flat}
     # A leaf stacked by jax.vmap gathers its stack: its leading axes count too.
     shapes = [(*x.data.shape[: x.data.ndim - x.ndim], *x.shape) for x in leaves]
-    distributed.same_collective(
+    comm.same_collective(
         fn,
         [(shape, x.dim, x.data.dtype) for shape, x in zip(shapes, leaves, strict=True)],
         processes,

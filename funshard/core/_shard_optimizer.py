@@ -229,7 +229,7 @@ def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransfor
 
     # `init_optimizer` skips its padding probe for this transform (and only this one:
     # a chain around it is probed, and passes, since this part computes logically).
-    init.funshard_logical_shapes = True
+    vars(init)["funshard_logical_shapes"] = True  # a function attribute, unknown to mypy
     return optax.GradientTransformationExtraArgs(init, update)
 
 

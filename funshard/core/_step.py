@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import tree_flatten_with_path
 
-from funshard import _jax_compat, _py_compat, _text, comm, distributed, errors
+from funshard import _jax_compat, _py_compat, _text, comm, errors
 from funshard.core import _callbacks, _context, _control_flow, _random, _tree
 from funshard.core._batch import check_batch
 from funshard.core._options import RootOptions, root_options, trainable_flags
@@ -126,7 +126,9 @@ def _read_state(state, batch, trainable, opts: RootOptions) -> _Root:
         raise errors.ShardingValueError(_text.no_sharded("value_and_grad"))
     _check_context_mesh(mesh)
     items = _as_arrays(items)
-    replicate_axes, shard_axes = state_axes("value_and_grad", paths, items)
+    axes = state_axes("value_and_grad", paths, items)
+    assert axes is not None, "common_mesh found a Sharded leaf"
+    replicate_axes, shard_axes = axes
     dp_axes = (*replicate_axes, *shard_axes)
     check_batch(batch, comm.axes_size(mesh, dp_axes), dp_axes, opts.microbatches)
     flags = trainable_flags("value_and_grad", trainable, state)
@@ -272,6 +274,7 @@ def _microbatch(loss_fn, root: _Root, values, batch, args):
     def local_loss(diff_values, accumulators):
         merged = list(values)
         for r, v in zip(diff, diff_values, strict=True):
+            assert r.position is not None, "a leaf autodiff differentiates is traced"
             merged[r.position] = v
         by_position = {r.position: a for (r, _), a in zip(deferred, accumulators, strict=True)}
         with _context.inside(root.ctx):
@@ -573,7 +576,7 @@ def value_and_grad(
         _jax_compat.check()
         _py_compat.check()
         _callbacks.warn_outer_callbacks("fs.value_and_grad")
-        distributed.same_state("value_and_grad", state)  # multi-process jobs only
+        comm.same_state("value_and_grad", state)  # multi-process jobs only
         root = _read_state(state, batch, trainable, opts)
         arg_values, rebuild_args = split_arrays(args)
         mapped = jax.shard_map(

@@ -262,6 +262,7 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
 
     call.defvjp(call_fwd, call_bwd)
     out = call(datas, accumulators, operand_arrays)  # traces `run`, which records its output
+    assert record.rebuild_out is not None, "calling the unit traced `run`"
     return record.rebuild_out(out)
 
 

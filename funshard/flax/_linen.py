@@ -36,7 +36,13 @@ from flax.core import scope as flax_scope
 import funshard as fs
 from funshard import errors
 from funshard.flax import _data_parallel
-from funshard.flax._nnx import UnitOptions, marked_twice, sliced_by_transform, sliced_leaves
+from funshard.flax._nnx import (
+    UnitOptions,
+    base_class,
+    marked_twice,
+    sliced_by_transform,
+    sliced_leaves,
+)
 
 # Set while a unit traces its module abstractly to find its descendant units: the
 # (scope path, options) of every unit called.
@@ -52,7 +58,7 @@ def is_unit_class(cls: Any) -> bool:
     return isinstance(getattr(cls, "_funshard_options", None), UnitOptions)
 
 
-def fully_shard_class(cls: Any, options: UnitOptions) -> type:
+def fully_shard_class(cls: Any, options: UnitOptions) -> type | functools.partial:
     """The linen unit class of `cls` (see `funshard.flax.fully_shard`).
 
     Raises:
@@ -67,9 +73,7 @@ def fully_shard_class(cls: Any, options: UnitOptions) -> type:
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise errors.ShardingTypeError(_not_a_module(cls))
     if is_unit_class(cls):
-        raise errors.ShardingValueError(
-            marked_twice(cls._funshard_base.__name__, " (a linen class)")
-        )
+        raise errors.ShardingValueError(marked_twice(base_class(cls).__name__, " (a linen class)"))
     key = (cls, options)
     if key not in _UNIT_CLASSES:
         namespace = {
@@ -112,7 +116,7 @@ def _has_sharded(tree) -> bool:
 
 def _plain(module: nn.Module) -> nn.Module:
     """An unbound instance of the original class with `module`'s fields."""
-    base = type(module)._funshard_base
+    base = base_class(type(module))
     fields = {
         f.name: getattr(module, f.name)
         for f in dataclasses.fields(base)
@@ -203,7 +207,9 @@ def unbox(tree):
         if not isinstance(x, meta.AxisMetadata):
             return x
         try:
-            return x.unbox(apply_constraint=False)
+            # AxisMetadata's own unbox takes no argument; the partitioning boxes' take
+            # apply_constraint (the TypeError below catches the others).
+            return x.unbox(apply_constraint=False)  # type: ignore[call-arg]
         except TypeError:  # boxes of other kinds take no argument
             return x.unbox()
 
@@ -213,7 +219,8 @@ def unbox(tree):
 def _split_params(params, children: list[tuple]) -> tuple[dict, dict]:
     """(this unit's sharded params, everything else), as flat {path: leaf} dicts."""
     flat = traverse_util.flatten_dict(params)
-    own, rest = {}, {}
+    own: dict[tuple, Any] = {}
+    rest: dict[tuple, Any] = {}
     for path, leaf in flat.items():
         under_child = any(path[: len(c)] == c for c in children)
         (rest if under_child or not _is_sharded(leaf) else own)[path] = leaf
@@ -228,6 +235,7 @@ def _with_policy(own: dict, policy) -> dict:
 
 def _rngs(module: nn.Module) -> dict:
     # One key per stream for the unit's pure apply (its submodules derive theirs from it).
+    assert module.scope is not None, "a unit's module is bound when it runs"
     return {name: module.make_rng(name) for name in module.scope.rngs}
 
 
@@ -266,6 +274,7 @@ def _mutable_collections(module: nn.Module):
     only existing ones applied its module with that collection immutable, where `sow`
     silently stores nothing.
     """
+    assert module.scope is not None, "a unit's module is bound when it runs"
     mutable = flax_scope.subtract_filters(module.scope.mutable, "params")
     if flax_scope.is_filter_empty(mutable):
         return False

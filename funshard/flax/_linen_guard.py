@@ -49,10 +49,10 @@ def _guarded(param):
             )
             found = [x for x in leaves if isinstance(x, fs.Sharded)]
             found += [
-                x.value
+                boxed
                 for x in leaves
                 if isinstance(x, meta.AxisMetadata)
-                and isinstance(getattr(x, "value", None), fs.Sharded)
+                and isinstance(boxed := getattr(x, "value", None), fs.Sharded)
             ]
             if not found:
                 raise
@@ -67,4 +67,5 @@ def _guarded(param):
 def install() -> None:
     """Wraps linen's `Scope.param` (once per process) with the error above."""
     if not getattr(scope.Scope.param, _WRAPPED, False):
-        scope.Scope.param = _guarded(scope.Scope.param)
+        # Replacing linen's method is the point: the guard wraps every module's params.
+        scope.Scope.param = _guarded(scope.Scope.param)  # type: ignore[method-assign]

@@ -108,10 +108,16 @@ def _unit_class(cls: type, options: UnitOptions) -> type:
 def fully_shard_module(module: nnx.Module, options: UnitOptions) -> nnx.Module:
     """Marks `module` in place as a unit (see `funshard.flax.fully_shard`)."""
     if is_unit(module):
-        raise errors.ShardingValueError(marked_twice(type(module)._funshard_base.__name__))
+        raise errors.ShardingValueError(marked_twice(base_class(type(module)).__name__))
     # nnx's __setattr__ would record `__class__` as a module attribute.
     object.__setattr__(module, "__class__", _unit_class(type(module), options))
     return module
+
+
+def base_class(cls: type) -> type:
+    """The class `fully_shard` made the unit class `cls` from (nnx or linen); `cls` itself
+    if it is not a unit class."""
+    return getattr(cls, "_funshard_base", cls)
 
 
 def marked_twice(name: str, where: str = "") -> str:

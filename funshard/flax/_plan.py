@@ -65,7 +65,7 @@ def nnx_plan(model: nnx.Module, mesh, wrt, mp_policy, options: dict) -> fs.Plan:
     abstract = nnx.merge(graphdef, _abstract(state))
     _, params, _ = _nnx.shard(abstract, mesh, wrt, ..., mp_policy=mp_policy)
     cls = type(model)
-    return _plan(params, units, getattr(cls, "_funshard_base", cls).__name__, options)
+    return _plan(params, units, _nnx.base_class(cls).__name__, options)
 
 
 def _no_mesh(name: str) -> str:

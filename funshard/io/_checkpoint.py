@@ -88,7 +88,8 @@ def _abstract_in_save(path) -> str:
 
 def _arrays_and_meta(tree: Any):
     paths, items, _ = core.sharded_leaves(tree)
-    arrays, leaves = {}, []
+    arrays: dict[str, Any] = {}
+    leaves: list[Any] = []
     for path, x in zip(paths, items, strict=True):
         entry = _entry(path, x)
         if entry is None:
@@ -324,7 +325,7 @@ def leaf_records(path: str) -> list[dict]:
     return meta["funshard"].get("leaves", []) if isinstance(meta["funshard"], dict) else []
 
 
-def _drop_abandoned_coroutines(failure: BaseException) -> None:
+def _drop_abandoned_coroutines(failure: BaseException | None) -> None:
     """Collects the coroutines a failed orbax read left behind, now and silently.
 
     orbax reads a checkpoint's files with `asyncio.gather` on an event loop it closes as

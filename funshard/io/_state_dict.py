@@ -96,7 +96,8 @@ def _place(value: np.ndarray, like):
     if isinstance(like, Sharded):
         return core.reshard_leaf(value, like, in_step=False)
     if is_key(like):
-        value = jax.random.wrap_key_data(value, dtype=like.dtype)
+        # Typed as taking a jax.Array; it takes any array (host data here, placed below).
+        value = jax.random.wrap_key_data(value, dtype=like.dtype)  # type: ignore[arg-type]
     sharding = getattr(like, "sharding", None)
     if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)) and sharding is not None:
         return jax.device_put(value, sharding)

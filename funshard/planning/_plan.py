@@ -347,18 +347,22 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
     out = []
     gathered = _gathered_bytes(layout.leaves, n) if layout else 0
     if gathered:
-        dtype = _dtype_name(leaf.gather_dtype for leaf in layout.leaves)
+        gather_dtype = _dtype_name(leaf.gather_dtype for leaf in layout.leaves)
         keep = unit.reshard_after_forward
         # A gather tied to the unit's input runs in every microbatch; an untied one (the
         # root's unshard, a unit that keeps its parameters) is loop-invariant, and XLA
         # hoists it out of the microbatch loop: it runs once per step.
         tied = keep is not False  # normalised: False, True or an hpZ group size
         out.append(
-            Collective("all-gather", unit.name, "forward", dtype, n, gathered, k if tied else 1)
+            Collective(
+                "all-gather", unit.name, "forward", gather_dtype, n, gathered, k if tied else 1
+            )
         )
         if tied:
             group = n if keep is True else keep
-            out.append(Collective("all-gather", unit.name, "backward", dtype, group, gathered, k))
+            out.append(
+                Collective("all-gather", unit.name, "backward", gather_dtype, group, gathered, k)
+            )
     if layout and opts.sync_every_microbatch:
         for dtype, size in _reduced_by_dtype(layout.leaves, n).items():
             out.append(Collective("reduce-scatter", unit.name, "gradients", dtype.name, n, size, k))

@@ -41,14 +41,15 @@ def _parse(text: str) -> tuple[str, ...] | None:
     if not text.startswith(("[", ".")):
         parts = tuple(text.split("."))
         return parts if all(parts) else None
-    parts, pos = [], 0
+    keys: list[str] = []
+    pos = 0
     while pos < len(text):
         m = _KEYSTR_PART.match(text, pos)
         if not m:
             return None
-        parts.append(next(g for g in m.groups() if g is not None))
+        keys.append(next(g for g in m.groups() if g is not None))
         pos = m.end()
-    return tuple(parts)
+    return tuple(keys)
 
 
 def _as_prefix(unit: str, spec: Any) -> tuple[str, ...]:
