@@ -592,7 +592,7 @@ def value_and_grad(
     return step
 
 
-def grad(loss_fn: Callable, *, has_aux: bool = False, **options) -> Callable:
+def grad(loss_fn: Callable, *, has_aux: bool = False, **options: Any) -> Callable:
     """Like `value_and_grad`, returning only the gradients (and aux with `has_aux`).
 
     Args:

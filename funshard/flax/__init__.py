@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jax.sharding import Mesh
+
 try:
     from flax import nnx
 except ModuleNotFoundError as error:
@@ -108,8 +110,8 @@ def fully_shard(
 
 def shard(
     model: nnx.Module,
-    mesh,
-    *filters,
+    mesh: Mesh,
+    *filters: nnx.filterlib.Filter,
     mp_policy: fs.MixedPrecisionPolicy | None = None,
 ) -> tuple:
     """Splits a marked nnx model into a graphdef and a state whose parameters are sharded.
@@ -141,7 +143,7 @@ def shard(
     return _nnx.shard(model, mesh, *filters, mp_policy=mp_policy)
 
 
-def merge(graphdef, *states) -> nnx.Module:
+def merge(graphdef: nnx.GraphDef, *states: nnx.State) -> nnx.Module:
     """`nnx.merge(graphdef, *states)` with fresh variables, safe to write inside a step.
 
     nnx refuses to write a variable created in another JAX trace. Inside
@@ -160,7 +162,7 @@ def merge(graphdef, *states) -> nnx.Module:
     return _nnx.merge(graphdef, *states)
 
 
-def trainable(state, wrt: Any = nnx.Param):
+def trainable(state: nnx.State, wrt: nnx.filterlib.Filter = nnx.Param) -> nnx.State:
     """Which leaves of an nnx state `fs.value_and_grad` should differentiate.
 
     For `fs.value_and_grad(loss_fn, trainable=fs.flax.trainable(state))` (and as an
@@ -178,7 +180,12 @@ def trainable(state, wrt: Any = nnx.Param):
     return _nnx.trainable(state, wrt)
 
 
-def apply_updates(state, updates, written=None, wrt: Any = nnx.Param):
+def apply_updates(
+    state: nnx.State,
+    updates: nnx.State,
+    written: nnx.State | None = None,
+    wrt: nnx.filterlib.Filter = nnx.Param,
+) -> nnx.State:
     """Applies optimizer updates to the trainable variables of an nnx state.
 
     The single-state loop's last line. `optax.apply_updates` adds an update to every
@@ -207,14 +214,14 @@ def apply_updates(state, updates, written=None, wrt: Any = nnx.Param):
 
 def plan(
     model: Any,
-    mesh=None,
+    mesh: Mesh | None = None,
     *,
     variables: Any = None,
     args: tuple = (),
     kwargs: dict | None = None,
     mp_policy: fs.MixedPrecisionPolicy | None = None,
-    wrt: Any = nnx.Param,
-    **options,
+    wrt: nnx.filterlib.Filter = nnx.Param,
+    **options: Any,
 ) -> fs.Plan:
     """Works out what one training step of a marked Flax model holds and moves per device.
 

@@ -24,7 +24,7 @@ import shutil
 import traceback
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -32,6 +32,9 @@ from jax.tree_util import keystr
 
 from funshard import _text, core, errors
 from funshard.core import Sharded, is_array
+
+if TYPE_CHECKING:  # imported on first use at run time (see `_ocp`)
+    import orbax.checkpoint as ocp
 
 _FORMAT = "funshard-checkpoint-1"
 
@@ -114,7 +117,7 @@ class PendingSave:
       path: the absolute path of the checkpoint being written.
     """
 
-    def __init__(self, checkpointer, path: str):
+    def __init__(self, checkpointer: ocp.AsyncCheckpointer, path: str) -> None:
         self._checkpointer = checkpointer
         self.path = path
 
