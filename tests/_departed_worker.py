@@ -43,7 +43,7 @@ def main() -> int:
     parser.add_argument("--other-unshard", type=int, default=None)
     args = parser.parse_args()
 
-    mesh = funshard.distributed.initialize()
+    mesh = funshard.distributed.initialize(fail_fast=True)  # the tests expect its exits
     rank = jax.process_index()
     state = fs.shard({"w": jnp.ones((16, 16)) / 4}, mesh)
 

@@ -127,7 +127,8 @@ def main() -> int:
             flush=True,
         )
     )
-    mesh = funshard.distributed.initialize(replicate=args.replicate or None)
+    # fail_fast: a survivor of a killed peer exits at once (test_survivor_exits_promptly).
+    mesh = funshard.distributed.initialize(replicate=args.replicate or None, fail_fast=True)
     assert funshard.distributed.initialize(replicate=args.replicate or None) == mesh
     rank, world = jax.process_index(), jax.process_count()
     owners = [d.process_index for d in mesh.devices.flat]

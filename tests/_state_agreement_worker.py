@@ -29,9 +29,9 @@ def main() -> int:
     parser.add_argument("--bigger-rank", type=int, default=-1)
     args = parser.parse_args()
     logging.basicConfig(stream=sys.stdout, format="%(name)s: %(message)s")
-    logging.getLogger("funshard.distributed._state_agreement").setLevel(logging.DEBUG)
+    logging.getLogger("funshard.comm._state_agreement").setLevel(logging.DEBUG)
 
-    mesh = funshard.distributed.initialize()
+    mesh = funshard.distributed.initialize(fail_fast=True)  # the tests expect its exits
     rank = jax.process_index()
     rows = 18 if rank == args.bigger_rank else 16
     params = {"w1": np.full((rows, 4), 0.1, np.float32), "w2": np.full((2, rows), 0.2, np.float32)}

@@ -2,24 +2,27 @@
 and the in-process parts of a departed peer (the multi-process cases are in
 tests/test_departed_peer.py)."""
 
+import atexit
+import inspect
 import math
 import os
 import sys
 import textwrap
-import threading
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _departure_fakes import FakeService
 from _launch import run
 from conftest import mesh_for
 
 import funshard as fs
 import funshard.distributed
-from funshard.distributed import _departure, _runtime
+from funshard import comm
+from funshard.comm import _departures
+from funshard.distributed import _batch, _launch, _lifecycle
 
 # ---- a donated state is an error, never a segfault ----
 
@@ -193,32 +196,11 @@ def test_local_blocks_on_purpose_and_transforms_still_work():
 # ---- a departed peer, in process: timeouts, the futures, shard_batch's wait, messages ----
 
 
-class _FakeService:
-    """The coordination service's key-value store, as `_departure` uses it."""
-
-    def __init__(self):
-        self.kv = {}
-
-    def key_value_set(self, key, value, allow_overwrite=False):
-        self.kv[key] = value
-
-    def key_value_dir_get(self, prefix):
-        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
-
-    def blocking_key_value_get(self, key, timeout_ms):
-        time.sleep(timeout_ms / 1000)
-        raise RuntimeError("DEADLINE_EXCEEDED")
-
-    def leave(self, rank, step, kind="shard_batch call", how="returned normally"):
-        note = _departure.Note(rank, step, kind, how, barrier=True)
-        self.kv[f"funshard/left/{rank}"] = note.text()
-
-
 @pytest.fixture
 def monitor(monkeypatch):
-    service = _FakeService()
-    mon = _departure._Monitor(service, rank=0, count=2, timeout=0.6, shutdown_s=1.0)
-    monkeypatch.setattr(_departure, "_monitor", mon)
+    service = FakeService()
+    mon = comm.Board(service, rank=0, count=2, timeout=0.6)
+    monkeypatch.setattr(_departures, "_board", mon)
     return mon, service
 
 
@@ -233,60 +215,38 @@ def monitor(monkeypatch):
 )
 def test_departure_timeout_must_be_positive(value, source):
     with pytest.raises(ValueError, match=f"{source}={value!r} is not a positive number"):
-        _departure.departure_timeout(value, {})
+        _departure_timeout(value, {})
+
+
+def _departure_timeout(value, environ):
+    """`departure_timeout` as `initialize` reads it: the one timeout parser."""
+    return _launch.seconds(
+        "departure_timeout",
+        value,
+        _launch.DEPARTURE_TIMEOUT,
+        environ=environ,
+        env="FUNSHARD_DEPARTURE_TIMEOUT",
+        infinite=True,
+    )
 
 
 def test_departure_timeout_from_the_environment():
     env = {"FUNSHARD_DEPARTURE_TIMEOUT": "7.5"}
-    assert _departure.departure_timeout(None, env) == 7.5
-    assert _departure.departure_timeout(2, env) == 2.0  # the argument wins
-    assert _departure.departure_timeout(None, {}) == _departure.DEPARTURE_TIMEOUT <= 60
-    assert _departure.departure_timeout(None, {"FUNSHARD_DEPARTURE_TIMEOUT": "inf"}) == math.inf
+    assert _departure_timeout(None, env) == 7.5
+    assert _departure_timeout(2, env) == 2.0  # the argument wins
+    assert _departure_timeout(None, {}) == _launch.DEPARTURE_TIMEOUT <= 60
+    assert _departure_timeout(None, {"FUNSHARD_DEPARTURE_TIMEOUT": "inf"}) == math.inf
     with pytest.raises(ValueError, match="FUNSHARD_DEPARTURE_TIMEOUT='-3'"):
-        _departure.departure_timeout(None, {"FUNSHARD_DEPARTURE_TIMEOUT": "-3"})
+        _departure_timeout(None, {"FUNSHARD_DEPARTURE_TIMEOUT": "-3"})
     with pytest.raises(ValueError, match="departure_timeout=-1"):
         fs.distributed.initialize(departure_timeout=-1)  # checked before anything starts
-
-
-def test_a_collective_future_gives_up_on_a_process_that_left(monitor):
-    mon, service = monitor
-    worker, release = _departure.OrderedWorker("test"), threading.Event()
-    assert worker.submit(lambda: 41 + 1).result() == 42  # no one left: a plain future
-    stuck = worker.submit(release.wait)  # a collective the other process never joins
-    mon.step, mon.kind = 3, "backward pass"
-    service.leave(1, 2, kind="backward pass")
-    start = time.monotonic()
-    with pytest.raises(RuntimeError) as info:
-        stuck.result()
-    assert time.monotonic() - start < 10
-    text = str(info.value)
-    assert (
-        "process 0 of 2 gives up: process 1 returned normally and left the job after "
-        "2 steps (backward passes)" in text
-    ), text
-    assert "The last step both reached is step 2." in text
-    assert "departure_timeout=0.6 s" in text
-    release.set()
-    assert stuck.result() is True  # the job itself finished meanwhile
-    assert worker.submit(lambda: 1).result() == 1  # the worker goes on, in order
-
-
-def test_a_collective_future_keeps_its_own_exceptions(monitor):
-    worker = _departure.OrderedWorker("test")
-
-    def late():
-        time.sleep(0.7)
-        raise TimeoutError("the job's own timeout")
-
-    with pytest.raises(TimeoutError, match="the job's own timeout"):
-        worker.submit(late).result()
 
 
 def test_shard_batch_wait_raises_when_a_process_left_before_this_step(monitor):
     mon, service = monitor
     mon.step, mon.kind = 3, "shard_batch call"
     service.leave(1, 3)  # it reached this step: wait as usual, then go on unchecked
-    assert _runtime._wait_for(service, "verdict", 0.6) is None
+    assert _batch._wait_for(service, "verdict", 0.6) is None
     service.leave(1, 2)  # it left before this step: it will never post its batch
     with pytest.raises(
         RuntimeError,
@@ -294,7 +254,7 @@ def test_shard_batch_wait_raises_when_a_process_left_before_this_step(monitor):
         r"returned normally and left the job after 2 steps \(shard_batch "
         r"calls\), so this step's batch .* The last step both reached is step 2",
     ):
-        _runtime._wait_for(service, "verdict", 30)
+        _batch._wait_for(service, "verdict", 30)
 
 
 def test_failure_summary_names_the_process_that_left():
@@ -302,12 +262,102 @@ def test_failure_summary_names_the_process_that_left():
     error = RuntimeError(
         "Gloo AllGather failed: Read error [127.0.0.1]:4411: Connection reset by peer"
     )
-    note = _departure.Note(1, 4, "shard_batch call", "raised KeyError", barrier=False)
-    text = _runtime.failure_summary(error, launch, {0: "127.0.0.1", 1: "127.0.0.1"}, {1: note})
+    note = comm.Note(1, 4, "shard_batch call", "raised KeyError", barrier=False)
+    text = _lifecycle.failure_summary(error, launch, {0: "127.0.0.1", 1: "127.0.0.1"}, {1: note})
     assert (
         "a collective failed because process 1 raised KeyError and left the job after "
         "4 steps (shard_batch calls)"
     ) in text
+
+
+# ---- fail_fast: the one switch for process-wide behaviour, off by default ----
+
+
+@pytest.fixture
+def lifecycle(monkeypatch):
+    """A process's lifecycle on a fake service (no processes): its exits are recorded."""
+    exits: list[int] = []
+    monkeypatch.setattr(_lifecycle, "_exit_now", exits.append)
+    monkeypatch.setattr(_lifecycle, "_current", None)
+    monkeypatch.setattr(_departures, "_board", None)
+    service = FakeService()
+    monkeypatch.setattr(_lifecycle._jax_compat, "coordination_client", lambda: service)
+
+    def make(fail_fast: bool) -> _lifecycle.Lifecycle:
+        launch = fs.distributed.Launch("torchrun", "127.0.0.1:1", 2, 1, None)
+        _lifecycle.start(service, launch, math.inf, 0.3, 100, fail_fast, 1.0)
+        made = _lifecycle._current
+        assert made is not None
+        monkeypatch.setattr(made.board, "timeout", 0.6)
+        return made
+
+    yield make, service, exits
+    if _lifecycle._current is not None:
+        atexit.unregister(_lifecycle._current.at_exit)
+
+
+def test_initialize_is_quiet_by_default():
+    assert inspect.signature(fs.distributed.initialize).parameters["fail_fast"].default is False
+
+
+@pytest.mark.parametrize(
+    "waited,fail_fast,warned,action",
+    [
+        (0.5, False, False, "wait"),
+        (0.5, True, False, "wait"),
+        (1.0, True, False, "exit"),
+        (1.0, False, False, "warn"),
+        (1.0, False, True, "done"),
+    ],
+)
+def test_watchdog_action(waited, fail_fast, warned, action):
+    assert _lifecycle.watchdog_action(waited, 1.0, fail_fast, warned) == action
+
+
+def test_without_fail_fast_excepthook_and_process_are_left_alone(lifecycle, monkeypatch, capsys):
+    make, service, exits = lifecycle
+    hook = sys.excepthook
+    monkeypatch.setattr(sys, "excepthook", hook)  # restored whatever happens
+    life = make(fail_fast=False)
+    assert sys.excepthook is hook
+    life.board.step, life.board.kind = 3, "shard_batch call"
+    service.leave(0, 2)
+    life.board.refresh()
+    assert life.on_stuck(0.1) == "wait"
+    assert life.on_stuck(0.7) == "warn"
+    assert life.on_stuck(5.0) == "done"  # said once: the watchdog thread then returns
+    err = capsys.readouterr().err
+    assert err.count("funshard.distributed: process 1 of 2 is stuck: process 0 returned ") == 1
+    assert "left the job after 2 steps (shard_batch calls)" in err, err
+    assert "The last step both reached is step 2." in err, err
+    assert "does not exit by itself" in err and "heartbeat_timeout=100 s" in err, err
+    assert "fail_fast=True" in err, err
+    assert exits == []
+    assert "funshard/left/1" not in service.kv  # it did not leave
+    # At exit, a process whose peer left without JAX's barrier says so and goes into it.
+    service.leave(0, 2, barrier=False)
+    life.at_exit()
+    assert exits == []
+    err = capsys.readouterr().err
+    assert "process 0 left without JAX's shutdown barrier" in err, err
+    assert '"barrier": true' in service.kv["funshard/left/1"]  # it waits in the barrier
+
+
+def test_with_fail_fast_the_process_ends_at_once(lifecycle, monkeypatch, capsys):
+    make, service, exits = lifecycle
+    hook = sys.excepthook
+    monkeypatch.setattr(sys, "excepthook", hook)
+    life = make(fail_fast=True)
+    assert sys.excepthook is not hook
+    service.leave(0, 2)
+    life.board.refresh()
+    assert life.on_stuck(0.7) == "exit"
+    assert exits == [1]
+    assert "process 1 of 2 gives up: process 0 returned normally" in capsys.readouterr().err
+    assert '"barrier": false' in service.kv["funshard/left/1"]
+    sys.excepthook(KeyError, KeyError("k"), None)  # the hook: summary, then exit 1
+    assert exits == [1, 1]
+    assert "stops on an uncaught KeyError" in capsys.readouterr().err
 
 
 def test_a_leftover_set_mesh_is_named_by_the_root():

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 
 import funshard as fs
 import funshard.distributed
-from funshard.distributed._runtime import failure_summary
+from funshard.distributed._lifecycle import failure_summary
 
 WORKER = Path(__file__).with_name("_mp_worker.py")
 HARD_CAP_S = 120  # per test: a hung job fails the test instead of the CI run

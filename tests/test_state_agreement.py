@@ -15,7 +15,7 @@ import pytest
 from _launch import free_port, launch, rank_env
 
 import funshard as fs
-from funshard.distributed import _state_agreement
+from funshard.comm import _state_agreement
 
 WORKER = Path(__file__).with_name("_state_agreement_worker.py")
 HARD_CAP_S = 90

@@ -43,12 +43,10 @@ def check_collective(layout: RankLayout, kind: str, label: str, leaves: list[tup
       TimeoutError: (`funshard.errors.DistributedTimeoutError`) another process has
         not issued one within the departure timeout.
     """
-    from funshard import distributed
-
     processes = {d.process_index for d in layout.mesh.devices.flat}
     nouns = (f"tensor for the {kind} of {label}", f"tensors for the {kind} of {label}")
     try:
-        distributed.same_collective(f"torch_frontend's {kind} of {label}", leaves, processes, nouns)
+        comm.same_collective(f"torch_frontend's {kind} of {label}", leaves, processes, nouns)
     except (errors.DistributedError, errors.DistributedTimeoutError) as exc:
         raise type(exc)(_different_collectives(str(exc))) from None
 
@@ -78,10 +76,10 @@ class CommContext:
         # funshard's worker, not a ThreadPoolExecutor: its futures give up (RuntimeError)
         # on a process that left the job, and its daemon thread, stuck in a collective
         # with such a process, never holds up the interpreter's exit.
-        from funshard import distributed
+        from torch_frontend._worker import OrderedWorker
 
-        self._thread = distributed.OrderedWorker("torch_frontend")
-        self._count_step = distributed.count_step
+        self._thread = OrderedWorker("torch_frontend")
+        self._count_step = comm.count_step
         self._held: tuple[Future | None, Callable[[], None]] | None = None
         self._finish_queued = False
         # torch's switch for checking that every rank issues the same collective

@@ -81,7 +81,11 @@ def init_distributed(replicate: int | None = None) -> Mesh:
             raise errors.ShardingValueError(_replicate_changed(_runtime.replicate, replicate))
         return _runtime.mesh
     _cuda.configure_allocator()  # first: JAX's GPU allocator reads it when it starts
-    fs.distributed.initialize()
+    # fail_fast=True: torchrun's agent notices a failed worker only once it exits, then
+    # tears the others down; a worker left in JAX's shutdown barrier would hang the job
+    # instead (docs/distributed.md, "fail_fast"). To keep a process alive, call
+    # fs.distributed.initialize() before this: a started runtime is not started again.
+    fs.distributed.initialize(fail_fast=True)
     _cuda.set_torch_device(jax.local_devices()[0])  # torch's current GPU is JAX's
     _init_process_group()
     devices = [jax.local_devices(process_index=p)[0] for p in range(jax.process_count())]

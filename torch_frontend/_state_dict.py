@@ -18,7 +18,7 @@ import jax
 import torch
 from torch import nn
 
-from funshard import distributed, errors
+from funshard import comm, errors
 from torch_frontend import _bridge
 from torch_frontend._group import ParamGroup
 from torch_frontend._param import FSDPParam
@@ -124,9 +124,7 @@ def _same_on_every_rank(by_layout: dict[_bridge.RankLayout, list[FSDPParam]]) ->
     """
     processes = {d.process_index for layout in by_layout for d in layout.mesh.devices.flat}
     leaves = [(p.shape, p.dim, p.dtype) for group in by_layout.values() for p in group]
-    distributed.same_collective(
-        "full_state_dict", leaves, processes, noun=("parameter", "parameters")
-    )
+    comm.same_collective("full_state_dict", leaves, processes, noun=("parameter", "parameters"))
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:

@@ -10,9 +10,33 @@ goes through these names:
 - eagerly, outside a step (semi-public: documented in docs/architecture.md, used by
   `fs.unshard` and `torch_frontend`): `eager_all_gather`, `eager_reduce_scatter` and
   `eager_reduce_scatter_rows` over global arrays, and `global_array`, which makes one
-  from process-local buffers without a copy.
+  from process-local buffers without a copy;
+- across processes, outside any step (semi-public, re-exported by `funshard.distributed`
+  and used by the core): `same_collective` and `same_state`, the agreement checks, and
+  the departure notes they read (`Note`, `departed`, `count_step`, `stuck_error`, ...),
+  which `funshard.distributed` writes.
 """
 
+from funshard.comm._agreement import same_collective as same_collective
+from funshard.comm._departures import DEPARTURE_TIMEOUT as DEPARTURE_TIMEOUT
+from funshard.comm._departures import POLL_S as POLL_S
+from funshard.comm._departures import SERVICE_GRACE_S as SERVICE_GRACE_S
+from funshard.comm._departures import Board as Board
+from funshard.comm._departures import Note as Note
+from funshard.comm._departures import announce_failure as announce_failure
+from funshard.comm._departures import await_failures as await_failures
+from funshard.comm._departures import board as board
+from funshard.comm._departures import collective_running as collective_running
+from funshard.comm._departures import count_step as count_step
+from funshard.comm._departures import departed as departed
+from funshard.comm._departures import departure_text as departure_text
+from funshard.comm._departures import left_before_this_step as left_before_this_step
+from funshard.comm._departures import open_board as open_board
+from funshard.comm._departures import python_wait as python_wait
+from funshard.comm._departures import running_collectives as running_collectives
+from funshard.comm._departures import same_steps_hint as same_steps_hint
+from funshard.comm._departures import stuck_error as stuck_error
+from funshard.comm._departures import wait_limit as wait_limit
 from funshard.comm._eager import backends_started as backends_started
 from funshard.comm._eager import dlpack_import as dlpack_import
 from funshard.comm._eager import eager_all_gather as eager_all_gather
@@ -49,3 +73,4 @@ from funshard.comm._mesh import axes_size as axes_size
 from funshard.comm._mesh import make_mesh as make_mesh
 from funshard.comm._mesh import resolve_axes as resolve_axes
 from funshard.comm._mesh import spec as spec
+from funshard.comm._state_agreement import same_state as same_state

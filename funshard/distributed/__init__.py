@@ -7,23 +7,26 @@
     state = fs.shard(params, mesh)
     batch = fs.distributed.shard_batch(local_rows, mesh)
 
-See docs/distributed.md for launch commands and the timeout knobs.
+One job per module: `_launch` (the launcher's environment, the settings), `_rendezvous`
+(the processes' first meeting), `_batch` (`shard_batch`), `_lifecycle` (departure notes,
+watchdog, exit, `fail_fast`) and `_initialize`, which composes them. The agreement
+checks and the departure notes' reader live in `funshard.comm`, below the core that
+calls them. See docs/distributed.md for launch commands, the timeout knobs and
+`fail_fast`.
 """
 
-from funshard.distributed._agreement import same_collective as same_collective
-from funshard.distributed._departure import OrderedWorker as OrderedWorker
-from funshard.distributed._departure import count_step as count_step
-from funshard.distributed._runtime import Launch as Launch
-from funshard.distributed._runtime import data_axes as data_axes
-from funshard.distributed._runtime import global_devices as global_devices
-from funshard.distributed._runtime import initialize as initialize
-from funshard.distributed._runtime import resolve_launch as resolve_launch
-from funshard.distributed._runtime import shard_batch as shard_batch
-from funshard.distributed._state_agreement import same_state as same_state
+from funshard.comm import count_step as count_step
+from funshard.comm import same_collective as same_collective
+from funshard.comm import same_state as same_state
+from funshard.distributed._batch import data_axes as data_axes
+from funshard.distributed._batch import shard_batch as shard_batch
+from funshard.distributed._initialize import global_devices as global_devices
+from funshard.distributed._initialize import initialize as initialize
+from funshard.distributed._launch import Launch as Launch
+from funshard.distributed._launch import resolve_launch as resolve_launch
 
 __all__ = [
     "Launch",
-    "OrderedWorker",
     "count_step",
     "data_axes",
     "global_devices",

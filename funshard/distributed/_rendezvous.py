@@ -10,104 +10,19 @@ answers "go" once all have arrived, or "missing <ranks>" / "error <text>".
 
 from __future__ import annotations
 
-import math
 import os
 import selectors
 import socket
 import sys
 import time
-from collections.abc import Mapping
 
 from funshard import _text, errors
 
-# JAX's own default (jax.distributed.initialize in jax 0.10.2), in seconds.
-INITIALIZATION_TIMEOUT = 300
-# Read when `initialize(initialization_timeout=None)`: launchers (torchrun) call scripts
-# whose initialize() the user may not want to edit.
-INITIALIZATION_TIMEOUT_ENV = "FUNSHARD_INITIALIZATION_TIMEOUT"
 # A start-up this quick stays silent; a longer one says once what it waits for.
 WAIT_NOTICE_S = 1.0
 
 _HELLO = "funshard-start"
 _ANSWER_SLACK_S = 1.0  # network and scheduling delay allowed for process 0's answer
-
-
-def not_seconds(source: str, value, example: str) -> str:
-    """A timeout of `initialize` (this one, or `_departure`'s) that is not one."""
-    return (
-        f"initialize: {source}={value!r} is not a positive number of seconds; pass e.g. {example}."
-    )
-
-
-def initialization_timeout(value, environ: Mapping[str, str]) -> float:
-    """Seconds to wait for the other processes: `value`, else the environment, else 300.
-
-    Args:
-      value: the `initialization_timeout` argument (None: not given).
-      environ: the environment, read for FUNSHARD_INITIALIZATION_TIMEOUT.
-
-    Returns:
-      The timeout in seconds.
-
-    Raises:
-      ValueError: the value is not a positive, finite number of seconds.
-    """
-    source = "initialization_timeout"
-    if value is None and INITIALIZATION_TIMEOUT_ENV in environ:
-        source, value = INITIALIZATION_TIMEOUT_ENV, environ[INITIALIZATION_TIMEOUT_ENV]
-    if value is None:
-        return float(INITIALIZATION_TIMEOUT)
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if isinstance(value, bool) or not 0 < seconds < math.inf:
-        raise errors.ShardingValueError(
-            not_seconds(
-                source, value, "initialization_timeout=60 (or FUNSHARD_INITIALIZATION_TIMEOUT=60)"
-            )
-        )
-    return seconds
-
-
-def _coordinator_bad_address(address: str, source: str) -> str:
-    return (
-        f"initialize: coordinator address {address!r} (from {source}) is not 'host:port' "
-        "with a port in 1-65535; pass e.g. '10.0.0.1:29500' (MASTER_ADDR and MASTER_PORT "
-        "under torchrun)."
-    )
-
-
-def _coordinator_unresolvable(host: str, source: str, reason: str) -> str:
-    return (
-        f"initialize: the coordinator host {host!r} (from {source}) does not resolve "
-        f"({reason}); set it to the host name or IP address of the machine that runs "
-        "process 0, as every process can resolve it."
-    )
-
-
-def endpoint(address: str, source: str) -> tuple[str, int]:
-    """(host, port) of "host:port" / "[v6]:port"; the host must resolve (fail fast).
-
-    Args:
-      address: the coordinator address.
-      source: where it came from, in the user's words (named in the error).
-
-    Returns:
-      The host (brackets of an IPv6 literal removed) and the port.
-
-    Raises:
-      ValueError: the address is malformed or its host does not resolve.
-    """
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise errors.ShardingValueError(_coordinator_bad_address(address, source))
-    try:
-        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise errors.ShardingValueError(_coordinator_unresolvable(host, source, str(exc))) from None
-    return host, int(port)
 
 
 def meet(rank: int, n: int, host: str, port: int, timeout: float) -> None:
@@ -151,7 +66,7 @@ def _listen(port: int) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
-def _start_cannot_listen(port: int, reason) -> str:
+def _start_cannot_listen(port: int, reason: object) -> str:
     return (
         f"initialize: process 0 cannot listen on port {port} for the coordinator "
         f"({reason}); another program uses it. Choose a free port (MASTER_PORT, or the "
@@ -159,7 +74,9 @@ def _start_cannot_listen(port: int, reason) -> str:
     )
 
 
-def _start_missing_processes(me: str, missing, address: str, timeout: float, notes) -> str:
+def _start_missing_processes(
+    me: str, missing: list[int], address: str, timeout: float, notes: list[str]
+) -> str:
     extra = "".join(f" {note}." for note in notes)
     return (
         f"initialize: {me} gave up after {timeout:g} s: {_text.process_list(missing)} never "
@@ -198,8 +115,9 @@ def _serve(n: int, host: str, port: int, start: float, timeout: float) -> None:
                 _send_line(peer, reply)
         finally:
             for key in list(selector.get_map().values()):
-                if key.fileobj is not server:
-                    key.fileobj.close()
+                held = key.fileobj
+                if isinstance(held, socket.socket) and held is not server:
+                    held.close()
     if missing:
         raise errors.DistributedTimeoutError(
             _start_missing_processes(me, missing, address, timeout, notes)
@@ -224,13 +142,22 @@ def _start_rejected(n: int, problem: str) -> str:
     )
 
 
-def _on_readable(key, server, selector, arrived: dict, notes: list, n: int) -> None:
+def _on_readable(
+    key: selectors.SelectorKey,
+    server: socket.socket,
+    selector: selectors.BaseSelector,
+    arrived: dict[int, socket.socket],
+    notes: list[str],
+    n: int,
+) -> None:
     if key.fileobj is server:
-        peer, _ = server.accept()
-        peer.setblocking(False)
-        selector.register(peer, selectors.EVENT_READ, b"")
+        accepted, _ = server.accept()
+        accepted.setblocking(False)
+        selector.register(accepted, selectors.EVENT_READ, b"")
         return
     peer = key.fileobj
+    if not isinstance(peer, socket.socket):  # only sockets are registered
+        return
     try:
         data = key.data + peer.recv(256)
     except OSError:
@@ -337,7 +264,15 @@ def _start_no_answer(me: str, address: str, timeout: float) -> str:
     )
 
 
-def _await_reply(peer, rank: int, n: int, start: float, timeout: float, noticed, address):
+def _await_reply(
+    peer: socket.socket,
+    rank: int,
+    n: int,
+    start: float,
+    timeout: float,
+    noticed: bool,
+    address: str,
+) -> str | None:
     """Process 0's one-line answer, or None if the connection closed before it.
 
     Process 0 started before this connection and answers by its own deadline, so its
@@ -371,7 +306,7 @@ def _await_reply(peer, rank: int, n: int, start: float, timeout: float, noticed,
     return data.split(b"\n", 1)[0].decode(errors="replace")
 
 
-def _start_gave_up_elsewhere(me: str, missing) -> str:
+def _start_gave_up_elsewhere(me: str, missing: list[int]) -> str:
     return (
         f"initialize: {me}: process 0 gave up waiting: {_text.process_list(missing)} never "
         "reached the coordinator (see process 0's error). Start the missing processes, "

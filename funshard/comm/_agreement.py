@@ -25,11 +25,12 @@ import itertools
 import math
 import time
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import jax
 
 from funshard import _jax_compat, errors
-from funshard.distributed import _departure
+from funshard.comm import _departures
 
 _ROOT = "funshard/eager/"
 _calls: dict[tuple[int, ...], itertools.count] = {}
@@ -69,7 +70,7 @@ def same_collective(
         with contextlib.suppress(Exception):
             client.key_value_delete(f"{prefix}{call - 2}/{rank}")
     since = time.monotonic()
-    with _departure.python_wait():
+    with _departures.python_wait():
         for other in group:
             if other == rank:
                 continue
@@ -79,8 +80,8 @@ def same_collective(
                     _not_issued(fn, rank, other, signature, call, time.monotonic() - since)
                 )
             if theirs != signature:  # every process sees it and raises
-                _departure.announce_failure()
-                _departure.await_failures(group)
+                _departures.announce_failure()
+                _departures.await_failures(group)
                 raise errors.DistributedError(_issued_other(fn, rank, other, signature, theirs))
 
 
@@ -95,17 +96,17 @@ def _describe(leaves: Sequence[tuple], noun: tuple[str, str]) -> str:
     )
 
 
-def _wait_for(client, key: str, other: int, since: float, fn: str) -> str | None:
+def _wait_for(client: Any, key: str, other: int, since: float, fn: str) -> str | None:
     """`key`'s value, or None after `departure_timeout`; raises if `other` left the job."""
-    limit = _departure.wait_limit()
+    limit = _departures.wait_limit()
     while True:
         with contextlib.suppress(Exception):  # not posted yet (a deadline exceeded)
             return client.blocking_key_value_get(key, _WAIT_SLICE_MS)
-        left = _departure.departed().get(other)
+        left = _departures.departed().get(other)
         if left is not None:
             raise errors.DistributedError(
                 f"{fn} outside a step: process {jax.process_index()} issued a collective "
-                f"that {_departure.departure_text(left)} will never join."
+                f"that {_departures.departure_text(left)} will never join."
             )
         if time.monotonic() - since >= limit:
             return None

@@ -29,8 +29,9 @@ import jax
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 
-from funshard import _jax_compat, _text, comm, errors
-from funshard.distributed import _departure
+from funshard import _jax_compat, _text, errors
+from funshard.comm import _departures
+from funshard.comm._layout import LayoutFacts
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,8 @@ _checks = itertools.count()  # numbers this process's distinct signatures, in or
 
 
 def _is_layout(x: Any) -> bool:
-    # `fs.Sharded` (funshard.core, a floor this one cannot import) is a LayoutFacts.
-    return isinstance(x, comm.LayoutFacts)
+    # `fs.Sharded` (funshard.core, a floor above this one) is a LayoutFacts.
+    return isinstance(x, LayoutFacts)
 
 
 def _leaf_signature(x: Any) -> dict:
@@ -107,12 +108,12 @@ def same_state(fn: str, state: Any) -> None:
         _agreed.add(digest)
         return
     theirs = _all_signatures(client, root, text, count)
-    _departure.announce_failure()
-    _departure.await_failures(range(count))
+    _departures.announce_failure()
+    _departures.await_failures(range(count))
     raise errors.DistributedError(_states_differ(fn, theirs))
 
 
-def _verdict(client, root: str, digest: str, count: int) -> bool | None:
+def _verdict(client: Any, root: str, digest: str, count: int) -> bool | None:
     """Whether every process posted `digest` (None: no verdict within the wait limit).
 
     Each process adds 1 to a counter keyed by its digest and to an arrival counter; the
@@ -129,31 +130,31 @@ def _verdict(client, root: str, digest: str, count: int) -> bool | None:
     return None if posted is None else posted == "same"
 
 
-def _wait_for(client, key: str) -> str | None:
+def _wait_for(client: Any, key: str) -> str | None:
     """`key`'s value, or None after `departure_timeout`; raises if a process left."""
     since = time.monotonic()
-    with _departure.python_wait():
+    with _departures.python_wait():
         while True:
             try:
                 return client.blocking_key_value_get(key, _WAIT_SLICE_MS)
             except Exception:
                 pass
-            left = _departure.departed()
+            left = _departures.departed()
             if left:
                 raise errors.DistributedError(_left_before_trace(left))
-            if time.monotonic() - since >= _departure.wait_limit():
+            if time.monotonic() - since >= _departures.wait_limit():
                 return None
 
 
 def _left_before_trace(left: dict) -> str:
-    notes = "; ".join(_departure.departure_text(n) for _, n in sorted(left.items()))
+    notes = "; ".join(_departures.departure_text(n) for _, n in sorted(left.items()))
     return (
         f"value_and_grad: process {jax.process_index()} traced its step, but {notes} "
         "before tracing it: the step's collectives would never complete."
     )
 
 
-def _all_signatures(client, root: str, text: str, count: int) -> dict[int, list]:
+def _all_signatures(client: Any, root: str, text: str, count: int) -> dict[int, list]:
     """Every process's signature (rank -> leaves), exchanged only after a mismatch."""
     client.key_value_set(f"{root}full/{jax.process_index()}", text)
     if client.key_value_increment(f"{root}described", 1) == count:

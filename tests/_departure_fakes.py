@@ -1,0 +1,36 @@
+"""A stand-in for JAX's coordination service, for the in-process departure tests."""
+
+from __future__ import annotations
+
+import time
+
+from funshard import comm
+
+
+class FakeService:
+    """The coordination service's key-value store, as the departure notes use it."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, str] = {}
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        time.sleep(timeout_ms / 1000)
+        raise RuntimeError("DEADLINE_EXCEEDED")
+
+    def leave(
+        self,
+        rank: int,
+        step: int,
+        kind: str = "shard_batch call",
+        how: str = "returned normally",
+        barrier: bool = True,
+    ) -> None:
+        """Posts process `rank`'s departure note, as that process would."""
+        note = comm.Note(rank, step, kind, how, barrier=barrier)
+        self.kv[f"funshard/left/{rank}"] = note.text()
