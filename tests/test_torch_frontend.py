@@ -583,11 +583,13 @@ def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
 
     model = _shard_mlp(_mlp(), mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    states = [m._fsdp_state() for m in (model[0], model[2], model)]
+    states = [m._get_fsdp_state() for m in (model[0], model[2], model)]
     for _ in range(2):
         model(torch.randn(2, 16)).pow(2).sum().backward()
         torch_buffers = {
-            p.padded.untyped_storage().data_ptr() for s in states for p in s.group.params
+            p._sharded_param_data.untyped_storage().data_ptr()
+            for s in states
+            for p in s._fsdp_param_group.fsdp_params
         }
         jax_buffers = {
             shard.data.unsafe_buffer_pointer()
@@ -597,6 +599,31 @@ def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
         assert torch_buffers and not torch_buffers & jax_buffers
         opt.step()
         opt.zero_grad()
+
+
+def test_fsdp2s_private_names_reach_the_same_state():
+    # Code written against FSDP2's internals (torch.distributed._tools.fsdp2_mem_tracker,
+    # PyTorch's own FSDP2 tests) walks module._get_fsdp_state()._fsdp_param_group...
+    from torch_frontend._state import _get_module_fsdp_state
+
+    model = _shard_mlp(_mlp())
+    root, inner = model._get_fsdp_state(), model[0]._get_fsdp_state()
+    assert _get_module_fsdp_state(model) is root and _get_module_fsdp_state(model[1]) is None
+    group = inner._fsdp_param_group
+    sharded = [p.sharded_param for p in group.fsdp_params]
+    assert sharded[0] is model[0].weight and sharded[1] is model[0].bias
+    assert group.is_sharded and not group.is_unsharded and root._is_root is None
+    model(torch.randn(2, 16)).sum().backward()
+    assert root._is_root is True and inner._is_root is False
+    assert root._state_ctx.all_states == [root, inner, model[2]._get_fsdp_state()]
+    assert group._module_fqn == "0" and group._training_state.name == "IDLE"
+    model[0].unshard()
+    param = group.fsdp_params[0]
+    assert group.is_unsharded
+    assert model[0].weight is param._unsharded_param is param.unsharded_param
+    assert param._sharded_local_tensor.data_ptr() == param._sharded_param_data.data_ptr()
+    model[0].reshard()
+    assert group.is_sharded and model[0].weight is param.sharded_param
 
 
 def _record_gathers(monkeypatch) -> list[int]:

@@ -100,7 +100,7 @@ def test_nothing_is_logged_or_built_at_the_default_level(caplog, monkeypatch):
     monkeypatch.setattr(_fully_shard, "_log_group", built)
     monkeypatch.setattr(_state.FSDPState, "_log_lazy_init", built)
     monkeypatch.setattr(_group, "_describe_buckets", built)
-    monkeypatch.setattr(_group.ParamGroup, "_log_reduce_scatter", built)
+    monkeypatch.setattr(_group.FSDPParamGroup, "_log_reduce_scatter", built)
     model = _sharded()
     _step(model)
     assert _messages(caplog) == []
@@ -143,7 +143,7 @@ def test_profiler_ranges_carry_the_module_fqn(grouped):
 
 def test_hook_handles_remove_the_hooks_as_fsdp2s_do():
     model = _sharded(grouped=True)
-    grouped, root = model.a._fsdp_state(), model._fsdp_state()
+    grouped, root = model.a._get_fsdp_state(), model._get_fsdp_state()
     # A group of modules: ONE handle removes every module's pre- and post-hook.
     assert grouped._pre_forward_hook_handle is grouped._post_forward_hook_handle
     assert all(m._forward_pre_hooks and m._forward_hooks for m in (model.a, model.b))
@@ -153,7 +153,7 @@ def test_hook_handles_remove_the_hooks_as_fsdp2s_do():
     assert not model._forward_pre_hooks and model._forward_hooks
     root._post_forward_hook_handle.remove()
     assert not model._forward_hooks
-    group = model.c._fsdp_state().group
+    group = model.c._get_fsdp_state()._fsdp_param_group
     hooks = (
         model.c._state_dict_pre_hooks,
         model.c._load_state_dict_pre_hooks,

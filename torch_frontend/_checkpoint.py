@@ -35,7 +35,7 @@ import funshard as fs
 from funshard import comm, errors
 from torch_frontend import _bridge
 from torch_frontend._fully_shard import not_fsdp_module
-from torch_frontend._state import state_of
+from torch_frontend._state import _get_module_fsdp_state
 from torch_frontend._state_dict import Managed, managed_params
 
 MODEL, OPTIMIZER, STEP = "model", "optimizer", "step"
@@ -46,9 +46,9 @@ _SCALARS = {"bool": False, "int": 0, "float": 0.0}
 def _base_layout(module: nn.Module) -> _bridge.RankLayout:
     """The layout of the first fully_shard group at or below `module` (for buffers)."""
     for sub in module.modules():
-        state = state_of(sub)
+        state = _get_module_fsdp_state(sub)
         if state is not None:
-            return state.group.layout
+            return state._fsdp_param_group.layout
     raise errors.ShardingValueError(not_fsdp_module("torch_frontend checkpoint", module))
 
 
@@ -135,7 +135,8 @@ def _model_tree(
                 if param.dtype.itemsize == 8:
                     raise errors.UnsupportedError(_checkpoint_64bit(key, param.dtype))
                 padded = param.sync_padded()
-                # An asynchronous save outlives this call: the optimizer writes `padded`.
+                # An asynchronous save outlives this call: the optimizer writes the
+                # parameter's `_sharded_param_data`.
                 data = _bridge.global_block(
                     entry.layout, padded.clone() if copy else padded, param.dim
                 )
@@ -274,7 +275,7 @@ def save(
     *,
     overwrite: bool = False,
     asynchronous: bool = False,
-):
+) -> str | fs.PendingSave:
     """Writes the module's (and optimizer's) state as a `funshard.save` checkpoint.
 
     Each process writes only its own shards; the checkpoint appears at `path` only
@@ -320,7 +321,7 @@ def _stored(path: str) -> dict[str, dict]:
 
 
 def _like_model(local: dict, managed: dict[int, Managed], base: _bridge.RankLayout) -> dict:
-    like = {}
+    like: dict[str, fs.Sharded | np.ndarray] = {}  # abstract sharded leaves, whole arrays
     for key, t in local.items():
         entry = managed.get(id(t))
         if entry is not None:
@@ -368,7 +369,9 @@ def _state_names(stored: dict[str, dict], fqn: str) -> tuple[dict[str, dict], li
 
 
 def _like_optimizer(path: str, stored: dict, optimizer, module, managed, base) -> dict:
-    problems, state, claimed = [], {}, set()
+    problems: list[str] = []
+    state: dict[str, dict[str, Any]] = {}
+    claimed: set[str] = set()  # the checkpoint's optimizer-state paths this optimizer reads
     for fqn, param in _optimizer_params(optimizer, _names(module)):
         records, deeper = _state_names(stored, fqn)
         claimed.update(
@@ -448,13 +451,15 @@ def _write_model(local, managed, restored: dict, base) -> None:
             value, entry = restored[key], managed.get(id(t))
             if entry is not None:
                 entry.param.sync_padded()
-                entry.param.local_shard().copy_(_local_rows(value, entry.param.local_rows))
+                entry.param._sharded_local_tensor.copy_(_local_rows(value, entry.param.local_rows))
             elif isinstance(value, fs.Sharded):
                 whole.append((value, t))
             else:
                 t.copy_(_torch(value))
         for (_, t), full in zip(
-            whole, _gather_sharded([leaf for leaf, _ in whole], base), strict=True
+            whole,
+            _gather_sharded([leaf for leaf, _ in whole], base),
+            strict=True,
         ):
             t.copy_(full)
 
@@ -468,24 +473,27 @@ def _write_optimizer(optimizer, module, managed, restored: dict, base) -> None:
     whole = []  # (leaf, state dict, name) of unmanaged parameters' sharded state
     for fqn, values in restored[_STATE].items():
         param = by_name[fqn]
-        entry, state = managed.get(id(param)), {}
+        entry = managed.get(id(param))
+        state: dict[str, Any] = {}
         for name, value in values.items():
             if isinstance(value, fs.Sharded) and entry is None:
                 whole.append((value, state, name))
             elif isinstance(value, fs.Sharded):
-                state[name] = entry.param.to_dtensor(
+                state[name] = entry.param.to_sharded_dtensor(
                     _local_rows(value, entry.param.local_rows).clone()
                 )
             elif isinstance(value, np.ndarray):
                 full = _torch(value)
                 if entry is not None and full.ndim:
-                    full = entry.param.to_dtensor(entry.chunk(full).clone())
+                    full = entry.param.to_sharded_dtensor(entry.chunk(full).clone())
                 state[name] = full
             else:
                 state[name] = value
         optimizer.state[param] = state
     for (_, state, name), full in zip(
-        whole, _gather_sharded([w[0] for w in whole], base), strict=True
+        whole,
+        _gather_sharded([w[0] for w in whole], base),
+        strict=True,
     ):
         state[name] = full
     for group, values in zip(optimizer.param_groups, restored.get(_GROUPS, []), strict=False):

@@ -150,6 +150,7 @@ def default_mesh() -> Mesh:
 def layout_of(mesh: Mesh) -> _bridge.RankLayout:
     """This process's layout on `mesh`, with the runtime's collective launcher."""
     default_mesh()
+    assert _runtime is not None, "default_mesh() starts the runtime"
     return _bridge.layout_of(mesh, _runtime.comm)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 from torch import nn
@@ -13,12 +14,12 @@ from torch.distributed.tensor import DTensor
 
 from funshard import comm, errors
 from torch_frontend import _bridge, _distributed, _param, _state_dict
-from torch_frontend._group import ParamGroup, module_params
+from torch_frontend._group import FSDPParamGroup, module_params
 from torch_frontend._param import FSDPParam, ShardSpec
 from torch_frontend._policy import MixedPrecisionPolicy
-from torch_frontend._state import FSDPState, state_of
+from torch_frontend._state import FSDPState, _get_module_fsdp_state
 
-_fsdp_classes: dict[type, type] = {}
+cls_to_fsdp_cls: dict[type, type] = {}
 
 logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
@@ -42,13 +43,28 @@ class DeepcopyError(errors.UnsupportedError, AssertionError):
     """`copy.deepcopy` of a sharded module: FSDP2 raises AssertionError."""
 
 
-class FSDPModule:
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Shard
+
+if TYPE_CHECKING:
+    # FSDPModule is only ever mixed into an nn.Module subclass (`FSDP<Cls>(FSDPModule,
+    # Cls)`, made by `_fsdp_class`): its methods use the module's, and `super()` reaches
+    # the module's `__call__` and `_apply`. At run time the base is `object`.
+    _ModuleBase = nn.Module
+else:
+    _ModuleBase = object
+
+
+class FSDPModule(_ModuleBase):
     """Mixed into every module `fully_shard` was applied to (class `FSDP<Cls>`)."""
 
     def __deepcopy__(self, memo):
         raise DeepcopyError(_deepcopy_message(self))
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # Dynamo traces the call itself, not this
             return super().__call__(*args, **kwargs)
         try:
@@ -57,18 +73,18 @@ class FSDPModule:
             _note_converted_dtype(self, exc)
             raise
 
-    def _fsdp_state(self) -> FSDPState:
-        state = state_of(self)
+    def _get_fsdp_state(self) -> FSDPState:
+        state = _get_module_fsdp_state(self)
         if state is None:
             raise RuntimeError(not_fsdp_module("FSDPModule", self))
         return state
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
-            return [self._fsdp_state()]
+            return [self._get_fsdp_state()]
         states: list[FSDPState] = []
         for module in self.modules():
-            state = state_of(module)
+            state = _get_module_fsdp_state(module)
             if state is not None and state not in states:
                 states.append(state)
         return states
@@ -83,25 +99,25 @@ class FSDPModule:
         Returns:
           An `UnshardHandle` with `async_op=True`, else None.
         """
-        group = self._fsdp_state().group
+        group = self._get_fsdp_state()._fsdp_param_group
         group.unshard(async_op=async_op)
         return UnshardHandle(group) if async_op else None
 
     def reshard(self) -> None:
         """Frees the gathered parameters; the module holds its local shards again."""
-        self._fsdp_state().group.reshard()
+        self._get_fsdp_state()._fsdp_param_group.reshard()
 
     def _apply(self, *args, **kwargs):
         # `module.to(dtype / device)`, `to_empty` and `half()` convert the sharded
         # DTensors: reshard first so that those are what the modules hold, then adopt
         # the converted local tensors as the padded storage JAX gathers from.
-        state = state_of(self)
+        state = _get_module_fsdp_state(self)
         if state is not None:
-            state.group.reshard()
+            state._fsdp_param_group.reshard()
         result = super()._apply(*args, **kwargs)
         if state is not None:
             with torch.no_grad():
-                for param in state.group.params:
+                for param in state._fsdp_param_group.fsdp_params:
                     param.reset_sharded_param()
         return result
 
@@ -113,8 +129,8 @@ class FSDPModule:
         Also sets `set_requires_all_reduce` to the same value, as FSDP2 does.
         """
         for state in self._fsdp_states(recurse):
-            state.group.reduce_grads = requires_gradient_sync
-            state.group.all_reduce_grads = requires_gradient_sync
+            state._fsdp_param_group.reduce_grads = requires_gradient_sync
+            state._fsdp_param_group.all_reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters gradients within the replica but skips the all-reduce.
@@ -125,7 +141,7 @@ class FSDPModule:
         pending sum together with its own gradients. No effect without a replicate axis.
         """
         for state in self._fsdp_states(recurse):
-            state.group.all_reduce_grads = requires_all_reduce
+            state._fsdp_param_group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Changes `reshard_after_forward` (a bool) at run time."""
@@ -134,23 +150,23 @@ class FSDPModule:
                 f"set_reshard_after_forward: expected a bool, got {reshard_after_forward!r}."
             )
         for state in self._fsdp_states(recurse):
-            state.group.reshard_after_forward = reshard_after_forward
-            state.auto_reshard_after_forward = False
+            state._fsdp_param_group.reshard_after_forward = reshard_after_forward
+            state._auto_reshard_after_forward = False
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         """False keeps parameters gathered after backward (e.g. between accumulation steps)."""
         for state in self._fsdp_states(recurse):
-            state.group.reshard_after_backward = reshard_after_backward
+            state._fsdp_param_group.reshard_after_backward = reshard_after_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Records whether the next backward is the iteration's last (FSDP2's flag)."""
-        self._fsdp_state().ctx.is_last_backward = is_last_backward
+        self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divides reduced gradients by `factor` instead of the data-parallel size."""
-        self._fsdp_state().group.gradient_divide_factor = float(factor)
+        self._get_fsdp_state()._fsdp_param_group.gradient_divide_factor = float(factor)
 
     def reset_iter_state(self) -> None:
         """After an exception mid-iteration: discard its gradients in flight, reshard all.
@@ -158,7 +174,7 @@ class FSDPModule:
         Raises:
           RuntimeError: called on a module that is not the root.
         """
-        self._fsdp_state().reset_iter_state()
+        self._get_fsdp_state()._reset_iter_state()
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of `set_gradient_divide_factor`."""
@@ -171,7 +187,7 @@ class FSDPModule:
         whose weight gradient needs only the indices); the gradient is still
         reduce-scattered. With False, a backward that does need them fails in torch.
         """
-        self._fsdp_state().group.unshard_in_backward = unshard_in_backward
+        self._get_fsdp_state()._fsdp_param_group.unshard_in_backward = unshard_in_backward
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for FSDP2 compatibility: reductions here are always sums.
@@ -194,7 +210,9 @@ class FSDPModule:
         Args:
           modules: FSDP modules, usually the next one(s) to run forward.
         """
-        self._fsdp_state().forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
+        self._get_fsdp_state()._states_to_forward_prefetch = _states_of(
+            modules, "set_modules_to_forward_prefetch"
+        )
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Dispatches these modules' gathers at this module's pre-backward.
@@ -205,7 +223,7 @@ class FSDPModule:
         Args:
           modules: FSDP modules, usually the next one(s) to run backward.
         """
-        self._fsdp_state().backward_prefetch = _states_of(
+        self._get_fsdp_state()._states_to_backward_prefetch = _states_of(
             modules, "set_modules_to_backward_prefetch"
         )
 
@@ -232,20 +250,23 @@ def _note_converted_dtype(module: nn.Module, exc: RuntimeError) -> None:
     (`mat1 and mat2 must have the same dtype`) without a word about why. The
     exception keeps its type and text (FSDP2's); the note says what changed.
     """
-    if getattr(exc, "_torch_frontend_noted", False) or not any(w in str(exc) for w in _DTYPE_WORDS):
+    noted = any(n.startswith(_NOTE_START) for n in getattr(exc, "__notes__", ()))
+    if noted or not any(w in str(exc) for w in _DTYPE_WORDS):  # an inner module noted it
         return
-    state = state_of(module)
-    states = [state, *state.ctx.all_states] if state is not None else []
-    for param in (p for s in states for p in s.group.params):
+    state = _get_module_fsdp_state(module)
+    states = [state, *state._state_ctx.all_states] if state is not None else []
+    for param in (p for s in states for p in s._fsdp_param_group.fsdp_params):
         if param.dtype != param.orig_dtype:
-            exc._torch_frontend_noted = True
-            exc.add_note(_converted_dtype(param.fqn, param.orig_dtype, param.dtype))
+            exc.add_note(_converted_dtype(param._param_fqn, param.orig_dtype, param.dtype))
             return
+
+
+_NOTE_START = "torch_frontend: parameter "  # how `_converted_dtype`'s note begins
 
 
 def _converted_dtype(fqn: str, before: torch.dtype, after: torch.dtype) -> str:
     return (
-        f"torch_frontend: parameter {fqn!r} (and others) became {after} after "
+        f"{_NOTE_START}{fqn!r} (and others) became {after} after "
         f"fully_shard (module.to({after}) or similar), while it was {before} at "
         f"fully_shard; the forward computes in {after}, so inputs of another dtype fail "
         f"as above (as with FSDP2). Cast the inputs to {after}, or convert the model "
@@ -257,7 +278,7 @@ def _converted_dtype(fqn: str, before: torch.dtype, after: torch.dtype) -> str:
 def _states_of(modules, method: str) -> list[FSDPState]:
     states = []
     for module in modules:
-        state = state_of(module) if isinstance(module, nn.Module) else None
+        state = _get_module_fsdp_state(module) if isinstance(module, nn.Module) else None
         if state is None:
             raise errors.ShardingValueError(not_fsdp_module(method, module))
         states.append(state)
@@ -275,15 +296,15 @@ def not_fsdp_module(method: str, module) -> str:
 class UnshardHandle:
     """Returned by `unshard(async_op=True)`: `wait()` completes the gather."""
 
-    def __init__(self, group: ParamGroup | None = None):
+    def __init__(self, group: FSDPParamGroup | None = None) -> None:
         """Made by `FSDPModule.unshard(async_op=True)`, not by users."""
-        self._group = group
+        self._fsdp_param_group = group
 
     def wait(self) -> None:
         """Waits for the gather and binds the gathered parameters."""
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        if self._fsdp_param_group is not None:
+            self._fsdp_param_group.wait_for_unshard()
+            self._fsdp_param_group = None
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -300,7 +321,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     Raises:
       ValueError: `module` has no method `method_name`.
     """
-    state = state_of(module)
+    state = _get_module_fsdp_state(module)
     if state is None:
         return
     if not callable(getattr(module, method_name, None)):
@@ -310,16 +331,16 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name)  # bound: the original implementation
 
     def wrapped(*args, **kwargs):
-        args, kwargs = state.pre_forward(args, kwargs)
-        return state.post_forward(method(*args, **kwargs))
+        args, kwargs = state._pre_forward(args, kwargs)
+        return state._post_forward(method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
 
 
 def _fsdp_class(cls: type) -> type:
-    if cls not in _fsdp_classes:
-        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _fsdp_classes[cls]
+    if cls not in cls_to_fsdp_cls:
+        cls_to_fsdp_cls[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return cls_to_fsdp_cls[cls]
 
 
 def _check_offload(offload_policy, layout: _bridge.RankLayout) -> None:
@@ -375,7 +396,7 @@ def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_
                 "fully_shard: expected an nn.Module or a list of them, got "
                 f"{type(module).__name__}."
             )
-        if state_of(module) is not None or any(m is module for m in modules[:i]):
+        if _get_module_fsdp_state(module) is not None or any(m is module for m in modules[:i]):
             raise ShardedTwiceError(_sharded_twice(module))
         if (
             isinstance(module, (nn.ModuleList, nn.ModuleDict))
@@ -406,7 +427,7 @@ def _empty_group() -> str:
     )
 
 
-def _container_without_forward(module: nn.Module) -> str:
+def _container_without_forward(module: nn.ModuleList | nn.ModuleDict) -> str:
     # FSDP2's sentence first (its ValueError), without the module's repr.
     return (
         f"fully_shard does not support containers that do not implement forward: "
@@ -445,7 +466,7 @@ def _check_unmanaged(param: nn.Parameter, fqn: str, modules: list[nn.Module]) ->
             m is o or any(m is d for d in o.modules()) for m in modules for o in owner.group_modules
         )
         raise SharedParameterError(
-            _already_managed(fqn) if outer else _shared_with_group(fqn, owner.fqn)
+            _already_managed(fqn) if outer else _shared_with_group(fqn, owner._param_fqn)
         )
     if isinstance(param, DTensor):
         raise errors.UnsupportedError(
@@ -534,14 +555,14 @@ def _param_names(modules: list[nn.Module]) -> dict[int, str]:
     return names
 
 
-def _log_group(modules: list[nn.Module], group: ParamGroup) -> None:
+def _log_group(modules: list[nn.Module], group: FSDPParamGroup) -> None:
     """One debug record per `fully_shard` call: what the new group holds and how."""
     names = ", ".join(type(m).__name__ for m in modules)
-    params = ", ".join(f"{p.fqn} {tuple(p.shape)} dim {p.dim}" for p in group.params)
+    params = ", ".join(f"{p._param_fqn} {tuple(p.shape)} dim {p.dim}" for p in group.fsdp_params)
     logger.debug(
         "fully_shard: group of %s: %d parameters [%s] over %d ranks, reshard_after_forward=%s, %s",
         names,
-        len(group.params),
+        len(group.fsdp_params),
         params,
         group.layout.world,
         group.reshard_after_forward,
@@ -549,17 +570,45 @@ def _log_group(modules: list[nn.Module], group: ParamGroup) -> None:
     )
 
 
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | Mesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    offload_policy: OffloadPolicy | None = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | Mesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    offload_policy: OffloadPolicy | None = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+) -> list[FSDPModule]: ...
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
-    mesh=None,
+    mesh: DeviceMesh | Mesh | None = None,
     reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    shard_placement_fn: Callable | None = None,
-    offload_policy=None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims=None,
-):
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> FSDPModule | list[FSDPModule]:
     """Shards `module`'s parameters over the mesh and installs FSDP2's hooks.
 
     Each parameter not already managed by an inner `fully_shard` becomes a DTensor
@@ -613,7 +662,7 @@ def fully_shard(
     post_forward = _post_forward_world(reshard_after_forward, layout)
     names = _param_names(modules)
     placed = []
-    for param, uses in module_params(modules, lambda m: state_of(m) is not None):
+    for param, uses in module_params(modules, lambda m: _get_module_fsdp_state(m) is not None):
         if id(param) in ignored:
             continue
         owner, attr = uses[0]
@@ -623,13 +672,14 @@ def fully_shard(
     # Every placement is checked before any module changes: an error loses nothing.
     spec = ShardSpec(device_mesh)
     params = [FSDPParam(param, uses, fqn, layout, spec, dim) for param, uses, fqn, dim in placed]
-    for param in params:
-        param.group_modules = tuple(modules)
-    group = ParamGroup(params, layout, mp_policy, post_forward, device_mesh)
+    for fsdp_param in params:
+        fsdp_param.group_modules = tuple(modules)
+    group = FSDPParamGroup(params, layout, mp_policy, post_forward, device_mesh)
     if logger.isEnabledFor(logging.DEBUG):
         _log_group(modules, group)
     FSDPState(tuple(modules), group, mp_policy, reshard_after_forward is None)
     _state_dict.register_hooks(group)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
-    return module
+    # Every module's class is now FSDP<Cls>, a subclass of FSDPModule (the loop above).
+    return cast("FSDPModule | list[FSDPModule]", module)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import logging
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,10 @@ from torch_frontend._tree import map_tensors, tensors
 # One logger for the whole frontend, as FSDP2 has one ("torch.distributed.fsdp.fully_shard"):
 # silent unless the application configures it (no handler, level untouched).
 logger = logging.getLogger("torch_frontend")
+
+# A started reduce-scatter: its future, the gradients' indices per flat buffer (one
+# buffer per dtype), and the flat buffers (JAX reads them until the future completes).
+_PendingReduce = tuple[Future[Any], list[list[int]], list[torch.Tensor]]
 
 
 class TrainingState(enum.Enum):
@@ -53,7 +59,7 @@ def divide_factors(reduce_dtype: torch.dtype, factor: float) -> tuple[float | No
     return float(pre), factor / pre
 
 
-class ParamGroup:
+class FSDPParamGroup:
     """The parameters of one `fully_shard` call and their per-iteration lifecycle.
 
     Every transition calls one bridge function: `unshard` is ONE all-gather of all
@@ -69,7 +75,7 @@ class ParamGroup:
         reshard_after_forward: bool | int,
         device_mesh=None,
     ):
-        self.params, self.layout, self.mp_policy = params, layout, mp_policy
+        self.fsdp_params, self.layout, self.mp_policy = params, layout, mp_policy
         self.device_mesh = device_mesh
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
@@ -77,32 +83,48 @@ class ParamGroup:
         self.all_reduce_grads = True  # HSDP: all-reduce over the replicas (FSDP2's flag)
         self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
-        self.training_state = TrainingState.IDLE
-        self.sharded_state = ShardedState.SHARDED
-        self._pending: list | None = None  # a dispatched, not yet bound all-gather
-        self._buckets: list | None = None  # its flat buffers (None: one per parameter)
+        self._training_state = TrainingState.IDLE
+        self._sharded_state = ShardedState.SHARDED
+        self._all_gather_result: Future[Any] | None = None  # dispatched, not yet bound
+        self._buckets: list[_flat.Bucket] | None = None  # its flat buffers (None: hpZ)
         self._parts: _bridge.RankLayout | None = None  # hpZ: the group layout of kept parts
         self.name = "the root"  # the module's name under the root (set at lazy init)
         # FSDP2's `_module_fqn`: the module's path from the root ("" for the root, the
         # paths joined by ", " for a group of modules); None until lazy init.
-        self.module_fqn: str | None = None
+        self._module_fqn: str | None = None
         # The state-dict hooks on each module holding the group's parameters, by module
         # (FSDP2's dicts; the post-load hook is FSDP2's per-parameter one, per module).
         self._module_to_pre_save_state_dict_hook_handle: dict[nn.Module, RemovableHandle] = {}
         self._module_to_pre_load_state_dict_hook_handle: dict[nn.Module, RemovableHandle] = {}
         self._module_to_post_load_state_dict_hook_handle: dict[nn.Module, RemovableHandle] = {}
 
-    def with_fqn(self, label: str) -> str:
+    def _with_fqn(self, label: str) -> str:
         """`label` as FSDP2 names a profiler range or log record: "<label> (<fqn>)".
 
         The root (fqn "") and a group not yet initialised keep the bare label, as in
         FSDP2's `_with_fqn`.
         """
-        return f"{label} ({self.module_fqn})" if self.module_fqn else label
+        return f"{label} ({self._module_fqn})" if self._module_fqn else label
+
+    @property
+    def comm_ctx(self) -> _bridge.CommContext:
+        """FSDP2's `comm_ctx`: the process's collective launcher (orders collectives).
+
+        Shared by every group of the job; it holds the reduce-scatter in flight.
+        """
+        return self.layout.comm
+
+    @property
+    def is_sharded(self) -> bool:
+        return self._sharded_state == ShardedState.SHARDED
+
+    @property
+    def is_sharded_post_forward(self) -> bool:
+        return self._sharded_state == ShardedState.SHARDED_POST_FORWARD
 
     @property
     def is_unsharded(self) -> bool:
-        return self.sharded_state == ShardedState.UNSHARDED
+        return self._sharded_state == ShardedState.UNSHARDED
 
     def param_dtype(self, param: FSDPParam) -> torch.dtype:
         return param.gather_dtype(self.mp_policy.param_dtype)
@@ -122,37 +144,39 @@ class ParamGroup:
           ValueError: a parameter was replaced after fully_shard.
           RuntimeError: parameters are still on the meta device (all are named).
         """
-        if self.is_unsharded or self._pending is not None:
+        if self.is_unsharded or self._all_gather_result is not None:
             if not async_op:
                 self.wait_for_unshard()
             return
-        label = self.with_fqn("FSDP::all_gather")
+        label = self._with_fqn("FSDP::all_gather")
         with record_function(label):
-            if self.params and self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+            if self.fsdp_params and self._sharded_state == ShardedState.SHARDED_POST_FORWARD:
                 # hpZ: gather the kept parts within the group of k ranks only.
-                blocks = [p.part_block() for p in self.params]
+                parts = self._parts
+                assert parts is not None, "_to_sharded_post_forward sets it with the state"
+                blocks = [p.part_block() for p in self.fsdp_params]
                 if logger.isEnabledFor(logging.DEBUG):
                     logger.debug(
                         "%s: all-gather of %d parameters within groups of %d "
                         "ranks (hpZ re-gather)%s",
                         label,
                         len(blocks),
-                        self._parts.world,
+                        parts.world,
                         " (prefetch)" if async_op else "",
                     )
-                self.layout.comm.label_next(f"{self.name!r} (hpZ re-gather)")
-                self._pending = _bridge.start_all_gather(
-                    self._parts, blocks, *self._rows_and_dims()
+                self.comm_ctx.label_next(f"{self.name!r} (hpZ re-gather)")
+                self._all_gather_result = _bridge.start_all_gather(
+                    parts, blocks, *self._rows_and_dims()
                 )
-            elif self.params:
+            elif self.fsdp_params:
                 self._start_flat_gather(label, async_op)
             else:
-                self.sharded_state = ShardedState.UNSHARDED
+                self._sharded_state = ShardedState.UNSHARDED
         if not async_op:
             self.wait_for_unshard()
 
     def _rows_and_dims(self) -> tuple[list[int], list[int]]:
-        return [p.rows for p in self.params], [p.dim for p in self.params]
+        return [p.rows for p in self.fsdp_params], [p.dim for p in self.fsdp_params]
 
     def _start_flat_gather(self, label: str, async_op: bool) -> None:
         """Starts one all-gather of the group's shards, one flat buffer per dtype.
@@ -161,13 +185,17 @@ class ParamGroup:
           label: the profiler label of the gather, for its debug record.
           async_op: whether this is a prefetch (said in the debug record).
         """
-        for param in self.params:
+        for param in self.fsdp_params:
             param.check_bound()
-        sources = [p.sync_padded() for p in self.params]
-        on_meta = [p.fqn for p, source in zip(self.params, sources, strict=True) if source.is_meta]
+        sources = [p.sync_padded() for p in self.fsdp_params]
+        on_meta = [
+            p._param_fqn
+            for p, source in zip(self.fsdp_params, sources, strict=True)
+            if source.is_meta
+        ]
         if on_meta:
             raise RuntimeError(_meta_forward(on_meta))
-        dtypes = [self.param_dtype(p) for p in self.params]
+        dtypes = [self.param_dtype(p) for p in self.fsdp_params]
         buckets = _flat.buckets(dtypes, [s.shape for s in sources])
         world = self.layout.world
         blocks = [
@@ -177,37 +205,37 @@ class ParamGroup:
             logger.debug(
                 "%s: all-gather of %d parameters over %d ranks, %s%s",
                 label,
-                len(self.params),
+                len(self.fsdp_params),
                 world,
                 _describe_buckets(buckets, world),
                 " (prefetch)" if async_op else "",
             )
-        self.layout.comm.label_next(f"{self.name!r}")
+        self.comm_ctx.label_next(f"{self.name!r}")
         future = _bridge.start_all_gather(self.layout, blocks, [world * b.total for b in buckets])
-        self._pending = future
+        self._all_gather_result = future
         self._buckets = buckets
 
     def wait_for_unshard(self) -> None:
         """Completes a dispatched gather and binds the gathered parameters."""
-        if self._pending is None:
+        if self._all_gather_result is None:
             return
-        with record_function(self.with_fqn("FSDP::all_gather_copy_out")):
-            fulls = _bridge.finish_all_gather(self._pending)
-            buckets, self._pending, self._buckets = self._buckets, None, None
+        with record_function(self._with_fqn("FSDP::all_gather_copy_out")):
+            fulls = _bridge.finish_all_gather(self._all_gather_result)
+            buckets, self._all_gather_result, self._buckets = self._buckets, None, None
             if buckets is None:  # hpZ: one gathered tensor per parameter
-                for param, full in zip(self.params, fulls, strict=True):
+                for param, full in zip(self.fsdp_params, fulls, strict=True):
                     param.to_unsharded(_bridge.from_words(full, self.param_dtype(param)))
             else:
                 self._copy_out(buckets, fulls)
-            for param in self.params:
+            for param in self.fsdp_params:
                 param.drop_part()
         self._parts = None
-        self.sharded_state = ShardedState.UNSHARDED
+        self._sharded_state = ShardedState.UNSHARDED
 
     def _copy_out(self, buckets: list, fulls: list) -> None:
-        params = self.params
+        params = self.fsdp_params
         targets = [p.unsharded_padded(self.param_dtype(p)) for p in params]
-        unsharded = tuple(p.unsharded for p in params)
+        unsharded = tuple(p.unsharded_param for p in params)  # made by unsharded_padded
         # Autograd saved views of these parameters in forward; refilling them for the
         # backward is not the in-place change its version check guards against.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unsharded):
@@ -225,17 +253,17 @@ class ParamGroup:
 
     def reshard(self) -> None:
         """Binds the local shards again and drops the gathered tensors (and hpZ parts)."""
-        if self._pending is not None:
+        if self._all_gather_result is not None:
             # Its input is the shards' storage, which torch may write next (optimizer).
-            _bridge.finish_all_gather(self._pending)
-            self._pending = self._buckets = None
-        for param in self.params:
+            _bridge.finish_all_gather(self._all_gather_result)
+            self._all_gather_result = self._buckets = None
+        for param in self.fsdp_params:
             param.to_sharded()
             param.drop_part()
         self._parts = None
-        self.sharded_state = ShardedState.SHARDED
+        self._sharded_state = ShardedState.SHARDED
 
-    def reshard_to_group(self, k: int) -> None:
+    def _to_sharded_post_forward(self, k: int) -> None:
         """Keeps 1/k of each gathered parameter and frees the rest (FSDP2's hpZ).
 
         The backward's `unshard` then gathers within groups of k consecutive ranks.
@@ -244,19 +272,19 @@ class ParamGroup:
         if not self.is_unsharded:
             return
         hpz = _bridge.hpz_layout(self.layout, k)
-        for param in self.params:
+        for param in self.fsdp_params:
             param.keep_part(self.layout, hpz)
             param.to_sharded()
         self._parts = hpz
-        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+        self._sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Unshards; on the first module of the pass, hooks post-backward onto the inputs."""
-        entering = self.training_state != TrainingState.FORWARD
-        self.training_state = TrainingState.FORWARD
+        entering = self._training_state != TrainingState.FORWARD
+        self._training_state = TrainingState.FORWARD
         self.unshard()
         if entering:
-            args, kwargs = self._register_post_backward(args, kwargs)
+            args, kwargs = self._register_post_backward_hook(args, kwargs)
         return args, kwargs
 
     def post_forward(self) -> None:
@@ -265,13 +293,13 @@ class ParamGroup:
             self.reshard()
         elif k is not False and k > 1:
             # Without autograd no backward follows: nothing is worth keeping.
-            self.reshard_to_group(k) if torch.is_grad_enabled() else self.reshard()
-        self.training_state = TrainingState.IDLE
+            self._to_sharded_post_forward(k) if torch.is_grad_enabled() else self.reshard()
+        self._training_state = TrainingState.IDLE
 
     def pre_backward(self) -> None:
-        if self.training_state == TrainingState.PRE_BACKWARD:
+        if self._training_state == TrainingState.PRE_BACKWARD:
             return
-        self.training_state = TrainingState.PRE_BACKWARD
+        self._training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             self.unshard()
 
@@ -287,32 +315,32 @@ class ParamGroup:
         reshards. Without gradient sync the gradients stay unsharded, accumulated in
         the reduce dtype, until a backward that synchronises.
         """
-        self.training_state = TrainingState.POST_BACKWARD
-        logger.debug("%s", self.with_fqn("FSDP::post_backward"))
+        self._training_state = TrainingState.POST_BACKWARD
+        logger.debug("%s", self._with_fqn("FSDP::post_backward"))
         if not self.reduce_grads:
-            with record_function(self.with_fqn("FSDP::post_backward_accumulate")):
-                for param in self.params:
+            with record_function(self._with_fqn("FSDP::post_backward_accumulate")):
+                for param in self.fsdp_params:
                     param.accumulate_unsharded_grad(self.reduce_dtype(param))
             self._reshard_after_backward()
             return
         all_reduce = self.all_reduce_grads or not self.layout.replicate_axes
-        with record_function(self.with_fqn("FSDP::post_backward_accumulate")):
+        with record_function(self._with_fqn("FSDP::post_backward_accumulate")):
             with_grad, grads, posts = self._take_grads(all_reduce)
         self._reshard_after_backward()
         if not with_grad:
             return
-        with record_function(self.with_fqn("FSDP::post_backward_rs_wait")):
+        with record_function(self._with_fqn("FSDP::post_backward_rs_wait")):
             # As FSDP2: the previous group's reduce-scatter ends (it had this group's
             # backward to run in) and frees its flat input before this one's is allocated.
-            self.layout.comm.finish_reduce()
-        with record_function(self.with_fqn("FSDP::post_backward_reduce")):
+            self.comm_ctx.finish_reduce()
+        with record_function(self._with_fqn("FSDP::post_backward_reduce")):
             self._reduce(with_grad, grads, posts, all_reduce)
 
     def _take_grads(self, all_reduce: bool) -> tuple[list[FSDPParam], list, list]:
         """(parameters with a gradient, their gradients pre-divided, post-divide factors)."""
         factor = self.gradient_divide_factor or float(self.layout.data_parallel)
         with_grad, grads, posts = [], [], []
-        for param in self.params:
+        for param in self.fsdp_params:
             dtype = self.reduce_dtype(param)
             grad = param.take_unsharded_grad(dtype)
             if all_reduce:
@@ -335,17 +363,18 @@ class ParamGroup:
             if pending is not None:
                 self._finish_blocks(pending, shapes, dims, blocks)
             for param, block, post in zip(with_grad, blocks, posts, strict=True):
+                assert block is not None, "_finish_blocks fills every block"
                 if all_reduce:
                     param.add_sharded_grad(block, post)
                 else:
                     param.add_partial_grad(block)
 
         # The flat inputs stay referenced by `pending` (JAX reads them) until it completes.
-        self.layout.comm.hold_reduce(None if pending is None else pending[0], finish)
+        self.comm_ctx.hold_reduce(None if pending is None else pending[0], finish)
 
     def _start_reduce_scatter(
         self, grads: list[torch.Tensor], dims: list[int], all_reduce: bool
-    ) -> tuple[object, list[torch.Tensor | None]]:
+    ) -> tuple[_PendingReduce | None, list[torch.Tensor | None]]:
         """Starts the group's reduce-scatter on JAX; 64-bit gradients reduce now, in torch.
 
         The others cross as one flat buffer per dtype (`_flat.reduce_input`): one
@@ -382,12 +411,12 @@ class ParamGroup:
         ]
         if logger.isEnabledFor(logging.DEBUG):
             self._log_reduce_scatter(flats, all_reduce)
-        self.layout.comm.label_next(f"{self.name!r}")
+        self.comm_ctx.label_next(f"{self.name!r}")
         pending = _bridge.start_reduce_scatter(self.layout, flats, all_reduce=all_reduce)
         return (pending, members, flats), blocks
 
     def _log_reduce_scatter(self, flats: list[torch.Tensor], all_reduce: bool) -> None:
-        label, layout = self.with_fqn("FSDP::post_backward_reduce"), self.layout
+        label, layout = self._with_fqn("FSDP::post_backward_reduce"), self.layout
         sizes = ", ".join(f"{f.numel()} x {f.dtype}" for f in flats)
         logger.debug(
             "%s: reduce-scatter over %d ranks of %d flat buffer(s) (%s)",
@@ -405,7 +434,11 @@ class ParamGroup:
             )
 
     def _finish_blocks(
-        self, pending, shapes: list[torch.Size], dims: list[int], blocks: list[torch.Tensor | None]
+        self,
+        pending: _PendingReduce,
+        shapes: list[torch.Size],
+        dims: list[int],
+        blocks: list[torch.Tensor | None],
     ) -> None:
         """Fills `blocks` with this rank's parts of the finished flat reduce-scatter."""
         future, members, _ = pending
@@ -425,7 +458,7 @@ class ParamGroup:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s: all-reduce of a %s gradient %s in torch's group (JAX holds no 64-bit float)%s",
-                self.with_fqn("FSDP::post_backward_reduce"),
+                self._with_fqn("FSDP::post_backward_reduce"),
                 full.dtype,
                 tuple(full.shape),
                 ", then over the replicas" if replicas else "",
@@ -438,9 +471,9 @@ class ParamGroup:
 
     def cancel_prefetch(self) -> None:
         """Completes and drops a dispatched gather that nothing waited for."""
-        if self._pending is not None:
-            _bridge.finish_all_gather(self._pending)
-            self._pending = self._buckets = None
+        if self._all_gather_result is not None:
+            _bridge.finish_all_gather(self._all_gather_result)
+            self._all_gather_result = self._buckets = None
 
     def drop_stale_parts(self) -> None:
         """Reshards fully if hpZ parts from an earlier forward are still kept.
@@ -448,23 +481,23 @@ class ParamGroup:
         They were copied from the parameters of that forward; a later optimizer step
         changes the shards, so a new iteration never gathers from them.
         """
-        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+        if self._sharded_state == ShardedState.SHARDED_POST_FORWARD:
             self.reshard()
 
-    def reset_iter_state(self) -> None:
+    def _reset_iter_state(self) -> None:
         """Drops this iteration's unreduced gradients and reshards (after an exception)."""
-        for param in self.params:
-            if param.unsharded is not None:
-                param.unsharded.grad = None
-        self.training_state = TrainingState.IDLE
+        for param in self.fsdp_params:
+            if param._unsharded_param is not None:
+                param._unsharded_param.grad = None
+        self._training_state = TrainingState.IDLE
         self.reshard()
 
     def _reshard_after_backward(self) -> None:
         if self.reshard_after_backward:
-            with record_function(self.with_fqn("FSDP::post_backward_reshard")):
+            with record_function(self._with_fqn("FSDP::post_backward_reshard")):
                 self.reshard()
 
-    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _register_post_backward_hook(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         # Autograd runs the Function's backward once the gradients of the inputs are
         # computed, i.e. after the module's backward (parameter gradients accumulate
         # first: AccumulateGrad nodes have the highest priority). Without such inputs,
@@ -472,7 +505,7 @@ class ParamGroup:
         needing = [t for t in tensors((args, kwargs)) if t.requires_grad]
         if not needing or not torch.is_grad_enabled():
             return args, kwargs
-        outs = iter(_PostBackward.apply(self, *needing))
+        outs = iter(RegisterPostBackwardFunction.apply(self, *needing))
         return map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
 
 
@@ -491,18 +524,18 @@ def _meta_forward(fqns: list[str]) -> str:
     )
 
 
-class _PostBackward(torch.autograd.Function):
+class RegisterPostBackwardFunction(torch.autograd.Function):
     """Identity on the module's inputs whose backward runs the group's post-backward."""
 
     @staticmethod
-    def forward(ctx, group: ParamGroup, *inputs: torch.Tensor):
+    def forward(ctx, group: FSDPParamGroup, *inputs: torch.Tensor):
         ctx.group = group
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         ctx.group.post_backward()
-        ctx.group.layout.comm.finish_after_backward()
+        ctx.group.comm_ctx.finish_after_backward()
         return (None, *grads)
 
 

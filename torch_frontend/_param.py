@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 import math
 import weakref
+from collections.abc import Sequence
+from typing import cast
 
 import jax
 import torch
@@ -30,12 +32,12 @@ _uids = itertools.count()
 def managed(tensor: torch.Tensor) -> FSDPParam | None:
     """The FSDPParam that binds `tensor` (a shard or an unsharded parameter), if any."""
     owner = _MANAGED.get(id(tensor))
-    if owner is not None and (owner.sharded is tensor or owner.unsharded is tensor):
+    if owner is not None and (owner.sharded_param is tensor or owner._unsharded_param is tensor):
         return owner
     return None
 
 
-def original_uid(param: nn.Parameter) -> int:
+def _get_orig_param_uid(param: nn.Parameter) -> int:
     """A number that names the original parameter object for as long as it lives.
 
     Stored on the object itself, so parameters that share it (tied weights) share the
@@ -60,7 +62,7 @@ class ShardSpec:
         return (Replicate(),) * (self.device_mesh.ndim - 1) + (Shard(dim),)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -71,19 +73,21 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 class FSDPParam:
     """A parameter of a group, held by this rank as `torch.chunk(p, world, dim)[rank]`.
 
-    The module holds `sharded`, an `nn.Parameter` DTensor (`Shard(dim)`, as FSDP2's)
-    whose local tensor is a view of `padded`: a contiguous buffer of `padded_rows` rows
-    (zero rows after the shard), this rank's block of the group's gathers (copied into
-    the group's flat buffer, `_flat.copy_in`). The optimizer updates the DTensor in
-    place, hence `padded` too. `unsharded` is one persistent plain `nn.Parameter` with
-    one storage, filled by each gather and freed by reshard: autograd's saved tensors
-    and gradient accumulation across microbatches see it as one leaf.
+    The module holds `sharded_param`, an `nn.Parameter` DTensor (`Shard(dim)`, as
+    FSDP2's) whose local tensor is a view of `_sharded_param_data`: a contiguous buffer
+    of `padded_rows` rows (zero rows after the shard), this rank's block of the group's
+    gathers (copied into the group's flat buffer, `_flat.copy_in`). The optimizer
+    updates the DTensor in place, hence `_sharded_param_data` too. `_unsharded_param`
+    is one persistent plain `nn.Parameter` with one storage, filled by each gather and
+    freed by reshard: autograd's saved tensors and gradient accumulation across
+    microbatches see it as one leaf. Names as FSDP2's `FSDPParam` (docs/torch.md).
 
     Attributes:
-      fqn: the parameter's name (relative to the fully_shard module, then to the root).
+      _param_fqn: the parameter's name (relative to the fully_shard module, then to
+        the root).
       uses: every (module, attribute name) that holds the parameter (tied weights).
-      orig_uid: `original_uid` of the original parameter, to find one managed by two
-        groups.
+      _orig_param_uid: `_get_orig_param_uid` of the original parameter, to find one
+        managed by two groups.
     """
 
     def __init__(
@@ -97,55 +101,76 @@ class FSDPParam:
     ):
         if param.ndim == 0:
             raise errors.ShardingValueError(_scalar_param(fqn))
-        self.fqn, self.uses, self.dim = fqn, uses, dim
-        self.orig_uid = original_uid(param)
+        self._param_fqn, self.uses, self.dim = fqn, uses, dim
+        self._orig_param_uid = _get_orig_param_uid(param)
         self.layout, self.spec = layout, spec
         self.shape, self.dtype = tuple(param.shape), param.dtype
         self.orig_dtype = param.dtype  # at fully_shard: `module.to(...)` may change dtype
         self.group_modules: tuple[nn.Module, ...] = ()  # the fully_shard call's modules
         self.rows = param.shape[dim]
         self.local_rows = layout.local_rows(self.rows)
-        self._dtensor_spec: DTensorSpec | None = None
+        self._sharding_spec: DTensorSpec | None = None
         padded = param.detach().new_zeros(self._padded_shape())
         start = layout.rank * padded.shape[dim]
         if not padded.is_meta:
             self._local(padded).copy_(param.detach().narrow(dim, start, self.local_rows))
-        self.padded = padded
+        self._sharded_param_data = padded
         # On a dim other than 0 a shard shorter than the padding is a strided view.
-        self.sharded = nn.Parameter(
-            self.to_dtensor(self._local(padded)), requires_grad=param.requires_grad
+        self.sharded_param = nn.Parameter(
+            self.to_sharded_dtensor(self._local(padded)), requires_grad=param.requires_grad
         )
-        _MANAGED[id(self.sharded)] = self
-        self.unsharded: nn.Parameter | None = None
-        self.accumulated_grad: torch.Tensor | None = None
+        _MANAGED[id(self.sharded_param)] = self
+        self._unsharded_param: nn.Parameter | None = None
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
         self._part: tuple[torch.Tensor, jax.Array] | None = None
         # HSDP without all-reduce: this replica's reduce-scattered sum, not yet reduced
         # over the replicas (FSDP2's partial reduce output).
         self.partial_grad: torch.Tensor | None = None
-        self._bind(self.sharded)
+        self._setattr_on_modules(self.sharded_param)
 
     def _padded_shape(self) -> list[int]:
         shape = list(self.shape)
         shape[self.dim] = self.layout.padded_rows(self.rows)
         return shape
 
-    def to_dtensor(self, local: torch.Tensor) -> DTensor:
+    def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         """`local` (this rank's rows) as the DTensor of the full parameter, no copy.
 
         Built from a spec made once per dtype, as FSDP2 builds its DTensors:
         `DTensor.from_local` re-derives it each time, and gradients are wrapped on
         every backward.
         """
-        if self._dtensor_spec is None or self._dtensor_spec.tensor_meta.dtype != local.dtype:
+        spec = self._sharding_spec
+        if spec is None or spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
             meta = TensorMeta(torch.Size(self.shape), _contiguous_strides(self.shape), local.dtype)
-            self._dtensor_spec = DTensorSpec(
+            spec = DTensorSpec(
                 self.spec.device_mesh, self.spec.placements(self.dim), tensor_meta=meta
             )
-        return DTensor(local.detach(), self._dtensor_spec, requires_grad=False)
+            self._sharding_spec = spec
+        return DTensor(local.detach(), spec, requires_grad=False)
 
-    def local_shard(self) -> torch.Tensor:
+    @property
+    def _sharded_local_tensor(self) -> torch.Tensor:
         """This rank's rows of the parameter (the DTensor's local tensor, a view)."""
-        return self.sharded._local_tensor
+        return self._sharded_dtensor._local_tensor
+
+    @property
+    def _sharded_dtensor(self) -> DTensor:
+        # The sharded parameter is a DTensor by construction (`nn.Parameter` of a DTensor
+        # keeps the subclass; `reset_sharded_param` adopts DTensors only); torch's stubs
+        # type `nn.Parameter(...)` as a plain Parameter.
+        return cast(DTensor, self.sharded_param)
+
+    @property
+    def unsharded_param(self) -> nn.Parameter:
+        """The unsharded parameter (FSDP2's property): made by the first gather.
+
+        Raises:
+          AssertionError: no gather made it yet (a caller's bug).
+        """
+        param = self._unsharded_param
+        assert param is not None, f"{self._param_fqn}: the unsharded parameter is made by a gather"
+        return param
 
     def gather_dtype(self, param_dtype: torch.dtype | None) -> torch.dtype:
         """The dtype the parameter is gathered and computed in (FSDP2's clamping)."""
@@ -164,29 +189,29 @@ class FSDPParam:
         for module, name in self.uses:
             held = module._parameters.get(name)
             if held is None:
-                raise AttributeError(_removed_param(self.fqn))
-            if held is not self.sharded:
-                raise errors.ShardingValueError(_replaced_param(self.fqn))
+                raise AttributeError(_removed_param(self._param_fqn))
+            if held is not self.sharded_param:
+                raise errors.ShardingValueError(_replaced_param(self._param_fqn))
 
     def sync_padded(self) -> torch.Tensor:
-        """`padded`, re-made first if the shard no longer views it.
+        """`_sharded_param_data`, re-made first if the shard no longer views it.
 
         After `module.to(...)`, `to_empty`, `param.data = ...` or
         `load_state_dict(assign=True)` the DTensor's local tensor may be new storage
         (of a new dtype or device): its values are copied into fresh padded storage,
         which the local tensor views again, so that gathers and checkpoints see them.
         """
-        local = self.local_shard()
-        if local.is_meta or _same_storage(local, self.padded):
-            return self.padded
+        local = self._sharded_local_tensor
+        if local.is_meta or _same_storage(local, self._sharded_param_data):
+            return self._sharded_param_data
         self.dtype = local.dtype
         padded = local.new_zeros(self._padded_shape())
         self._local(padded).copy_(local)
-        self.padded = padded
-        self.sharded._local_tensor = self._local(padded)
-        if self.unsharded is not None and self.unsharded.dtype != self.dtype:
-            self.unsharded = None  # re-made in the new dtype at the next gather
-        return self.padded
+        self._sharded_param_data = padded
+        self._sharded_dtensor._local_tensor = self._local(padded)
+        if self._unsharded_param is not None and self._unsharded_param.dtype != self.dtype:
+            self._unsharded_param = None  # re-made in the new dtype at the next gather
+        return self._sharded_param_data
 
     def reset_sharded_param(self) -> None:
         """Adopts the DTensor the module now holds (`load_state_dict(assign=True)`, `_apply`).
@@ -198,22 +223,22 @@ class FSDPParam:
         module, name = self.uses[0]
         new = module._parameters.get(name)
         if new is None:
-            raise AttributeError(_removed_param(self.fqn))
-        if new is not self.sharded:
+            raise AttributeError(_removed_param(self._param_fqn))
+        if new is not self.sharded_param:
             if (
                 not isinstance(new, DTensor)
-                or new.shape != self.sharded.shape
+                or new.shape != self.sharded_param.shape
                 or new.device_mesh != self.spec.device_mesh
                 or tuple(new.placements) != self.spec.placements(self.dim)
             ):
-                raise errors.ShardingValueError(_replaced_param(self.fqn))
-            _MANAGED.pop(id(self.sharded), None)
-            self.sharded = new
+                raise errors.ShardingValueError(_replaced_param(self._param_fqn))
+            _MANAGED.pop(id(self.sharded_param), None)
+            self.sharded_param = new
             _MANAGED[id(new)] = self
-            self._dtensor_spec = None
-            if self.unsharded is not None:
-                self.unsharded.requires_grad_(new.requires_grad)
-        self._bind(self.sharded)
+            self._sharding_spec = None
+            if self._unsharded_param is not None:
+                self._unsharded_param.requires_grad_(new.requires_grad)
+        self._setattr_on_modules(self.sharded_param)
         self.sync_padded()
 
     def keep_part(self, layout: _bridge.RankLayout, hpz: _bridge.RankLayout) -> None:
@@ -222,7 +247,7 @@ class FSDPParam:
         The part is the rank's 1/k of the padded full tensor in the gather dtype (its
         own buffer, so the full one can be freed); `hpz` is the group layout.
         """
-        full = self.unsharded.data
+        full = self.unsharded_param.data
         part_rows = layout.world * layout.padded_rows(self.rows) // hpz.world
         start = hpz.rank * part_rows
         stop = min(start + part_rows, self.rows)
@@ -235,6 +260,7 @@ class FSDPParam:
 
     def part_block(self) -> jax.Array:
         """The kept hpZ part as its group's global array: the re-gather's input."""
+        assert self._part is not None, "keep_part() runs before each hpZ re-gather"
         return self._part[1]
 
     def drop_part(self) -> None:
@@ -257,24 +283,29 @@ class FSDPParam:
         full_shape = list(self.shape)
         if self.dim == 0:
             full_shape[0] = self.layout.world * self.layout.padded_rows(self.rows)
-        if self.unsharded is None or self.unsharded.dtype != dtype:
-            base = torch.empty(full_shape, dtype=dtype, device=self.padded.device)
-            self.unsharded = nn.Parameter(
-                base.narrow(self.dim, 0, self.rows), requires_grad=self.sharded.requires_grad
+        if self._unsharded_param is None or self._unsharded_param.dtype != dtype:
+            base = torch.empty(full_shape, dtype=dtype, device=self._sharded_param_data.device)
+            self._unsharded_param = nn.Parameter(
+                base.narrow(self.dim, 0, self.rows), requires_grad=self.sharded_param.requires_grad
             )
-            _MANAGED[id(self.unsharded)] = self
-        storage = self.unsharded.untyped_storage()
+            _MANAGED[id(self._unsharded_param)] = self
+        storage = self._unsharded_param.untyped_storage()
         nbytes = dtype.itemsize * math.prod(full_shape)
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         if self.dim != 0:
-            return self.unsharded.detach()
-        return self.unsharded.detach().as_strided(full_shape, _contiguous_strides(full_shape), 0)
+            return self._unsharded_param.detach()
+        return self._unsharded_param.detach().as_strided(
+            full_shape, _contiguous_strides(full_shape), 0
+        )
 
     def to_unsharded(self, full: torch.Tensor) -> None:
         """Makes the modules use a copy of `full` (a gathered tensor) as the parameter."""
         target = self.unsharded_padded(full.dtype).narrow(self.dim, 0, self.rows)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded):
+        with (
+            torch.no_grad(),
+            torch.autograd._unsafe_preserve_version_counter(self.unsharded_param),
+        ):
             target.copy_(full)
         self.bind_unsharded()
 
@@ -287,9 +318,10 @@ class FSDPParam:
         it again. Without this the unsharded parameter kept the flag it was made with
         and a frozen parameter still got gradients (and optimizer updates).
         """
-        if self.unsharded.requires_grad != self.sharded.requires_grad:
-            self.unsharded.requires_grad_(self.sharded.requires_grad)
-        self._bind(self.unsharded)
+        unsharded = self.unsharded_param
+        if unsharded.requires_grad != self.sharded_param.requires_grad:
+            unsharded.requires_grad_(self.sharded_param.requires_grad)
+        self._setattr_on_modules(unsharded)
 
     def to_sharded(self) -> None:
         """Makes the modules hold the local shard again and frees the gathered values.
@@ -299,32 +331,36 @@ class FSDPParam:
         re-gather, and a gradient can accumulate into it without one
         (`set_unshard_in_backward(False)`).
         """
-        if self.unsharded is not None:
-            self.unsharded.untyped_storage().resize_(0)
+        if self._unsharded_param is not None:
+            self._unsharded_param.untyped_storage().resize_(0)
         for module, name in self.uses:
             # A slot the user changed while it held the unsharded parameter (`lin.bias
             # = None` between a kept-gathered forward and its backward) keeps the
             # change, so that the next gather's `check_bound` names it: binding the
             # shard again would silently undo it.
             held = module._parameters.get(name)
-            if held is self.sharded or (held is self.unsharded and held is not None):
-                module._parameters[name] = self.sharded
+            if held is self.sharded_param or (held is self._unsharded_param and held is not None):
+                module._parameters[name] = self.sharded_param
 
     def take_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The gradient accumulated since the last reduction, in `dtype`; clears it."""
-        grad = None if self.unsharded is None else self.unsharded.grad
-        if self.unsharded is not None:
-            self.unsharded.grad = None
+        grad = None if self._unsharded_param is None else self._unsharded_param.grad
+        if self._unsharded_param is not None:
+            self._unsharded_param.grad = None
         if grad is not None:
             grad = grad.to(dtype)
-        if self.accumulated_grad is not None:
-            grad = self.accumulated_grad if grad is None else self.accumulated_grad + grad
-            self.accumulated_grad = None
+        if self.unsharded_accumulated_grad is not None:
+            grad = (
+                self.unsharded_accumulated_grad
+                if grad is None
+                else self.unsharded_accumulated_grad + grad
+            )
+            self.unsharded_accumulated_grad = None
         return grad
 
     def accumulate_unsharded_grad(self, dtype: torch.dtype) -> None:
         """Keeps this backward's gradient (no reduction this time), in `dtype`."""
-        self.accumulated_grad = self.take_unsharded_grad(dtype)
+        self.unsharded_accumulated_grad = self.take_unsharded_grad(dtype)
 
     def add_partial_grad(self, block: torch.Tensor) -> None:
         """Accumulates this replica's reduce-scattered sum (no all-reduce this time)."""
@@ -356,17 +392,17 @@ class FSDPParam:
         local = self._local(block)
         local = local / divide_factor if divide_factor not in (None, 1) else local.clone()
         local = local.to(self.dtype)
-        if self.sharded.grad is None:
-            self.sharded.grad = self.to_dtensor(local)
+        if self.sharded_param.grad is None:
+            self.sharded_param.grad = self.to_sharded_dtensor(local)
         else:
-            grad = self.sharded.grad
+            grad = self.sharded_param.grad
             (grad._local_tensor if isinstance(grad, DTensor) else grad).add_(local)
 
     def _local(self, padded: torch.Tensor) -> torch.Tensor:
         """The shard's rows of a padded block (a view)."""
         return padded.narrow(self.dim, 0, self.local_rows)
 
-    def _bind(self, param: nn.Parameter) -> None:
+    def _setattr_on_modules(self, param: nn.Parameter) -> None:
         for module, name in self.uses:
             module._parameters[name] = param
 

@@ -1,4 +1,4 @@
-"""Per-module state: FSDP2's hooks and its lazy root, over one `ParamGroup`."""
+"""Per-module state: FSDP2's hooks and its lazy root, over one `FSDPParamGroup`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from funshard import errors
-from torch_frontend._group import ParamGroup, TrainingState
+from torch_frontend._bridge import CommContext
+from torch_frontend._group import FSDPParamGroup, TrainingState
 from torch_frontend._policy import MixedPrecisionPolicy, cast_floating
 from torch_frontend._tree import map_tensors, tensors
 
@@ -25,13 +26,13 @@ STATE_ATTR = "_torch_frontend_state"
 logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
 
-class IterationContext:
+class FSDPStateContext:
     """What every state of one root shares (FSDP2's FSDPStateContext)."""
 
     def __init__(self):
         self.all_states: list[FSDPState] = []  # named_modules() pre-order of the root
         self.iter_forward_root: FSDPState | None = None
-        self.final_callback_queued = False
+        self.post_backward_final_callback_queued = False
         self.is_last_backward = True
         # States in the order their post-forward ran this iteration (with repeats):
         # the default backward prefetch walks it backwards.
@@ -43,7 +44,7 @@ class IterationContext:
         self.next_in_forward: dict[FSDPState, FSDPState] = {}
 
 
-def state_of(module: nn.Module) -> FSDPState | None:
+def _get_module_fsdp_state(module: nn.Module) -> FSDPState | None:
     """The state `fully_shard` attached to `module`, if any."""
     return module.__dict__.get(STATE_ATTR)
 
@@ -54,19 +55,19 @@ class FSDPState:
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: ParamGroup,
+        group: FSDPParamGroup,
         mp_policy: MixedPrecisionPolicy,
         auto_reshard_after_forward: bool,
     ):
-        self.modules, self.group, self.mp_policy = modules, group, mp_policy
-        self.auto_reshard_after_forward = auto_reshard_after_forward
-        self.is_root: bool | None = None
-        self.ctx = IterationContext()
-        self.training_state = TrainingState.IDLE
-        self.modules_to_run: set[nn.Module] = set()
-        self.forward_prefetch: list[FSDPState] | None = None  # None: the default
-        self.backward_prefetch: list[FSDPState] | None = None  # None: the default
-        self.post_forward_indices: list[int] = []
+        self._modules, self._fsdp_param_group, self._mp_policy = modules, group, mp_policy
+        self._auto_reshard_after_forward = auto_reshard_after_forward
+        self._is_root: bool | None = None
+        self._state_ctx = FSDPStateContext()
+        self._training_state = TrainingState.IDLE
+        self._modules_to_run_forward: set[nn.Module] = set()
+        self._states_to_forward_prefetch: list[FSDPState] | None = None  # None: the default
+        self._states_to_backward_prefetch: list[FSDPState] | None = None  # None: the default
+        self._post_forward_indices: list[int] = []
         self.fqn = type(modules[0]).__name__
         pre_handles, post_handles = [], []
         for module in modules:
@@ -98,116 +99,123 @@ class FSDPState:
             handle = _MultiHandle(tuple(pre_handles + post_handles))
             self._pre_forward_hook_handle = self._post_forward_hook_handle = handle
 
+    @property
+    def _comm_ctx(self) -> CommContext:
+        """FSDP2's `_comm_ctx`: the collective launcher every group of the job shares."""
+        return self._fsdp_param_group.comm_ctx
+
     # ---- forward ----
 
     def _module_pre_forward(self, module, _module, args, kwargs):
-        if len(self.modules) > 1 and not self.modules_to_run:
-            self.modules_to_run.update(self.modules)
-        return self.pre_forward(args, kwargs)
+        if len(self._modules) > 1 and not self._modules_to_run_forward:
+            self._modules_to_run_forward.update(self._modules)
+        return self._pre_forward(args, kwargs)
 
     def _module_post_forward(self, module, _module, _args, output):
-        if len(self.modules) > 1:
-            if module not in self.modules_to_run:
-                return self.cast_output(output)
-            self.modules_to_run.discard(module)
-            if self.modules_to_run:  # the group's post-forward waits for its last module
-                return self.cast_output(output)
+        if len(self._modules) > 1:
+            if module not in self._modules_to_run_forward:
+                return self._cast_output_dtype(output)
+            self._modules_to_run_forward.discard(module)
+            if self._modules_to_run_forward:  # the group's post-forward waits for its last module
+                return self._cast_output_dtype(output)
         with self._traced("FSDP::post_forward"):
-            return self.post_forward(output)
+            return self._post_forward(output)
 
     def _traced(self, label: str) -> record_function:
         """A profiler range named as FSDP2 names it ("<label> (<fqn>)"), logged at debug."""
-        label = self.group.with_fqn(label)
+        label = self._fsdp_param_group._with_fqn(label)
         logger.debug("%s", label)
         return record_function(label)
 
-    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Root set-up once per pass, input cast, ONE all-gather, post-backward hook."""
-        if self.training_state == TrainingState.PRE_BACKWARD:
+        if self._training_state == TrainingState.PRE_BACKWARD:
             # Activation checkpointing re-runs forward inside backward: parameters only.
             with self._traced("FSDP::pre_forward"):
-                self.group.unshard()
-            return self.cast_inputs(args, kwargs)
-        first_in_pass = self.training_state != TrainingState.FORWARD
-        self.training_state = TrainingState.FORWARD
+                self._fsdp_param_group.unshard()
+            return self._cast_forward_inputs(args, kwargs)
+        first_in_pass = self._training_state != TrainingState.FORWARD
+        self._training_state = TrainingState.FORWARD
         if first_in_pass:
             self._root_pre_forward()
-        args, kwargs = self.cast_inputs(args, kwargs)
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
         with self._traced("FSDP::pre_forward"):
-            args, kwargs = self.group.pre_forward(args, kwargs)
+            args, kwargs = self._fsdp_param_group.pre_forward(args, kwargs)
         if first_in_pass and torch.is_grad_enabled():
-            self.ctx.pre_forward_order.append(self)
+            self._state_ctx.pre_forward_order.append(self)
             for state in self._forward_prefetch_targets():  # dispatched now: they run
-                with record_function(f"FSDP::forward_prefetch for {state.group.module_fqn}"):
-                    state.group.unshard(async_op=True)  # while we compute
+                with record_function(
+                    f"FSDP::forward_prefetch for {state._fsdp_param_group._module_fqn}"
+                ):
+                    state._fsdp_param_group.unshard(async_op=True)  # while we compute
         return args, kwargs
 
     def _forward_prefetch_targets(self) -> list[FSDPState]:
         """Explicit targets, else the state that ran forward after ours last iteration."""
-        if self.forward_prefetch is not None:
-            return self.forward_prefetch
-        after = self.ctx.next_in_forward.get(self)
+        if self._states_to_forward_prefetch is not None:
+            return self._states_to_forward_prefetch
+        after = self._state_ctx.next_in_forward.get(self)
         return [after] if after is not None else []
 
-    def post_forward(self, output: Any) -> Any:
+    def _post_forward(self, output: Any) -> Any:
         """Reshard (per reshard_after_forward), pre-backward hooks, output cast."""
-        if self.training_state == TrainingState.PRE_BACKWARD:
-            return self.cast_output(output)
+        if self._training_state == TrainingState.PRE_BACKWARD:
+            return self._cast_output_dtype(output)
         self._finish_forward()
-        output = self._register_pre_backward(output)
-        if self.ctx.iter_forward_root is self:
-            output = self._complete_unfinished_groups(output)
-            self.ctx.iter_forward_root = None
-        return self.cast_output(output)
+        output = self._register_pre_backward_hook(output)
+        if self._state_ctx.iter_forward_root is self:
+            output = self._force_complete_incomplete_states(output)
+            self._state_ctx.iter_forward_root = None
+        return self._cast_output_dtype(output)
 
     def _finish_forward(self) -> None:
-        self.group.post_forward()
+        self._fsdp_param_group.post_forward()
         if torch.is_grad_enabled():  # only a forward that a backward may follow
-            self.post_forward_indices.append(len(self.ctx.post_forward_order))
-            self.ctx.post_forward_order.append(self)
-        self.training_state = TrainingState.IDLE
+            self._post_forward_indices.append(len(self._state_ctx.post_forward_order))
+            self._state_ctx.post_forward_order.append(self)
+        self._training_state = TrainingState.IDLE
 
-    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        policy = self.mp_policy
+    def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        policy = self._mp_policy
         if not (policy.cast_forward_inputs and policy.param_dtype):
             return args, kwargs
         cast = functools.partial(cast_floating, policy.param_dtype)
         with record_function("FSDP::cast_forward_inputs"):
             return map_tensors(cast, args), map_tensors(cast, kwargs)
 
-    def cast_output(self, output: Any) -> Any:
-        if self.mp_policy.output_dtype is None:
+    def _cast_output_dtype(self, output: Any) -> Any:
+        if self._mp_policy.output_dtype is None:
             return output
         with record_function("FSDP::cast_forward_outputs"):
             return map_tensors(
-                functools.partial(cast_floating, self.mp_policy.output_dtype), output
+                functools.partial(cast_floating, self._mp_policy.output_dtype), output
             )
 
     def _root_pre_forward(self) -> None:
-        self.lazy_init()
-        if self.ctx.iter_forward_root is None:
+        self._lazy_init()
+        if self._state_ctx.iter_forward_root is None:
             logger.debug("FSDP::root_pre_forward")
-            self.ctx.iter_forward_root = self
+            self._state_ctx.iter_forward_root = self
             with record_function("FSDP::root_pre_forward"):
-                self.ctx.pre_forward_order.append(None)
-                for state in self.ctx.all_states:
-                    state.group.drop_stale_parts()
+                self._state_ctx.pre_forward_order.append(None)
+                for state in self._state_ctx.all_states:
+                    state._fsdp_param_group.drop_stale_parts()
 
-    def _complete_unfinished_groups(self, output: Any) -> Any:
+    def _force_complete_incomplete_states(self, output: Any) -> Any:
         # A grouped state whose modules did not all run forward never reached its
         # post-forward; finish it here (deepest first, as the forward would unwind).
-        for state in reversed(self.ctx.all_states):
-            if state is self or not state.modules_to_run:
+        for state in reversed(self._state_ctx.all_states):
+            if state is self or not state._modules_to_run_forward:
                 continue
             state._finish_forward()
-            output = state._register_pre_backward(output)
-            output = state.cast_output(output)
-            state.modules_to_run.clear()
+            output = state._register_pre_backward_hook(output)
+            output = state._cast_output_dtype(output)
+            state._modules_to_run_forward.clear()
         return output
 
     # ---- lazy initialisation: the first state to run forward is the root ----
 
-    def lazy_init(self) -> None:
+    def _lazy_init(self) -> None:
         """Makes this state the root and collects every state below it (once).
 
         Raises:
@@ -215,35 +223,35 @@ class FSDPState:
             already ran forward as a root of its own.
           ValueError: one parameter is managed by two groups.
         """
-        if self.is_root is not None:
+        if self._is_root is not None:
             return
-        if len(self.modules) > 1:
-            raise RuntimeError(_grouped_root(self.modules))
-        self.is_root = True
-        root = self.modules[0]
+        if len(self._modules) > 1:
+            raise RuntimeError(_grouped_root(self._modules))
+        self._is_root = True
+        root = self._modules[0]
         for name, module in root.named_modules():
-            state = state_of(module)
-            if state is None or state in self.ctx.all_states:
+            state = _get_module_fsdp_state(module)
+            if state is None or state in self._state_ctx.all_states:
                 continue
             if state is not self:
-                if state.is_root is not None:
+                if state._is_root is not None:
                     raise RuntimeError(_child_ran_forward_first(name, type(root).__name__))
-                state.is_root = False
-                state.fqn = state.group.name = name
-            state.ctx = self.ctx
-            self.ctx.all_states.append(state)
+                state._is_root = False
+                state.fqn = state._fsdp_param_group.name = name
+            state._state_ctx = self._state_ctx
+            self._state_ctx.all_states.append(state)
         self._name_groups(root)
-        if self.auto_reshard_after_forward:
+        if self._auto_reshard_after_forward:
             # The root's parameters would be gathered again at once for the backward pass.
-            self.group.reshard_after_forward = False
+            self._fsdp_param_group.reshard_after_forward = False
         self._name_params(root)  # first: the errors below name parameters from the root
         # As FSDP2's lazy init: a parameter replaced since fully_shard by a DTensor of
         # the same sharding (computed from other sharded parameters, e.g. DoRA's
         # magnitudes) becomes the managed one.
-        for state in self.ctx.all_states:
-            for param in state.group.params:
+        for state in self._state_ctx.all_states:
+            for param in state._fsdp_param_group.fsdp_params:
                 param.reset_sharded_param()
-        self._check_names()
+        self._validate_no_duplicate_params()
         if logger.isEnabledFor(logging.DEBUG):
             self._log_lazy_init(root)
 
@@ -251,28 +259,32 @@ class FSDPState:
         """Sets each group's `module_fqn` as FSDP2 does: its modules' paths, ", "-joined."""
         names: dict[FSDPState, list[str]] = {}
         for name, module in root.named_modules():
-            state = state_of(module)
-            if state is not None and state.ctx is self.ctx:
+            state = _get_module_fsdp_state(module)
+            if state is not None and state._state_ctx is self._state_ctx:
                 names.setdefault(state, []).append(name)
         for state, paths in names.items():
-            state.group.module_fqn = ", ".join(paths)
+            state._fsdp_param_group._module_fqn = ", ".join(paths)
 
     def _log_lazy_init(self, root: nn.Module) -> None:
         groups = "; ".join(
-            f"{s.group.module_fqn or '<root>'}: {len(s.group.params)} parameters, "
-            f"reshard_after_forward={s.group.reshard_after_forward}"
-            for s in self.ctx.all_states
+            f"{g._module_fqn or '<root>'}: {len(g.fsdp_params)} parameters, "
+            f"reshard_after_forward={g.reshard_after_forward}"
+            for g in (s._fsdp_param_group for s in self._state_ctx.all_states)
         )
         logger.debug(
             "FSDP::lazy_init: root %s with %d fully_shard groups (%s)",
             type(root).__name__,
-            len(self.ctx.all_states),
+            len(self._state_ctx.all_states),
             groups,
         )
 
     def _name_params(self, root: nn.Module) -> None:
         """Names every managed parameter by its path from the root, for messages."""
-        by_param = {id(p.sharded): p for s in self.ctx.all_states for p in s.group.params}
+        by_param = {
+            id(p.sharded_param): p
+            for s in self._state_ctx.all_states
+            for p in s._fsdp_param_group.fsdp_params
+        }
         module_names: dict[int, str] = {}
         for name, module in root.named_modules(remove_duplicate=False):
             module_names.setdefault(id(module), name)
@@ -280,29 +292,29 @@ class FSDPState:
             module, attr = param.uses[0]
             if id(module) in module_names:
                 prefix = module_names[id(module)]
-                param.fqn = f"{prefix}.{attr}" if prefix else attr
-        for name, param in root.named_parameters(remove_duplicate=False):
-            if id(param) in by_param:
-                by_param[id(param)].fqn = name
+                param._param_fqn = f"{prefix}.{attr}" if prefix else attr
+        for name, tensor in root.named_parameters(remove_duplicate=False):
+            if id(tensor) in by_param:
+                by_param[id(tensor)]._param_fqn = name
 
-    def _check_names(self) -> None:
+    def _validate_no_duplicate_params(self) -> None:
         """Raises if one original parameter is managed by two groups (tied weights).
 
         Raises:
           ValueError: FSDP2's lazy-init error, naming both users of the parameter.
         """
         owners: dict[int, str] = {}
-        for state in self.ctx.all_states:
-            for param in state.group.params:
-                if param.orig_uid in owners:
+        for state in self._state_ctx.all_states:
+            for param in state._fsdp_param_group.fsdp_params:
+                if param._orig_param_uid in owners:
                     raise errors.ShardingValueError(
-                        _param_in_two_groups(param.fqn, owners[param.orig_uid])
+                        _param_in_two_groups(param._param_fqn, owners[param._orig_param_uid])
                     )
-                owners[param.orig_uid] = param.fqn
+                owners[param._orig_param_uid] = param._param_fqn
 
     # ---- backward ----
 
-    def _register_pre_backward(self, output: Any) -> Any:
+    def _register_pre_backward_hook(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
         for tensor in tensors(output):
@@ -314,7 +326,7 @@ class FSDPState:
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self.training_state == TrainingState.PRE_BACKWARD:
+        if self._training_state == TrainingState.PRE_BACKWARD:
             # A further output of this module: the group is gathered already (FSDP2
             # names and logs only the first call).
             self._run_pre_backward()
@@ -323,29 +335,31 @@ class FSDPState:
             self._run_pre_backward()
 
     def _run_pre_backward(self) -> None:
-        already = self.training_state == TrainingState.PRE_BACKWARD
-        self.training_state = TrainingState.PRE_BACKWARD
-        self._queue_final_callback()
-        self.group.pre_backward()
+        already = self._training_state == TrainingState.PRE_BACKWARD
+        self._training_state = TrainingState.PRE_BACKWARD
+        self._register_root_post_backward_final_callback()
+        self._fsdp_param_group.pre_backward()
         if not already:
             for state in self._backward_prefetch_targets():
-                with record_function(f"FSDP::backward_prefetch for {state.group.module_fqn}"):
-                    state.group.prefetch_for_backward()
+                with record_function(
+                    f"FSDP::backward_prefetch for {state._fsdp_param_group._module_fqn}"
+                ):
+                    state._fsdp_param_group.prefetch_for_backward()
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         """Explicit targets, else the state whose post-forward ran just before ours."""
-        if self.backward_prefetch is not None:
-            return self.backward_prefetch
-        if not self.post_forward_indices:
+        if self._states_to_backward_prefetch is not None:
+            return self._states_to_backward_prefetch
+        if not self._post_forward_indices:
             return []
-        index = self.post_forward_indices.pop()
-        return [self.ctx.post_forward_order[index - 1]] if index > 0 else []
+        index = self._post_forward_indices.pop()
+        return [self._state_ctx.post_forward_order[index - 1]] if index > 0 else []
 
-    def _queue_final_callback(self) -> None:
-        if self.ctx.final_callback_queued:
+    def _register_root_post_backward_final_callback(self) -> None:
+        if self._state_ctx.post_backward_final_callback_queued:
             return
-        self.ctx.final_callback_queued = True
-        root = self.ctx.all_states[0] if self.ctx.all_states else self
+        self._state_ctx.post_backward_final_callback_queued = True
+        root = self._state_ctx.all_states[0] if self._state_ctx.all_states else self
         Variable._execution_engine.queue_callback(root._root_post_backward_final_callback)
 
     def _root_post_backward_final_callback(self) -> None:
@@ -359,53 +373,53 @@ class FSDPState:
         # Only the last backward of an iteration (`set_is_last_backward`) ends it: the
         # forward order, the backward prefetch order and dispatched gathers survive
         # backward passes that more will follow before the optimizer step.
-        last = self.ctx.is_last_backward
-        self.ctx.iter_forward_root = None
+        last = self._state_ctx.is_last_backward
+        self._state_ctx.iter_forward_root = None
         if last:
-            self.ctx.post_forward_order.clear()
+            self._state_ctx.post_forward_order.clear()
             self._learn_forward_order()
-        for state in self.ctx.all_states:
-            state.modules_to_run.clear()
-            if state.group.training_state != TrainingState.POST_BACKWARD:
-                state.group.post_backward()
+        for state in self._state_ctx.all_states:
+            state._modules_to_run_forward.clear()
+            if state._fsdp_param_group._training_state != TrainingState.POST_BACKWARD:
+                state._fsdp_param_group.post_backward()
             if last:
-                state.post_forward_indices.clear()
+                state._post_forward_indices.clear()
                 # A prefetch whose module never ran must not outlive the iteration:
                 # the optimizer writes the shards it reads next.
-                state.group.cancel_prefetch()
-            state.group.training_state = TrainingState.IDLE
-            state.training_state = TrainingState.IDLE
+                state._fsdp_param_group.cancel_prefetch()
+            state._fsdp_param_group._training_state = TrainingState.IDLE
+            state._training_state = TrainingState.IDLE
         # The last reduce-scatter overlapped the end of the backward; the optimizer
         # (or the next backward's accumulation) reads its gradients.
-        self.group.layout.comm.finish_reduce()
-        self.ctx.final_callback_queued = False
+        self._comm_ctx.finish_reduce()
+        self._state_ctx.post_backward_final_callback_queued = False
 
     def _learn_forward_order(self) -> None:
-        order, self.ctx.pre_forward_order = self.ctx.pre_forward_order, []
+        order, self._state_ctx.pre_forward_order = self._state_ctx.pre_forward_order, []
         nexts: dict[FSDPState, FSDPState] = {}
         for before, after in itertools.pairwise(order):  # None: a new forward pass began
             if before is not None and after is not None and after is not before:
                 nexts.setdefault(before, after)
-        self.ctx.next_in_forward = nexts
+        self._state_ctx.next_in_forward = nexts
 
-    def reset_iter_state(self) -> None:
+    def _reset_iter_state(self) -> None:
         """Discards a failed iteration: unreduced gradients, gathered parameters, flags.
 
         Raises:
           RuntimeError: this state is not the root.
         """
-        if self.is_root is False:
+        if self._is_root is False:
             raise RuntimeError(_reset_on_non_root(self.fqn))
-        self.ctx.post_forward_order.clear()
-        self.ctx.pre_forward_order.clear()
-        self.group.layout.comm.drop_reduce()  # the failed iteration's gradients
-        for state in self.ctx.all_states or [self]:
-            state.modules_to_run.clear()
-            state.post_forward_indices.clear()
-            state.training_state = TrainingState.IDLE
-            state.group.reset_iter_state()
-        self.ctx.iter_forward_root = None
-        self.ctx.final_callback_queued = False
+        self._state_ctx.post_forward_order.clear()
+        self._state_ctx.pre_forward_order.clear()
+        self._comm_ctx.drop_reduce()  # the failed iteration's gradients
+        for state in self._state_ctx.all_states or [self]:
+            state._modules_to_run_forward.clear()
+            state._post_forward_indices.clear()
+            state._training_state = TrainingState.IDLE
+            state._fsdp_param_group._reset_iter_state()
+        self._state_ctx.iter_forward_root = None
+        self._state_ctx.post_backward_final_callback_queued = False
 
 
 # ---- the messages of FSDPState's checks ----

@@ -20,9 +20,9 @@ from torch import nn
 
 from funshard import comm, errors
 from torch_frontend import _bridge
-from torch_frontend._group import ParamGroup
+from torch_frontend._group import FSDPParamGroup
 from torch_frontend._param import FSDPParam
-from torch_frontend._state import state_of
+from torch_frontend._state import _get_module_fsdp_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +39,10 @@ class Managed:
         return full.narrow(param.dim, start, count)
 
 
-def register_hooks(group: ParamGroup) -> None:
+def register_hooks(group: FSDPParamGroup) -> None:
     """Installs the state-dict hooks of `group` on every module that holds its parameters."""
     modules: dict[int, nn.Module] = {}
-    for param in group.params:
+    for param in group.fsdp_params:
         for module, _ in param.uses:
             modules.setdefault(id(module), module)
     for module in modules.values():
@@ -59,17 +59,17 @@ def register_hooks(group: ParamGroup) -> None:
         )
 
 
-def _reshard(group: ParamGroup, *_) -> None:
+def _reshard(group: FSDPParamGroup, *_) -> None:
     # As FSDP2: the state dict holds (and loads into) the shards. A later backward
     # gathers again if it needs the parameters.
     group.reshard()
 
 
-def _adopt_assigned(group: ParamGroup, module: nn.Module, _incompatible) -> None:
+def _adopt_assigned(group: FSDPParamGroup, module: nn.Module, _incompatible) -> None:
     # load_state_dict(assign=True) put new Parameter objects into the module: keep
     # the shard Parameters (the optimizer holds them) and take over the new data.
     with torch.no_grad():
-        for param in group.params:
+        for param in group.fsdp_params:
             if any(owner is module for owner, _ in param.uses):
                 param.reset_sharded_param()
 
@@ -78,10 +78,10 @@ def managed_params(module: nn.Module) -> dict[int, Managed]:
     """`id` of each local shard managed at or below `module` -> its `Managed`."""
     managed: dict[int, Managed] = {}
     for sub in module.modules():
-        state = state_of(sub)
+        state = _get_module_fsdp_state(sub)
         if state is not None:
-            for param in state.group.params:
-                managed[id(param.sharded)] = Managed(param, state.group.layout)
+            for param in state._fsdp_param_group.fsdp_params:
+                managed[id(param.sharded_param)] = Managed(param, state._fsdp_param_group.layout)
     return managed
 
 
@@ -111,7 +111,7 @@ def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
     for params, future in pending:
         for param, full in zip(params, _bridge.finish_all_gather(future), strict=True):
             # JAX's buffer is read-only: the caller gets its own copy.
-            fulls[id(param.sharded)] = _bridge.from_words(full, param.dtype).clone()
+            fulls[id(param.sharded_param)] = _bridge.from_words(full, param.dtype).clone()
     return fulls
 
 
@@ -217,4 +217,4 @@ def _mismatch(problems: list[str]) -> str:
 
 def _chunk(entry: Managed, full: torch.Tensor) -> torch.Tensor:
     """This rank's rows of `full` as a DTensor like the managed parameter's."""
-    return entry.param.to_dtensor(entry.chunk(full).to(entry.param.dtype))
+    return entry.param.to_sharded_dtensor(entry.chunk(full).to(entry.param.dtype))

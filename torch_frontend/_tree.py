@@ -40,5 +40,10 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 def tensors(tree: Any) -> list[torch.Tensor]:
     """Every tensor in `tree`, in `map_tensors`' order."""
     found: list[torch.Tensor] = []
-    map_tensors(lambda t: found.append(t) or t, tree)
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    map_tensors(keep, tree)
     return found
