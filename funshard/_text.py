@@ -25,6 +25,11 @@ def leaf_name(path: Sequence[Any]) -> str:
     return keystr(tuple(path)) or "<root>"
 
 
+def counted(n: int, one: str, many: str) -> str:
+    """`n` and the noun in its number: "1 leaf", "3 leaves"."""
+    return f"{n:,} {one if n == 1 else many}"
+
+
 def joined(messages: Sequence[str]) -> str:
     """Several leaves' messages as one, a line each: every bad leaf is reported at once."""
     return "\n".join(messages)

@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from funshard import _text
 from funshard.comm import _lowering
 from funshard.comm._lowering import is_inexact_array
+
+# One debug record per collective a step's trace issues (never at run time: these functions
+# run while JAX traces the step). A child of "funshard", silent unless configured.
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +81,76 @@ def scope(layout: GroupLayout, what: str):
     return jax.named_scope(f"funshard/{layout.name}/{what}")
 
 
+def _log_collective(
+    layout: GroupLayout,
+    kind: str,
+    leaves: Sequence[LeafLayout],
+    dtypes: Sequence[np.dtype],
+    axes: tuple[str, ...],
+    detail: str,
+) -> None:
+    """One debug record for a collective of `layout`'s unit, built only if it is wanted."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    names = "+".join(sorted({np.dtype(d).name for d in dtypes}))
+    logger.debug(
+        "funshard/%s: %s of %s (%s) over mesh axes %s: %s",
+        layout.name,
+        kind,
+        _text.counted(len(leaves), "leaf", "leaves"),
+        names,
+        axes,
+        detail,
+    )
+
+
+def _elements(leaves: Sequence[LeafLayout]) -> int:
+    """Elements of the leaves' local blocks together: one device's part of a gather."""
+    return sum(math.prod(leaf.local_shape) for leaf in leaves)
+
+
+def _log_gather(layout: GroupLayout, keep_group: tuple[str, ...] | None) -> None:
+    elements = _elements(layout.leaves)
+    if not elements or not logger.isEnabledFor(logging.DEBUG):
+        return
+    detail = f"{elements:,} elements per device, {elements * layout.num_shards:,} gathered"
+    if keep_group is not None:
+        detail += f"; each device keeps its part for a re-gather within {keep_group}"
+    gather_dtypes = [leaf.gather_dtype for leaf in layout.leaves]
+    _log_collective(layout, "all-gather", layout.leaves, gather_dtypes, layout.shard_axes, detail)
+
+
+def _log_regather(layout: GroupLayout, group: tuple[str, ...]) -> None:
+    elements = _elements(layout.leaves)
+    if not elements or not logger.isEnabledFor(logging.DEBUG):
+        return
+    detail = f"{elements * layout.num_shards:,} elements gathered from the kept parts"
+    gather_dtypes = [leaf.gather_dtype for leaf in layout.leaves]
+    _log_collective(layout, "all-gather", layout.leaves, gather_dtypes, group, detail)
+
+
+def _log_reductions(
+    layout: GroupLayout, leaves: Sequence[LeafLayout], replicate_axes: tuple[str, ...]
+) -> None:
+    """The reduce-scatter of each reduce dtype (and its HSDP all-reduce), as `_lowering`
+    issues them: one per dtype, none for an empty one."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    by_dtype: dict[np.dtype, list[LeafLayout]] = {}
+    for leaf in leaves:
+        by_dtype.setdefault(np.dtype(leaf.reduce_dtype), []).append(leaf)
+    for dtype, group in by_dtype.items():
+        elements = _elements(group)
+        if not elements:
+            continue
+        full = elements * layout.num_shards
+        detail = f"{full:,} elements per device in, {elements:,} out"
+        _log_collective(layout, "reduce-scatter", group, [dtype], layout.shard_axes, detail)
+        if replicate_axes:
+            detail = f"{elements:,} elements per device"
+            _log_collective(layout, "all-reduce", group, [dtype], replicate_axes, detail)
+
+
 def _blocks(datas: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]:
     # Typed as varying over every data-parallel axis: each device's use of the gathered
     # value is its own, so its cotangent reaches `reduce_values` unreduced instead of
@@ -103,6 +180,7 @@ def gather_values(
     share of the gathered buffer within `keep_group`, for `regather_values`.
     """
     dims = [leaf.dim for leaf in layout.leaves]
+    _log_gather(layout, keep_group)
     with scope(layout, "all_gather"):
         out = _lowering.all_gather_blocks(
             _blocks(datas, layout),
@@ -120,6 +198,7 @@ def regather_values(part, layout: GroupLayout, group, dependency=None) -> list[j
     """The logical full arrays again, gathered from hpZ `part`s within `group` only."""
     structs = [jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in layout.leaves]
     packing = _lowering.packing_of(structs, [leaf.dim for leaf in layout.leaves])
+    _log_regather(layout, group)
     with scope(layout, "all_gather"):
         fulls = _lowering.regather_group(part, packing, group, dependency)
     return _logical(fulls, layout)
@@ -152,6 +231,7 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
         padded.append(jnp.pad(ct, widths) if widths[leaf.dim][1] else ct)
     replicate_axes = () if layout.skip_replicate_reduce else layout.replicate_axes
     dims = [layout.leaves[i].dim for i in idx]
+    _log_reductions(layout, [layout.leaves[i] for i in idx], replicate_axes)
     with scope(layout, "reduce_scatter"):
         reduced = _lowering.reduce_scatter_blocks(padded, layout.shard_axes, replicate_axes, dims)
     out = [_zero_cotangent(leaf, layout) for leaf in layout.leaves]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -13,6 +14,9 @@ from funshard import errors
 
 SHARD_AXIS = "fsdp"
 REPLICATE_AXIS = "replicate"
+
+# A child of "funshard": silent unless the application configures logging (docs/concepts.md).
+logger = logging.getLogger(__name__)
 
 
 def _mesh_bad_replicate(replicate, n: int) -> str:
@@ -54,7 +58,20 @@ def make_mesh(replicate: int | None = None, *, devices: Sequence[jax.Device] | N
             raise errors.ShardingValueError(_mesh_bad_replicate(replicate, n))
         shape, names = (replicate, n // replicate), (REPLICATE_AXIS, SHARD_AXIS)
     grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+    mesh = Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s", _describe_mesh(mesh))
+    return mesh
+
+
+def _describe_mesh(mesh: Mesh) -> str:
+    platforms = sorted({d.platform for d in mesh.devices.flat})
+    axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    kind = "HSDP" if REPLICATE_AXIS in mesh.axis_names else "FSDP"
+    return (
+        f"make_mesh: {kind} mesh ({axes}) over {mesh.devices.size} {'/'.join(platforms)} "
+        f"devices of {len({d.process_index for d in mesh.devices.flat})} process(es)"
+    )
 
 
 def _mesh_no_devices() -> str:

@@ -79,6 +79,7 @@ def fully_shard(
     def wrapped(*args, **kwargs):
         params, args = _split_params(label, params_name, args, kwargs)
         unit = _unit.prepare("fully_shard", params)
+        _unit.log_plan("fully_shard", label, unit, reshard_after_forward)
         args, kwargs = _unit.cast_inputs(unit, (args, kwargs))
         group = _unit.group_size(reshard_after_forward, unit.sharded)
         ctx = _context.current()

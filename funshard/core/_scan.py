@@ -124,6 +124,7 @@ def scan(fn: Callable, stacked: Any, carry: Any, *, reshard_after_forward: bool 
     _check_stacked("scan", unit.paths, unit.parts.items)
     _check_layers("scan", fn, unit.paths, unit.parts.items)
     carry = _unit.cast_inputs(unit, carry)
+    _unit.log_plan("scan", _name(fn), unit, reshard_after_forward)
 
     def step(c, layer):
         return fn(layer, c), None
@@ -222,6 +223,7 @@ def lax_scan(
         raise errors.ShardingValueError(_lax_scan_length(length, layers))
     step = _returning_pairs(f)
     init = _unit.cast_inputs(unit, init)
+    _unit.log_plan("lax_scan", _name(f), unit, reshard_after_forward)
     if _context.current() is None:
         out = jax.lax.scan(step, init, _unit.cast_floating(unshard(xs), unit.param_dtype))
     else:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +29,9 @@ from funshard.core._options import RootOptions, root_options, trainable_flags
 from funshard.core._routes import LeafRoute, leaf_routes, state_axes
 from funshard.core._sharded import Sharded, is_sharded
 from funshard.core._tree import common_mesh, is_inexact_array, sharded_leaves, split_arrays
+
+# A child of "funshard": silent unless the application configures logging (docs/concepts.md).
+logger = logging.getLogger(__name__)
 
 # ---- the state, read once before the per-device program -------------------------------
 
@@ -135,6 +140,35 @@ def _read_state(state, batch, trainable, opts: RootOptions) -> _Root:
     routes = leaf_routes(paths, items, flags, sync_every_microbatch=opts.sync_every_microbatch)
     _check_trainable_leaves(routes, items)
     return _Root(opts, tuple(items), treedef, routes, mesh, replicate_axes, shard_axes)
+
+
+def _log_root(root: _Root) -> None:
+    """One debug record per trace of a step: the root's state, each sharded leaf (gathered
+    by the units or `unshard`) by key path with its full and per-device bytes."""
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s", _describe_root(root))
+
+
+def _describe_root(root: _Root) -> str:
+    sharded, full, local = [], 0, 0
+    for r, x in zip(root.routes, root.items, strict=True):
+        if not r.sharded:
+            continue
+        size = math.prod(x.shape) * x.dtype.itemsize
+        full += size
+        local += math.prod(x.local_shape) * x.dtype.itemsize
+        frozen = "" if r.wanted else " frozen"
+        sharded.append(f"{_text.leaf_name(r.path)} {x.shape} {x.dtype.name}{frozen} {size:,} B")
+    others = sum(r.traced and not r.sharded for r in root.routes)
+    axes = ", ".join(f"{name}={size}" for name, size in root.mesh.shape.items())
+    return (
+        f"value_and_grad: root on mesh ({axes}), batch split over {root.dp_axes}, "
+        f"microbatches={root.opts.microbatches}: "
+        f"{_text.counted(len(sharded), 'sharded leaf', 'sharded leaves')}, {full:,} bytes in "
+        f"full, {local:,} per device; "
+        f"{_text.counted(others, 'replicated array leaf', 'replicated array leaves')}: "
+        + ", ".join(sharded)
+    )
 
 
 def _as_arrays(items: list) -> list:
@@ -578,6 +612,7 @@ def value_and_grad(
         _callbacks.warn_outer_callbacks("fs.value_and_grad")
         comm.same_state("value_and_grad", state)  # multi-process jobs only
         root = _read_state(state, batch, trainable, opts)
+        _log_root(root)
         arg_values, rebuild_args = split_arrays(args)
         mapped = jax.shard_map(
             functools.partial(_per_device, loss_fn, root, rebuild_args),

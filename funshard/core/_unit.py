@@ -20,6 +20,8 @@ which would keep all parameters alive.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,8 +33,11 @@ from funshard import _jax_compat, _text, comm, errors
 from funshard._custom_vjp import filter_custom_vjp
 from funshard.core import _context, _tree
 from funshard.core._options import check_reshard_after_forward as check_reshard_after_forward
-from funshard.core._policy import MixedPrecisionPolicy
+from funshard.core._policy import MixedPrecisionPolicy, param_dtype_for
 from funshard.core._sharded import Sharded, is_sharded
+
+# A child of "funshard": silent unless the application configures logging (docs/concepts.md).
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,36 @@ def prepare(fn: str, params: Any) -> UnitParams:
             raise errors.ShardingValueError(_text.nested_units("a unit called inside another unit"))
         raise errors.ShardingValueError(_text.no_sharded(fn))
     return UnitParams(_tree.partition(params), paths, policy_of(fn, paths, items))
+
+
+def log_plan(fn: str, name: str, unit: UnitParams, reshard_after_forward: bool | int) -> None:
+    """One debug record for a unit about to run: what it gathers, by key path and bytes.
+
+    Built only when the "funshard" logger wants debug records; inside a step it is
+    written once per trace of the step, not per device or per run.
+    """
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s", _describe_plan(fn, name, unit, reshard_after_forward))
+
+
+def _describe_plan(fn: str, name: str, unit: UnitParams, reshard_after_forward: bool | int) -> str:
+    entries = []
+    total = 0
+    for i in unit.parts.positions:
+        leaf = unit.parts.items[i]
+        dtype = np.dtype(param_dtype_for(leaf.mp_policy, np.dtype(leaf.dtype)))
+        size = math.prod(leaf.shape) * dtype.itemsize
+        total += size
+        entries.append(f"{_text.leaf_name(unit.paths[i])} {leaf.shape} {dtype.name} {size:,} B")
+    where = "in a step" if _context.current() is not None else "outside a step"
+    if fn != "fully_shard":
+        where += ", layer by layer"  # a scanned stack: each layer's slice in turn
+    first = unit.sharded[0]
+    return (
+        f"{fn} {name!r} ({where}, reshard_after_forward={reshard_after_forward}): gathers "
+        f"{_text.counted(len(entries), 'sharded leaf', 'sharded leaves')}, {total:,} bytes, "
+        f"over mesh axes {first.shard_axis}: " + ", ".join(entries)
+    )
 
 
 def policy_of(fn: str, paths, items) -> MixedPrecisionPolicy | None:
