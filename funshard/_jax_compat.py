@@ -289,9 +289,10 @@ def dlpack_import(obj: Any, device: jax.Device) -> jax.Array:
     same GPU (a DLPack import never moves data between devices here: the result must
     alias `obj`, which its callers rely on).
 
-    `jax.dlpack.from_dlpack` spends ~190 us a call in Python (device lookup, dtype
-    canonicalisation, placement) around the ~30 us import; a torch frontend imports
-    every gradient of every backward. This calls jaxlib's
+    `jax.dlpack.from_dlpack` spends several times the import itself in Python (device
+    lookup, dtype canonicalisation, placement; docs/benchmarks.md, "Measured design
+    choices", has the numbers), and a torch frontend imports every gradient of every
+    backward. This calls jaxlib's
     `_jax.dlpack_managed_tensor_to_buffer` directly (its 5-argument form, jaxlib
     extension version >= 467) for dtypes JAX keeps as they are, and falls back to
     `from_dlpack` otherwise. On a GPU the import is ordered after the producer's

@@ -42,7 +42,9 @@ def _sharding(mesh: Mesh, axes: tuple[str, ...], dim: int) -> NamedSharding:
 def _on(block: Any, device: jax.Device) -> jax.Array:
     """`block` on `device`: as it is when already there (no copy), else copied there."""
     if isinstance(block, jax.Array) and block.sharding.device_set == {device}:
-        return block  # device_put would return an alias too, at ~40x the cost
+        # device_put would return an alias too, at many times the cost of this check
+        # (docs/benchmarks.md, "Measured design choices").
+        return block
     return jax.device_put(block, device)
 
 

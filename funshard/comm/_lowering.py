@@ -330,11 +330,11 @@ def _scatter_sum_by_permutes(slab: jax.Array, shard_axes: tuple[str, ...]) -> ja
     """`_scatter_sum` as N - 1 collective permutes (`_sum_rows`), rows sliced out of
     `slab` here.
 
-    Measured on 2 processes against the all-reduce that PyTorch's gloo backend uses for
-    a reduce-scatter (also correct, twice the bytes): 0.3 ms against 0.6 ms for 256 KiB,
-    1.9 against 3.9 ms for 4 MiB, and XLA keeps one row-sized buffer (the row it sends)
-    where the all-reduce keeps the whole slab. An all-to-all moves the same bytes, but
-    XLA CPU first copies the slab into one buffer per row.
+    Against the all-reduce that PyTorch's gloo backend uses for a reduce-scatter (also
+    correct, twice the bytes) it moves half the bytes and takes about half the time, and
+    XLA keeps one row-sized buffer (the row it sends) where the all-reduce keeps the whole
+    slab (docs/benchmarks.md, "Measured design choices", has the numbers). An all-to-all
+    moves the same bytes, but XLA CPU first copies the slab into one buffer per row.
     """
     n = slab.shape[0]
     me = jax.lax.axis_index(shard_axes)

@@ -99,9 +99,10 @@ def _both_runs(opt: Any, logical: tuple, padded: tuple) -> tuple:
     def both(logical, padded):
         return run(*logical), run(*padded)
 
-    # One compiled program, at XLA's lowest backend optimisation (compiling, not running,
-    # is the probe's cost: ~0.4 s against ~1 s, and op by op AdamW's dozens of small
-    # operations would each compile on first use, seconds in all).
+    # One compiled program, at XLA's lowest backend optimisation: compiling, not running,
+    # is the probe's cost, and this level compiles it in about half the time of the
+    # default one, where op by op AdamW's dozens of small operations would each compile
+    # on first use (docs/benchmarks.md, "Measured design choices", has the numbers).
     compiled = (
         jax.jit(both)
         .lower(logical, padded)
