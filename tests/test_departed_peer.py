@@ -1,7 +1,7 @@
 """A process that leaves the job early never leaves the others waiting.
 
 Real processes on 127.0.0.1. One process returns from its script after fewer steps (or
-after catching its own exception); before funshard/distributed/_departure.py the others blocked in a
+after catching its own exception); before funshard/distributed/_lifecycle.py the others blocked in a
 collective until JAX's shutdown barrier gave up (~300 s), silently. Now the survivors
 end within FUNSHARD_DEPARTURE_TIMEOUT (set short here) with an error naming the process
 that left and the last step both reached, and the one that left exits 0.
