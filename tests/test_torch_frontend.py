@@ -602,8 +602,8 @@ def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
 
 
 def test_fsdp2s_private_names_reach_the_same_state():
-    # Code written against FSDP2's internals (torch.distributed._tools.fsdp2_mem_tracker,
-    # PyTorch's own FSDP2 tests) walks module._get_fsdp_state()._fsdp_param_group...
+    # Code written against FSDP2's internals (PyTorch's own FSDP2 tests, debugging
+    # scripts) walks module._get_fsdp_state()._fsdp_param_group.fsdp_params[i]...
     from torch_frontend._state import _get_module_fsdp_state
 
     model = _shard_mlp(_mlp())

@@ -17,7 +17,15 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 from torch import nn
 
 import torch_frontend
-from torch_frontend import _fully_shard, _group, _state, fully_shard
+from torch_frontend import (
+    _checkpoint,
+    _clip,
+    _fully_shard,
+    _group,
+    _state,
+    _state_dict,
+    fully_shard,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -103,6 +111,71 @@ def test_nothing_is_logged_or_built_at_the_default_level(caplog, monkeypatch):
     monkeypatch.setattr(_group.FSDPParamGroup, "_log_reduce_scatter", built)
     model = _sharded()
     _step(model)
+    assert _messages(caplog) == []
+
+
+def _trained_with_an_unmanaged_parameter() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """float32 only (checkpoints hold no 64-bit parameters); one ignored parameter,
+    whose optimizer state a checkpoint holds sharded and `restore` gathers."""
+    torch_frontend.init_distributed()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    fully_shard(model[0])
+    fully_shard(model, ignored_params={model[1].bias})
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_debug_records_of_clipping_state_dicts_and_checkpoints(caplog, tmp_path):
+    model, optimizer = _trained_with_an_unmanaged_parameter()
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    torch_frontend.clip_grad_norm_(model.parameters(), 1.0)
+    assert _messages(caplog) == [
+        # the two managed groups share one layout: one gather of the norm
+        "clip_grad_norm_: all-gather over 1 ranks of this rank's norm (order 2.0) of 3 "
+        "gradient shard(s), 21 elements: the global norm's reduction"
+    ]
+    caplog.clear()
+    torch_frontend.full_state_dict(model)
+    assert _messages(caplog) == [
+        "full_state_dict: all-gather of 3 parameters over 1 ranks, 21 elements (torch.float32)"
+    ]
+    caplog.clear()
+    path = tmp_path / "ckpt"
+    torch_frontend.save(path, model, optimizer, step=1)
+    torch_frontend.restore(path, model, optimizer)
+    records = _messages(caplog)
+    # 4 parameters, sharded (the ignored bias too: it has dims); each one's Adam exp_avg and
+    # exp_avg_sq, sharded, and step, whole; the param group's options and the step, whole.
+    leaves = "27 leaves (12 sharded over 1 ranks, 15 whole) through funshard's collectives"
+    assert records[:2] == [
+        f"save: funshard.save to {path} of {leaves}, in order on the collective thread",
+        f"restore: funshard.restore from {path} of {leaves}, in order on the collective thread",
+    ]
+    # The ignored bias and its optimizer state are restored whole: gathered on every rank.
+    assert records[2:] == [
+        "restore: all-gather of 1 unmanaged tensors of the model over 1 ranks, 2 elements",
+        "restore: all-gather of 2 optimizer-state tensors of unmanaged parameters over 1 "
+        "ranks, 4 elements",
+    ]
+
+
+def test_clipping_state_dicts_and_checkpoints_build_nothing_at_the_default_level(
+    caplog, monkeypatch, tmp_path
+):
+    def built(*_args, **_kwargs):
+        raise AssertionError("a debug message was built with debug records off")
+
+    monkeypatch.setattr(_clip, "_log_norm_gather", built)
+    monkeypatch.setattr(_state_dict, "_log_full_gather", built)
+    monkeypatch.setattr(_checkpoint, "_log_checkpoint", built)
+    model, optimizer = _trained_with_an_unmanaged_parameter()
+    torch_frontend.clip_grad_norm_(model.parameters(), 1.0)
+    torch_frontend.full_state_dict(model)
+    torch_frontend.save(tmp_path / "ckpt", model, optimizer, step=1)
+    torch_frontend.restore(tmp_path / "ckpt", model, optimizer)
     assert _messages(caplog) == []
 
 

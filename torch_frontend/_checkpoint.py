@@ -20,6 +20,8 @@ the world size that wrote them.
 from __future__ import annotations
 
 import ast
+import logging
+import math
 import os
 from typing import Any
 
@@ -37,6 +39,8 @@ from torch_frontend import _bridge
 from torch_frontend._fully_shard import not_fsdp_module
 from torch_frontend._state import _get_module_fsdp_state
 from torch_frontend._state_dict import Managed, managed_params
+
+logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
 MODEL, OPTIMIZER, STEP = "model", "optimizer", "step"
 _STATE, _GROUPS = "state", "param_groups"
@@ -303,7 +307,10 @@ def save(
         local shard, a 0-d tensor or a Python number.
     """
     tree = checkpoint_tree(module, optimizer, step, copy=asynchronous)
-    comm = _base_layout(module).comm
+    base = _base_layout(module)
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_checkpoint("save", "to", path, tree, base, " (asynchronous)" if asynchronous else "")
+    comm = base.comm
     return comm.in_order(fs.save, path, tree, overwrite=overwrite, asynchronous=asynchronous)
 
 
@@ -414,6 +421,27 @@ def _optimizer_mismatch(path: str, problems: list[str]) -> str:
     )
 
 
+def _log_checkpoint(
+    fn: str, direction: str, path: str | os.PathLike, tree: dict, base: _bridge.RankLayout, how: str
+) -> None:
+    """One debug record per save / restore: the leaves funshard's collectives move."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, fs.Sharded))
+    sharded = sum(isinstance(x, fs.Sharded) for x in leaves)
+    logger.debug(
+        "%s: funshard.%s %s %s of %d leaves (%d sharded over %d ranks, %d whole) through "
+        "funshard's collectives, in order on the collective thread%s",
+        fn,
+        fn,
+        direction,
+        os.fspath(path),
+        len(leaves),
+        sharded,
+        base.world,
+        len(leaves) - sharded,
+        how,
+    )
+
+
 def _restore_tree(path: str, like: dict, comm: _bridge.CommContext) -> dict:
     try:
         return comm.in_order(fs.restore, path, like)
@@ -430,10 +458,26 @@ def _module_mismatch(detail: str) -> str:
     )
 
 
-def _gather_sharded(leaves: list[fs.Sharded], base: _bridge.RankLayout) -> list[torch.Tensor]:
-    """The full tensors of restored leaves of tensors every rank holds whole (one gather)."""
+def _gather_sharded(
+    leaves: list[fs.Sharded], base: _bridge.RankLayout, what: str
+) -> list[torch.Tensor]:
+    """The full tensors of restored leaves of tensors every rank holds whole (one gather).
+
+    Args:
+      leaves: the restored leaves, sharded on dim 0 over `base`.
+      base: the layout they are sharded over.
+      what: what the tensors are, for the debug record.
+    """
     if not leaves:
         return []
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "restore: all-gather of %d %s over %d ranks, %d elements",
+            len(leaves),
+            what,
+            base.world,
+            sum(math.prod(x.shape) for x in leaves),
+        )
     future = _bridge.start_all_gather(base, [x.data for x in leaves], [x.shape[0] for x in leaves])
     return [full.clone() for full in _bridge.finish_all_gather(future)]
 
@@ -458,7 +502,7 @@ def _write_model(local, managed, restored: dict, base) -> None:
                 t.copy_(_torch(value))
         for (_, t), full in zip(
             whole,
-            _gather_sharded([leaf for leaf, _ in whole], base),
+            _gather_sharded([leaf for leaf, _ in whole], base, "unmanaged tensors of the model"),
             strict=True,
         ):
             t.copy_(full)
@@ -492,7 +536,9 @@ def _write_optimizer(optimizer, module, managed, restored: dict, base) -> None:
         optimizer.state[param] = state
     for (_, state, name), full in zip(
         whole,
-        _gather_sharded([w[0] for w in whole], base),
+        _gather_sharded(
+            [w[0] for w in whole], base, "optimizer-state tensors of unmanaged parameters"
+        ),
         strict=True,
     ):
         state[name] = full
@@ -550,6 +596,8 @@ def restore(
     step = stored.get(keystr((DictKey(STEP),)))
     if step is not None:
         like[STEP] = _like_record(step)
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_checkpoint("restore", "from", path, like, base, "")
     restored = _restore_tree(path, like, base.comm)
     _write_model(local, managed, restored[MODEL], base)
     if OPTIMIZER in like:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 
@@ -11,6 +12,8 @@ from torch.distributed.tensor import DTensor
 from funshard import errors
 from torch_frontend import _bridge
 from torch_frontend._param import managed
+
+logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
@@ -38,11 +41,26 @@ def _gathered_norms(
     for layout, grads in partials.items():
         row = _local_norm(grads, norm_type).reshape(1, 1).clone()  # own, aligned storage
         block = _bridge.global_block(layout, row)
+        if logger.isEnabledFor(logging.DEBUG):
+            _log_norm_gather(layout, grads, norm_type)
         pending.append(_bridge.start_all_gather(layout, [block], [layout.world]))
     return [
         torch.linalg.vector_norm(_bridge.finish_all_gather(f)[0].reshape(-1), norm_type)
         for f in pending
     ]
+
+
+def _log_norm_gather(
+    layout: _bridge.RankLayout, grads: list[torch.Tensor], norm_type: float
+) -> None:
+    logger.debug(
+        "clip_grad_norm_: all-gather over %d ranks of this rank's norm (order %s) of %d "
+        "gradient shard(s), %d elements: the global norm's reduction",
+        layout.world,
+        norm_type,
+        len(grads),
+        sum(g.numel() for g in grads),
+    )
 
 
 def clip_grad_norm_(

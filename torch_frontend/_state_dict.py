@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import math
 from collections.abc import Mapping
 
 import jax
@@ -23,6 +25,8 @@ from torch_frontend import _bridge
 from torch_frontend._group import FSDPParamGroup
 from torch_frontend._param import FSDPParam
 from torch_frontend._state import _get_module_fsdp_state
+
+logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,8 @@ def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
     pending = []
     for layout, params in by_layout.items():
         blocks = [_bridge.global_block(layout, p.sync_padded(), p.dim) for p in params]
+        if logger.isEnabledFor(logging.DEBUG):
+            _log_full_gather(layout, params)
         pending.append(
             (
                 params,
@@ -113,6 +119,16 @@ def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
             # JAX's buffer is read-only: the caller gets its own copy.
             fulls[id(param.sharded_param)] = _bridge.from_words(full, param.dtype).clone()
     return fulls
+
+
+def _log_full_gather(layout: _bridge.RankLayout, params: list[FSDPParam]) -> None:
+    logger.debug(
+        "full_state_dict: all-gather of %d parameters over %d ranks, %d elements (%s)",
+        len(params),
+        layout.world,
+        sum(math.prod(p.shape) for p in params),
+        ", ".join(sorted({str(p.dtype) for p in params})),
+    )
 
 
 def _same_on_every_rank(by_layout: dict[_bridge.RankLayout, list[FSDPParam]]) -> None:
