@@ -256,7 +256,7 @@ class FSDPState:
             self._log_lazy_init(root)
 
     def _name_groups(self, root: nn.Module) -> None:
-        """Sets each group's `module_fqn` as FSDP2 does: its modules' paths, ", "-joined."""
+        """Sets each group's `_module_fqn` as FSDP2 does: its modules' paths, ", "-joined."""
         names: dict[FSDPState, list[str]] = {}
         for name, module in root.named_modules():
             state = _get_module_fsdp_state(module)
