@@ -1,10 +1,10 @@
 """The public API is fully annotated: every parameter and return of every public name.
 
-Walks the namespaces users import (`funshard.__all__`, `funshard.errors`, `funshard.flax`)
-with `inspect`: each public function, each public class's `__init__`, public methods and
-properties (those funshard defines, its own or inherited from a funshard base, not ones
-from Python or a dependency) must annotate every parameter but `self` / `cls`, and its
-return. A failure names each gap.
+Walks the namespaces users import (`funshard.__all__`, `funshard.errors`,
+`funshard.distributed`, `funshard.flax`) with `inspect`: each public function, each
+public class's `__init__`, public methods and properties (those funshard defines, its
+own or inherited from a funshard base, not ones from Python or a dependency) must annotate
+every parameter but `self` / `cls`, and its return. A failure names each gap.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import funshard as fs
 
 
 def _namespaces() -> list[types.ModuleType]:
-    # `funshard.distributed` is left out until its annotations are complete
-    # (`OrderedWorker.__init__` and `submit` have gaps).
-    modules = [fs, fs.errors]
+    modules = [fs, fs.errors, fs.distributed]
     pytest.importorskip("flax")
     import funshard.flax
 
