@@ -290,8 +290,8 @@ def dlpack_import(obj: Any, device: jax.Device) -> jax.Array:
     alias `obj`, which its callers rely on).
 
     `jax.dlpack.from_dlpack` spends several times the import itself in Python (device
-    lookup, dtype canonicalisation, placement; docs/benchmarks.md, "Measured design
-    choices", has the numbers), and a torch frontend imports every gradient of every
+    lookup, dtype canonicalisation, placement; docs/benchmarks_design.md has the
+    numbers), and a torch frontend imports every gradient of every
     backward. This calls jaxlib's
     `_jax.dlpack_managed_tensor_to_buffer` directly (its 5-argument form, jaxlib
     extension version >= 467) for dtypes JAX keeps as they are, and falls back to

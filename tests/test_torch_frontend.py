@@ -604,11 +604,11 @@ def test_no_jax_array_holds_a_shard_when_the_optimizer_writes_it(policy):
 def test_fsdp2s_private_names_reach_the_same_state():
     # Code written against FSDP2's internals (PyTorch's own FSDP2 tests, debugging
     # scripts) walks module._get_fsdp_state()._fsdp_param_group.fsdp_params[i]...
-    from torch_frontend._state import _get_module_fsdp_state
+    from torch_frontend._state import get_module_fsdp_state
 
     model = _shard_mlp(_mlp())
     root, inner = model._get_fsdp_state(), model[0]._get_fsdp_state()
-    assert _get_module_fsdp_state(model) is root and _get_module_fsdp_state(model[1]) is None
+    assert get_module_fsdp_state(model) is root and get_module_fsdp_state(model[1]) is None
     group = inner._fsdp_param_group
     sharded = [p.sharded_param for p in group.fsdp_params]
     assert sharded[0] is model[0].weight and sharded[1] is model[0].bias

@@ -37,7 +37,7 @@ import funshard as fs
 from funshard import comm, errors
 from torch_frontend import _bridge
 from torch_frontend._fully_shard import not_fsdp_module
-from torch_frontend._state import _get_module_fsdp_state
+from torch_frontend._state import get_module_fsdp_state
 from torch_frontend._state_dict import Managed, managed_params
 
 logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
@@ -50,7 +50,7 @@ _SCALARS = {"bool": False, "int": 0, "float": 0.0}
 def _base_layout(module: nn.Module) -> _bridge.RankLayout:
     """The layout of the first fully_shard group at or below `module` (for buffers)."""
     for sub in module.modules():
-        state = _get_module_fsdp_state(sub)
+        state = get_module_fsdp_state(sub)
         if state is not None:
             return state._fsdp_param_group.layout
     raise errors.ShardingValueError(not_fsdp_module("torch_frontend checkpoint", module))

@@ -17,7 +17,7 @@ from torch_frontend import _bridge, _distributed, _param, _state_dict
 from torch_frontend._group import FSDPParamGroup, module_params
 from torch_frontend._param import FSDPParam, ShardSpec
 from torch_frontend._policy import MixedPrecisionPolicy
-from torch_frontend._state import FSDPState, _get_module_fsdp_state
+from torch_frontend._state import FSDPState, get_module_fsdp_state
 
 cls_to_fsdp_cls: dict[type, type] = {}
 
@@ -74,7 +74,7 @@ class FSDPModule(_ModuleBase):
             raise
 
     def _get_fsdp_state(self) -> FSDPState:
-        state = _get_module_fsdp_state(self)
+        state = get_module_fsdp_state(self)
         if state is None:
             raise RuntimeError(not_fsdp_module("FSDPModule", self))
         return state
@@ -84,7 +84,7 @@ class FSDPModule(_ModuleBase):
             return [self._get_fsdp_state()]
         states: list[FSDPState] = []
         for module in self.modules():
-            state = _get_module_fsdp_state(module)
+            state = get_module_fsdp_state(module)
             if state is not None and state not in states:
                 states.append(state)
         return states
@@ -111,7 +111,7 @@ class FSDPModule(_ModuleBase):
         # `module.to(dtype / device)`, `to_empty` and `half()` convert the sharded
         # DTensors: reshard first so that those are what the modules hold, then adopt
         # the converted local tensors as the padded storage JAX gathers from.
-        state = _get_module_fsdp_state(self)
+        state = get_module_fsdp_state(self)
         if state is not None:
             state._fsdp_param_group.reshard()
         result = super()._apply(*args, **kwargs)
@@ -253,7 +253,7 @@ def _note_converted_dtype(module: nn.Module, exc: RuntimeError) -> None:
     noted = any(n.startswith(_NOTE_START) for n in getattr(exc, "__notes__", ()))
     if noted or not any(w in str(exc) for w in _DTYPE_WORDS):  # an inner module noted it
         return
-    state = _get_module_fsdp_state(module)
+    state = get_module_fsdp_state(module)
     states = [state, *state._state_ctx.all_states] if state is not None else []
     for param in (p for s in states for p in s._fsdp_param_group.fsdp_params):
         if param.dtype != param.orig_dtype:
@@ -278,7 +278,7 @@ def _converted_dtype(fqn: str, before: torch.dtype, after: torch.dtype) -> str:
 def _states_of(modules, method: str) -> list[FSDPState]:
     states = []
     for module in modules:
-        state = _get_module_fsdp_state(module) if isinstance(module, nn.Module) else None
+        state = get_module_fsdp_state(module) if isinstance(module, nn.Module) else None
         if state is None:
             raise errors.ShardingValueError(not_fsdp_module(method, module))
         states.append(state)
@@ -321,7 +321,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     Raises:
       ValueError: `module` has no method `method_name`.
     """
-    state = _get_module_fsdp_state(module)
+    state = get_module_fsdp_state(module)
     if state is None:
         return
     if not callable(getattr(module, method_name, None)):
@@ -396,7 +396,7 @@ def _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_
                 "fully_shard: expected an nn.Module or a list of them, got "
                 f"{type(module).__name__}."
             )
-        if _get_module_fsdp_state(module) is not None or any(m is module for m in modules[:i]):
+        if get_module_fsdp_state(module) is not None or any(m is module for m in modules[:i]):
             raise ShardedTwiceError(_sharded_twice(module))
         if (
             isinstance(module, (nn.ModuleList, nn.ModuleDict))
@@ -662,7 +662,7 @@ def fully_shard(
     post_forward = _post_forward_world(reshard_after_forward, layout)
     names = _param_names(modules)
     placed = []
-    for param, uses in module_params(modules, lambda m: _get_module_fsdp_state(m) is not None):
+    for param, uses in module_params(modules, lambda m: get_module_fsdp_state(m) is not None):
         if id(param) in ignored:
             continue
         owner, attr = uses[0]

@@ -44,7 +44,7 @@ class FSDPStateContext:
         self.next_in_forward: dict[FSDPState, FSDPState] = {}
 
 
-def _get_module_fsdp_state(module: nn.Module) -> FSDPState | None:
+def get_module_fsdp_state(module: nn.Module) -> FSDPState | None:
     """The state `fully_shard` attached to `module`, if any."""
     return module.__dict__.get(STATE_ATTR)
 
@@ -230,7 +230,7 @@ class FSDPState:
         self._is_root = True
         root = self._modules[0]
         for name, module in root.named_modules():
-            state = _get_module_fsdp_state(module)
+            state = get_module_fsdp_state(module)
             if state is None or state in self._state_ctx.all_states:
                 continue
             if state is not self:
@@ -259,7 +259,7 @@ class FSDPState:
         """Sets each group's `_module_fqn` as FSDP2 does: its modules' paths, ", "-joined."""
         names: dict[FSDPState, list[str]] = {}
         for name, module in root.named_modules():
-            state = _get_module_fsdp_state(module)
+            state = get_module_fsdp_state(module)
             if state is not None and state._state_ctx is self._state_ctx:
                 names.setdefault(state, []).append(name)
         for state, paths in names.items():

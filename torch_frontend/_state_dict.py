@@ -24,7 +24,7 @@ from funshard import comm, errors
 from torch_frontend import _bridge
 from torch_frontend._group import FSDPParamGroup
 from torch_frontend._param import FSDPParam
-from torch_frontend._state import _get_module_fsdp_state
+from torch_frontend._state import get_module_fsdp_state
 
 logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
@@ -82,7 +82,7 @@ def managed_params(module: nn.Module) -> dict[int, Managed]:
     """`id` of each local shard managed at or below `module` -> its `Managed`."""
     managed: dict[int, Managed] = {}
     for sub in module.modules():
-        state = _get_module_fsdp_state(sub)
+        state = get_module_fsdp_state(sub)
         if state is not None:
             for param in state._fsdp_param_group.fsdp_params:
                 managed[id(param.sharded_param)] = Managed(param, state._fsdp_param_group.layout)

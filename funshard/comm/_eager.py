@@ -43,7 +43,7 @@ def _on(block: Any, device: jax.Device) -> jax.Array:
     """`block` on `device`: as it is when already there (no copy), else copied there."""
     if isinstance(block, jax.Array) and block.sharding.device_set == {device}:
         # device_put would return an alias too, at many times the cost of this check
-        # (docs/benchmarks.md, "Measured design choices").
+        # (docs/benchmarks_design.md).
         return block
     return jax.device_put(block, device)
 

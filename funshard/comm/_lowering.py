@@ -333,7 +333,7 @@ def _scatter_sum_by_permutes(slab: jax.Array, shard_axes: tuple[str, ...]) -> ja
     Against the all-reduce that PyTorch's gloo backend uses for a reduce-scatter (also
     correct, twice the bytes) it moves half the bytes and takes about half the time, and
     XLA keeps one row-sized buffer (the row it sends) where the all-reduce keeps the whole
-    slab (docs/benchmarks.md, "Measured design choices", has the numbers). An all-to-all
+    slab (docs/benchmarks_design.md has the numbers). An all-to-all
     moves the same bytes, but XLA CPU first copies the slab into one buffer per row.
     """
     n = slab.shape[0]

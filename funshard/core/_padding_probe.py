@@ -102,7 +102,7 @@ def _both_runs(opt: Any, logical: tuple, padded: tuple) -> tuple:
     # One compiled program, at XLA's lowest backend optimisation: compiling, not running,
     # is the probe's cost, and this level compiles it in about half the time of the
     # default one, where op by op AdamW's dozens of small operations would each compile
-    # on first use (docs/benchmarks.md, "Measured design choices", has the numbers).
+    # on first use (docs/benchmarks_design.md has the numbers).
     compiled = (
         jax.jit(both)
         .lower(logical, padded)
