@@ -27,6 +27,7 @@ from torch.autograd import Variable
 from funshard import comm, errors
 from funshard.comm import REPLICATE_AXIS, SHARD_AXIS
 from torch_frontend import _cuda
+from torch_frontend._worker import OrderedWorker
 
 DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
 
@@ -76,8 +77,6 @@ class CommContext:
         # funshard's worker, not a ThreadPoolExecutor: its futures give up (RuntimeError)
         # on a process that left the job, and its daemon thread, stuck in a collective
         # with such a process, never holds up the interpreter's exit.
-        from torch_frontend._worker import OrderedWorker
-
         self._thread = OrderedWorker("torch_frontend")
         self._count_step = comm.count_step
         self._held: tuple[Future | None, Callable[[], None]] | None = None
