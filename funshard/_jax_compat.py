@@ -139,8 +139,9 @@ def cpu_devices_requested() -> int:
     """How many devices the CPU backend will create: `jax_num_cpu_devices` if set, else
     `--xla_force_host_platform_device_count` in `XLA_FLAGS`, else 1. Starts no backend.
     """
-    # jax.config's options are attributes it sets at run time, unknown to its stub.
-    count = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined]
+    # jax.config's options are attributes it sets at run time, unknown to jax 0.10's stub
+    # (0.12's knows them: hence unused-ignore).
+    count = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined, unused-ignore]
     if count >= 0:
         return count
     flags = re.findall(
@@ -273,8 +274,9 @@ def cpu_collectives_over_gloo() -> bool:
     return collectives_over_gloo(
         "cpu",
         distributed=coordination_client() is not None,
-        # jax.config's options are attributes it sets at run time, unknown to its stub.
-        cpu_implementation=jax.config.jax_cpu_collectives_implementation,  # type: ignore[attr-defined]
+        # jax.config's options are attributes it sets at run time, unknown to jax 0.10's
+        # stub (0.12's knows them: hence unused-ignore).
+        cpu_implementation=jax.config.jax_cpu_collectives_implementation,  # type: ignore[attr-defined, unused-ignore]
     )
 
 

@@ -106,8 +106,9 @@ def _both_runs(opt: Any, logical: tuple, padded: tuple) -> tuple:
     compiled = (
         jax.jit(both)
         .lower(logical, padded)
-        # jax's stub types option values as str | bool; XLA's integer options take ints.
-        .compile(compiler_options={"xla_backend_optimization_level": 0})  # type: ignore[dict-item]
+        # jax 0.10's stub types option values as str | bool (0.12's admits ints: hence
+        # unused-ignore); XLA's integer options take ints.
+        .compile(compiler_options={"xla_backend_optimization_level": 0})  # type: ignore[dict-item, unused-ignore]
     )
     return compiled(logical, padded)
 

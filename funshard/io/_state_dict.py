@@ -92,7 +92,7 @@ def _problems(sd: Mapping[str, Any], paths, items) -> list[str]:
     return problems
 
 
-def _place(value: np.ndarray, like):
+def _place(value: np.ndarray | jax.Array, like):
     if isinstance(like, Sharded):
         return core.reshard_leaf(value, like, in_step=False)
     if is_key(like):
