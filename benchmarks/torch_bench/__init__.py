@@ -8,7 +8,13 @@ Modules, one concern each:
 * `measure`: per-step wall time, bytes written to sockets, peak resident memory, and
   the frontend's profile (time inside its bridge calls).
 * `worker`: one rank of the torchrun job; runs every variant, interleaved.
-* `report`: the table, the Markdown page and the JSON result.
+* `jobs`: starting that job under torchrun, reading its ranks' results back, and the
+  machine it ran on.
+* `isolated`: the jobs of one variant each (`--alone-repeats`, `--rss`, `--compile`)
+  and their tables.
+* `report`: the results aggregated over the ranks, the checks, the tables.
+* `page`: the Markdown page.
+* `cli`: the flags and the order of a run (the JSON result too).
 * `grad_probe`: a torchrun script of its own comparing the frontend's gradients with
   FSDP2's bit for bit, step by step (with or without the frontend's prefetches).
 * `collective_probe`: funshard's eager reduce-scatter and all-gather alternating on 2
