@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import textwrap
+import time
 import warnings
 
 import jax
@@ -21,8 +22,8 @@ from conftest import mesh_for
 import funshard as fs
 import funshard.distributed
 from funshard import comm
-from funshard.comm import _departures
-from funshard.distributed import _batch, _launch, _lifecycle
+from funshard.comm import _departures, _key_value
+from funshard.distributed import _launch, _lifecycle
 
 # ---- a donated state is an error, never a segfault ----
 
@@ -242,11 +243,17 @@ def test_departure_timeout_from_the_environment():
         fs.distributed.initialize(departure_timeout=-1)  # checked before anything starts
 
 
+def _await_batch_verdict(service, wait_s: float):
+    # shard_batch's wait for the verdict: the shared key wait with its departure check.
+    deadline = time.monotonic() + wait_s
+    return _key_value.await_key(service, "verdict", deadline, comm.left_before_this_step)
+
+
 def test_shard_batch_wait_raises_when_a_process_left_before_this_step(monitor):
     mon, service = monitor
     mon.step, mon.kind = 3, "shard_batch call"
     service.leave(1, 3)  # it reached this step: wait as usual, then go on unchecked
-    assert _batch._wait_for(service, "verdict", 0.6) is None
+    assert _await_batch_verdict(service, 0.6) is None
     service.leave(1, 2)  # it left before this step: it will never post its batch
     with pytest.raises(
         RuntimeError,
@@ -254,7 +261,7 @@ def test_shard_batch_wait_raises_when_a_process_left_before_this_step(monitor):
         r"returned normally and left the job after 2 steps \(shard_batch "
         r"calls\), so this step's batch .* The last step both reached is step 2",
     ):
-        _batch._wait_for(service, "verdict", 30)
+        _await_batch_verdict(service, 30)
 
 
 def test_failure_summary_names_the_process_that_left():

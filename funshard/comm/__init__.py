@@ -52,6 +52,8 @@ from funshard.comm._gather import gather_values as gather_values
 from funshard.comm._gather import reduce_values as reduce_values
 from funshard.comm._gather import regather_values as regather_values
 from funshard.comm._gather import scope as scope
+from funshard.comm._key_value import agree_on_digest as agree_on_digest
+from funshard.comm._key_value import exchange_texts as exchange_texts
 from funshard.comm._layout import Layout as Layout
 from funshard.comm._layout import LayoutFacts as LayoutFacts
 from funshard.comm._layout import check_group_size as check_group_size

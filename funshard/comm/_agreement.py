@@ -20,21 +20,20 @@ step's: compiled steps and the torch frontend's collectives do not come here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import math
 import time
 from collections.abc import Collection, Sequence
-from typing import Any
 
 import jax
 
 from funshard import _jax_compat, errors
-from funshard.comm import _departures
+from funshard.comm import _departures, _key_value
 
 _ROOT = "funshard/eager/"
 _calls: dict[tuple[int, ...], itertools.count] = {}
-_WAIT_SLICE_MS = 500
 
 
 def same_collective(
@@ -70,11 +69,13 @@ def same_collective(
         with contextlib.suppress(Exception):
             client.key_value_delete(f"{prefix}{call - 2}/{rank}")
     since = time.monotonic()
+    deadline = since + _departures.wait_limit()
     with _departures.python_wait():
         for other in group:
             if other == rank:
                 continue
-            theirs = _wait_for(client, f"{prefix}{call}/{other}", other, since, fn)
+            left = functools.partial(_left, fn, other)
+            theirs = _key_value.await_key(client, f"{prefix}{call}/{other}", deadline, left)
             if theirs is None:
                 raise errors.DistributedTimeoutError(
                     _not_issued(fn, rank, other, signature, call, time.monotonic() - since)
@@ -96,20 +97,15 @@ def _describe(leaves: Sequence[tuple], noun: tuple[str, str]) -> str:
     )
 
 
-def _wait_for(client: Any, key: str, other: int, since: float, fn: str) -> str | None:
-    """`key`'s value, or None after `departure_timeout`; raises if `other` left the job."""
-    limit = _departures.wait_limit()
-    while True:
-        with contextlib.suppress(Exception):  # not posted yet (a deadline exceeded)
-            return client.blocking_key_value_get(key, _WAIT_SLICE_MS)
-        left = _departures.departed().get(other)
-        if left is not None:
-            raise errors.DistributedError(
-                f"{fn} outside a step: process {jax.process_index()} issued a collective "
-                f"that {_departures.departure_text(left)} will never join."
-            )
-        if time.monotonic() - since >= limit:
-            return None
+def _left(fn: str, other: int) -> str | None:
+    """The error once `other` left the job (None while it has not)."""
+    left = _departures.departed().get(other)
+    if left is None:
+        return None
+    return (
+        f"{fn} outside a step: process {jax.process_index()} issued a collective "
+        f"that {_departures.departure_text(left)} will never join."
+    )
 
 
 def _not_issued(fn: str, rank: int, other: int, signature: str, call: int, waited_s: float) -> str:

@@ -30,13 +30,12 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from funshard import _jax_compat, _text, errors
-from funshard.comm import _departures
+from funshard.comm import _departures, _key_value
 from funshard.comm._layout import LayoutFacts
 
 logger = logging.getLogger(__name__)
 
 _ROOT = "funshard/state/"
-_WAIT_SLICE_MS = 500
 _agreed: set[str] = set()  # digests of the signatures every process traced alike
 _checks = itertools.count()  # numbers this process's distinct signatures, in order
 
@@ -96,7 +95,8 @@ def same_state(fn: str, state: Any) -> None:
         return
     start = time.perf_counter()
     root = f"{_ROOT}{next(_checks)}/"
-    agreed = _verdict(client, root, digest, count)
+    with _departures.python_wait():
+        agreed = _key_value.agree_on_digest(client, root, digest, _deadline(), _left_before_trace)
     logger.debug(
         "%s: state signature %s compared across %d processes in %.1f ms",
         fn,
@@ -107,65 +107,28 @@ def same_state(fn: str, state: Any) -> None:
     if agreed is not False:  # None: the others are late; they will raise if it differs
         _agreed.add(digest)
         return
-    theirs = _all_signatures(client, root, text, count)
+    with _departures.python_wait():
+        texts = _key_value.exchange_texts(client, root, text, _deadline(), _left_before_trace)
+    theirs = {rank: [(p, d) for p, d in json.loads(value)] for rank, value in texts.items()}
     _departures.announce_failure()
     _departures.await_failures(range(count))
     raise errors.DistributedError(_states_differ(fn, theirs))
 
 
-def _verdict(client: Any, root: str, digest: str, count: int) -> bool | None:
-    """Whether every process posted `digest` (None: no verdict within the wait limit).
-
-    Each process adds 1 to a counter keyed by its digest and to an arrival counter; the
-    last to arrive reads its digest's count (equal to the process count exactly when all
-    agree) and posts the verdict the others wait for. No barrier: a dead process would
-    hold one until its heartbeat times out.
-    """
-    client.key_value_increment(f"{root}digest/{digest}", 1)
-    if client.key_value_increment(f"{root}arrived", 1) == count:
-        agreed = client.key_value_try_get(f"{root}digest/{digest}") == str(count)
-        client.key_value_set(f"{root}verdict", "same" if agreed else "different")
-        return agreed
-    posted = _wait_for(client, f"{root}verdict")
-    return None if posted is None else posted == "same"
+def _deadline() -> float:
+    return time.monotonic() + _departures.wait_limit()
 
 
-def _wait_for(client: Any, key: str) -> str | None:
-    """`key`'s value, or None after `departure_timeout`; raises if a process left."""
-    since = time.monotonic()
-    with _departures.python_wait():
-        while True:
-            try:
-                return client.blocking_key_value_get(key, _WAIT_SLICE_MS)
-            except Exception:
-                pass
-            left = _departures.departed()
-            if left:
-                raise errors.DistributedError(_left_before_trace(left))
-            if time.monotonic() - since >= _departures.wait_limit():
-                return None
-
-
-def _left_before_trace(left: dict) -> str:
+def _left_before_trace() -> str | None:
+    """The error once some process left the job (None while none has)."""
+    left = _departures.departed()
+    if not left:
+        return None
     notes = "; ".join(_departures.departure_text(n) for _, n in sorted(left.items()))
     return (
         f"value_and_grad: process {jax.process_index()} traced its step, but {notes} "
         "before tracing it: the step's collectives would never complete."
     )
-
-
-def _all_signatures(client: Any, root: str, text: str, count: int) -> dict[int, list]:
-    """Every process's signature (rank -> leaves), exchanged only after a mismatch."""
-    client.key_value_set(f"{root}full/{jax.process_index()}", text)
-    if client.key_value_increment(f"{root}described", 1) == count:
-        client.key_value_set(f"{root}all_described", "1")
-    else:
-        _wait_for(client, f"{root}all_described")
-    found = {
-        int(key.rsplit("/", 1)[1]): [(p, d) for p, d in json.loads(value)]
-        for key, value in client.key_value_dir_get(f"{root}full/")
-    }
-    return dict(sorted(found.items()))
 
 
 def _describe(leaf: dict | None) -> str:

@@ -222,10 +222,8 @@ def _batch_differs_across_processes(signatures: Mapping[int, list[tuple[str, Any
 def _check_same_batch(signature: list, wait_s: float) -> None:
     """Raises the same ValueError on every process when their batches do not fit together.
 
-    Each process adds 1 to a counter keyed by its signature's digest and to an arrival
-    counter. The last to arrive knows every process has counted: the digest's count
-    equals the process count exactly when all agree, and it posts that verdict, which
-    the others wait for. Only on a mismatch do the full signatures travel.
+    The processes agree on a digest of their signatures (`comm.agree_on_digest`); only
+    on a mismatch do the full signatures travel (`comm.exchange_texts`).
 
     The others wait at most `wait_s`, never at a collective barrier: a process that
     died would hold that barrier until its heartbeat times out (100 s by default),
@@ -240,50 +238,20 @@ def _check_same_batch(signature: list, wait_s: float) -> None:
     root = f"funshard/batch/{call}/"
     text = json.dumps(signature)
     digest = hashlib.sha256(text.encode()).hexdigest()[:32]
-    client.key_value_increment(f"{root}digest/{digest}", 1)
-    if client.key_value_increment(f"{root}arrived", 1) == count:
-        agreed = client.key_value_try_get(f"{root}digest/{digest}") == str(count)
-        client.key_value_set(f"{root}verdict", "same" if agreed else "different")
-        if call:  # every process is past the previous call: drop its keys
-            client.key_value_delete(f"funshard/batch/{call - 1}/")
-    else:
-        agreed = _wait_for(client, f"{root}verdict", wait_s) != "different"
-    if not agreed:  # every process got the same verdict, and raises
-        message = _batch_differs_across_processes(_all_signatures(client, root, text, wait_s))
+    # The last to arrive knows every process is past the previous call: it drops its keys.
+    previous = f"funshard/batch/{call - 1}/" if call else None
+    deadline = time.monotonic() + wait_s
+    left = comm.left_before_this_step
+    verdict = comm.agree_on_digest(client, root, digest, deadline, left, previous)
+    if verdict is False:  # every process got the same verdict, and raises
+        deadline = time.monotonic() + wait_s
+        texts = comm.exchange_texts(client, root, text, deadline, left)
+        message = _batch_differs_across_processes({r: _decode(t) for r, t in texts.items()})
         comm.announce_failure()
         comm.await_failures(range(count))
         raise errors.ShardingValueError(message)
 
 
-def _wait_for(client: Any, key: str, wait_s: float) -> str | None:
-    """`key`'s value within `wait_s` (else None), in short slices: a process that left
-    before this step will never post it, and that is an error at once."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            return client.blocking_key_value_get(key, max(1, int(min(left, 0.5) * 1000)))
-        except Exception:
-            pass
-        error = comm.left_before_this_step()
-        if error is not None:
-            raise errors.DistributedError(error)
-        if time.monotonic() >= deadline:
-            return None
-
-
-def _all_signatures(client: Any, root: str, text: str, wait_s: float) -> dict[int, list]:
-    """Every process's signature (rank -> leaves), exchanged only after a mismatch."""
-    rank, count = jax.process_index(), jax.process_count()
-    client.key_value_set(f"{root}full/{rank}", text)
-    if client.key_value_increment(f"{root}described", 1) == count:
-        client.key_value_set(f"{root}all_described", "1")
-    else:
-        _wait_for(client, f"{root}all_described", wait_s)  # else: name who did answer
-    signatures = {
-        int(key.rsplit("/", 1)[1]): [
-            (p, (tuple(d[0]), d[1]) if isinstance(d, list) else d) for p, d in json.loads(value)
-        ]
-        for key, value in client.key_value_dir_get(f"{root}full/")
-    }
-    return dict(sorted(signatures.items()))
+def _decode(text: str) -> list:
+    """A process's posted signature, with shapes as tuples again."""
+    return [(p, (tuple(d[0]), d[1]) if isinstance(d, list) else d) for p, d in json.loads(text)]
