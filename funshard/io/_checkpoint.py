@@ -4,7 +4,9 @@ Every array is written by the processes that own its shards (orbax/tensorstore),
 gathered to one host. A `Sharded` leaf is stored as its padded global array: the
 logical rows come first and the padding rows are zeros, so restoring onto another
 shard count reads the logical rows and pads (or drops) zero rows at the end
-(`ArrayRestoreArgs(strict=False)`). A small JSON item records each leaf's path,
+(`ArrayRestoreArgs(strict=False)`). An optimizer state's `Sharded` node that holds no
+such array (`optax.MaskedNode`, adafactor's statistics) is stored as its arrays, if any
+(`funshard/io/_stored.py`). A small JSON item records each leaf's path,
 logical shape and dtype, so a restore into a tree of another structure or dtype is a
 clear error naming each offending path, never a silent partial load.
 
@@ -32,6 +34,7 @@ from jax.tree_util import keystr
 
 from funshard import _text, core, errors
 from funshard.core import Sharded, is_array
+from funshard.io._stored import stored_leaves
 
 if TYPE_CHECKING:  # imported on first use at run time (see `_ocp`)
     import orbax.checkpoint as ocp
@@ -90,7 +93,7 @@ def _abstract_in_save(path) -> str:
 
 
 def _arrays_and_meta(tree: Any):
-    paths, items, _ = core.sharded_leaves(tree)
+    paths, items, _ = stored_leaves(tree)
     arrays: dict[str, Any] = {}
     leaves: list[Any] = []
     for path, x in zip(paths, items, strict=True):
@@ -438,7 +441,7 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
                 path, "its 'funshard' metadata is not in the format this funshard writes"
             )
         )
-    paths, items, treedef = core.sharded_leaves(like)
+    paths, items, treedef = stored_leaves(like)
     mesh = core.common_mesh("restore", paths, items)
     problems = _mismatches(meta, paths, items)
     if problems:

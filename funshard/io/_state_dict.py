@@ -12,6 +12,7 @@ from jax.tree_util import keystr, tree_unflatten
 
 from funshard import core, errors
 from funshard.core import Sharded, is_array, is_key
+from funshard.io._stored import stored_leaves
 
 
 def _is_stored(x) -> bool:
@@ -48,11 +49,13 @@ def state_dict(tree: Any) -> dict[str, np.ndarray]:
     Returns:
       A dict from paths such as `"['layers'][0]['w']"` to numpy arrays.
     """
-    paths, items, _ = core.sharded_leaves(tree)
-    has_sharded = any(isinstance(x, Sharded) for x in items)
-    full_items = items
-    if has_sharded:
-        full_items = core.sharded_leaves(core.unshard_as(tree, "state_dict"))[1]
+    paths, items, _ = stored_leaves(tree)
+    full_items = list(items)
+    sharded = [i for i, x in enumerate(items) if isinstance(x, Sharded)]
+    if sharded:
+        gathered = core.unshard_as([items[i] for i in sharded], "state_dict")
+        for i, full in zip(sharded, gathered, strict=True):
+            full_items[i] = full
     return {
         keystr(tuple(p)): _host(full)
         for p, x, full in zip(paths, items, full_items, strict=True)
@@ -157,7 +160,7 @@ def load_state_dict(sd: Mapping[str, Any], like: Any) -> Any:
         not match; the message lists every offending path.
     """
     _check_sd(sd)
-    paths, items, treedef = core.sharded_leaves(like)
+    paths, items, treedef = stored_leaves(like)
     problems = _problems(sd, paths, items)
     if problems:
         raise errors.ShardingValueError(_state_dict_mismatch(problems))
