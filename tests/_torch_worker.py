@@ -2,6 +2,9 @@
 
     torchrun --nproc-per-node 2 tests/_torch_worker.py --out DIR [--cases seq,uneven,...]
 
+(or one process per rank with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set by hand;
+`--group-first` opens torch's process group before the frontend starts JAX's runtime).
+
 Every case trains one model for STEPS AdamW steps on per-rank data, first with
 torch_frontend (collectives through JAX; its `init_distributed` also opens torch's
 default process group), then with `torch.distributed.fsdp.fully_shard` on gloo (on
@@ -271,6 +274,9 @@ def main() -> int:
     ap.add_argument("--impls", default="frontend,fsdp2")
     ap.add_argument("--deadline", type=float, default=300.0)
     ap.add_argument("--replicate", type=int, default=None, help="HSDP: number of replicas")
+    ap.add_argument(
+        "--group-first", action="store_true", help="open torch's process group before JAX's"
+    )
     args = ap.parse_args()
     out, cases, impls = Path(args.out), args.cases.split(","), args.impls.split(",")
     rank = int(os.environ.get("RANK", "0"))
@@ -280,6 +286,10 @@ def main() -> int:
     watchdog = threading.Timer(args.deadline, os._exit, args=(3,))
     watchdog.daemon = True
     watchdog.start()
+    if args.group_first:  # as an FSDP2 script does, before init_distributed
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
 
     if "frontend" in impls:
         import funshard

@@ -53,17 +53,18 @@ def _waiting_lines(log: str) -> list[str]:
 @pytest.mark.multiprocess
 def test_missing_peer_is_named_on_every_process(tmp_path):
     # WORLD_SIZE=3, but process 2 never starts.
-    port = free_port()
+    port = free_port(pair=True)  # MASTER_PORT; JAX's coordinator takes port + 1
     args = ["--timeout", str(TIMEOUT_S)]
     codes, logs, elapsed = _run(tmp_path, {r: (_env(r, 3, port), args) for r in (0, 1)})
     assert codes == {0: 1, 1: 1}, (codes, logs)  # a Python exception, not SIGABRT (-6)
     assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, logs)
     assert _waiting_lines(logs[0]) == [
-        f"funshard: process 0 of 3 waiting for process 2 at 127.0.0.1:{port}, timeout {TIMEOUT_S} s"
+        f"funshard: process 0 of 3 waiting for process 2 at 127.0.0.1:{port + 1}, "
+        f"timeout {TIMEOUT_S} s"
     ], logs[0]
     assert (
         f"TimeoutError: initialize: process 0 of 3 gave up after {TIMEOUT_S} s: "
-        f"process 2 never reached the coordinator at 127.0.0.1:{port}"
+        f"process 2 never reached the coordinator at 127.0.0.1:{port + 1}"
     ) in logs[0]
     assert (
         "TimeoutError: initialize: process 1 of 3: process 0 gave up waiting: "
@@ -75,18 +76,18 @@ def test_missing_peer_is_named_on_every_process(tmp_path):
 @pytest.mark.multiprocess
 def test_missing_coordinator_times_out_in_python(tmp_path):
     # Process 1 alone; the timeout comes from the environment variable this time.
-    port = free_port()
+    port = free_port(pair=True)  # MASTER_PORT; JAX's coordinator takes port + 1
     env = _env(1, 2, port, FUNSHARD_INITIALIZATION_TIMEOUT=str(TIMEOUT_S))
     codes, logs, elapsed = _run(tmp_path, {1: (env, [])})
     assert codes == {1: 1}, (codes, logs)
     assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, logs)
     assert _waiting_lines(logs[1]) == [
         f"funshard: process 1 of 2 waiting for process 0 (the coordinator) and the others "
-        f"at 127.0.0.1:{port}, timeout {TIMEOUT_S} s"
+        f"at 127.0.0.1:{port + 1}, timeout {TIMEOUT_S} s"
     ], logs[1]
     assert (
         f"TimeoutError: initialize: process 1 of 2 could not reach the coordinator "
-        f"(process 0) at 127.0.0.1:{port} within {TIMEOUT_S} s (Connection refused)"
+        f"(process 0) at 127.0.0.1:{port + 1} within {TIMEOUT_S} s (Connection refused)"
     ) in logs[1], logs[1]
 
 
@@ -94,7 +95,7 @@ def test_missing_coordinator_times_out_in_python(tmp_path):
 def test_processes_that_disagree_on_the_world_size(tmp_path):
     # Process 1 believes in 3 processes, process 0 in 2: process 1 is refused at once,
     # process 0 names it as missing when its timeout expires.
-    port = free_port()
+    port = free_port(pair=True)  # MASTER_PORT; JAX's coordinator takes port + 1
     args = ["--timeout", str(TIMEOUT_S)]
     codes, logs, _ = _run(tmp_path, {0: (_env(0, 2, port), args), 1: (_env(1, 3, port), args)})
     assert codes == {0: 1, 1: 1}, (codes, logs)
@@ -109,7 +110,7 @@ def test_processes_that_disagree_on_the_world_size(tmp_path):
 @pytest.mark.multiprocess
 def test_late_peer_is_awaited_and_uneven_batches_are_refused_everywhere(tmp_path):
     # Process 1 starts 2 s late: process 0 says once what it waits for, then both start.
-    port = free_port()
+    port = free_port(pair=True)  # MASTER_PORT; JAX's coordinator takes port + 1
     codes, logs, _ = _run(
         tmp_path,
         {
@@ -119,7 +120,7 @@ def test_late_peer_is_awaited_and_uneven_batches_are_refused_everywhere(tmp_path
     )
     assert codes == {0: 0, 1: 0}, (codes, logs)
     assert _waiting_lines(logs[0]) == [
-        f"funshard: process 0 of 2 waiting for process 1 at 127.0.0.1:{port}, timeout 30 s"
+        f"funshard: process 0 of 2 waiting for process 1 at 127.0.0.1:{port + 1}, timeout 30 s"
     ]
     for rank in (0, 1):
         log = logs[rank]

@@ -32,7 +32,7 @@ STEPS = 5
 
 def _job(tmp_path: Path, processes: int, *args: str):
     """Starts `processes` workers (stdout and stderr apart); `launch` kills what is left."""
-    port = free_port()
+    port = free_port(pair=True)  # MASTER_PORT; JAX's coordinator takes port + 1
     argv = [sys.executable, str(WORKER), "--out", str(tmp_path), *args]
     return launch(
         tmp_path,
@@ -173,11 +173,14 @@ def test_resolve_launch_torchrun_environment():
         "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "29500",
     }
+    # MASTER_PORT is torch's store (torchrun's agent, or init_process_group without
+    # torchrun): JAX's coordinator takes the next port, under torchrun or not.
     launch = fs.distributed.resolve_launch(environ=env)
-    assert launch == fs.distributed.Launch("torchrun", "10.0.0.1:29500", 8, 3, (1,))
-    # torchrun's own agent listens on MASTER_PORT: JAX's coordinator takes the next one.
+    assert launch == fs.distributed.Launch("torchrun", "10.0.0.1:29501", 8, 3, (1,))
     agent = fs.distributed.resolve_launch(environ={**env, "TORCHELASTIC_USE_AGENT_STORE": "True"})
     assert agent.coordinator_address == "10.0.0.1:29501"
+    with pytest.raises(ValueError, match="MASTER_PORT=65535 leaves no port for JAX's"):
+        fs.distributed.resolve_launch(environ={**env, "MASTER_PORT": "65535"})
     # One process per node keeps all of its devices.
     single = fs.distributed.resolve_launch(environ={**env, "LOCAL_WORLD_SIZE": "1"})
     assert single.local_device_ids is None
@@ -197,7 +200,7 @@ def test_resolve_launch_slurm_environment():
     with_master = fs.distributed.resolve_launch(
         environ={**env, "MASTER_ADDR": "node0", "MASTER_PORT": "1234"}
     )
-    assert with_master.coordinator_address == "node0:1234"
+    assert with_master.coordinator_address == "node0:1235"  # MASTER_PORT + 1, as torchrun
 
 
 def test_resolve_launch_explicit_arguments_win():

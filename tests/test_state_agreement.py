@@ -22,7 +22,7 @@ HARD_CAP_S = 90
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[list, dict]:
-    port = free_port()
+    port = free_port(pair=True)  # MASTER_PORT; JAX's coordinator takes port + 1
     argv = [sys.executable, str(WORKER), *args]
     with launch(tmp_path, {r: (argv, rank_env(r, 2, port)) for r in range(2)}, HARD_CAP_S) as job:
         codes = job.wait()

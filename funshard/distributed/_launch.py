@@ -119,16 +119,31 @@ def _int_env(environ: Mapping[str, str], name: str) -> int:
         raise errors.ShardingValueError(_env_not_int(name, value)) from None
 
 
-def _torchrun_port(environ: Mapping[str, str]) -> int:
-    # torchrun's agent on node 0 already listens on MASTER_PORT (its TCPStore) when
-    # TORCHELASTIC_USE_AGENT_STORE is True; JAX's coordinator takes the next port.
+def _master_port_bad(port: int) -> str:
+    return (
+        f"initialize: MASTER_PORT={port} leaves no port for JAX's coordinator, which "
+        "listens on MASTER_PORT + 1 (torch's store keeps MASTER_PORT); choose a port "
+        "below 65535, or pass coordinator_address='host:port'."
+    )
+
+
+def _coordinator_port(environ: Mapping[str, str]) -> int:
+    """JAX's coordinator port when the launcher names MASTER_PORT: always the next one.
+
+    MASTER_PORT belongs to torch's TCPStore: torchrun's agent listens there
+    (TORCHELASTIC_USE_AGENT_STORE=True), and without torchrun `init_process_group` on
+    rank 0 binds it itself, before or after this call. One rule for every launch keeps
+    the two apart whoever starts first.
+    """
     port = _int_env(environ, "MASTER_PORT")
-    return port + 1 if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else port
+    if not 0 < port < 65535:
+        raise errors.ShardingValueError(_master_port_bad(port))
+    return port + 1
 
 
 def _slurm_port(environ: Mapping[str, str]) -> int:
     if "MASTER_PORT" in environ:
-        return _int_env(environ, "MASTER_PORT")
+        return _coordinator_port(environ)
     # The port JAX's own SLURM detection derives from the job id (same on every task).
     return _int_env(environ, "SLURM_JOB_ID") % 2**12 + (65535 - 2**12 + 1)
 
@@ -138,7 +153,7 @@ def _from_environment(environ: Mapping[str, str]) -> tuple:
     if "RANK" in environ and "WORLD_SIZE" in environ:
         coordinator = None
         if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
-            coordinator = f"{environ['MASTER_ADDR']}:{_torchrun_port(environ)}"
+            coordinator = f"{environ['MASTER_ADDR']}:{_coordinator_port(environ)}"
         local = _int_env(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else None
         return (
             "torchrun",
@@ -192,8 +207,8 @@ def resolve_launch(
 
     Args:
       coordinator_address: "host:port" of process 0, or None to read it from the
-        environment (JAX_COORDINATOR_ADDRESS, then MASTER_ADDR/MASTER_PORT, then
-        SLURM_LAUNCH_NODE_IPADDR).
+        environment (JAX_COORDINATOR_ADDRESS, then MASTER_ADDR and MASTER_PORT + 1,
+        whose MASTER_PORT is torch's store, then SLURM_LAUNCH_NODE_IPADDR).
       num_processes: job size, or None for WORLD_SIZE / SLURM_NTASKS.
       process_id: this process's rank, or None for RANK / SLURM_PROCID.
       local_device_ids: accelerators of this process, or None for LOCAL_RANK /

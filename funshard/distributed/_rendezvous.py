@@ -86,8 +86,9 @@ def _listen(port: int) -> socket.socket:
 def _start_cannot_listen(port: int, reason: object) -> str:
     return (
         f"initialize: process 0 cannot listen on port {port} for the coordinator "
-        f"({reason}); another program uses it. Choose a free port (MASTER_PORT, or the "
-        "port in coordinator_address)."
+        f"({reason}); another program uses it. Choose a free port: a MASTER_PORT whose "
+        "next port is free too (JAX's coordinator listens on MASTER_PORT + 1), or the "
+        "port in coordinator_address."
     )
 
 
