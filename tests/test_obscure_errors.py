@@ -152,6 +152,47 @@ def test_string_leaf_reaching_the_optimizer_is_named():
     fs.init_optimizer(optax.adamw(1e-3), state)  # Python numbers and None are fine
 
 
+@pytest.mark.parametrize("make", ["adamw", "adafactor", "sgd"])
+def test_string_leaf_reaching_a_wrapped_optimizer_is_named(make):
+    # fs.shard_optimizer(opt).init / .update let optax fail deep inside: "data type 'mlp'
+    # not understood" (adamw), "'str' object has no attribute 'shape'" (adafactor), "can't
+    # multiply sequence by non-int of type 'float'" (sgd's update).
+    import optax
+
+    opt = fs.shard_optimizer(getattr(optax, make)(1e-3))
+    params = {"w": jnp.ones((10, 4)), "name": "mlp"}
+    state = fs.shard(params, mesh_for("8"))
+    with pytest.raises(errors.ShardingTypeError) as info:
+        opt.init(state)
+    msg = str(info.value)
+    assert msg.startswith("shard_optimizer(...).init: the state has leaves that are not")
+    assert "\n  ['name']: str\n" in msg and "extra argument" in msg
+    # The gradients carry the string through the step as they carry the state's.
+    loss = fs.value_and_grad(lambda s, x: jnp.mean(x @ fs.unshard(s["w"]).T))
+    _, grads = loss(state, jnp.ones((8, 4)))
+    assert grads["name"] == "mlp"
+    opt_state = opt.init({"w": state["w"], "name": None})
+    with pytest.raises(errors.ShardingTypeError) as info:
+        opt.update(grads, opt_state, state)
+    msg = str(info.value)
+    assert msg.startswith("shard_optimizer(...).update: the updates have leaves that are not")
+    assert "\n  ['name']: str\n" in msg
+    # Scalars and None are fine, and the wrapper still gives plain optax's numbers.
+    plain = getattr(optax, make)(1e-3)
+    clean = {"w": params["w"], "lr_scale": jnp.float32(0.5), "none": None}
+    updates, _ = opt.update(
+        {"w": grads["w"], "lr_scale": jnp.float32(0.1), "none": None},
+        opt.init(fs.shard(clean, mesh_for("8"))),
+        fs.shard(clean, mesh_for("8")),
+    )
+    want, _ = plain.update(
+        {"w": fs.unshard(grads["w"]), "lr_scale": jnp.float32(0.1), "none": None},
+        plain.init(clean),
+        clean,
+    )
+    _assert_close(fs.unshard(updates), want)
+
+
 def test_unshard_of_data_that_is_not_the_layout_names_the_leaf():
     import dataclasses
 

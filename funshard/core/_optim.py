@@ -127,29 +127,6 @@ def _check_padding(opt: Any, state: Any) -> None:
         raise errors.ShardingValueError(_text.joined(problems))
 
 
-def _check_numeric_leaves(paths, items) -> None:
-    """Strings and other objects in the state pass through `fs.shard` and the step, but
-    an optimizer makes a moment of every leaf (optax fails deep inside with "data type
-    'mlp' not understood"): name them here instead."""
-    bad = [
-        (p, type(x).__name__)
-        for p, x in zip(paths, items, strict=True)
-        if not (isinstance(x, (Sharded, bool, int, float, complex)) or hasattr(x, "dtype"))
-    ]
-    if bad:
-        raise errors.ShardingTypeError(_non_numeric_leaves("init_optimizer", bad))
-
-
-def _non_numeric_leaves(fn: str, bad) -> str:
-    listing = "\n".join(f"  {_text.leaf_name(p)}: {kind}" for p, kind in bad)
-    return (
-        f"{fn}: the state has leaves that are not arrays or numbers:\n{listing}\nAn "
-        "optax optimizer makes a moment of every leaf of the state and cannot for these. "
-        "Keep them out of the state: pass them to the step as an extra argument, or "
-        "close over them."
-    )
-
-
 def init_optimizer(opt: Any, state: Any) -> Any:
     """Initialises an optax optimizer for a sharded state, every array on its mesh.
 
@@ -169,6 +146,8 @@ def init_optimizer(opt: Any, state: Any) -> Any:
       replicated on the state's mesh; arrays already on that mesh keep their sharding.
 
     Raises:
+      TypeError: a leaf of `state` is a string or another object that is neither an
+        array nor a number (optax would fail on it deep inside).
       ValueError: `state` has no `Sharded` leaves (so no mesh), or they live on
         different meshes; or `opt`, run on the padded array of a leaf the shard count
         does not divide, would update its real rows differently from optax on the
@@ -180,7 +159,7 @@ def init_optimizer(opt: Any, state: Any) -> Any:
     mesh = _tree.common_mesh("init_optimizer", paths, items)
     if mesh is None:
         raise errors.ShardingValueError(_no_state_mesh("init_optimizer"))
-    _check_numeric_leaves(paths, items)
+    _tree.check_numeric_leaves("init_optimizer", state)
     if not is_shard_optimizer(opt):
         _check_padding(opt, state)
     opt_state = jax.eval_shape(opt.init, state) if _is_abstract(state) else opt.init(state)

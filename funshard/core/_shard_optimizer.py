@@ -28,6 +28,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from funshard import comm
+from funshard.core import _tree
 from funshard.core._sharded import Sharded, is_sharded
 
 # Set while `init_optimizer`'s probe runs a transform on single-device host copies: there
@@ -213,11 +214,14 @@ def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransfor
     # Moving arrays between `Sharded` and `LeafStatistics` nodes changes the pytree, not
     # the program: for even leaves the compiled update stays plain optax's.
     def init(params):
+        _tree.check_numeric_leaves("shard_optimizer(...).init", params)
         if not _has_uneven(params):
             return state_out(inner.init(params))
         return state_out(to_padded(inner.init(to_logical(params))))
 
     def update(updates, state, params=None, **extra_args):
+        _tree.check_numeric_leaves("shard_optimizer(...).update", updates, "updates")
+        _tree.check_numeric_leaves("shard_optimizer(...).update", params)
         state = state_in(state)
         if not (_has_uneven(updates) or _has_uneven(params)):
             new_updates, new_state = inner.update(updates, state, params, **extra_args)

@@ -48,6 +48,38 @@ def common_mesh(fn: str, paths, items) -> Mesh | None:
     return None if first is None else first[1]
 
 
+def _non_numeric_leaves(fn: str, what: str, bad) -> str:
+    listing = "\n".join(f"  {_text.leaf_name(p)}: {kind}" for p, kind in bad)
+    return (
+        f"{fn}: the {what} {'have' if what.endswith('s') else 'has'} leaves that are not "
+        f"arrays or numbers:\n{listing}\nAn "
+        "optax optimizer makes a moment of every leaf of the state and cannot for these. "
+        "Keep them out of the state: pass them to the step as an extra argument, or "
+        "close over them."
+    )
+
+
+def check_numeric_leaves(fn: str, tree: Any, what: str = "state") -> None:
+    """Refuses strings and other objects in a tree an optimizer is about to map over.
+
+    They pass through `fs.shard` and the step unchanged, but optax makes a moment of
+    every leaf and fails deep inside (`data type 'mlp' not understood`, or `'str' object
+    has no attribute 'shape'`), naming neither the leaf nor the fix.
+
+    Raises:
+      TypeError: a leaf of `tree` is neither an array, a `Sharded` leaf nor a Python
+        number (`ShardingTypeError`, listing each such leaf by key path).
+    """
+    paths, items, _ = sharded_leaves(tree)
+    bad = [
+        (p, type(x).__name__)
+        for p, x in zip(paths, items, strict=True)
+        if not (isinstance(x, (Sharded, bool, int, float, complex)) or hasattr(x, "dtype"))
+    ]
+    if bad:
+        raise errors.ShardingTypeError(_non_numeric_leaves(fn, what, bad))
+
+
 @dataclasses.dataclass(frozen=True)
 class Partition:
     """A flattened tree with some positions selected (`partition`)."""
