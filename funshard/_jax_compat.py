@@ -178,6 +178,16 @@ def _xla_cpu_cores() -> int:
     return os.cpu_count() or 1
 
 
+def cpu_pool_missed() -> int | None:
+    """The `PJRT_NPROC` that `widen_cpu_pool` would have given a CPU backend that started
+    before it could: None where no backend runs, JAX's default backend is not the CPU,
+    `PJRT_NPROC` was set, or the running pool is large enough. Starts no backend.
+    """
+    if not backends_started() or _CPU_POOL_ENV in os.environ or jax.default_backend() != "cpu":
+        return None
+    return cpu_pool_threads(jax.local_device_count(), _xla_cpu_cores())
+
+
 def widen_cpu_pool() -> None:
     """Makes the CPU backend, when JAX creates it, size its thread pool by
     `cpu_pool_threads` (called at `import funshard`; starts no backend).

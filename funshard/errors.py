@@ -51,7 +51,17 @@ class DistributedTimeoutError(FunshardError, TimeoutError):
     """Multi-process start-up or a collective did not complete within its time limit."""
 
 
+class BackendStartedWarning(RuntimeWarning):
+    """JAX's backend started before `import funshard`: what funshard sets up first is missing.
+
+    funshard sizes the CPU backend's thread pool when JAX creates it, and a
+    multi-process job must call `funshard.distributed.initialize()` before the backend
+    starts. The warning says which of the two was lost and how to order the calls.
+    """
+
+
 __all__ = [
+    "BackendStartedWarning",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointInFlightError",

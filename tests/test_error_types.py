@@ -42,7 +42,11 @@ def _raises(cls, fn, *args, names=None, **kwargs):
 
 def test_every_class_subclasses_its_builtin_and_the_base():
     public = {getattr(errors, name) for name in errors.__all__} - {errors.FunshardError}
-    assert public == set(BUILTIN)
+    warnings = {cls for cls in public if issubclass(cls, Warning)}
+    assert warnings == {errors.BackendStartedWarning}  # said, never raised by funshard
+    assert issubclass(errors.BackendStartedWarning, RuntimeWarning)
+    assert errors.BackendStartedWarning.__doc__
+    assert public - warnings == set(BUILTIN)
     for cls, builtin in BUILTIN.items():
         assert issubclass(cls, errors.FunshardError) and issubclass(cls, builtin), cls
         assert cls.__doc__, cls

@@ -18,12 +18,16 @@ calls them. See docs/distributed.md for launch commands, the timeout knobs and
 from funshard.comm import count_step as count_step
 from funshard.comm import same_collective as same_collective
 from funshard.comm import same_state as same_state
+from funshard.distributed import _initialize
 from funshard.distributed._batch import data_axes as data_axes
 from funshard.distributed._batch import shard_batch as shard_batch
 from funshard.distributed._initialize import global_devices as global_devices
 from funshard.distributed._initialize import initialize as initialize
 from funshard.distributed._launch import Launch as Launch
 from funshard.distributed._launch import resolve_launch as resolve_launch
+
+# Said at `import funshard` (which imports this package), the first moment funshard can.
+_initialize.warn_if_backend_started()
 
 __all__ = [
     "Launch",

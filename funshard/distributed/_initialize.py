@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -142,6 +143,60 @@ def _backend_already_started(launch: Launch) -> str:
         "devices are fixed to this process alone. Call funshard.distributed.initialize() "
         "first, right after the imports."
     )
+
+
+def _started_before_import(pool: int | None, launch: Launch | None) -> str:
+    lost = []
+    if pool is not None:
+        devices = jax.local_device_count()
+        lost.append(
+            f"funshard could not size the CPU backend's thread pool for its {devices} "
+            "devices: an asynchronous loop (steps never waited for) can make XLA abort "
+            f'the process ("Expected {devices} threads to join the rendezvous")'
+        )
+    if launch is not None:
+        lost.append(
+            f"this process ({launch.launcher}: process {launch.process_id} of "
+            f"{launch.num_processes}) can no longer start the multi-process runtime: "
+            "funshard.distributed.initialize() will raise"
+        )
+    fix = "import funshard right after jax and jax.config.update, before anything uses JAX"
+    if launch is not None:
+        fix += ", then call funshard.distributed.initialize() before any other JAX call"
+    if pool is not None:
+        fix += f"; or set PJRT_NPROC={pool} in the environment before JAX starts"
+    return (
+        "import funshard: JAX's backend already started in this process (jax.devices(), "
+        f"an array or a computation ran before funshard was imported), so {'; and '.join(lost)}. "
+        f"To fix it, {fix} (docs/distributed.md, docs/concepts.md)."
+    )
+
+
+def warn_if_backend_started() -> None:
+    """Warns, at `import funshard`, if JAX's backend started first and that loses something.
+
+    Two things must happen before the backend starts: the CPU pool's sizing
+    (`_jax_compat.widen_cpu_pool`) and, in a multi-process launch, `initialize`.
+    Starts no backend.
+
+    Warns:
+      BackendStartedWarning: the CPU pool is too small for the asynchronous loops of
+        its simulated devices, or the launcher's environment asks for several
+        processes while `jax.distributed` was not started.
+    """
+    if not _jax_compat.backends_started():
+        return
+    try:
+        launch: Launch | None = _launch.resolve_launch()
+    except errors.FunshardError:  # initialize() names a bad environment itself
+        launch = None
+    if launch is not None and not (launch.multi_process and not jax.distributed.is_initialized()):
+        launch = None
+    pool = _jax_compat.cpu_pool_missed()
+    if pool is not None or launch is not None:
+        warnings.warn(
+            _started_before_import(pool, launch), errors.BackendStartedWarning, stacklevel=2
+        )
 
 
 def _whole_seconds(seconds: float) -> int:
