@@ -612,6 +612,36 @@ def make_loss(graphdef):
     return loss_fn
 
 
+def make_mesh(replicate: int):
+    """JAX's own mesh over every device: ("fsdp",), or ("replicate", "fsdp") for HSDP.
+
+    `jax.make_mesh` gives `Explicit` axes, where an array's type carries its sharding; the
+    training step places its inputs itself, so the same job runs on `fs.make_mesh()`.
+    """
+    n = jax.device_count()
+    if replicate == 1:
+        return jax.make_mesh((n,), ("fsdp",))
+    return jax.make_mesh((replicate, n // replicate), ("replicate", "fsdp"))
+
+
+def outside_the_step(loss_fn, mesh):
+    """`loss_fn` for evaluation, outside the training step, on a mesh of either axis type.
+
+    Outside a step the model is plain JAX on gathered parameters and a sharded batch. On
+    `Explicit` axes JAX wants each output's sharding spelled out (Flax's `Embed` gathers
+    rows of a replicated table by sharded indices), so the loss runs with the mesh's axes
+    `Auto` for the call (`jax.sharding.auto_axes`), as on `fs.make_mesh()`'s mesh, where
+    that is a no-op.
+    """
+    auto = jax.sharding.auto_axes(loss_fn, out_sharding=jax.sharding.PartitionSpec())
+
+    def evaluate(state, batch):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return auto(state, batch)
+
+    return evaluate
+
+
 def make_schedule(settings: Settings):
     """Linear warm-up from 0 over `--warmup` steps, then cosine decay to a tenth of `--lr`
     at `--steps`. Update `k` (0-based) uses `schedule(k)`, as optax counts."""
@@ -1100,7 +1130,9 @@ def generate(
     """Continues `prompt` byte by byte with the trained model, on one device."""
     device = jax.devices()[0]
     # Full weights on one device: no collectives, and units call their modules directly.
-    weights = jax.device_put(fs.unshard(state), device)
+    # Through the host: on jax 0.10 to 0.12 an array put on one device from a mesh with
+    # explicit axes keeps that mesh in its type, and jit then refuses the one device.
+    weights = jax.tree.map(lambda x: jax.device_put(np.asarray(x), device), fs.unshard(state))
 
     @jax.jit
     def logits_at(weights, window, position):
@@ -1385,7 +1417,7 @@ def train(
       SystemExit: stopped by a signal.
     """
     cfg = settings.model
-    mesh = fs.make_mesh(replicate=None if settings.replicate == 1 else settings.replicate)
+    mesh = make_mesh(settings.replicate)
     model = GPT(cfg, scan=settings.scan, rngs=nnx.Rngs(settings.seed))
     graphdef, state = shard_model(model, mesh, policy_for(settings.param_dtype), settings.scan)
     del model  # its arrays now live sharded in `state`
@@ -1413,7 +1445,7 @@ def train(
     profiler = Profiler(args.profile, start, settings.steps, step_fn.as_text())
     if args.tensorboard:
         run.write_tensorboard(summary_writer_class())
-    evaluate, val_batches = jax.jit(loss_fn), text.val_batches(EVAL_BATCHES)
+    evaluate, val_batches = jax.jit(outside_the_step(loss_fn, mesh)), text.val_batches(EVAL_BATCHES)
     state, opt_state, history, done = train_loop(
         console,
         run,

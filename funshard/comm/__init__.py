@@ -72,7 +72,10 @@ from funshard.comm._mesh import REPLICATE_AXIS as REPLICATE_AXIS
 from funshard.comm._mesh import SHARD_AXIS as SHARD_AXIS
 from funshard.comm._mesh import as_axes as as_axes
 from funshard.comm._mesh import axes_size as axes_size
+from funshard.comm._mesh import constrain as constrain
+from funshard.comm._mesh import has_explicit_axes as has_explicit_axes
 from funshard.comm._mesh import make_mesh as make_mesh
+from funshard.comm._mesh import place_for_map as place_for_map
 from funshard.comm._mesh import resolve_axes as resolve_axes
 from funshard.comm._mesh import spec as spec
 from funshard.comm._state_agreement import same_state as same_state

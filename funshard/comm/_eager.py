@@ -160,7 +160,7 @@ def eager_all_gather(
     dims = (0,) * len(datas) if dims is None else tuple(dims)
     if rows is None:
         rows = tuple(x.shape[d] for x, d in zip(datas, dims, strict=True))
-    return list(_gather_fn(mesh, tuple(shard_axes), tuple(rows), dims)(*datas))
+    return list(_gather_fn(_mesh.in_context(mesh), tuple(shard_axes), tuple(rows), dims)(*datas))
 
 
 def _out_axes(
@@ -232,7 +232,9 @@ def eager_reduce_scatter(
     if not stacked:
         return []
     dims = (0,) * len(stacked) if dims is None else tuple(dims)
-    fn = _reduce_scatter_fn(mesh, tuple(shard_axes), tuple(replicate_axes), dims, bool(all_reduce))
+    fn = _reduce_scatter_fn(
+        _mesh.in_context(mesh), tuple(shard_axes), tuple(replicate_axes), dims, bool(all_reduce)
+    )
     return list(fn(*stacked))
 
 
@@ -303,7 +305,9 @@ def eager_reduce_scatter_rows(
     for leaf, parts in enumerate(rows):
         if len(parts) != n:
             raise errors.ShardingValueError(_row_count(leaf, len(parts), shard_axes, n))
-    fn = _row_sum_fn(mesh, shard_axes, tuple(replicate_axes), len(rows), bool(all_reduce))
+    fn = _row_sum_fn(
+        _mesh.in_context(mesh), shard_axes, tuple(replicate_axes), len(rows), bool(all_reduce)
+    )
     return list(fn(*(r for parts in rows for r in parts)))
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from funshard import errors
 
@@ -163,3 +165,53 @@ def spec(axes: tuple[str, ...], dim: int = 0) -> PartitionSpec:
     if not axes:
         return PartitionSpec()
     return PartitionSpec(*([None] * dim), axes[0] if len(axes) == 1 else axes)
+
+
+def has_explicit_axes(mesh: Mesh) -> bool:
+    """Whether any axis of `mesh` is `Explicit` (`jax.make_mesh`'s default since jax 0.7).
+
+    On such axes an array's type carries its sharding: `jax.shard_map` takes only inputs
+    whose type matches its `in_specs`, and `with_sharding_constraint` may not name them.
+    """
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`x` laid out as `sharding`, as the partitioner's annotation where it is traced.
+
+    On `Auto` axes this is `with_sharding_constraint`; on `Explicit` axes, where the layout
+    is part of the type, `jax.sharding.reshard` (the same placement, typed).
+    """
+    if has_explicit_axes(sharding.mesh):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def place_for_map(mesh: Mesh, tree: Any, spec_of: PartitionSpec) -> Any:
+    """Every array of `tree` retyped to `spec_of` on `mesh` where `mesh` has explicit axes.
+
+    `jax.shard_map` over `Explicit` axes refuses an input whose type holds another layout
+    (a plain host batch is typed replicated; a batch resharded for another axis), where on
+    `Auto` axes it would move the data itself. Resharding first gives both kinds of mesh the
+    same program: the step's own split of the batch. On `Auto` meshes `tree` is returned
+    unchanged, so their compiled programs stay as they were.
+    """
+    if not has_explicit_axes(mesh):
+        return tree
+    sharding = NamedSharding(mesh, spec_of)
+    return jax.tree.map(lambda x: jax.sharding.reshard(jnp.asarray(x), sharding), tree)
+
+
+def in_context(mesh: Mesh) -> Mesh:
+    """`mesh` with the axis types of the mesh set around the call, where only they differ.
+
+    Inside `jax.sharding.auto_axes` (or `explicit_axes`) JAX sets the same mesh with other
+    axis types as the context, and a `jax.shard_map` must name that one: a unit's gather
+    outside a step, in an evaluation written as JAX asks on `Explicit` axes, runs there.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or tuple(context.axis_types) == tuple(mesh.axis_types):
+        return mesh
+    if dict(context.shape) != dict(mesh.shape):
+        return mesh  # another mesh: the shard_map names it in its own error
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=tuple(context.axis_types))

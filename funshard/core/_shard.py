@@ -120,7 +120,7 @@ def _replicate(x, mesh: Mesh, traced: bool):
     if traced:
         # Under jit / eval_shape device_put would place a value the caller has not
         # computed yet; a constraint tells the partitioner where the output lives.
-        return jax.lax.with_sharding_constraint(x, sharding)
+        return comm.constrain(x, sharding)
     return jax.device_put(x, sharding)
 
 
@@ -175,7 +175,7 @@ def _place(x, layout: comm.Layout, traced: bool) -> jax.Array | jax.ShapeDtypeSt
         # Host arrays too: placed eagerly they would be constants of the program,
         # which the compiler returns replicated.
         padded = _pad(_strong(jnp.asarray(x)), layout.dim, size)
-        return jax.lax.with_sharding_constraint(padded, layout.sharding)
+        return comm.constrain(padded, layout.sharding)
     if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
         return jax.device_put(_pad(_strong(x), layout.dim, size), layout.sharding)
     # Host arrays (and any array in a multi-process job, where device_put would compare

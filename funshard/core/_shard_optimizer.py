@@ -115,7 +115,7 @@ def _constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     # jit it is the annotation that makes the partitioner gather or slice right here.
     if _PROBING.get():
         return x
-    return jax.lax.with_sharding_constraint(x, sharding)
+    return comm.constrain(x, sharding)
 
 
 def _replicated(leaf: Sharded) -> NamedSharding:

@@ -620,7 +620,13 @@ def value_and_grad(
             in_specs=(root.specs, comm.spec(root.dp_axes), PartitionSpec()),
             out_specs=(PartitionSpec(), PartitionSpec(), root.specs),
         )
-        loss, aux, grads = mapped(root.values(), batch, arg_values)
+        values = [
+            comm.place_for_map(root.mesh, v, s)
+            for v, s in zip(root.values(), root.specs, strict=True)
+        ]
+        batch = comm.place_for_map(root.mesh, batch, comm.spec(root.dp_axes))
+        arg_values = comm.place_for_map(root.mesh, arg_values, PartitionSpec())
+        loss, aux, grads = mapped(values, batch, arg_values)
         grads = root.rebuild(grads)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
