@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=unset,
         metavar="K",
         help="HSDP: replicate over K groups, shard within each "
-        "(fs.make_mesh; default 1: plain FSDP)",
+        "(jax.make_mesh; default 1: plain FSDP)",
     )
     run.add_argument(
         "--param-dtype",
