@@ -11,6 +11,8 @@ checked the same way.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import re
@@ -116,6 +118,51 @@ def vjp_residuals(vjp_fn: Callable) -> tuple[list, Any]:
 def vjp_from_residuals(treedef: Any, residuals: list) -> Callable:
     """The inverse of `vjp_residuals`."""
     return tree_unflatten(treedef, residuals)
+
+
+_CARRIES_VARY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "funshard_loop_carries_vary", default=False
+)
+
+
+@contextlib.contextmanager
+def loop_carries_vary():
+    """Inside it, a loop's initial carry takes the varying type its body gives it.
+
+    Inside `jax.shard_map`, `lax.scan`, `lax.fori_loop` and `lax.while_loop` reject an
+    initial carry that varies over fewer mesh axes than the body's new carry (a
+    statistic accumulated from the batch, started at `0.0`), and ask for
+    `jax.lax.pcast(init, axes, to='varying')`: that cast, equal values on every device
+    typed as varying, is what plain JAX's numbers need, so the root applies it while it
+    traces the loss. Relies on the loops of `jax._src.lax.control_flow.loops` passing
+    each initial carry, with its type and the body's output type, through the module's
+    `_promote_weak_typed_input` and tracing the body again when it reports a change
+    (how JAX widens a weak-typed initial carry; jax 0.10 to 0.12). The wrapper
+    installed there on first use changes nothing outside this context. Guarded by
+    `check()` and tests/test_scan.py (carries started from constants).
+    """
+    _install_carry_promotion()
+    token = _CARRIES_VARY.set(True)
+    try:
+        yield
+    finally:
+        _CARRIES_VARY.reset(token)
+
+
+@functools.cache
+def _install_carry_promotion() -> None:
+    from jax._src.lax.control_flow import loops
+
+    original = loops._promote_weak_typed_input
+
+    def promote(in_val: Any, in_aval: Any, out_aval: Any) -> tuple[Any, bool]:
+        value, changed = original(in_val, in_aval, out_aval)
+        missing = aval_varying_axes(out_aval) - aval_varying_axes(in_aval)
+        if missing and _CARRIES_VARY.get():
+            return jax.lax.pcast(value, tuple(sorted(missing)), to="varying"), True
+        return value, changed
+
+    loops._promote_weak_typed_input = promote
 
 
 def backends_started() -> bool:
@@ -390,6 +437,13 @@ def _check() -> None:
             "object among its pytree leaves"
         )
     _check_enclosing_equations(callback_p)
+    from jax._src.lax.control_flow import loops
+
+    if not callable(getattr(loops, "_promote_weak_typed_input", None)):
+        _broken(
+            "jax._src.lax.control_flow.loops has no _promote_weak_typed_input (how a "
+            "loop's initial carry takes its body's type)"
+        )
 
 
 def _check_enclosing_equations(callback_p: Any) -> None:

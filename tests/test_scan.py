@@ -1,5 +1,7 @@
 """fs.scan over stacked layers: parity with the Python loop, prefetching gathers in the loop."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -405,3 +407,111 @@ def _at(tree, path):
     for key in path:
         tree = tree[key.key]
     return tree
+
+
+# ---- scans and loops as plain JAX writes them (issue 42, section 6) ---------------------
+
+
+def _with_context(key: int = 9):
+    """The stacked layers beside two leaves the layers read through a closure: `mix`
+    (gathered outside the scan) and `enc` (an encoder whose output each layer attends
+    to, as in cross-attention), and a 0-d `start` (replicated)."""
+    k1, k2 = jax.random.split(jax.random.key(key))
+    return {
+        "blocks": _stack(_layers()),
+        "mix": jax.random.normal(k1, (WIDTH, WIDTH)) / 8,
+        "enc": jax.random.normal(k2, (WIDTH, WIDTH)) / 8,
+        "start": jnp.float32(0.5),
+    }
+
+
+def _shard_with_context(params, mesh):
+    state = fs.shard({k: v for k, v in params.items() if k != "blocks"}, mesh)
+    return {**state, "blocks": fs.shard(params["blocks"], mesh, stacked=True)}
+
+
+def _closure_loss(scan, params, h, scan_style):
+    """Layers closing over a gathered parameter and an encoder output (cross-attention)."""
+    mix, enc = params["mix"], jnp.tanh(h @ params["enc"])
+
+    def layer(p, h):
+        # Each example attends over its own encoder features (no mixing across rows).
+        attention = jax.nn.softmax(h * enc, axis=-1) * enc
+        return _layer(p, h @ mix + attention)
+
+    if scan_style == "fs.scan":
+        out = scan(layer, params["blocks"], h)
+    else:
+        out = scan(lambda c, p: (layer(p, c), None), h, params["blocks"])[0]
+    return jnp.mean(out**2)
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("scan_style", ["fs.scan", "fs.lax_scan"])
+def test_layers_closing_over_differentiated_values_match_plain_jax(mesh_name, reshard, scan_style):
+    params = _with_context()
+    scan = functools.partial(
+        fs.scan if scan_style == "fs.scan" else fs.lax_scan, reshard_after_forward=reshard
+    )
+
+    def loss(state, h):
+        outside = fs.unshard({"mix": state["mix"], "enc": state["enc"]})
+        return _closure_loss(scan, {**outside, "blocks": state["blocks"]}, h, scan_style)
+
+    plain = jax.lax.scan if scan_style == "fs.lax_scan" else _plain_scan
+    state = _shard_with_context(params, mesh_for(mesh_name))
+    value, grads = jax.jit(fs.value_and_grad(loss))(state, _x())
+    ref_value, ref_grads = jax.value_and_grad(lambda p, h: _closure_loss(plain, p, h, scan_style))(
+        params, _x()
+    )
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    got = fs.unshard(grads)
+    for path, want in jax.tree_util.tree_leaves_with_path(ref_grads):
+        np.testing.assert_allclose(
+            _at(got, path), want, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path)
+        )
+    assert float(jnp.abs(got["enc"]).sum()) > 0 and float(jnp.abs(got["mix"]).sum()) > 0
+
+
+def _plain_scan(fn, stacked, carry):
+    """fs.scan's convention in plain JAX."""
+    return jax.lax.scan(lambda c, p: (fn(p, c), None), carry, stacked)[0]
+
+
+def _statistic_loss(scan, params, h, loop):
+    """A statistic accumulated from constants (0.0, and the replicated `start`) in the
+    loop the model scans its layers with, in a jax.lax.scan and in a fori_loop."""
+
+    def layer(c, p):
+        h, total = c
+        h = _layer(p, h)
+        return (h, total + jnp.mean(h**2)), jnp.mean(h)
+
+    (h, total), means = scan(layer, (h, 0.0), params["blocks"])
+    if loop == "jax.lax.scan":
+        decayed = jax.lax.scan(lambda a, m: (0.9 * a + m, None), params["start"], means)[0]
+    else:
+        decayed = jax.lax.fori_loop(0, 3, lambda i, a: a + jnp.mean(jnp.sin(h * (i + 1))), 0.0)
+    return jnp.mean(h**2) + 0.1 * total + 0.2 * decayed
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+@pytest.mark.parametrize("loop", ["jax.lax.scan", "lax.fori_loop"])
+def test_carries_started_from_constants_match_plain_jax(mesh_name, loop):
+    params = _with_context()
+    state = _shard_with_context(params, mesh_for(mesh_name))
+
+    def loss(state, h):
+        return _statistic_loss(fs.lax_scan, {**state, "start": state["start"]}, h, loop)
+
+    value, grads = jax.jit(fs.value_and_grad(loss))(state, _x())
+    ref_value, ref_grads = jax.value_and_grad(
+        lambda p, h: _statistic_loss(jax.lax.scan, p, h, loop)
+    )(params, _x())
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    got = fs.unshard(grads)
+    for name in ("w", "b", "gain"):
+        want = ref_grads["blocks"][name]
+        np.testing.assert_allclose(got["blocks"][name], want, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(got["start"], ref_grads["start"], rtol=1e-5)

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from funshard import _py_compat, comm, errors
+from funshard import _jax_compat, _py_compat, comm, errors
 from funshard.core import _policy
 from funshard.core._sharded import Sharded, is_concrete
 
@@ -126,10 +126,17 @@ def current() -> StepContext | None:
 
 @contextlib.contextmanager
 def inside(ctx: StepContext):
-    """Runs the body as part of the step `ctx`."""
+    """Runs the body as part of the step `ctx`.
+
+    The body runs on each device inside `jax.shard_map`, where a loop whose carry
+    starts from a constant and accumulates this device's values must be cast to the
+    varying type first: the cast is applied for the user, so that a loss is written as
+    in plain JAX (`_jax_compat.loop_carries_vary`).
+    """
     token = _CURRENT.set(ctx)
     try:
-        yield ctx
+        with _jax_compat.loop_carries_vary():
+            yield ctx
     finally:
         _CURRENT.reset(token)
 

@@ -310,6 +310,40 @@ def _layer_layout(sharded, name: str):
     return dataclasses.replace(stack, leaves=layer)
 
 
+def _vary_like(carry, new_carry):
+    """`carry` cast to vary over every mesh axis its counterpart in `new_carry` varies
+    over (None if nothing is missing): the type a loop's carry needs when it starts
+    from a constant and accumulates this device's values."""
+    leaves, treedef = jax.tree.flatten(carry)
+    missing = [
+        _jax_compat.aval_varying_axes(new) - _jax_compat.aval_varying_axes(jax.typeof(old))
+        for old, new in zip(leaves, jax.tree.leaves(new_carry), strict=True)
+    ]
+    if not any(missing):
+        return None
+    cast = [comm.vary(jnp.asarray(x), sorted(m)) for x, m in zip(leaves, missing, strict=True)]
+    return jax.tree.unflatten(treedef, cast)
+
+
+def _layer_closure(run_layer: Callable, layer_types, carry):
+    """(`run_layer` with the traced values it closes over as trailing arguments, those
+    values, `carry` typed as the layers leave it).
+
+    A layer may close over values the step differentiates (a parameter gathered outside
+    the scan, an encoder output read by cross-attention): inside the unit's custom_vjp
+    they must be explicit inputs, whose gradients the backward pass sums over the
+    layers. `layer_types` are one layer's (gathered parameters, other per-layer leaves).
+    """
+    for _ in range(len(jax.tree.leaves(carry)) + 1):  # each cast can only add axes
+        new_carry = jax.eval_shape(run_layer, *layer_types, carry)[0]
+        cast = _vary_like(carry, new_carry)
+        if cast is None:
+            break
+        carry = cast
+    layer_fn, consts = jax.closure_convert(run_layer, *layer_types, carry)
+    return layer_fn, tuple(consts), carry
+
+
 def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: bool, name: str):
     """`carry, y = fn(carry, layer)` over a stack of sharded layers, one custom_vjp.
 
@@ -320,7 +354,8 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
     that re-gathers each layer (prefetching the previous one) and reduce-scatters its
     gradient as soon as the layer is done. The stack's other leaves (replicated
     per-layer values, extra per-layer inputs) are sliced per layer like `lax.scan`'s xs
-    and, if floating, cast to `param_dtype`.
+    and, if floating, cast to `param_dtype`. Values `fn` closes over are inputs of the
+    custom_vjp (see `_layer_closure`), carried through both loops.
     """
     sharded = unit.sharded
     datas = tuple(x.data for x in sharded)
@@ -346,55 +381,73 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
         with _context.unit_body():
             return fn(h, layer)
 
+    layer_types = jax.eval_shape(
+        lambda: (gather_layer(datas, 0, None), jax.tree.map(lambda x: x[0], others))
+    )
+    layer_fn, consts, carry = _layer_closure(run_layer, layer_types, carry)
+
+    def known(gathered, consts) -> tuple:
+        # The residuals saved once, not per layer: the gathered parameters (re-gathered
+        # in backward unless kept) and the closed-over values.
+        return (tuple(gathered) if reshard_after_forward else ()) + tuple(consts)
+
     @filter_custom_vjp
-    def run(datas, others, carry):
+    def run(datas, others, carry, consts):
         def body(h, xs):
-            return run_layer(gather_layer(datas, xs[0], None), xs[1], h)
+            return layer_fn(gather_layer(datas, xs[0], None), xs[1], h, *consts)
 
         return jax.lax.scan(body, carry, (jnp.arange(layers), others))
 
-    def run_fwd(datas, others, carry):
+    def run_fwd(datas, others, carry, consts):
         def body(c, xs):
-            h, current = c
+            h, current, consts = c
             i, others_i = xs
             upcoming = prefetch(
                 datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1), dependency_of(h), current
             )
-            (h, y), vjp_fn = jax.vjp(run_layer, current, others_i, h)
-            kept = record.drop_gathered(vjp_fn, current if reshard_after_forward else ())
-            return (h, upcoming), (kept, y)
+            (h, y), vjp_fn = jax.vjp(
+                lambda g, o, h, k: layer_fn(g, o, h, *k), current, others_i, h, consts
+            )
+            kept = record.drop_gathered(vjp_fn, known(current, consts))
+            return (h, upcoming, consts), (kept, y)
 
         first = gather_layer(datas, 0, dependency_of(carry))
-        (h, _), (kept, ys) = jax.lax.scan(body, (carry, first), (jnp.arange(layers), others))
-        return (h, ys), (datas, kept)
+        (h, _, _), (kept, ys) = jax.lax.scan(
+            body, (carry, first, consts), (jnp.arange(layers), others)
+        )
+        return (h, ys), (datas, kept, consts)
 
     def run_bwd(res, ct):
-        datas, kept = res
+        datas, kept, consts = res
         ct_carry, ct_ys = ct
 
         def body(c, xs):
-            ct_h, current = c
+            ct_h, current, ct_consts = c
             i, kept_i, ct_y = xs
             if reshard_after_forward:
                 dependency = dependency_of((ct_h, ct_y))
                 previous = prefetch(datas, i > 0, jnp.maximum(i - 1, 0), dependency, current)
             else:
                 previous = current  # every layer's parameters were kept: nothing to gather
-            ct_g, ct_others, ct_h = record.resume(kept_i, current)((ct_h, ct_y))
+            ct_g, ct_others, ct_h, ct_k = record.resume(kept_i, known(current, consts))(
+                (ct_h, ct_y)
+            )
             ct_blocks = comm.backward_values(ct_g, layout, None)[0]
-            return (ct_h, previous), (ct_blocks, ct_others)
+            ct_consts = tuple(a + b for a, b in zip(ct_consts, ct_k, strict=True))
+            return (ct_h, previous, ct_consts), (ct_blocks, ct_others)
 
         if reshard_after_forward:
             last = gather_layer(datas, layers - 1, dependency_of(ct))
         else:
             last = tuple(jnp.zeros(leaf.shape, leaf.gather_dtype) for leaf in layout.leaves)
-        (ct_carry, _), (ct_datas, ct_others) = jax.lax.scan(
-            body, (ct_carry, last), (jnp.arange(layers), kept, ct_ys), reverse=True
+        zeros = tuple(comm.vary(jnp.zeros_like(k), _jax_compat.varying_axes(k)) for k in consts)
+        (ct_carry, _, ct_consts), (ct_datas, ct_others) = jax.lax.scan(
+            body, (ct_carry, last, zeros), (jnp.arange(layers), kept, ct_ys), reverse=True
         )
-        return ct_datas, ct_others, ct_carry
+        return ct_datas, ct_others, ct_carry, ct_consts
 
     run.defvjp(run_fwd, run_bwd)
-    return run(datas, others, carry)
+    return run(datas, others, carry, consts)
 
 
 def _scan_deferred_sync_unsupported() -> str:
