@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from funshard import errors
 
@@ -167,7 +167,7 @@ def spec(axes: tuple[str, ...], dim: int = 0) -> PartitionSpec:
     return PartitionSpec(*([None] * dim), axes[0] if len(axes) == 1 else axes)
 
 
-def has_explicit_axes(mesh: Mesh) -> bool:
+def has_explicit_axes(mesh: Mesh | AbstractMesh) -> bool:
     """Whether any axis of `mesh` is `Explicit` (`jax.make_mesh`'s default since jax 0.7).
 
     On such axes an array's type carries its sharding: `jax.shard_map` takes only inputs
