@@ -259,28 +259,165 @@ def test_uneven_leaf_costs_its_gathers():
     assert sorted(c["elements"] for c in gathers) == [16 * 32] * 4
 
 
-def test_probe_reports_every_leaf_a_line_each():
+def test_probe_says_the_fix_once_and_lists_each_leaf():
     state = fs.shard(_params({"a": (130, 128), "b": (13,), "even": (16,)}), mesh_for("8"))
     with pytest.raises(fs.errors.ShardingValueError) as info:
         fs.init_optimizer(_adafactor(), state)
-    lines = str(info.value).splitlines()
-    assert [line.split(" (shape")[0] for line in lines] == [
-        "init_optimizer: leaf ['a']",
-        "init_optimizer: leaf ['b']",
+    message = str(info.value)
+    assert message.count("fs.shard_optimizer(opt)") == 1
+    assert "whole padded matrix" not in message
+    listed = [line.strip() for line in message.splitlines() if line.startswith("  ")]
+    assert listed == [
+        "['a'] (shape (130, 128), padded to (136, 128) over 8 shards)",
+        "['b'] (shape (13,), padded to (16,) over 8 shards)",
     ]
 
 
-def test_transform_that_needs_extra_arguments_is_not_refused(caplog):
-    # reduce_on_plateau's update needs value=: the probe cannot run it, says so in the
-    # log, and lets it through; the wrapper passes the extra argument on.
-    state = fs.shard(_params({"uneven": (13, 32)}), mesh_for("8"))
+def _frozen_uneven():
+    # AdamW on the even leaves; the uneven one frozen: its update is zero whatever.
+    def labels(p):
+        return {k: "frozen" if k == "uneven" else "train" for k in p}
 
-    def make_opt():
-        return optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau())
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.multi_transform({"train": optax.adamw(1e-2), "frozen": optax.set_to_zero()}, labels),
+    )
 
-    fs.init_optimizer(make_opt(), state)
-    assert "could not probe" in caplog.text
-    opt = fs.shard_optimizer(make_opt())
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda: optax.chain(optax.scale_by_lbfgs(), optax.scale(-1e-2)),
+        lambda: optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
+        _frozen_uneven,
+    ],
+    ids=["scale_by_lbfgs", "multi_steps_adam", "frozen_uneven_leaf"],
+)
+def test_exact_transforms_pass_the_probe_and_train_as_optax(make_opt):
+    # L-BFGS keeps a memory of past steps with the padded rows one axis in; MultiSteps
+    # emits nothing on its first step; a frozen leaf never moves: none depends on padding.
+    shapes = {"uneven": (13, 32), "even": (16, 32), "bias": (13,)}
+    params, targets = _params(shapes), _targets(shapes)
+    state = fs.shard(params, mesh_for("8"))
+    opt = make_opt()
     opt_state = fs.init_optimizer(opt, state)
-    updates, _ = opt.update(state, opt_state, state, value=jnp.float32(1.0))
-    assert updates["uneven"].data.shape == (16, 32)
+    step = _sharded_step(opt, targets)
+    for batch in _batches():
+        state, opt_state = step(state, opt_state, batch)
+    expected = _reference(make_opt, params, targets, _batches())
+    got = fs.unshard(state)
+    for k in shapes:
+        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=TOLERANCE, err_msg=k)
+
+
+def _needs_loss_scale():
+    def update(updates, state, params=None, *, loss_scale):
+        return jax.tree.map(lambda u: u / loss_scale, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+UNDECIDED = "could not tell whether the optimizer's update of these uneven leaves"
+DEPENDS = "the optimizer's update of these uneven leaves depends on their zero padding rows"
+
+
+@pytest.mark.parametrize(
+    "make_opt, says",
+    [
+        # reduce_on_plateau's value= comes from the probe's loss: muon is seen and refused.
+        (lambda: optax.chain(_muon(), optax.contrib.reduce_on_plateau()), DEPENDS),
+        (lambda: optax.MultiSteps(_muon(), 4).gradient_transformation(), DEPENDS),
+        (lambda: optax.MultiSteps(_muon(), 4), DEPENDS),
+        (lambda: optax.contrib.muon(optax.linear_schedule(0.0, 1e-2, 10)), DEPENDS),
+        (
+            lambda: optax.chain(
+                optax.clip(1.0), optax.MultiSteps(_muon(), 8).gradient_transformation()
+            ),
+            UNDECIDED + " depends on their zero padding rows: their updates stayed zero",
+        ),
+        (_needs_loss_scale, UNDECIDED + " depends on their zero padding rows: the probe could"),
+    ],
+    ids=[
+        "muon_reduce_on_plateau",
+        "multi_steps_muon",
+        "multi_steps_object",
+        "muon_warmup_from_zero",
+        "multi_steps_in_chain",
+        "unknown_extra_argument",
+    ],
+)
+def test_probe_refuses_what_it_cannot_show_exact(make_opt, says):
+    state = fs.shard(_params({"uneven": (13, 32), "even": (16, 32)}), mesh_for("8"))
+    with pytest.raises(fs.errors.ShardingValueError) as info:
+        fs.init_optimizer(make_opt(), state)
+    message = str(info.value)
+    assert message.startswith(f"init_optimizer: {says}")
+    assert "\n  ['uneven'] (shape (13, 32), padded to (16, 32) over 8 shards)\n" in message
+    assert "['even']" not in message
+    assert message.count("fs.shard_optimizer(opt)") == 1
+
+
+def _value_step(opt, targets, batch):
+    """A step that passes value=, grad= and value_fn= (as optax.lbfgs's docs do)."""
+
+    def loss_fn(state, batch):
+        return _loss(fs.unshard(state), targets, batch)
+
+    @jax.jit
+    def step(state, opt_state):
+        value, grads = fs.value_and_grad(loss_fn)(state, batch)
+        updates, opt_state = opt.update(
+            grads,
+            opt_state,
+            state,
+            value=value,
+            grad=grads,
+            value_fn=lambda s: _loss(fs.unshard(s), targets, batch),
+        )
+        return optax.apply_updates(state, updates), opt_state
+
+    return step
+
+
+@jax.jit(static_argnums=0)
+def _value_reference(make_opt, params, targets, batch):
+    opt = make_opt()
+    opt_state = opt.init(params)
+
+    def value_fn(p):
+        return _loss(p, targets, batch)
+
+    for _ in range(STEPS):
+        value, grads = jax.value_and_grad(value_fn)(params)
+        updates, opt_state = opt.update(
+            grads, opt_state, params, value=value, grad=grads, value_fn=value_fn
+        )
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+@pytest.mark.parametrize(
+    "make_opt, wrap",
+    [
+        (lambda: optax.lbfgs(), True),
+        (lambda: optax.lbfgs(), False),
+        (lambda: optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau()), False),
+        (lambda: optax.chain(_muon(), optax.contrib.reduce_on_plateau()), True),
+    ],
+    ids=["lbfgs_wrapped", "lbfgs", "adam_reduce_on_plateau", "muon_reduce_on_plateau_wrapped"],
+)
+def test_extra_arguments_train_as_optax(make_opt, wrap):
+    # The wrapper cuts grad= like the updates and calls value_fn on the sharded layout.
+    shapes = {"uneven": (13, 32), "even": (16, 32), "bias": (13,)}
+    params, targets = _params(shapes), _targets(shapes)
+    batch = jnp.arange(8.0) / 8
+    state = fs.shard(params, mesh_for("8"))
+    opt = fs.shard_optimizer(make_opt()) if wrap else make_opt()
+    opt_state = fs.init_optimizer(opt, state)
+    step = _value_step(opt, targets, batch)
+    for _ in range(STEPS):
+        state, opt_state = step(state, opt_state)
+    expected = _value_reference(make_opt, params, targets, batch)
+    got = fs.unshard(state)
+    for k in shapes:
+        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=TOLERANCE, err_msg=k)

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from funshard import _text, comm, errors
+from funshard import comm, errors
 from funshard.core import _padding_probe, _tree
 from funshard.core._shard_optimizer import LeafStatistics, is_shard_optimizer
 from funshard.core._sharded import Sharded
@@ -94,37 +94,54 @@ def _no_state_mesh(fn: str) -> str:
 _WRAP = (
     "Wrap the optimizer: opt = fs.shard_optimizer(opt), then fs.init_optimizer(opt, state) "
     "and opt.update(grads, opt_state, state) as before (it runs the optimizer on each uneven "
-    "leaf's logical array, at the cost of gathering that leaf), or give the leaf a size the "
-    "shard count divides."
+    "leaf's logical array, at the cost of gathering that leaf), or give these leaves sizes "
+    "the shard count divides."
 )
 
 
-def _update_sees_padding(path, leaf: Sharded) -> str:
+def _listing(lines) -> str:
+    return "\n".join(f"  {line}" for line in lines)
+
+
+def _update_sees_padding(leaves) -> str:
     return (
-        f"{_text.where('init_optimizer', None)} leaf {_padding_probe.describe(path, leaf)}: "
-        "the optimizer's update of its real rows depends on its zero padding rows (it looks "
-        "at the whole padded matrix, as optax.adafactor and optax.contrib.muon do), so "
-        "opt.update on the sharded state would not give optax's numbers on the unsharded "
-        f"parameters. {_WRAP}"
+        "init_optimizer: the optimizer's update of these uneven leaves depends on their zero "
+        "padding rows (it reads their padded shape or reduces over their rows, as "
+        "optax.adafactor and optax.contrib.muon do on matrices), so opt.update on the "
+        "sharded state would not give optax's numbers on the unsharded parameters:\n"
+        f"{_listing(leaves)}\n{_WRAP}"
     )
 
 
-def _state_sees_padding(path) -> str:
+def _state_sees_padding(paths) -> str:
     return (
-        f"init_optimizer: the optimizer state at {_text.leaf_name(path)} depends on the zero "
-        "padding rows of an uneven leaf (its shape or values differ from optax's on the "
-        f"unsharded parameters). {_WRAP}"
+        "init_optimizer: the optimizer state at these paths depends on the zero padding rows "
+        "of an uneven leaf (its shape or values differ from optax's on the unsharded "
+        f"parameters):\n{_listing(paths)}\n{_WRAP}"
+    )
+
+
+def _undecided(leaves, reason: str) -> str:
+    return (
+        "init_optimizer: could not tell whether the optimizer's update of these uneven "
+        f"leaves depends on their zero padding rows: {reason}:\n{_listing(leaves)}\nAn "
+        f"optimizer the probe cannot judge is refused rather than trusted. {_WRAP}"
     )
 
 
 def _check_padding(opt: Any, state: Any) -> None:
-    """Refuses `opt` if its plain update on `state` would depend on padding rows."""
-    updates, states = _padding_probe.padding_dependence(opt, state)
-    problems = [_update_sees_padding(path, leaf) for path, leaf in updates]
-    if not problems:  # state that differs is reported only when no update does
-        problems = [_state_sees_padding(path) for path, _ in states]
-    if problems:
-        raise errors.ShardingValueError(_text.joined(problems))
+    """Refuses `opt` if its plain update on `state` depends, or may depend, on padding rows.
+
+    The fix is said once, after the list of leaves; a differing state is reported only
+    when no update differs (it usually follows from the update).
+    """
+    verdict = _padding_probe.padding_dependence(opt, state)
+    if verdict.updates:
+        raise errors.ShardingValueError(_update_sees_padding(verdict.updates))
+    if verdict.states:
+        raise errors.ShardingValueError(_state_sees_padding(verdict.states))
+    if verdict.undecided:
+        raise errors.ShardingValueError(_undecided(verdict.undecided, verdict.reason))
 
 
 def init_optimizer(opt: Any, state: Any) -> Any:

@@ -1,34 +1,39 @@
 """The padding probe: does an optax transform's update of real rows depend on padding?
 
 `fs.init_optimizer(opt, state)` runs it before `opt.init` when `state` has uneven
-leaves. On single-device host copies (never on the mesh) it runs one `init` and one
-`update` twice: once on the uneven leaves' logical arrays, once on the same values padded
+leaves. On single-device host copies (never on the mesh) it trains twice for a few steps
+on a fixed loss: once on the uneven leaves' logical arrays, once on the same values padded
 with zero rows as funshard stores them. Padding rows are zero in training too, so the two
 runs agree exactly where plain `opt.update` on the sharded state gives optax's numbers
 (element-wise transforms, global-norm clipping, LAMB's trust ratio) and disagree where
-the transform looks at the padded shape (adafactor's row and column means, muon). Other
-leaves are replaced by one-element stand-ins, so the probe's cost is that of the uneven
-leaves alone; its verdict is cached per transform and layout.
+the transform looks at the padded shape (adafactor's row and column means, muon). A leaf
+the probe cannot judge (the update does not run, or stays zero while the state
+accumulates) is reported as undecided, and refused like one that disagrees. Other leaves
+are replaced by one-element stand-ins, so the probe's cost is that of the uneven leaves
+alone; its verdict is cached per transform and layout, and per lowered program, so an
+equal transform built again is judged without compiling.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from funshard import _text
-from funshard.core._shard_optimizer import is_uneven, probing
+from funshard.core._shard_optimizer import is_shard_optimizer, is_uneven, probing
 from funshard.core._sharded import Sharded, is_key, is_sharded
 
 logger = logging.getLogger(__name__)
 
-# (transform, layout of the state) -> the leaves whose updates depend on their padding.
+# (transform, layout of the state) -> its Verdict.
 _VERDICTS: collections.OrderedDict = collections.OrderedDict()
 _MAX_VERDICTS = 64
 
@@ -60,20 +65,15 @@ def _probed(x: Any) -> bool:
     return is_uneven(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _probe_inputs(state: Any, seed: int, real_shapes: bool) -> tuple[Any, Any]:
-    """(logical, padded) versions of (params, grads) for the probe's two runs."""
+def _probe_inputs(state: Any, real_shapes: bool) -> tuple[Any, Any]:
+    """The (logical, padded) parameters of the probe's two runs."""
     items, treedef = jax.tree.flatten(state, is_leaf=is_sharded)
     logical, padded = [], []
     for i, x in enumerate(items):
         if _probed(x):
-            p, g = _real_rows(x, seed + 2 * i), _real_rows(x, seed + 2 * i + 1)
-            logical.append((dataclasses.replace(x, data=p), dataclasses.replace(x, data=g)))
-            padded.append(
-                (
-                    dataclasses.replace(x, data=_padded(x, p)),
-                    dataclasses.replace(x, data=_padded(x, g)),
-                )
-            )
+            values = _real_rows(x, i)
+            logical.append(dataclasses.replace(x, data=values))
+            padded.append(dataclasses.replace(x, data=_padded(x, values)))
             continue
         if isinstance(x, Sharded):
             stand_in = dataclasses.replace(x, data=_stand_in(x, real_shapes))
@@ -81,36 +81,84 @@ def _probe_inputs(state: Any, seed: int, real_shapes: bool) -> tuple[Any, Any]:
             stand_in = _stand_in(x, real_shapes)
         else:
             stand_in = x
-        logical.append((stand_in, stand_in))
-        padded.append((stand_in, stand_in))
-
-    def trees(pairs):
-        return tuple(jax.tree.unflatten(treedef, list(half)) for half in zip(*pairs, strict=True))
-
-    return trees(logical), trees(padded)
+        logical.append(stand_in)
+        padded.append(stand_in)
+    return jax.tree.unflatten(treedef, logical), jax.tree.unflatten(treedef, padded)
 
 
-def _both_runs(opt: Any, logical: tuple, padded: tuple) -> tuple:
-    """`(updates, opt_state)` after one init and update on each of the two inputs."""
+# Updates the probe runs: enough to see past one step that only accumulates (optax.MultiSteps
+# of 2, a warmup that starts at zero) without paying for a long run.
+STEPS = 3
 
-    def run(params, grads):
-        return opt.update(grads, opt.init(params), params)
+
+def _objective(params: Any) -> jax.Array:
+    """The loss the probe trains on: sum(1 - cos(p)) over the floating arrays.
+
+    Zero rows add nothing to it and get a zero gradient, so the logical and the padded run
+    see the same value and gradient; `value=`, `grad=` and `value_fn=` of transforms that
+    need them (reduce_on_plateau, L-BFGS's line search) come from it.
+    """
+    arrays = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return sum((jnp.sum(1 - jnp.cos(x.astype(jnp.float32))) for x in arrays), jnp.float32(0))
+
+
+def _gradient(params: Any) -> Any:
+    def grad(x):
+        return jnp.sin(x) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(grad, params)
+
+
+def _applied(params: Any, updates: Any) -> Any:
+    def apply(p, u):
+        if not jnp.issubdtype(p.dtype, jnp.floating):
+            return p
+        # A wrapped transform inside pads its updates back to the node's layout, in the
+        # logical run too: its padding rows are zero, and cut here.
+        return (p + u[tuple(slice(0, n) for n in p.shape)]).astype(p.dtype)
+
+    return jax.tree.map(apply, params, updates)
+
+
+def _training(opt: Any, params: Any) -> tuple:
+    """`(updates of each step, stacked; final opt_state)` after `opt.init` and STEPS updates."""
+    opt = optax.with_extra_args_support(opt)
+
+    def step(carry, _):
+        params, opt_state = carry
+        grads = _gradient(params)
+        extra = dict(value=_objective(params), grad=grads, value_fn=_objective)
+        updates, opt_state = opt.update(grads, opt_state, params, **extra)
+        return (_applied(params, updates), opt_state), updates
+
+    carry = (params, opt.init(params))
+    try:
+        carry, updates = jax.lax.scan(step, carry, length=STEPS)
+    except TypeError:  # a state whose types change with its first update: unroll instead
+        steps = []
+        for _ in range(STEPS):
+            carry, out = step(carry, None)
+            steps.append(out)
+        updates = jax.tree.map(lambda *u: jnp.stack(u), *steps)
+    return updates, carry[1]
+
+
+def _lowered_runs(opt: Any, logical: Any, padded: Any) -> Any:
+    """Both runs (on the logical and the padded parameters) as one lowered program."""
 
     def both(logical, padded):
-        return run(*logical), run(*padded)
+        return _training(opt, logical), _training(opt, padded)
 
-    # One compiled program, at XLA's lowest backend optimisation: compiling, not running,
-    # is the probe's cost, and this level compiles it in about half the time of the
-    # default one, where op by op AdamW's dozens of small operations would each compile
-    # on first use (docs/benchmarks_design.md has the numbers).
-    compiled = (
-        jax.jit(both)
-        .lower(logical, padded)
-        # jax 0.10's stub types option values as str | bool (0.12's admits ints: hence
-        # unused-ignore); XLA's integer options take ints.
-        .compile(compiler_options={"xla_backend_optimization_level": 0})  # type: ignore[dict-item, unused-ignore]
-    )
-    return compiled(logical, padded)
+    return jax.jit(both).lower(logical, padded)
+
+
+def _compiled(lowered: Any) -> Any:
+    # At XLA's lowest backend optimisation: compiling, not running, is the probe's cost,
+    # and this level compiles it in about half the time of the default one, where op by
+    # op every small operation would compile on first use (docs/benchmarks_design.md).
+    # jax 0.10's stub types option values as str | bool (0.12's admits ints: hence
+    # unused-ignore); XLA's integer options take ints.
+    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})  # type: ignore[dict-item, unused-ignore]
 
 
 def _close(logical: np.ndarray, padded_real: np.ndarray) -> bool:
@@ -131,15 +179,32 @@ def _host(x: Any) -> np.ndarray:
     return np.asarray(jax.random.key_data(x) if is_key(x) else x)
 
 
+def _padded_axis(node: Sharded, logical: tuple, padded: tuple) -> int | None:
+    """The axis along which a state array spans `node`'s padded rows, if it has one.
+
+    A moment has it at the parameter's sharded dim; an array of several copies
+    (L-BFGS's memory of past steps) one axis further in.
+    """
+    rows = (node.shape[node.dim], node.padded_shape[node.dim])
+    if len(logical) != len(padded):
+        return None
+    differ = [
+        axis for axis, pair in enumerate(zip(logical, padded, strict=True)) if pair[0] != pair[1]
+    ]
+    if len(differ) == 1 and (logical[differ[0]], padded[differ[0]]) == rows:
+        return differ[0]
+    return None
+
+
 def _agrees(node: Sharded, logical: Any, padded: Any, check_padding: bool) -> bool:
     """Whether one array of the padded run matches the logical run on `node`'s real rows."""
     logical, padded = _host(logical), _host(padded)
     if logical.shape == padded.shape:
         return _close(logical, padded)
-    if logical.shape != tuple(node.shape) or padded.shape != node.padded_shape:
-        return False  # a state array whose shape depends on the padding
-    rows = node.shape[node.dim]
-    real, padding = np.split(padded, [rows], axis=node.dim)
+    axis = _padded_axis(node, logical.shape, padded.shape)
+    if axis is None:
+        return False  # a state array whose shape depends on the padding otherwise
+    real, padding = np.split(padded, [node.shape[node.dim]], axis=axis)
     return _close(logical, real) and (not check_padding or not np.any(padding))
 
 
@@ -165,16 +230,117 @@ def _disagreeing(logical: Any, padded: Any, check_padding: bool) -> list[tuple[A
     ]
 
 
-def _probe(opt: Any, state: Any, real_shapes: bool) -> tuple[list, list]:
-    (params, grads), (padded_params, padded_grads) = _probe_inputs(state, 0, real_shapes)
-    with probing(), jax.default_device(_host_device()):
-        (updates, opt_state), (padded_updates, padded_state) = _both_runs(
-            opt, (params, grads), (padded_params, padded_grads)
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the probe found on the uneven leaves of one optimizer and state layout.
+
+    Attributes:
+      updates: each leaf whose update depends on its padding rows (its `describe` text).
+      states: the key path of each optimizer-state node that does.
+      undecided: each leaf the probe could not judge (its `describe` text).
+      reason: why it could not, when `undecided` is not empty.
+    """
+
+    updates: tuple[str, ...] = ()
+    states: tuple[str, ...] = ()
+    undecided: tuple[str, ...] = ()
+    reason: str = ""
+
+
+def _probed_leaves(tree: Any) -> list[tuple[Any, Sharded]]:
+    with_path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharded)[0]
+    return [(path, x) for path, x in with_path if isinstance(x, Sharded) and _probed(x)]
+
+
+def _scaled(tree: Any, paths: set[str]) -> Any:
+    """`tree` with the data of the probed leaves at `paths` halved."""
+
+    def leaf(path, x):
+        if isinstance(x, Sharded) and jax.tree_util.keystr(path) in paths:
+            return dataclasses.replace(x, data=x.data * np.asarray(0.5, x.data.dtype))
+        return x
+
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_sharded)
+
+
+def _nodes_of(state: Any, leaf: str) -> list:
+    """The arrays of the optimizer-state nodes kept for the parameter at path `leaf`
+    (optax's states mirror the parameters: their paths end with the parameter's)."""
+    with_path = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_sharded)[0]
+    return [
+        _host(a)
+        for path, x in with_path
+        if isinstance(x, Sharded) and jax.tree_util.keystr(path).endswith(leaf)
+        for a in jax.tree.leaves(x.data)
+    ]
+
+
+def _accumulating(compiled: Any, logical: Any, padded: Any, state: Any, quiet: list) -> list:
+    """Of the leaves whose update stayed zero, those whose optimizer state still took in
+    their gradients (accumulated for a later update: the probe saw nothing of it yet).
+
+    A leaf whose state is the same for other parameter values (a frozen leaf under
+    `optax.set_to_zero`, or no state at all) updates by zero whatever: it is exact.
+    """
+    names = {jax.tree_util.keystr(path) for path, _ in quiet}
+    (_, other), _ = compiled(_scaled(logical, names), _scaled(padded, names))
+    return [
+        (path, x)
+        for path, x in quiet
+        if not all(
+            np.array_equal(a, b)
+            for a, b in zip(
+                _nodes_of(state, jax.tree_util.keystr(path)),
+                _nodes_of(other, jax.tree_util.keystr(path)),
+                strict=True,
+            )
         )
-    return (
-        _disagreeing(updates, padded_updates, check_padding=True),
-        _disagreeing(opt_state, padded_state, check_padding=False),
+    ]
+
+
+def _judge(compiled: Any, logical: Any, padded: Any) -> Verdict:
+    (updates, state), (padded_updates, padded_state) = compiled(logical, padded)
+    quiet = [(p, x) for p, x in _probed_leaves(updates) if not np.any(_host(x.data))]
+    undecided = _accumulating(compiled, logical, padded, state, quiet) if quiet else []
+    return Verdict(
+        updates=tuple(
+            describe(p, x) for p, x in _disagreeing(updates, padded_updates, check_padding=True)
+        ),
+        states=tuple(
+            _text.leaf_name(p) for p, _ in _disagreeing(state, padded_state, check_padding=False)
+        ),
+        undecided=tuple(describe(p, x) for p, x in undecided),
+        reason=(
+            f"their updates stayed zero for the probe's {STEPS} steps while the optimizer "
+            "state took in their gradients (gradient accumulation such as optax.MultiSteps "
+            "inside another transform, or a learning rate that is still zero), so the probe "
+            "saw no update to compare"
+        ),
     )
+
+
+# Hash of the probe's lowered program -> its verdict. Equal programs get equal inputs (the
+# inputs follow from the layout the program's argument types spell out), so they get the
+# same verdict: a new but equal optimizer instance is judged by lowering alone.
+_PROGRAM_VERDICTS: collections.OrderedDict = collections.OrderedDict()
+
+
+def _remember(cache: collections.OrderedDict, key: Any, verdict: Verdict) -> Verdict:
+    cache[key] = verdict
+    while len(cache) > _MAX_VERDICTS:
+        cache.popitem(last=False)
+    return verdict
+
+
+def _probe(opt: Any, state: Any, real_shapes: bool) -> Verdict:
+    logical, padded = _probe_inputs(state, real_shapes)
+    with probing(), jax.default_device(_host_device()):
+        lowered = _lowered_runs(opt, logical, padded)
+        key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        if key in _PROGRAM_VERDICTS:
+            _PROGRAM_VERDICTS.move_to_end(key)
+            return _PROGRAM_VERDICTS[key]
+        return _remember(_PROGRAM_VERDICTS, key, _judge(_compiled(lowered), logical, padded))
 
 
 def _host_device() -> jax.Device:
@@ -184,38 +350,49 @@ def _host_device() -> jax.Device:
         return jax.devices()[0]
 
 
-def padding_dependence(opt: Any, state: Any) -> tuple[list, list]:
+def _deciding_transform(opt: Any) -> Any:
+    """The transform whose numbers decide: an `optax.MultiSteps`'s inner one.
+
+    MultiSteps itself only averages gradients element by element and emits its inner
+    transform's update every k steps, so it is exact padded exactly when that transform
+    is; probing the inner one sees an update at once, however large k.
+    """
+    owner = opt if isinstance(opt, optax.MultiSteps) else getattr(opt.init, "__self__", None)
+    inner = getattr(owner, "_opt", None) if isinstance(owner, optax.MultiSteps) else None
+    return opt if inner is None else _deciding_transform(inner)
+
+
+def padding_dependence(opt: Any, state: Any) -> Verdict:
     """Which uneven leaves `opt`'s plain update would compute wrongly on `state`.
+
+    Runs `opt.init` and STEPS updates (on the gradients of a fixed loss, with its
+    `value=`, `grad=` and `value_fn=` for transforms that take them) on host copies of
+    the uneven leaves, once logical and once padded, and compares.
 
     Args:
       opt: an optax `GradientTransformation`.
       state: the sharded state (concrete, traced or abstract: only layouts are read).
 
     Returns:
-      `(update_paths, state_paths)`: `(path, Sharded)` of each leaf whose real rows of
-      the update differ from optax's on the logical array (or whose padding rows become
-      nonzero), and of each optimizer-state node that differs. Both empty when the
-      transform is safe on this state's layout (always when no leaf is uneven).
+      A `Verdict`: the leaves whose real rows of the update differ from optax's on the
+      logical array (or whose padding rows become nonzero), the optimizer-state nodes
+      that differ, and the leaves the probe could not judge (it could not run the
+      update, or saw only zero updates while the state accumulated). All empty when the
+      transform is exact on this state's layout (always when no leaf is uneven).
     """
     items, treedef = jax.tree.flatten(state, is_leaf=is_sharded)
-    if not any(_probed(x) for x in items):
-        return [], []
+    opt = _deciding_transform(opt)
+    if not any(_probed(x) for x in items) or is_shard_optimizer(opt):
+        return Verdict()
     key = _cache_key(opt, treedef, items)
     if key is not None and key in _VERDICTS:
         _VERDICTS.move_to_end(key)
         return _VERDICTS[key]
-    verdict = _probe_or_none(opt, state)
-    if verdict is None:
-        return [], []
-    if key is not None:
-        _VERDICTS[key] = verdict
-        while len(_VERDICTS) > _MAX_VERDICTS:
-            _VERDICTS.popitem(last=False)
-    return verdict
+    verdict = _verdict(opt, state)
+    return verdict if key is None else _remember(_VERDICTS, key, verdict)
 
 
-def _probe_or_none(opt: Any, state: Any) -> tuple[list, list] | None:
-    """The probe's verdict, or None when the transform cannot run without the caller."""
+def _verdict(opt: Any, state: Any) -> Verdict:
     try:
         return _probe(opt, state, real_shapes=False)
     except Exception:
@@ -225,15 +402,13 @@ def _probe_or_none(opt: Any, state: Any) -> tuple[list, list] | None:
         )
     try:
         return _probe(opt, state, real_shapes=True)
-    except Exception:
-        # E.g. an update that needs extra arguments (`value=` of reduce_on_plateau).
-        logger.warning(
-            "init_optimizer could not probe the optimizer on the uneven leaves "
-            "(it raised the error below); if it looks at whole matrices, wrap it "
-            "with fs.shard_optimizer",
-            exc_info=True,
+    except Exception as exc:  # the transform's own error, whatever its type
+        logger.debug("padding probe failed", exc_info=True)
+        first_line = (str(exc).splitlines() or [""])[0]
+        return Verdict(
+            undecided=tuple(describe(p, x) for p, x in _probed_leaves(state)),
+            reason=f"the probe could not run the update ({type(exc).__name__}: {first_line})",
         )
-        return None
 
 
 def _cache_key(opt: Any, treedef: Any, items: list) -> Any:

@@ -172,6 +172,22 @@ def to_padded(tree: Any) -> Any:
     return _map_uneven(_pad, tree)
 
 
+def _logical_args(extra_args: dict[str, Any]) -> dict[str, Any]:
+    """Extra arguments of `update` as the transform on logical arrays needs them.
+
+    Trees shaped like the parameters (L-BFGS's `grad=`) are cut like the updates;
+    functions of the parameters (its `value_fn=`, which the line search calls at trial
+    points) get them back in the sharded layout, the form the caller wrote them for.
+    """
+
+    def arg(value):
+        if callable(value):
+            return lambda params, *args, **kwargs: value(to_padded(params), *args, **kwargs)
+        return to_logical(value)
+
+    return {name: arg(value) for name, value in extra_args.items()}
+
+
 def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transform so that it sees every parameter's logical (unpadded) shape.
 
@@ -202,8 +218,11 @@ def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransfor
     the mesh for an uneven leaf; for an even leaf where a jitted update puts it.
 
     Args:
-      opt: any optax `GradientTransformation` (extra arguments of its `update`, such as
-        `value=` for `optax.contrib.reduce_on_plateau`, are passed through).
+      opt: any optax `GradientTransformation`. Extra arguments of its `update` are
+        passed on: scalars (`value=` of `optax.contrib.reduce_on_plateau`) as they are,
+        trees shaped like the parameters (`grad=` of `optax.lbfgs`) cut to the logical
+        shapes like the updates, and functions (`value_fn=`) called with the parameters
+        in the sharded layout, as the caller's own loss takes them.
 
     Returns:
       A `GradientTransformationExtraArgs` whose `init` and `update` take and return the
@@ -227,7 +246,7 @@ def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransfor
             new_updates, new_state = inner.update(updates, state, params, **extra_args)
             return new_updates, state_out(new_state)
         new_updates, new_state = inner.update(
-            to_logical(updates), to_logical(state), to_logical(params), **extra_args
+            to_logical(updates), to_logical(state), to_logical(params), **_logical_args(extra_args)
         )
         return to_padded(new_updates), state_out(to_padded(new_state))
 
