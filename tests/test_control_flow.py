@@ -178,3 +178,40 @@ def test_varying_predicate_without_collectives_inside_is_allowed():
     ref_value, ref_grads = jax.value_and_grad(ref)(params, batch)
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     assert_tree_close(fs.unshard(grads), ref_grads)
+
+
+@pytest.mark.parametrize("mesh", ["8", "2x4"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_predicate_on_a_gathered_parameter_matches_plain_jax(mesh, sign):
+    # The all-gather is typed varying (its transpose is the reduce-scatter), but every
+    # device holds the same gathered parameter, so the predicate is the same everywhere.
+    def loss(s, b):
+        pred = jnp.sum(fs.unshard(s["a"])["w"]) * sign > 0
+        out = jax.lax.cond(pred, lambda: UA(s["a"], b["x"]), lambda: UB(s["b"], b["x"]))
+        return mse(out, b["y"])
+
+    def ref(p, b):
+        pred = jnp.sum(p["a"]["w"]) * sign > 0
+        out = jax.lax.cond(
+            pred, lambda: mlp_layer(p["a"], b["x"]), lambda: mlp_layer(p["b"], b["x"])
+        )
+        return mse(out, b["y"])
+
+    params, batch = _params(), _batch()
+    value, grads = jax.jit(fs.value_and_grad(loss))(fs.shard(params, mesh_for(mesh)), batch)
+    ref_value, ref_grads = jax.value_and_grad(ref)(params, batch)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    assert_tree_close(fs.unshard(grads), ref_grads)
+    taken = "a" if float(jnp.sum(params["a"]["w"])) * sign > 0 else "b"
+    assert float(jnp.abs(fs.unshard(grads)[taken]["w"]).sum()) > 0
+
+
+def test_predicate_on_a_gathered_parameter_and_the_batch_is_still_an_error():
+    def loss(s, b):
+        pred = jnp.sum(fs.unshard(s["a"])["w"]) + b["x"][0, 0] > 0
+        out = jax.lax.cond(pred, lambda: UA(s["a"], b["x"]), lambda: UB(s["b"], b["x"]))
+        return mse(out, b["y"])
+
+    state = fs.shard(_params(), mesh_for("8"))
+    with pytest.raises(errors.ShardingValueError, match="differs between devices"):
+        jax.jit(fs.value_and_grad(loss))(state, _batch())

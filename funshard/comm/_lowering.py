@@ -202,6 +202,11 @@ def all_gather_blocks(
     return copy_out(gathered, packing, axes), part
 
 
+# The name scope of the conditionals whose predicate is `_present`: equal (true) on every
+# device, which the control-flow check of the root reads from this name.
+PRESENT_SCOPE = "funshard_present_on_every_device"
+
+
 def _present(axes: tuple[str, ...]) -> jax.Array:
     """A predicate that is true on every device but that the compiler cannot fold."""
     return jax.lax.axis_index(axes) < _mesh_axes_size(axes)
@@ -224,7 +229,8 @@ def _materialized(fn, operand, axes: tuple[str, ...]):
         def never(y):
             return jax.tree.map(jnp.zeros_like, fn(y))
 
-        return jax.lax.cond(_present(axes), fn, never, x)
+        with jax.named_scope(PRESENT_SCOPE):
+            return jax.lax.cond(_present(axes), fn, never, x)
 
     return jax.lax.platform_dependent(operand, cpu=conditional, default=barrier)
 

@@ -6,11 +6,19 @@ take different branches (or iteration counts) on different devices. A collective
 such a branch (a unit's all-gather, its gradient's reduce-scatter, a user's `psum`) is
 entered by some devices and not by others, so XLA pairs it with whatever collective the
 others run next: the numbers match no assignment of branches to devices, or the program
-hangs. JAX's varying-axes typing says which values differ between devices, so the root
-reads the traced program of each microbatch and refuses it at trace time when a
-collective over an axis sits under a predicate that varies over that axis. Control flow
-whose predicate is the same on every device (computed from replicated values, or made so
-with `jax.lax.pmax` over the data axes) is untouched.
+hangs. The root reads the traced program of each microbatch and refuses it at trace
+time when a collective over an axis sits under a predicate that varies over that axis.
+Control flow whose predicate is the same on every device (computed from replicated
+values or from gathered parameters, or made so with `jax.lax.pmax` over the data axes)
+is untouched.
+
+Which values vary is a dataflow analysis over the program, bounded by JAX's
+varying-axes types: the types alone would not do, since a unit's all-gather is typed
+varying on purpose (so that its transpose is a reduce-scatter), yet every device holds
+the same gathered parameter. A value varies over an axis when the type says it may and
+something it is computed from does: the batch and the local shards do, a tiled
+all-gather makes its input equal over the gathered axes, and a loop's carry varies
+where any iteration makes it vary.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from funshard import _jax_compat, errors
+from funshard.comm._lowering import PRESENT_SCOPE
 
 # Primitives that exchange data between devices (jax.lax's parallel operators, in their
 # jax 0.10 names). `axis_index` and the varying-type casts move nothing.
@@ -83,36 +92,144 @@ def _collectives(jaxpr: Any) -> Iterator[Any]:
             yield from _collectives(sub)
 
 
-def _branching(eqn: Any) -> tuple[_Branching | None, list[Any]]:
-    """(what varies, the jaxprs it guards) for a cond or while equation, else (None, [])."""
+# Primitives whose output may differ between devices although their inputs do not: the
+# analysis takes their type as it is.
+_DEVICE_DEPENDENT = (_COMMUNICATING - {"all_gather"}) | {"axis_index"}
+
+Variation = dict  # a jaxpr variable -> the mesh axes its value varies over
+
+
+def _axes_in(env: Variation, var: Any) -> frozenset[str]:
+    if hasattr(var, "val"):  # a literal: the same everywhere
+        return frozenset()
+    return env.get(var, _jax_compat.aval_varying_axes(var.aval))
+
+
+def _jaxpr_of(value: Any) -> Any:
+    return getattr(value, "jaxpr", value)
+
+
+def _loop_carry(body: Any, fixed: list, carry: list, extra: list | None = None) -> list:
+    """The axes a loop's carry varies over after any number of iterations of `body`
+    (inputs: `fixed`, the carry, then `extra`; outputs start with the new carry)."""
+    while True:
+        outs = _outputs(body, [*fixed, *carry, *(extra or [])])
+        grown = [c | o for c, o in zip(carry, outs, strict=False)]
+        if grown == carry:
+            return carry
+        carry = grown
+
+
+def _sub_inputs(eqn: Any, env: Variation) -> list[tuple[Any, list | None]]:
+    """Each jaxpr nested in `eqn` with the axes its inputs vary over (None: their types)."""
+    ins = [_axes_in(env, v) for v in eqn.invars]
+    name, p = eqn.primitive.name, eqn.params
+    if name == "cond":
+        return [(_jaxpr_of(b), ins[1:]) for b in p["branches"]]
+    if name == "while":
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cond, body = _jaxpr_of(p["cond_jaxpr"]), _jaxpr_of(p["body_jaxpr"])
+        carry = _loop_carry(body, ins[nc : nc + nb], ins[nc + nb :])
+        return [(cond, [*ins[:nc], *carry]), (body, [*ins[nc : nc + nb], *carry])]
+    if name == "scan":
+        consts, ncarry = p["num_consts"], p["num_carry"]
+        body = _jaxpr_of(p["jaxpr"])
+        xs = ins[consts + ncarry :]
+        carry = _loop_carry(body, ins[:consts], ins[consts : consts + ncarry], xs)
+        return [(body, [*ins[:consts], *carry, *xs])]
+    subs = list(sub_jaxprs(eqn))
+    if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
+        return [(subs[0], ins)]  # a call: pjit, custom_vjp / custom_jvp, checkpoint
+    return [(sub, None) for sub in subs]
+
+
+def _outputs(jaxpr: Any, ins: list | None) -> list[frozenset[str]]:
+    """The axes the outputs of `jaxpr` vary over, given its inputs' (None: their types)."""
+    env = _variation(jaxpr, ins)
+    return [_axes_in(env, v) for v in jaxpr.outvars]
+
+
+def _variation(jaxpr: Any, ins: list | None) -> Variation:
+    """The axes each variable of `jaxpr` varies over (its nested jaxprs' excluded)."""
+    env: Variation = {}
+    if ins is not None:
+        env.update(zip(jaxpr.invars, ins, strict=True))
+    for eqn in jaxpr.eqns:
+        for var, axes in zip(eqn.outvars, _equation_outputs(eqn, env), strict=True):
+            env[var] = axes & _jax_compat.aval_varying_axes(var.aval)
+    return env
+
+
+def _equation_outputs(eqn: Any, env: Variation) -> list[frozenset[str]]:
+    name = eqn.primitive.name
+    ins = [_axes_in(env, v) for v in eqn.invars]
+    typed = [_jax_compat.aval_varying_axes(v.aval) for v in eqn.outvars]
+    if name in _DEVICE_DEPENDENT or "callback" in name:
+        return typed
+    if name == "all_gather":
+        if eqn.params.get("axis_index_groups") is not None:
+            return typed
+        return [ins[0] - _axes_of(eqn)]
+    subs = _sub_inputs(eqn, env)
+    if not subs:  # computed from its inputs alone
+        return [frozenset().union(*ins)] * len(eqn.outvars)
+    if name == "cond":  # either branch's outputs, chosen by the predicate
+        branches = [_outputs(sub, sub_ins) for sub, sub_ins in subs]
+        return [_predicate(eqn, env).union(*column) for column in zip(*branches, strict=True)]
+    if name == "while":
+        cond, body = subs
+        carry = body[1][eqn.params["body_nconsts"] :]
+        return [c | _outputs(*cond)[0] for c in carry]  # the trip count chooses the carry
+    if name == "scan":  # the carry after any iteration, then each iteration's ys
+        consts, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+        body, body_ins = subs[0]
+        return body_ins[consts : consts + ncarry] + _outputs(body, body_ins)[ncarry:]
+    if len(subs) == 1 and subs[0][1] is not None:
+        outs = _outputs(*subs[0])
+        if len(outs) == len(eqn.outvars):
+            return outs
+    return typed
+
+
+def _predicate(eqn: Any, env: Variation) -> frozenset[str]:
+    """The axes a cond's predicate varies over (none for funshard's own always-true
+    predicates, which read the device's index)."""
+    if PRESENT_SCOPE in str(eqn.source_info.name_stack):
+        return frozenset()
+    return _axes_in(env, eqn.invars[0])
+
+
+def _branching(eqn: Any, env: Variation) -> tuple[_Branching | None, list[tuple[Any, list]]]:
+    """(what varies, the jaxprs it guards with their inputs' axes) for a cond or while
+    equation, else (None, [])."""
     name = eqn.primitive.name
     if name == "cond":
-        axes = _jax_compat.aval_varying_axes(eqn.invars[0].aval)
-        guarded = [b.jaxpr for b in eqn.params["branches"]]
+        axes = _predicate(eqn, env)
         kind = "lax.cond / lax.switch"
     elif name == "while":
-        cond = eqn.params["cond_jaxpr"].jaxpr
-        axes = _jax_compat.aval_varying_axes(cond.outvars[0].aval)
-        guarded = [cond, eqn.params["body_jaxpr"].jaxpr]
+        axes = _outputs(*_sub_inputs(eqn, env)[0])[0]
         kind = "lax.while_loop"
     else:
         return None, []
     if not axes:
         return None, []
-    return _Branching(kind, frozenset(axes), _jax_compat.source_line(eqn)), guarded
+    return _Branching(kind, frozenset(axes), _jax_compat.source_line(eqn)), _sub_inputs(eqn, env)
 
 
-def _first_conflict(jaxpr: Any) -> tuple[_Branching, list[Any]] | None:
+def _first_conflict(jaxpr: Any, ins: list | None = None) -> tuple[_Branching, list[Any]] | None:
     """The first control flow that guards collectives over an axis its predicate varies
     over, with those collectives; None if there is none."""
+    env = _variation(jaxpr, ins)
     for eqn in jaxpr.eqns:
-        branching, guarded = _branching(eqn)
+        branching, guarded = _branching(eqn, env)
         if branching is not None:
-            hits = [c for sub in guarded for c in _collectives(sub) if _axes_of(c) & branching.axes]
+            hits = [
+                c for sub, _ in guarded for c in _collectives(sub) if _axes_of(c) & branching.axes
+            ]
             if hits:
                 return branching, hits
-        for sub in sub_jaxprs(eqn):
-            found = _first_conflict(sub)
+        for sub, sub_ins in _sub_inputs(eqn, env):
+            found = _first_conflict(sub, sub_ins)
             if found is not None:
                 return found
     return None
