@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import linecache
 import sys
 import types
 from collections.abc import Callable
@@ -42,6 +43,38 @@ def calling_frame(depth: int = 1) -> types.FrameType:
     calling `calling_frame()` gets the frame of the code that read the property.
     """
     return sys._getframe(depth + 1)
+
+
+def user_frame(frame: types.FrameType | None, libraries: frozenset[str]) -> types.FrameType | None:
+    """The innermost frame from `frame` outward whose module's top-level package is not
+    one of `libraries` (the code that called into them); None if there is none."""
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in libraries:
+        frame = frame.f_back
+    return frame
+
+
+def executing_source(frame: types.FrameType) -> str | None:
+    """The source text of the expression `frame` is executing, or None without source.
+
+    Uses PEP 657's positions (`code.co_positions()`, one entry per 2-byte code unit,
+    inline caches included, columns in UTF-8 bytes) at `frame.f_lasti`, and the file's
+    lines from `linecache`, as tracebacks do for their carets. Guarded by
+    tests/test_obscure_errors.py.
+    """
+    positions = list(frame.f_code.co_positions())
+    index = frame.f_lasti // 2
+    if not 0 <= index < len(positions):
+        return None
+    start, end, col, end_col = positions[index]
+    if start is None or end is None or col is None or end_col is None:
+        return None
+    lines = linecache.getlines(frame.f_code.co_filename, frame.f_globals)[start - 1 : end]
+    if len(lines) != end - start + 1:
+        return None  # no source (an interactive session, exec of a string)
+    raw = [line.encode() for line in lines]
+    raw[-1] = raw[-1][:end_col]
+    raw[0] = raw[0][col:]
+    return b"".join(raw).decode(errors="replace")
 
 
 def thread_position(ident: int | None) -> tuple[int, int, types.CodeType] | None:

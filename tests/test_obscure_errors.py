@@ -193,6 +193,55 @@ def test_string_leaf_reaching_a_wrapped_optimizer_is_named(make):
     _assert_close(fs.unshard(updates), want)
 
 
+def _embedding_loss(state, tokens):
+    return jnp.mean(state["embed"][tokens] ** 2)
+
+
+@pytest.mark.parametrize("where", ["step", "jit", "eager"])
+def test_indexing_a_sharded_leaf_names_the_expression_the_function_and_the_fix(where):
+    # The refusal named neither the leaf nor the code: "fs.Sharded leaf of shape (10, 4)
+    # and dtype float32 is a sharded parameter ...; call fs.unshard(state) ... first."
+    params = {"embed": jax.random.normal(jax.random.key(0), (10, 4))}
+    state, tokens = fs.shard(params, mesh_for("8")), jnp.arange(8) % 10
+    run = {
+        "step": fs.value_and_grad(_embedding_loss),
+        "jit": jax.jit(_embedding_loss),
+        "eager": _embedding_loss,
+    }[where]
+    with pytest.raises(errors.ShardingTypeError) as info:
+        run(state, tokens)
+    msg = str(info.value)
+    assert msg.startswith("indexing an fs.Sharded leaf of shape (10, 4) and dtype float32: ")
+    assert "`state['embed'][tokens]` in _embedding_loss (" in msg
+    assert "test_obscure_errors.py:" in msg and "reads `state['embed']`" in msg
+    assert "Gather it first: `fs.unshard(state['embed'])[tokens]`" in msg
+    # The fix it shows gives plain JAX's numbers.
+    fixed = fs.value_and_grad(lambda s, t: jnp.mean(fs.unshard(s["embed"])[t] ** 2))
+    loss, grads = fixed(state, tokens)
+    want_loss, want = jax.value_and_grad(_embedding_loss)(params, tokens)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
+
+
+def test_a_sharded_leaf_in_a_jnp_function_or_operator_is_found_among_its_arguments():
+    state = fs.shard({"w": jnp.ones((10, 4))}, mesh_for("8"))
+    x = jnp.ones((2, 10))
+    with pytest.raises(errors.ShardingTypeError) as info:
+        jnp.take(state["w"], jnp.arange(3), axis=0)
+    msg = str(info.value)
+    assert msg.startswith("converting an fs.Sharded leaf of shape (10, 4) and dtype float32 ")
+    assert "`jnp.take(fs.unshard(state['w']), jnp.arange(3), axis=0)`" in msg
+    with pytest.raises(errors.ShardingTypeError, match=r"`x @ fs\.unshard\(state\['w'\]\)`"):
+        x @ state["w"]
+    # Two leaves of one layout in one call: which one refused is not guessed.
+    pair = fs.shard({"a": jnp.ones((8, 4)), "b": jnp.ones((8, 4))}, mesh_for("8"))
+    with pytest.raises(errors.ShardingTypeError) as info:
+        jnp.add(pair["a"], pair["b"])
+    msg = str(info.value)
+    assert "`jnp.add(pair['a'], pair['b'])` in " in msg and "uses it" in msg
+    assert "pass fs.unshard(leaf) instead" in msg
+
+
 def test_unshard_of_data_that_is_not_the_layout_names_the_leaf():
     import dataclasses
 
@@ -203,6 +252,57 @@ def test_unshard_of_data_that_is_not_the_layout_names_the_leaf():
         match=r"unshard: leaf \['w1'\] holds data of shape \(3, 5\).*\(16, 4\)",
     ):
         fs.unshard({"w1": broken})
+
+
+# ---- torch_frontend: model.to(dtype) after fully_shard -----------------------------------
+
+
+def _conv_model(torch):
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(24, 2))
+
+
+@pytest.mark.torch
+def test_torch_to_float64_after_fully_shard_as_fsdp2_and_conv_errors_get_the_note():
+    # FSDP2 converts the shards and computes in float64; float32 inputs then fail inside
+    # torch. Conv's wording ("Input type (float) and bias type (double) should be the
+    # same") has no "dtype" in it, and got no note saying what changed.
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    import torch_frontend as tf
+
+    tf.init_distributed()
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(1))
+    plain = _conv_model(torch).to(torch.float64)
+    runs = {}
+    for name, shard in (("fsdp2", fsdp2_shard), ("ours", tf.fully_shard)):
+        model = _conv_model(torch)
+        shard(model[0], mesh=mesh)
+        shard(model, mesh=mesh)
+        model.to(torch.float64)
+        with pytest.raises(RuntimeError) as info:
+            model(x)
+        runs[name] = model, info.value
+    (theirs, their_error), (ours, our_error) = runs["fsdp2"], runs["ours"]
+    assert str(our_error) == str(their_error)  # FSDP2's type and text
+    assert "bias type (double)" in str(our_error)
+    assert not getattr(their_error, "__notes__", None)
+    note = " ".join(our_error.__notes__)
+    assert "parameter '0.weight' (and others) became torch.float64 after fully_shard" in note
+    assert "Cast the inputs to torch.float64" in note
+    # Inputs in float64 train as FSDP2 and plain torch do.
+    for model in (plain, theirs, ours):
+        model(x.double()).pow(2).mean().backward()
+    for (name, p), q, r in zip(
+        ours.named_parameters(), theirs.parameters(), plain.parameters(), strict=True
+    ):
+        assert p.dtype == torch.float64, name
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=0, atol=0)
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=0, atol=1e-12)
 
 
 # ---- Flax -------------------------------------------------------------------------------
@@ -234,6 +334,37 @@ def test_linen_module_applied_to_sharded_params_it_does_not_gather():
     )
     want_loss, want = jax.value_and_grad(lambda p, x: jnp.mean(dense.apply({"params": p}, x) ** 2))(
         variables["params"], X
+    )
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
+
+
+@pytest.mark.parametrize(
+    ("features", "inputs", "mesh_name", "in_step"),
+    [(3, 8, "8", False), (8, 16, "8", False), (3, 4, "1", False), (3, 4, "1", True)],
+)
+def test_linen_module_on_sharded_params_whose_shape_passes_linens_check(
+    features, inputs, mesh_name, in_step
+):
+    # The padded global array of an even leaf (or any leaf on one device) has the
+    # parameter's shape: linen's check passed and the module's math refused the leaf
+    # with an error naming neither the module nor the parameter.
+    dense, x = nn.Dense(features), jax.random.normal(jax.random.key(7), (8, inputs))
+    variables = dense.init(jax.random.key(0), x)
+    params = fs.shard(variables["params"], mesh_for(mesh_name))
+    apply = lambda p, x: jnp.mean(dense.apply({"params": p}, x) ** 2)  # noqa: E731
+    with pytest.raises(errors.ShardingTypeError) as info:
+        fs.value_and_grad(apply)(params, x) if in_step else apply(params, x)
+    msg = str(info.value)
+    assert msg.startswith("linen: the module at scope '/' read its parameter 'kernel' as an ")
+    assert f"fs.Sharded leaf of shape {(inputs, features)}" in msg
+    assert "fs.flax.fully_shard(nn.Dense)" in msg and "fs.unshard(params)" in msg
+    # Both fixes the message gives compute plain linen's numbers.
+    want_loss, want = jax.value_and_grad(apply)(variables["params"], x)
+    np.testing.assert_allclose(apply(fs.unshard(params), x), want_loss, rtol=1e-6)
+    unit = fs.flax.fully_shard(nn.Dense)(features)
+    loss, grads = fs.value_and_grad(lambda p, x: jnp.mean(unit.apply({"params": p}, x) ** 2))(
+        params, x
     )
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     _assert_close(fs.unshard(grads), want)

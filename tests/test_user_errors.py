@@ -13,8 +13,6 @@ from conftest import mesh_for
 
 import funshard as fs
 
-UNSHARD_HINT = "call fs.unshard(state)"
-
 
 @pytest.fixture(scope="module")
 def state():
@@ -89,17 +87,39 @@ def _user_code(state):
     }
 
 
+# (how the message starts, the user's expression, the fix it shows or None): the
+# expression and the fix are the user's own code, read from its source line.
+_CONVERTS, _LEAF = "converting an fs.Sharded leaf", " of shape (13, 32) and dtype float32"
+_REFUSALS = {
+    "jnp.asarray": (_CONVERTS, "`jnp.asarray(w)` in ", "`jnp.asarray(fs.unshard(w))`"),
+    "np.asarray": (_CONVERTS, "`np.asarray(w)` in ", "`np.asarray(fs.unshard(w))`"),
+    "jnp.dot": (_CONVERTS, "`jnp.dot(x, w)` in ", "`jnp.dot(x, fs.unshard(w))`"),
+    "x @ w (jax)": (_CONVERTS, "`x @ w` in ", "`x @ fs.unshard(w)`"),
+    "x @ w (numpy)": ("operator @ on an fs.Sharded leaf", "@ w` in ", "@ fs.unshard(w)`"),
+    "w + 1": ("operator + on an fs.Sharded leaf", "`w + 1` in ", "`fs.unshard(w) + 1`"),
+    "1.0 * w": ("operator * on an fs.Sharded leaf", "`1.0 * w` in ", "`1.0 * fs.unshard(w)`"),
+    "-w": ("operator - on an fs.Sharded leaf", "`-w` in ", "`-fs.unshard(w)`"),
+    "w[0]": ("indexing an fs.Sharded leaf", "`w[0]` in ", "`fs.unshard(w)[0]`"),
+    "for row in w": ("iterating over an fs.Sharded leaf", "`list(w)` in ", "`list(fs.unshard(w))`"),
+    "apply on the state": (_CONVERTS, "`h @ p['w']` in mlp_layer (", "`h @ fs.unshard(p['w'])`"),
+    "apply under jit": (_CONVERTS, "`h @ p['w']` in mlp_layer (", "`h @ fs.unshard(p['w'])`"),
+}
+
+
 @pytest.mark.parametrize("how", list(_user_code({"layers": [{"w": None}]})))
-def test_sharded_leaf_in_user_code_says_call_unshard(state, how):
+def test_sharded_leaf_in_user_code_names_the_expression_and_the_fix(state, how):
     with pytest.raises(TypeError) as info:
         _user_code(state)[how]()
     msg = str(info.value)
-    assert msg.startswith("fs.Sharded leaf of shape (13, 32) and dtype float32")
-    assert UNSHARD_HINT in msg and "fs.fully_shard" in msg
+    start, expression, fix = _REFUSALS[how]
+    assert msg.startswith(start + _LEAF) or msg.startswith(start.replace(" leaf", _LEAF)), msg
+    assert expression in msg, msg
+    assert fix is None or fix in msg, msg
+    assert "fs.unshard(state) once for the whole state" in msg and "fs.fully_shard" in msg
 
 
 def test_refusals_stop_user_math_but_not_the_pytree_machinery(state):
-    with pytest.raises(TypeError, match="call fs.unshard"):
+    with pytest.raises(TypeError, match=r"`jnp\.asarray\(fs\.unshard\(state\['layers'\]"):
         jnp.asarray(state["layers"][1]["b"])
     # jax's own flattening, jit and tree maps reach the data, never the refusals.
     doubled = jax.jit(lambda s: jax.tree.map(lambda a: 2 * a, s))(state)

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from funshard import comm, errors
-from torch_frontend import _bridge, _distributed, _param, _state_dict
+from torch_frontend import _bridge, _distributed, _param, _state_dict, _tree
 from torch_frontend._group import FSDPParamGroup, module_params
 from torch_frontend._param import FSDPParam, ShardSpec
 from torch_frontend._policy import MixedPrecisionPolicy
@@ -70,7 +70,7 @@ class FSDPModule(_ModuleBase):
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeError as exc:
-            _note_converted_dtype(self, exc)
+            _note_converted_dtype(self, exc, (args, kwargs))
             raise
 
     def _get_fsdp_state(self) -> FSDPState:
@@ -242,22 +242,31 @@ def _deepcopy_message(module: nn.Module) -> str:
 _DTYPE_WORDS = ("dtype", "scalar type")
 
 
-def _note_converted_dtype(module: nn.Module, exc: RuntimeError) -> None:
+def _note_converted_dtype(module: nn.Module, exc: RuntimeError, inputs: Any) -> None:
     """Adds a note to a dtype mismatch caused by converting parameters after fully_shard.
 
     `model.to(torch.float64)` after `fully_shard` converts the shards (as FSDP2's
     does), so the forward computes in float64 and float32 inputs fail inside torch
-    (`mat1 and mat2 must have the same dtype`) without a word about why. The
-    exception keeps its type and text (FSDP2's); the note says what changed.
+    (`mat1 and mat2 must have the same dtype`, `Input type (float) and bias type
+    (double) should be the same`) without a word about why. The exception keeps its
+    type and text (FSDP2's); the note says what changed. It is added when the error
+    speaks of dtypes or when a floating-point input differs from the dtype the
+    converted parameters compute in (torch's wording varies by operator).
     """
-    noted = any(n.startswith(_NOTE_START) for n in getattr(exc, "__notes__", ()))
-    if noted or not any(w in str(exc) for w in _DTYPE_WORDS):  # an inner module noted it
-        return
+    if any(n.startswith(_NOTE_START) for n in getattr(exc, "__notes__", ())):
+        return  # an inner module noted it
     state = get_module_fsdp_state(module)
     states = [state, *state._state_ctx.all_states] if state is not None else []
-    for param in (p for s in states for p in s._fsdp_param_group.fsdp_params):
-        if param.dtype != param.orig_dtype:
-            exc.add_note(_converted_dtype(param._param_fqn, param.orig_dtype, param.dtype))
+    for group in (s._fsdp_param_group for s in states):
+        for param in group.fsdp_params:
+            if param.dtype == param.orig_dtype:
+                continue
+            computes_in = group.param_dtype(param)
+            mismatched = any(
+                t.is_floating_point() and t.dtype != computes_in for t in _tree.tensors(inputs)
+            )
+            if mismatched or any(w in str(exc) for w in _DTYPE_WORDS):
+                exc.add_note(_converted_dtype(param._param_fqn, param.orig_dtype, param.dtype))
             return
 
 

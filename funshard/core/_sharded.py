@@ -9,17 +9,21 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from funshard import comm, errors
+from funshard import _py_compat, comm, errors
 from funshard._custom_vjp import is_array as is_array
+from funshard.core import _misuse
 from funshard.core._policy import MixedPrecisionPolicy
 
 
-def _sharded_in_user_code(shape, dtype) -> str:
-    return (
-        f"fs.Sharded leaf of shape {tuple(shape)} and dtype {dtype} is a sharded "
-        "parameter (each device holds only its own rows); call fs.unshard(state) (or use "
-        "an fs.fully_shard unit) to get the full array first."
-    )
+def _refusal(method: str):
+    """A special method that refuses a `Sharded` leaf used as an array, naming where."""
+
+    def refuse(self, *args, **kwargs):
+        frame = _py_compat.calling_frame()
+        raise errors.ShardingTypeError(_misuse.message(method, self, frame))
+
+    refuse.__name__ = method
+    return refuse
 
 
 @jax.tree_util.register_dataclass
@@ -109,19 +113,22 @@ class Sharded(comm.LayoutFacts):
             fields.append(f"mp_policy={self.mp_policy}")
         return f"Sharded({', '.join(fields)})"
 
-    def _refuse(self, *args, **kwargs):
-        # A Sharded leaf in user math is a forgotten fs.unshard; refuse instead of
-        # letting jnp / numpy compute on the padded local rows or an object array.
-        raise errors.ShardingTypeError(_sharded_in_user_code(self.shape, self.dtype))
-
-    # numpy defers binary operators to the reflected methods below instead of
-    # converting this object through __array__.
+    # numpy defers binary operators to the reflected methods (`_REFUSED`, below) instead
+    # of converting this object through __array__.
     __array_ufunc__ = None
-    __jax_array__ = __array__ = __getitem__ = __iter__ = _refuse
-    __neg__ = __pos__ = __abs__ = __invert__ = _refuse
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
-    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _refuse
-    __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _refuse
+
+
+# A Sharded leaf in user math is a forgotten fs.unshard; refuse instead of letting jnp /
+# numpy compute on the padded local rows or an object array.
+_REFUSED = (
+    "__jax_array__", "__array__", "__getitem__", "__iter__",
+    "__neg__", "__pos__", "__abs__", "__invert__",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+    "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__",
+    "__mod__", "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__",
+)  # fmt: skip
+for _method in _REFUSED:
+    setattr(Sharded, _method, _refusal(_method))
 
 
 def _sharded_deleted(shape, dtype) -> str:

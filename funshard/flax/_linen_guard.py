@@ -7,8 +7,10 @@ the padded array (or, inside a step, this device's block), so linen raised
 `ScopeParamShapeError: ... expected (4, 3) but received (1, 3)`, which names neither
 funshard nor the fix. `install` wraps `Scope.param` once, when `funshard.flax` is
 imported, to raise a `ShardingTypeError` instead when the mismatched value is a
-`Sharded` leaf. Every other path (matching shapes, other values, other errors) is
-linen's own, unchanged; the wrapper adds one Python call per parameter read at trace
+`Sharded` leaf, and also when the shapes match (an even leaf outside a step, any
+leaf on a one-device mesh), where the module's math would refuse the leaf without
+naming the module. Every other path (other values, other errors) is linen's own,
+unchanged; the wrapper adds one Python call per parameter read at trace
 time, nothing to the compiled program.
 """
 
@@ -37,28 +39,40 @@ def _unmarked_module_error(path_text: str, name: str, leaf: fs.Sharded) -> str:
     )
 
 
+def _sharded_in(value) -> fs.Sharded | None:
+    """The first `fs.Sharded` leaf in a stored parameter (boxed in linen metadata or not)."""
+    leaves = jax.tree.leaves(
+        value, is_leaf=lambda x: isinstance(x, (fs.Sharded, meta.AxisMetadata))
+    )
+    for x in leaves:
+        boxed = getattr(x, "value", None) if isinstance(x, meta.AxisMetadata) else x
+        if isinstance(boxed, fs.Sharded):
+            return boxed
+    return None
+
+
 def _guarded(param):
     @functools.wraps(param)
     def guarded(self, name, init_fn, *init_args, **init_kwargs):
         try:
-            return param(self, name, init_fn, *init_args, **init_kwargs)
+            value = param(self, name, init_fn, *init_args, **init_kwargs)
         except flax_errors.ScopeParamShapeError as exc:
-            value = self.get_variable("params", name) if self.has_variable("params", name) else None
-            leaves = jax.tree.leaves(
-                value, is_leaf=lambda x: isinstance(x, (fs.Sharded, meta.AxisMetadata))
+            stored = (
+                self.get_variable("params", name) if self.has_variable("params", name) else None
             )
-            found = [x for x in leaves if isinstance(x, fs.Sharded)]
-            found += [
-                boxed
-                for x in leaves
-                if isinstance(x, meta.AxisMetadata)
-                and isinstance(boxed := getattr(x, "value", None), fs.Sharded)
-            ]
-            if not found:
+            found = _sharded_in(stored)
+            if found is None:
                 raise
             raise errors.ShardingTypeError(
-                _unmarked_module_error(self.path_text, name, found[0])
+                _unmarked_module_error(self.path_text, name, found)
             ) from exc
+        # A leaf whose padded (or, inside a step, local) shape equals its logical one
+        # passes linen's shape check; the module's math would then refuse it without
+        # naming the module (every even leaf outside a step, any leaf on one device).
+        found = _sharded_in(value)
+        if found is not None:
+            raise errors.ShardingTypeError(_unmarked_module_error(self.path_text, name, found))
+        return value
 
     setattr(guarded, _WRAPPED, True)
     return guarded
