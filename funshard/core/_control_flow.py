@@ -177,12 +177,14 @@ def _equation_outputs(eqn: Any, env: Variation) -> list[frozenset[str]]:
         branches = [_outputs(sub, sub_ins) for sub, sub_ins in subs]
         return [_predicate(eqn, env).union(*column) for column in zip(*branches, strict=True)]
     if name == "while":
-        cond, body = subs
-        carry = body[1][eqn.params["body_nconsts"] :]
+        cond, (_, body_ins) = subs
+        assert body_ins is not None, "a while loop's inputs are analysed"
+        carry = body_ins[eqn.params["body_nconsts"] :]
         return [c | _outputs(*cond)[0] for c in carry]  # the trip count chooses the carry
     if name == "scan":  # the carry after any iteration, then each iteration's ys
         consts, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
         body, body_ins = subs[0]
+        assert body_ins is not None, "a scan's inputs are analysed"
         return body_ins[consts : consts + ncarry] + _outputs(body, body_ins)[ncarry:]
     if len(subs) == 1 and subs[0][1] is not None:
         outs = _outputs(*subs[0])
@@ -199,7 +201,7 @@ def _predicate(eqn: Any, env: Variation) -> frozenset[str]:
     return _axes_in(env, eqn.invars[0])
 
 
-def _branching(eqn: Any, env: Variation) -> tuple[_Branching | None, list[tuple[Any, list]]]:
+def _branching(eqn: Any, env: Variation) -> tuple[_Branching | None, list[tuple[Any, list | None]]]:
     """(what varies, the jaxprs it guards with their inputs' axes) for a cond or while
     equation, else (None, [])."""
     name = eqn.primitive.name

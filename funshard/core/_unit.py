@@ -440,7 +440,9 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
             last = gather_layer(datas, layers - 1, dependency_of(ct))
         else:
             last = tuple(jnp.zeros(leaf.shape, leaf.gather_dtype) for leaf in layout.leaves)
-        zeros = tuple(comm.vary(jnp.zeros_like(k), _jax_compat.varying_axes(k)) for k in consts)
+        zeros = tuple(
+            comm.vary(jnp.zeros_like(k), sorted(_jax_compat.varying_axes(k))) for k in consts
+        )
         (ct_carry, _, ct_consts), (ct_datas, ct_others) = jax.lax.scan(
             body, (ct_carry, last, zeros), (jnp.arange(layers), kept, ct_ys), reverse=True
         )
