@@ -105,6 +105,18 @@ def _recorded_equations(trace: Any) -> list[Any]:
     return [eqn for eqn in entries if eqn is not None]
 
 
+def scan_counts(params: Any) -> tuple[int, int]:
+    """(consts, carries) among the operands of a `lax.scan` equation with `params`.
+
+    jax 0.10 records them as `num_consts` / `num_carry`; jax 0.12 as `ft_in`, a flat
+    tree of the three groups (consts, carry, xs).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts.vals), len(carry.vals)
+
+
 def vjp_residuals(vjp_fn: Callable) -> tuple[list, Any]:
     """The residual arrays a `jax.vjp` function holds, and the structure to rebuild it.
 

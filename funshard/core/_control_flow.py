@@ -132,7 +132,7 @@ def _sub_inputs(eqn: Any, env: Variation) -> list[tuple[Any, list | None]]:
         carry = _loop_carry(body, ins[nc : nc + nb], ins[nc + nb :])
         return [(cond, [*ins[:nc], *carry]), (body, [*ins[nc : nc + nb], *carry])]
     if name == "scan":
-        consts, ncarry = p["num_consts"], p["num_carry"]
+        consts, ncarry = _jax_compat.scan_counts(p)
         body = _jaxpr_of(p["jaxpr"])
         xs = ins[consts + ncarry :]
         carry = _loop_carry(body, ins[:consts], ins[consts : consts + ncarry], xs)
@@ -182,7 +182,7 @@ def _equation_outputs(eqn: Any, env: Variation) -> list[frozenset[str]]:
         carry = body_ins[eqn.params["body_nconsts"] :]
         return [c | _outputs(*cond)[0] for c in carry]  # the trip count chooses the carry
     if name == "scan":  # the carry after any iteration, then each iteration's ys
-        consts, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, ncarry = _jax_compat.scan_counts(eqn.params)
         body, body_ins = subs[0]
         assert body_ins is not None, "a scan's inputs are analysed"
         return body_ins[consts : consts + ncarry] + _outputs(body, body_ins)[ncarry:]
