@@ -307,6 +307,46 @@ def test_lax_scan_requires_a_stacked_state():
         fs.lax_scan(_pair_block, _x(), state)
 
 
+def test_jax_lax_scan_over_a_stack_names_fs_lax_scan():
+    """jax.lax.scan slices a stacked leaf but cannot gather it: the refusal names the
+    scans that gather it layer by layer, and following it gives plain JAX's numbers
+    with less memory than the whole-stack fs.unshard it warns about."""
+    stack = _stack(_layers())
+    state = fs.shard(stack, mesh_for("8"), stacked=True)
+    x = jax.random.normal(jax.random.key(5), (256, WIDTH))
+
+    def loss(scan):
+        return lambda s, h: jnp.mean(scan(_pair_block, h, s)[0] ** 2)
+
+    with pytest.raises(fs.errors.ShardingTypeError) as info:
+        jax.jit(fs.value_and_grad(loss(jax.lax.scan)))(state, x)
+    message = str(info.value)
+    for fragment in (
+        "h @ p['w']",  # the user's expression, from _layer
+        "a stack of layers (fs.shard(..., stacked=True))",
+        "fs.lax_scan(f, init, xs), which takes jax.lax.scan's arguments",
+        "fs.scan(fn, stacked, carry)",
+        "gathers the whole stack at once",
+    ):
+        assert fragment in message, (fragment, message)
+    # A leaf sharded on dim 0 gets the leaf's own fix, with nothing about stacks.
+    one_layer = fs.shard(_layers()[0], mesh_for("8"))
+    with pytest.raises(fs.errors.ShardingTypeError) as info:
+        jax.jit(fs.value_and_grad(lambda p, h: jnp.mean(_layer(p, h))))(one_layer, x)
+    assert "fs.unshard(p['w'])" in str(info.value) and "lax_scan" not in str(info.value)
+
+    got, grads = jax.jit(fs.value_and_grad(loss(fs.lax_scan)))(state, x)
+    want, want_grads = jax.value_and_grad(loss(jax.lax.scan))(stack, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(fs.unshard(grads)["w"], want_grads["w"], atol=1e-6, rtol=1e-5)
+    whole = lambda s, h: loss(jax.lax.scan)(fs.unshard(s), h)  # noqa: E731
+    temp = {
+        name: compiled(fs.value_and_grad(f), state, x)[0].memory_analysis().temp_size_in_bytes
+        for name, f in (("lax_scan", loss(fs.lax_scan)), ("unshard", whole))
+    }
+    assert temp["lax_scan"] < temp["unshard"], temp
+
+
 def test_lax_scan_integer_outputs_and_inputs_under_bf16_params():
     # Integer per-layer outputs (argmax-like routing) and inputs (layer ids) have no
     # gradient; a floating per-layer input that varies with the batch meets bf16 compute.

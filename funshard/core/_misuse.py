@@ -125,16 +125,32 @@ def _where(frame: types.FrameType) -> str:
     return f"{name} ({code.co_filename}:{frame.f_lineno})"
 
 
+_TAIL = (
+    "each device holds only its own rows of it. Gather it first: {fix} (or "
+    "fs.unshard(state) once for the whole state, or an fs.fully_shard unit, which "
+    "gathers its own parameters)."
+)
+# A stacked leaf (`fs.shard(..., stacked=True)`) is most often met in the body of a
+# `jax.lax.scan` over the stack, which slices its data but keeps its stack metadata: the
+# leaf-level fix (`fs.unshard` of the slice) cannot work there, so none is shown, and
+# `fs.unshard` of the stack before the scan gathers every layer at once.
+_STACK_TAIL = (
+    "it is a stack of layers (fs.shard(..., stacked=True)), and each device holds only "
+    "its own rows of every layer. To run the layers, scan the stack with "
+    "fs.lax_scan(f, init, xs), which takes jax.lax.scan's arguments, or with "
+    "fs.scan(fn, stacked, carry): they gather one layer at a time (the next one "
+    "prefetched) and reduce-scatter each layer's gradient. jax.lax.scan slices the stack "
+    "but cannot gather a slice of it; fs.unshard(state) before the scan runs, but "
+    "gathers the whole stack at once."
+)
+
+
 def message(method: str, sharded: Any, frame: types.FrameType | None) -> str:
     """The refusal of `method` on the leaf `sharded`, called from `frame` outward."""
     shape, dtype = tuple(sharded.shape), np.dtype(sharded.dtype).name
     leaf = f"an fs.Sharded leaf of shape {shape} and dtype {dtype}"
     what = operation(method).format(leaf=leaf)
-    tail = (
-        "each device holds only its own rows of it. Gather it first: {fix} (or "
-        "fs.unshard(state) once for the whole state, or an fs.fully_shard unit, which "
-        "gathers its own parameters)."
-    )
+    tail = _STACK_TAIL if getattr(sharded, "dim", 0) == 1 else _TAIL
     user = _py_compat.user_frame(frame, _LIBRARIES) if frame is not None else None
     text = _py_compat.executing_source(user) if user is not None else None
     node = _parsed(text) if text else None
