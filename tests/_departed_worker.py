@@ -7,16 +7,20 @@ model with a jitted funshard step for `--steps` steps (`--leaving-steps` on the 
 can notice the departure (`--count-steps`: and counts its steps with `count_step`).
 With `--extra-unshard R` process R alone calls an eager `fs.unshard` before step 2
 (the others go on training); with `--other-unshard R` every process calls it there, but
-process R on a different tree: different collectives outside a step.
+process R on a different tree: different collectives outside a step. With
+`--sigkill` the leaving process kills itself (SIGKILL) instead of returning; with
+`--no-fail-fast` the processes start with `initialize`'s default `fail_fast=False`.
 
     python tests/_departed_worker.py --steps S --leaving-rank R --leaving-steps K
         [--no-shard-batch [--count-steps]] [--extra-unshard R | --other-unshard R]
+        [--sigkill] [--no-fail-fast] [--shutdown-timeout S]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -41,9 +45,15 @@ def main() -> int:
     parser.add_argument("--count-steps", action="store_true")
     parser.add_argument("--extra-unshard", type=int, default=None)
     parser.add_argument("--other-unshard", type=int, default=None)
+    parser.add_argument("--sigkill", action="store_true")
+    parser.add_argument("--no-fail-fast", action="store_true")
+    parser.add_argument("--shutdown-timeout", type=float, default=300.0)
     args = parser.parse_args()
 
-    mesh = funshard.distributed.initialize(fail_fast=True)  # the tests expect its exits
+    # fail_fast=True unless asked: most tests expect its exits.
+    mesh = funshard.distributed.initialize(
+        fail_fast=not args.no_fail_fast, shutdown_timeout=args.shutdown_timeout
+    )
     rank = jax.process_index()
     state = fs.shard({"w": jnp.ones((16, 16)) / 4}, mesh)
 
@@ -71,6 +81,9 @@ def main() -> int:
             f"rank {rank}: step {i} loss {float(value):.4f} at {time.monotonic() - START:.1f} s",
             flush=True,
         )
+    if args.sigkill and rank == args.leaving_rank:
+        print(f"rank {rank}: SIGKILL at {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     print(f"rank {rank}: returning after {steps} steps", flush=True)
     return 0
 

@@ -14,6 +14,8 @@ class FakeService:
         self.kv: dict[str, str] = {}
 
     def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        if key in self.kv and not allow_overwrite:  # as JAX's: "ALREADY_EXISTS: key ..."
+            raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
         self.kv[key] = value
 
     def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:

@@ -8,6 +8,7 @@ that left and the last step both reached, and the one that left exits 0.
 """
 
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,44 @@ def test_jax_survivor_gives_up_naming_who_left(tmp_path, leaving, shard_batch, c
         assert "departure_timeout=3 s" in text, text
     assert "Terminating process because the JAX distributed service" not in text, text
     assert elapsed < 60, elapsed
+
+
+def test_sigkilled_peer_is_named_at_once_without_fail_fast(tmp_path):
+    # fail_fast=False (the default) and process 1 SIGKILLs itself after 2 steps. Before
+    # the liveness links, process 0 raised gloo's "Connection closed by peer
+    # [127.0.0.1]:PORT", which names no process, then waited shutdown_timeout for a note
+    # ("process 1 posted no note within 20 s"), or JAX aborted it after ~111 s first.
+    # Now it names process 1 within a fraction of a second of the death, funshard does
+    # not end it, and its exit handler names process 1 at once too.
+    port = free_port(pair=True)
+    argv = [sys.executable, str(WORKER), "--steps", "6", "--leaving-rank", "1"]
+    argv += ["--leaving-steps", "2", "--sigkill", "--no-fail-fast", "--no-shard-batch"]
+    argv += ["--shutdown-timeout", "20"]
+    env = {r: rank_env(r, 2, port, FUNSHARD_DEPARTURE_TIMEOUT=str(TIMEOUT_S)) for r in (0, 1)}
+    with launch(tmp_path, {r: (argv, env[r]) for r in (0, 1)}, HARD_CAP_S, True) as job:
+        assert job.procs[1].wait(timeout=HARD_CAP_S) == -signal.SIGKILL, job.log(1)
+        died = time.monotonic()
+        while "at exit: process 1 died" not in job.log(0, "err"):
+            assert time.monotonic() - died < 15, job.log(0)
+            time.sleep(0.05)
+        named_after = time.monotonic() - died
+        time.sleep(0.5)  # funshard ends no process: it is still running, in JAX's barrier
+        running = job.procs[0].poll() is None
+        err, out = job.log(0, "err"), job.log(0, "out")
+    assert running, err
+    assert named_after < TIMEOUT_S, (named_after, err)
+    assert "rank 0: step 1 " in out and "rank 0: step 2 " not in out, out
+    assert "Gloo AllGather failed" in err, err  # the collective failed, naming an address
+    assert (
+        "funshard.distributed: process 0 of 2: process 1 died (it ended without running its "
+        "exit: killed by a signal such as SIGKILL or the out-of-memory killer, or crashed"
+    ) in err, err
+    assert "its start-up connection to this process closed without a goodbye" in err, err
+    assert "heartbeat_timeout=100 s" in err, err
+    assert "funshard.distributed: process 0 of 2 at exit: process 1 died (" in err, err
+    assert "posted no note" not in err, err
+    # The died line comes before anything JAX does at exit (its barrier has not failed).
+    assert "Terminating process" not in err and "Check failure" not in err, err
 
 
 @pytest.mark.slow

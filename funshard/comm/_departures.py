@@ -1,7 +1,8 @@
 """Which processes left the job: their notes in JAX's coordination service, read.
 
 A process of a funshard job posts a note in the coordination service's key-value store
-when it leaves (`funshard/left/<rank>`: how many steps it counted and how it ended).
+when it leaves (`funshard/left/<rank>`: how many steps it counted and how it ended);
+process 0 posts one for a process that died without a word (`Board.post_death`).
 This module is the reading side every layer needs: the cross-process agreement checks
 (`_agreement`, `_state_agreement`), `shard_batch`'s wait, the torch frontend's
 collective futures, and the departure watchdog of `funshard.distributed`, which opens
@@ -51,6 +52,8 @@ class Note:
       kind: what a step is ("shard_batch call", "backward pass", or "step").
       how: how it ended ("returned normally", "raised KeyError", ...).
       barrier: whether it waits in JAX's shutdown barrier (False: it is gone at once).
+      died: posted by process 0 for a process that ended without running its exit
+        (`Board.post_death`); its step is then unknown.
     """
 
     rank: int
@@ -58,6 +61,7 @@ class Note:
     kind: str
     how: str
     barrier: bool
+    died: bool = False
 
     def text(self) -> str:
         """The note as posted: JSON of its fields."""
@@ -79,12 +83,25 @@ def _steps(count: int, kind: str) -> str:
 
 def departure_text(note: Note) -> str:
     """ "process 1 returned normally and left the job after 2 steps (shard_batch calls)"."""
+    if note.died:
+        return (
+            f"process {note.rank} died (it ended without running its exit: killed by a "
+            "signal such as SIGKILL or the out-of-memory killer, or crashed; its own log or "
+            "its launcher says which)"
+        )
     text = f"process {note.rank} {note.how} and left the job"
     return text if note.kind == "step" else f"{text} after {_steps(note.step, note.kind)}"
 
 
 def last_common_step(step: int, kind: str, notes: Iterable[Note]) -> str:
     """ "The last step both reached is step 2.", or why it cannot be named."""
+    notes = list(notes)
+    dead = [n.rank for n in notes if n.died]
+    if dead:
+        return (
+            f"funshard cannot tell which steps process {', '.join(map(str, dead))} "
+            "finished before it died."
+        )
     counted = [n.step for n in notes if n.kind != "step"] + ([step] if kind != "step" else [])
     if not counted:
         return (
@@ -156,6 +173,20 @@ class Board:
         note = Note(self.rank, self.step, self.kind, how, barrier)
         with contextlib.suppress(Exception):  # the service may be gone already
             self.client.key_value_set(f"{NOTES}{self.rank}", note.text(), True)
+
+    def post_death(self, rank: int) -> bool:
+        """Process 0: posts that `rank` died, unless it posted a note of its own first.
+
+        Returns:
+          Whether the note was posted (False: `rank` had left with its own note, or the
+          service is gone).
+        """
+        note = Note(rank, 0, "step", "died", barrier=False, died=True)
+        try:  # never overwrites: the process's own note says more
+            self.client.key_value_set(f"{NOTES}{rank}", note.text(), False)
+        except Exception:
+            return False
+        return True
 
     def refresh(self) -> dict[int, Note]:
         """The other processes' notes, read again from the service (kept if it is gone)."""
@@ -295,7 +326,7 @@ def left_before_this_step() -> str | None:
     current = _board
     if current is None:
         return None
-    early = [n for _, n in sorted(current.refresh().items()) if n.step < current.step]
+    early = [n for _, n in sorted(current.refresh().items()) if n.died or n.step < current.step]
     if not early:
         return None
     return _batch_peer_left(current.rank, current.count, early, current.step, current.kind)

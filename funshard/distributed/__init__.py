@@ -8,8 +8,9 @@
     batch = fs.distributed.shard_batch(local_rows, mesh)
 
 One job per module: `_launch` (the launcher's environment, the settings), `_rendezvous`
-(the processes' first meeting), `_batch` (`shard_batch`), `_lifecycle` (departure notes,
-watchdog, exit, `fail_fast`) and `_initialize`, which composes them. The agreement
+(the processes' first meeting), `_links` (its connections, kept open to notice a death),
+`_batch` (`shard_batch`), `_lifecycle` (departure notes, watchdog, exit, `fail_fast`) and
+`_initialize`, which composes them. The agreement
 checks and the departure notes' reader live in `funshard.comm`, below the core that
 calls them. See docs/distributed.md for launch commands, the timeout knobs and
 `fail_fast`.

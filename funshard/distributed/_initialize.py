@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from funshard import _jax_compat, comm, errors
 from funshard.distributed import _launch, _lifecycle, _rendezvous
 from funshard.distributed._launch import Launch
+from funshard.distributed._links import Links
 
 
 def global_devices() -> list[jax.Device]:
@@ -81,7 +82,8 @@ def initialize(
         blocked meanwhile); the departure watchdog exits with status 1; and at exit a
         process whose peers left without the barrier skips it. False: `sys.excepthook`
         is left alone and funshard never exits the process; the watchdog prints once
-        who left and what JAX will do, and JAX's own timeouts end the job.
+        who left and what JAX will do, and JAX's own timeouts end the job. With
+        either, a process that dies (SIGKILL, a crash) is named on stderr at once.
       departure_timeout: seconds a process waits, without progress, for a process
         that has left the job (returned from its script early, or ended on an
         exception) before the watchdog acts (see `fail_fast`; a torch_frontend
@@ -123,7 +125,7 @@ def initialize(
     )
     if launch.multi_process and not jax.distributed.is_initialized():
         source = _launch.address_source(coordinator_address, launch, os.environ)
-        _start(launch, source, timeout, heartbeat, shutdown)
+        links = _start(launch, source, timeout, heartbeat, shutdown)
         _lifecycle.start(
             _jax_compat.coordination_client(),
             launch,
@@ -132,6 +134,7 @@ def initialize(
             heartbeat,
             fail_fast,
             timeout,
+            links,
         )
     return comm.make_mesh(replicate, devices=global_devices())
 
@@ -206,14 +209,17 @@ def _whole_seconds(seconds: float) -> int:
 
 def _start(
     launch: Launch, source: str, timeout: float, heartbeat_s: float, shutdown_s: float
-) -> None:
-    """Meets the other processes, then starts `jax.distributed` with every setting resolved."""
+) -> Links:
+    """Meets the other processes, then starts `jax.distributed` with every setting resolved.
+
+    Returns the rendezvous connections, kept open as liveness links.
+    """
     host, port = _launch.endpoint(launch.coordinator_address or "", source)
     # Checked before the rendezvous: a process that cannot start anyway must not make
     # the others wait for it.
     if _jax_compat.backends_started():
         raise errors.DistributedError(_backend_already_started(launch))
-    _rendezvous.meet(launch.process_id, launch.num_processes, host, port, timeout)
+    links = Links(_rendezvous.meet(launch.process_id, launch.num_processes, host, port, timeout))
     local = launch.local_device_ids
     try:
         jax.distributed.initialize(
@@ -228,6 +234,8 @@ def _start(
             cluster_detection_method="deactivate",
         )
     except RuntimeError as exc:
+        links.close()
         if "before any JAX calls" not in str(exc):
             raise
         raise errors.DistributedError(_backend_already_started(launch)) from exc
+    return links

@@ -10,6 +10,9 @@ funshard job (started by `funshard.distributed.initialize`) every process:
   just before `fail_fast` or the watchdog ends it;
 - at exit, waits for every other process's note before JAX's shutdown barrier (so the
   others see it has left, and process 0 keeps the service up for them);
+- keeps its start-up connection(s) to process 0 open (`_links`): a process that dies
+  without running its exit closes them at once, and a thread then names it on stderr
+  within a fraction of a second (process 0 also posts a "died" note for it);
 - runs a watchdog thread that reads the notes every second or so. When a process has
   left and this one has made no progress since (its main thread at the same place, the
   process using almost no CPU) for `departure_timeout` seconds, it prints, once, who left
@@ -42,6 +45,7 @@ from typing import Any
 
 from funshard import _jax_compat, _py_compat, comm
 from funshard.distributed._launch import Launch
+from funshard.distributed._links import Links
 
 # Below this share of one core a process is idle: a blocked collective uses ~0.3 %
 # (heartbeats, this watchdog), any computation far more.
@@ -50,6 +54,8 @@ _EXIT_LAG_S = 1.0  # process 0's wait, once the others' notes are in, for them t
 # The longest exit waits for the watchdog thread: one call on a live service (ms); a
 # dead service is left to JAX, which ends the process itself.
 _WATCHDOG_JOIN_S = 2.0
+_LINK_POLL_S = 0.2  # the liveness thread's longest wait, so that it stops quickly
+_NOTES_POLL_S = 1.0  # how often a process other than 0 reads process 0's "died" notes
 
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
 
@@ -105,10 +111,15 @@ def stuck_notice(board: comm.Board, waited_s: float, heartbeat_s: float, shutdow
 
 
 def _barrier_notice(board: comm.Board, shutdown_s: float) -> str:
-    left = sorted(r for r, n in board.notes.items() if not n.barrier)
+    left = [n for _, n in sorted(board.notes.items()) if not n.barrier]
     missing = sorted(set(range(board.count)) - set(board.notes) - {board.rank})
     who = "; ".join(
-        [*(f"process {r} left without JAX's shutdown barrier" for r in left)]
+        [
+            comm.departure_text(n)
+            if n.died
+            else f"process {n.rank} left without JAX's shutdown barrier"
+            for n in left
+        ]
         + ([f"{_processes(missing)} posted no note within {shutdown_s:g} s"] if missing else [])
     )
     return (
@@ -116,6 +127,41 @@ def _barrier_notice(board: comm.Board, shutdown_s: float) -> str:
         f"It now waits in JAX's shutdown barrier (up to shutdown_timeout={shutdown_s:g} s), "
         "whose failure makes JAX terminate every process of the job (fail_fast=False, "
         "the default; initialize(fail_fast=True) skips the barrier and exits at once)."
+    )
+
+
+_SEEN_LINK = "its start-up connection to this process closed without a goodbye"
+_SEEN_NOTE = "process 0 saw its start-up connection close without a goodbye"
+
+
+def died_notice(
+    board: comm.Board, rank: int, seen: str, heartbeat_s: float, fail_fast: bool
+) -> str:
+    """What the liveness thread prints, at once, about process `rank` that died."""
+    note = comm.Note(rank, 0, "step", "died", barrier=False, died=True)
+    if rank == 0:
+        then = (
+            "Process 0 ran JAX's coordination service, so JAX now terminates this process "
+            'too (status 134, "the JAX distributed service detected fatal errors").'
+        )
+    elif fail_fast:
+        then = (
+            'A collective with it fails (gloo: "Connection reset by peer" or "closed '
+            'by peer"), and fail_fast then exits with status 1.'
+        )
+    else:
+        then = (
+            'A collective with it fails (gloo: "Connection reset by peer" or "closed '
+            'by peer"). funshard does not end this process (fail_fast=False, the '
+            "default): JAX's coordination service declares the dead process after "
+            f"heartbeat_timeout={heartbeat_s:g} s and then terminates every process of the "
+            "job. Pass fail_fast=True to initialize to exit with status 1 as soon as a "
+            "collective fails."
+        )
+    return (
+        f"funshard.distributed: process {board.rank} of {board.count}: "
+        f"{comm.departure_text(note)}: {seen} (noticed at {time.strftime('%H:%M:%S')}). "
+        f"{then}"
     )
 
 
@@ -147,21 +193,72 @@ class Lifecycle:
       heartbeat_s: JAX's heartbeat timeout, named in messages.
       fail_fast: whether funshard may end the process (`os._exit`).
       warned: the watchdog said once that this process is stuck (without `fail_fast`).
+      links: the liveness links (`_links`); None in a process started without them.
+      named: the processes this one has said died.
     """
 
     def __init__(
-        self, board: comm.Board, shutdown_s: float, heartbeat_s: float, fail_fast: bool
+        self,
+        board: comm.Board,
+        shutdown_s: float,
+        heartbeat_s: float,
+        fail_fast: bool,
+        links: Links | None = None,
     ) -> None:
         self.board, self.shutdown_s, self.heartbeat_s = board, shutdown_s, heartbeat_s
         self.fail_fast = fail_fast
         self.warned = False
-        self.stop = threading.Event()  # set at exit: the watchdog returns at once
+        self.links = links
+        self.named: set[int] = set()
+        self.stop = threading.Event()  # set at exit: the threads return at once
         self.watchdog: threading.Thread | None = None
+        self.liveness: threading.Thread | None = None
 
     def exit(self, code: int) -> None:
         """Ends the process with `code`, skipping JAX's shutdown barrier: `fail_fast` only."""
         if self.fail_fast:
+            self.say_bye()
             _exit_now(code)
+
+    def say_bye(self) -> None:
+        """Tells the linked processes that this one leaves through Python, not dying."""
+        if self.links is not None:
+            self.links.say_bye()
+
+    def watch_links(self) -> None:
+        """The liveness thread: names a process whose link ended without a bye, at once."""
+        board, last_read = self.board, time.monotonic()
+        while not self.stop.is_set():
+            self.check_links(_LINK_POLL_S)
+            # Process 0 posts the deaths it sees; the others read them (a third process's
+            # death closes no link of theirs).
+            if board.rank and board.count > 2 and time.monotonic() - last_read > _NOTES_POLL_S:
+                last_read = time.monotonic()
+                for rank, note in board.refresh().items():
+                    if note.died:
+                        self.on_death(rank, _SEEN_NOTE)
+
+    def check_links(self, timeout: float) -> None:
+        """Waits up to `timeout` s on the links, and acts on every death they show."""
+        if self.links is None:
+            time.sleep(timeout)
+            return
+        for rank in self.links.dropped(timeout):
+            self.on_death(rank, _SEEN_LINK)
+
+    def on_death(self, rank: int, seen: str) -> None:
+        """Says, once, that process `rank` died, and how it was `seen`; process 0 posts it.
+
+        Said first: the survivor's failing collective races this line to stderr.
+        """
+        if rank in self.named:
+            return
+        self.named.add(rank)
+        board = self.board
+        notice = died_notice(board, rank, seen, self.heartbeat_s, self.fail_fast)
+        print(notice, file=sys.stderr, flush=True)
+        if board.rank == 0:
+            board.post_death(rank)  # never over a note of its own, which says more
 
     def watch(self) -> None:
         """The watchdog thread: acts once this process is stuck on one that left."""
@@ -221,6 +318,7 @@ class Lifecycle:
     def at_exit(self) -> None:
         """Posts this process's note; waits for every other one before JAX's barrier."""
         self.stop_watchdog()
+        self.say_bye()
         board = self.board
         if _jax_compat.coordination_client() is not board.client:
             return  # the script shut jax.distributed down itself
@@ -237,7 +335,7 @@ class Lifecycle:
             and board.reachable
             and time.monotonic() < deadline
         ):
-            time.sleep(comm.POLL_S)
+            self.check_links(comm.POLL_S)  # a death ends the wait: process 0 notes it
         gone = len(board.notes) < board.count - 1 or not all(
             n.barrier for n in board.notes.values()
         )
@@ -251,7 +349,7 @@ class Lifecycle:
         self.exit(0 if failed is None else 1)
 
     def stop_watchdog(self) -> None:
-        """Ends the watchdog thread before JAX's shutdown, waiting for it a bounded time.
+        """Ends the watchdog and liveness threads before JAX's shutdown, waiting a bounded time.
 
         A daemon thread still inside a call on the coordination client when JAX shuts the
         client down, or when the interpreter finalizes, aborts the whole process at exit
@@ -259,8 +357,9 @@ class Lifecycle:
         is done: seen under load in 4-process jobs.
         """
         self.stop.set()
-        if self.watchdog is not None and self.watchdog is not threading.current_thread():
-            self.watchdog.join(_WATCHDOG_JOIN_S)
+        for thread in (self.watchdog, self.liveness):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(_WATCHDOG_JOIN_S)
 
 
 _current: Lifecycle | None = None
@@ -274,8 +373,9 @@ def start(
     heartbeat_s: float,
     fail_fast: bool,
     rendezvous_s: float,
+    links: Links | None = None,
 ) -> None:
-    """Starts this process's side: notes, exit protocol, watchdog, and `fail_fast`'s hook.
+    """Starts this process's side: notes, exit protocol, threads, and `fail_fast`'s hook.
 
     Args:
       client: JAX's coordination service client (its key-value store).
@@ -285,14 +385,23 @@ def start(
       heartbeat_s: JAX's heartbeat timeout, named in messages.
       fail_fast: whether funshard may end the process (excepthook, `os._exit`).
       rendezvous_s: bound of the hosts' exchange `fail_fast` makes (start-up timeout).
+      links: the rendezvous connections, kept open (`_links`): the liveness thread
+        watches them.
     """
     global _current
     if _current is not None or client is None:
+        if links is not None:
+            links.close()
         return
     board = comm.open_board(client, launch.process_id, launch.num_processes, departure_s)
-    _current = Lifecycle(board, shutdown_s, heartbeat_s, fail_fast)
+    _current = Lifecycle(board, shutdown_s, heartbeat_s, fail_fast, links)
     # Registered after JAX's own exit handler, so it runs before JAX's shutdown barrier.
     atexit.register(_current.at_exit)
+    if links is not None:
+        _current.liveness = threading.Thread(
+            target=_current.watch_links, name="funshard-liveness", daemon=True
+        )
+        _current.liveness.start()
     if math.isfinite(departure_s):
         _current.watchdog = threading.Thread(
             target=_current.watch, name="funshard-departure-watchdog", daemon=True
@@ -379,6 +488,13 @@ def failure_summary(
             why = f"{who} is gone (it exited or crashed; its own log says why)"
         return (
             f"{me} stops: a collective failed because {why}. Exiting now with status 1 "
+            "instead of waiting for it in JAX's shutdown barrier."
+        )
+    dead = [n for _, n in sorted((departed or {}).items()) if n.died]
+    if dead:  # funshard's own error about it (shard_batch's), or one it caused
+        return (
+            f"{me} stops on an uncaught {type(exc).__name__}, after "
+            f"{'; '.join(map(comm.departure_text, dead))}. Exiting now with status 1 "
             "instead of waiting for it in JAX's shutdown barrier."
         )
     return (

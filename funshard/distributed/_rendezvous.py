@@ -19,10 +19,15 @@ same, and so did both with `jax_enable_recoverability` on. None of
 `heartbeat_timeout_seconds`, `shutdown_timeout_seconds`) changes that.
 
 So the processes first meet over a plain TCP socket on the same port, where a timeout
-is a Python exception naming who is missing; process 0 then closes it and JAX's
-service binds the port. Each process sends one line "funshard-start <rank>
+is a Python exception naming who is missing; process 0 then closes its listening socket
+and JAX's service binds the port. Each process sends one line "funshard-start <rank>
 <num_processes>"; process 0 answers "go" once all have arrived, or "missing <ranks>" /
 "error <text>".
+
+After "go" the connections stay open as liveness links (`funshard.distributed._links`):
+process 0 keeps one to every other process, each other process its one to process 0.
+JAX's service still binds the port (measured on jax 0.10.2: the accepted connections
+do not block it; only a listening socket would).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ _HELLO = "funshard-start"
 _ANSWER_SLACK_S = 1.0  # network and scheduling delay allowed for process 0's answer
 
 
-def meet(rank: int, n: int, host: str, port: int, timeout: float) -> None:
+def meet(rank: int, n: int, host: str, port: int, timeout: float) -> dict[int, socket.socket]:
     """Returns once all `n` processes have reached process 0 at `host:port`.
 
     Args:
@@ -52,6 +57,10 @@ def meet(rank: int, n: int, host: str, port: int, timeout: float) -> None:
       port: the coordinator's port, which JAX's service binds once this returns.
       timeout: seconds to wait for every process, from this call on.
 
+    Returns:
+      The open connections, non-blocking, by the rank at their other end: on process 0
+      one per other process, elsewhere the one to process 0 (the liveness links).
+
     Raises:
       TimeoutError: within `timeout` s some processes never arrived (named by rank)
         or process 0 was not reached.
@@ -59,9 +68,12 @@ def meet(rank: int, n: int, host: str, port: int, timeout: float) -> None:
     """
     start = time.monotonic()
     if rank == 0:
-        _serve(n, host, port, start, timeout)
+        links = _serve(n, host, port, start, timeout)
     else:
-        _join(rank, n, host, port, start, timeout)
+        links = {0: _join(rank, n, host, port, start, timeout)}
+    for link in links.values():
+        link.setblocking(False)
+    return links
 
 
 def _me(rank: int, n: int) -> str:
@@ -104,14 +116,18 @@ def _start_missing_processes(
     )
 
 
-def _serve(n: int, host: str, port: int, start: float, timeout: float) -> None:
-    """Process 0: waits for every other rank's hello, then answers all of them at once."""
+def _serve(n: int, host: str, port: int, start: float, timeout: float) -> dict[int, socket.socket]:
+    """Process 0: waits for every other rank's hello, answers all of them at once.
+
+    Returns the connections by rank once all arrived (closes them all otherwise).
+    """
     address, me = f"{host}:{port}", _me(0, n)
     try:
         server = _listen(port)
     except OSError as exc:
         raise errors.DistributedError(_start_cannot_listen(port, exc.strerror or exc)) from None
     arrived: dict[int, socket.socket] = {}
+    kept: set[socket.socket] = set()  # the links, once every process arrived
     notes: list[str] = []
     with server, selectors.DefaultSelector() as selector:
         selector.register(server, selectors.EVENT_READ, None)
@@ -131,15 +147,18 @@ def _serve(n: int, host: str, port: int, start: float, timeout: float) -> None:
             reply = f"missing {','.join(map(str, missing))}" if missing else "go"
             for peer in arrived.values():
                 _send_line(peer, reply)
+            if not missing:
+                kept = set(arrived.values())
         finally:
             for key in list(selector.get_map().values()):
                 held = key.fileobj
-                if isinstance(held, socket.socket) and held is not server:
+                if isinstance(held, socket.socket) and held is not server and held not in kept:
                     held.close()
     if missing:
         raise errors.DistributedTimeoutError(
             _start_missing_processes(me, missing, address, timeout, notes)
         )
+    return arrived
 
 
 def _start_note_refused(problem: str) -> str:
@@ -245,8 +264,8 @@ def _start_no_coordinator(me: str, address: str, timeout: float, reason: str) ->
     )
 
 
-def _join(rank: int, n: int, host: str, port: int, start: float, timeout: float) -> None:
-    """Any other process: says hello to process 0 and waits for its answer."""
+def _join(rank: int, n: int, host: str, port: int, start: float, timeout: float) -> socket.socket:
+    """Any other process: says hello to process 0, waits for "go"; returns the connection."""
     address, reason, noticed = f"{host}:{port}", "nothing listens there", False
     me = _me(rank, n)
     while True:
@@ -267,10 +286,15 @@ def _join(rank: int, n: int, host: str, port: int, start: float, timeout: float)
             reason = exc.strerror or str(exc) or type(exc).__name__
             time.sleep(min(0.2, max(left, 0)))
             continue
-        with peer:
+        try:
             reply = _await_reply(peer, rank, n, start, timeout, noticed, address)
-        if reply is not None:
-            return _on_reply(reply, me)
+            if reply is not None:
+                _on_reply(reply, me)
+                return peer
+        except BaseException:
+            peer.close()
+            raise
+        peer.close()
         reason = "process 0 closed the connection without an answer"
 
 
