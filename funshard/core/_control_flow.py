@@ -28,8 +28,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from funshard import _jax_compat, errors
-from funshard.comm._lowering import PRESENT_SCOPE
+from funshard import _jax_compat, comm, errors
 
 # Primitives that exchange data between devices (jax.lax's parallel operators, in their
 # jax 0.10 names). `axis_index` and the varying-type casts move nothing.
@@ -196,7 +195,7 @@ def _equation_outputs(eqn: Any, env: Variation) -> list[frozenset[str]]:
 def _predicate(eqn: Any, env: Variation) -> frozenset[str]:
     """The axes a cond's predicate varies over (none for funshard's own always-true
     predicates, which read the device's index)."""
-    if PRESENT_SCOPE in str(eqn.source_info.name_stack):
+    if comm.PRESENT_SCOPE in str(eqn.source_info.name_stack):
         return frozenset()
     return _axes_in(env, eqn.invars[0])
 
