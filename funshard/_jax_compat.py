@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import os
 import re
 import types
@@ -318,6 +319,181 @@ def jaxpr_internals() -> tuple[Any, Any]:
 
 
 _JAXPR_NAMES = ("ClosedJaxpr", "Jaxpr", "JaxprEqn", "eval_jaxpr")
+
+
+# ---- re-evaluating a traced jaxpr (funshard/core/_random.py) -----------------------------
+
+# The casts that only change a value's varying type inside `jax.shard_map` (jax 0.10, 0.12).
+VARYING_CASTS = frozenset({"pvary", "pcast"})
+
+# Equations that call a jaxpr once with their inputs: evaluating the jaxpr in their place
+# computes the same values (JAX's samplers, user `jax.jit`s, custom-derivative calls,
+# whose rules are no longer needed once the step's gradient has been traced).
+_INLINED_CALLS = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
+)
+
+
+def literal_value(var: Any, env: dict) -> Any:
+    """The value of a jaxpr atom: a literal's constant, else what `env` holds for it.
+
+    Relies on `jax.extend.core.Literal` (its `.val`). Guarded by tests/test_randomness.py.
+    """
+    from jax.extend import core as extend_core
+
+    return var.val if isinstance(var, extend_core.Literal) else env[var]
+
+
+def cast_axes(eqn: Any) -> tuple[str, ...]:
+    """The axes a `pvary` / `pcast` equation casts to varying (its `axes` parameter)."""
+    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def bind_equation(eqn: Any, invals: list) -> list:
+    """Binds a jaxpr equation's primitive to `invals`, as `eval_jaxpr` does: with its
+    bind parameters, source location and context. Always a list of outputs.
+
+    Relies on `Primitive.get_bind_params`, `eqn.source_info`, `eqn.ctx.manager` and
+    `jax._src.source_info_util.user_context` (what `jax._src.core.eval_jaxpr` does for
+    each equation, jax 0.10 to 0.12). Guarded by tests/test_randomness.py.
+    """
+    from jax._src import source_info_util
+
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def rebuild_higher_order(
+    eqn: Any, invals: list, evaluate: Callable, dp_axes: tuple[str, ...]
+) -> list | None:
+    """`eqn` (an equation holding jaxprs) run on `invals` with its jaxprs evaluated by
+    `evaluate(jaxpr, consts, args)`, rebuilt with the public API so that the types of
+    its outputs follow those of the evaluated bodies; None for an unknown primitive.
+
+    Relies on the parameters of the jaxpr equations of `jax.jit` (`jaxpr`),
+    `jax.checkpoint` (`remat2`: `jaxpr`, `prevent_cse`, `policy`), `lax.scan`
+    (`jaxpr`, `num_consts`, `num_carry`, `length`, `reverse`, `unroll`), `lax.cond`
+    (`branches`) and `lax.while_loop` (`cond_jaxpr`, `body_jaxpr`, `cond_nconsts`,
+    `body_nconsts`), jax 0.10 to 0.12. Guarded by tests/test_randomness.py.
+    """
+    core, _ = jaxpr_internals()
+    name, p = eqn.primitive.name, eqn.params
+
+    def call(closed: Any) -> Callable:
+        if isinstance(closed, core.ClosedJaxpr):
+            return lambda *a: evaluate(closed.jaxpr, closed.consts, a)
+        return lambda *a: evaluate(closed, (), a)
+
+    if name in _INLINED_CALLS:
+        closed = next(p[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in p)
+        return list(call(closed)(*invals))
+    if name == "remat2":
+        body = call(p["jaxpr"])
+        remat = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])
+        return list(remat(*invals))
+    if name == "scan":
+        nc, nk = scan_counts(p)
+        consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+        run = call(p["jaxpr"])
+
+        def scan_body(carry, x):
+            out = run(*consts, *carry, *x)
+            return list(out[:nk]), list(out[nk:])
+
+        x0 = [x[0] for x in xs]
+        init = _carry_like(lambda c: scan_body(c, x0)[0], list(init), dp_axes)
+        carry, ys = jax.lax.scan(
+            scan_body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+        )
+        return [*carry, *ys]
+    if name == "cond":
+        index, *ops = invals
+        branches = [call(b) for b in p["branches"]]
+        shapes = [jax.make_jaxpr(b)(*ops).out_avals for b in branches]
+        axes = [
+            frozenset().union(*(aval_varying_axes(s[i]) for s in shapes))
+            for i in range(len(shapes[0]))
+        ]
+
+        def joined(branch: Callable) -> Callable:
+            return lambda *a: [_vary(x, ax) for x, ax in zip(branch(*a), axes, strict=True)]
+
+        return list(jax.lax.switch(index, [joined(b) for b in branches], *ops))
+    if name == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cc, bc, init = invals[:cn], invals[cn : cn + bn], list(invals[cn + bn :])
+        cond, body = call(p["cond_jaxpr"]), call(p["body_jaxpr"])
+
+        def loop_body(c):
+            return list(body(*bc, *c))
+
+        init = _carry_like(loop_body, init, dp_axes)
+        return list(jax.lax.while_loop(lambda c: cond(*cc, *c)[0], loop_body, init))
+    return None
+
+
+def _vary(x: Any, axes: frozenset[str]) -> Any:
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _carry_like(step: Callable, init: list, dp_axes: tuple[str, ...]) -> list:
+    """`init` cast to the varying type one `step` gives the carry (a loop's carry in and
+    out must have one type), repeated until it no longer widens."""
+    for _ in range(len(dp_axes) + 1):
+        out = jax.make_jaxpr(step)(init).out_avals
+        wider = [_vary(x, aval_varying_axes(o)) for x, o in zip(init, out, strict=True)]
+        if all(varying_axes(a) == varying_axes(b) for a, b in zip(wider, init, strict=True)):
+            return init
+        init = wider
+    return init
+
+
+def threefry_rows(
+    key: Any, bit_width: int, global_shape: tuple, axis: int, start: Any, size: int
+) -> Any:
+    """Rows `start : start + size` along `axis` of `jax.random.bits`-style random bits of
+    `global_shape` from `key`, computed from their counters alone; None where that is not
+    exact (another key implementation, `jax_threefry_partitionable` off, 64-bit draws, a
+    key array, or 2**32 elements or more).
+
+    Relies on JAX's partitionable threefry (`_threefry_random_bits_partitionable`,
+    jax 0.10 to 0.12): element `j` (flat, row-major) of a draw is `threefry2x32(key,
+    (hi(j), lo(j)))`, its two words xor-ed (truncated below 32 bits). Guarded by
+    tests/test_randomness.py, which compares with `jax.random.bits` of the global
+    shape, sliced.
+    """
+    from jax.extend import random as extend_random
+
+    partitionable = jax.config.jax_threefry_partitionable  # type: ignore[attr-defined, unused-ignore]
+    if (
+        not partitionable
+        or bit_width == 64
+        or getattr(key, "ndim", 1) != 0
+        or jax.random.key_impl(key) != "threefry2x32"
+        or math.prod(global_shape) >= 2**32
+    ):
+        return None
+    import jax.numpy as jnp
+
+    local = (*global_shape[:axis], size, *global_shape[axis + 1 :])
+    strides = [math.prod(global_shape[d + 1 :]) for d in range(len(global_shape))]
+    counts = jnp.zeros(local, jnp.uint32)
+    for d, stride in enumerate(strides):
+        index = jax.lax.broadcasted_iota(jnp.uint32, local, d)
+        if d == axis:
+            index = index + jnp.asarray(start, jnp.uint32)
+        counts = counts + index * jnp.uint32(stride)
+    data = jax.random.key_data(key)
+    hi = jnp.zeros_like(counts)  # below 2**32 elements
+    bits1, bits2 = extend_random.threefry2x32_p.bind(data[0], data[1], hi, counts)
+    # threefry2x32_p has no varying-type rule: its outputs vary where the counters do.
+    axes = varying_axes(counts) | varying_axes(data)
+    bits1, bits2 = _vary(bits1, axes), _vary(bits2, axes)
+    return (bits1 ^ bits2).astype(jnp.dtype(f"uint{bit_width}"))
 
 
 def collectives_over_gloo(platform: str, *, distributed: bool, cpu_implementation: str) -> bool:

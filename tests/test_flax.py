@@ -438,7 +438,7 @@ def test_nnx_one_state_recipe_with_dropout_matches_the_unsharded_model():
 @pytest.mark.parametrize("call_rngs", [False, True], ids=["streams", "rngs-argument"])
 def test_nnx_dropout_masks_differ_per_step_and_per_device(call_rngs):
     """With dropout on, the RNG count comes back advanced every step, each step draws a
-    new mask, and each device draws its own (its index is folded into the key), for
+    new mask, and each device draws its own rows of the global batch's mask, for
     streams held by the model and for an `nnx.Rngs` passed to the call alike."""
     model = DropoutModel(nnx.Rngs(0, dropout=1), streams_at_init=not call_rngs)
     state, losses, masks = _one_state_run(model, steps=2, call_rngs=call_rngs)
@@ -449,6 +449,34 @@ def test_nnx_dropout_masks_differ_per_step_and_per_device(call_rngs):
     per_device = masks[0].reshape(8, ROWS // 8, -1)
     assert len({d.tobytes() for d in per_device}) == 8, per_device
     assert 0.2 < masks[0].mean() < 0.8
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+def test_nnx_dropout_masks_are_the_unsharded_models_on_the_global_batch(mesh_name):
+    """Two-state recipe with Dropout on: the loss and gradients of the unsharded model on
+    the whole batch, on 8 devices and HSDP (the root draws each device's rows of it)."""
+    model = DropoutModel(nnx.Rngs(0, dropout=1))
+    ref_graphdef, ref_params, ref_rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = fs.flax.shard(
+        fs.flax.fully_shard(DropoutModel(nnx.Rngs(0, dropout=1))),
+        mesh_for(mesh_name),
+        nnx.Param,
+        ...,
+    )
+
+    def loss_fn(params, batch, rest):
+        out, _ = fs.flax.merge(graphdef, params, rest)(batch["x"])
+        return jnp.mean((out - batch["y"]) ** 2)
+
+    def ref_loss(params, batch, rest):
+        out, _ = nnx.merge(ref_graphdef, params, rest, copy=True)(batch["x"])
+        return jnp.mean((out - batch["y"]) ** 2)
+
+    batch = _dropout_batch(0)
+    loss, grads = jax.jit(fs.value_and_grad(loss_fn))(params, batch, rest)
+    ref, ref_grads = jax.value_and_grad(ref_loss)(ref_params, batch, ref_rest)
+    np.testing.assert_allclose(loss, ref, atol=1e-6)
+    assert_tree_close(nnx.to_pure_dict(fs.unshard(grads)), nnx.to_pure_dict(ref_grads), atol=1e-6)
 
 
 class BatchNormModel(nnx.Module):

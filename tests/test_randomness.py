@@ -1,9 +1,11 @@
-"""PRNG keys inside the root: independent draws per example, as on the global batch.
+"""Random draws inside the root: those of plain JAX on the global batch, on any mesh.
 
-A key passed to `fs.value_and_grad` reaches every device; drawn from as it is, every
-device would drop the same positions of its slice (issue: silent wrong numbers, third
-sweep, item 3). The root folds the device's (and microbatch's) index into typed keys
-among its arguments, and refuses draws from keys equal on every device.
+A key passed to `fs.value_and_grad` (or made inside the loss) is the same on every
+device. Each draw that scales with the batch (a dropout mask) becomes the device's rows
+of the draw plain JAX makes on the global batch; draws that do not (a scalar, noise
+shaped like a parameter) are the same on every device, as in plain JAX. The reference
+everywhere is `jax.value_and_grad` of the same loss on the global batch with the same
+key, unsharded (issue 42, section 2).
 """
 
 import jax
@@ -12,145 +14,227 @@ import numpy as np
 import pytest
 
 import funshard as fs
-from funshard import errors
+from funshard import _jax_compat, errors
 from tests._util import assert_tree_close
 from tests.conftest import mesh_for
 
-ROWS, WIDTH = 16, 6
+ROWS, WIDTH = 32, 6
+LAYOUTS = [(m, k) for m in ("1", "2", "4", "8", "2x4") for k in (1, 2, 4)]
 
 
 def _params():
-    k1, k2 = jax.random.split(jax.random.key(7))
+    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
     return {
         "w": jax.random.normal(k1, (WIDTH, WIDTH)) / 3.0,
         "v": jax.random.normal(k2, (WIDTH, 1)),
+        "u": {"w": jax.random.normal(k3, (WIDTH, WIDTH)) / 3.0},
     }
 
 
-def _batch():
+def _batch(rows=ROWS):
     rng = np.random.default_rng(1)
     return {
-        "x": rng.normal(size=(ROWS, WIDTH)).astype(np.float32),
-        "y": rng.normal(size=(ROWS, 1)).astype(np.float32),
+        "x": rng.normal(size=(rows, WIDTH)).astype(np.float32),
+        "y": rng.normal(size=(rows, 1)).astype(np.float32),
     }
 
 
-def _dropout_loss(p, x, y, key):
+def _dropout(h, key, rate=0.5):
+    keep = jax.random.bernoulli(key, 1.0 - rate, h.shape)
+    return jnp.where(keep, h / (1.0 - rate), 0.0), keep
+
+
+def _dropout_loss(p, b, key):
     """Dropout on the hidden layer, written as a user would in plain JAX."""
-    h = jnp.tanh(x @ p["w"])
-    keep = jax.random.bernoulli(key, 0.5, h.shape)
-    h = jnp.where(keep, h / 0.5, 0.0)
-    return jnp.mean((h @ p["v"] - y) ** 2), keep
+    h, keep = _dropout(jnp.tanh(b["x"] @ p["w"]), key)
+    return jnp.mean((h @ p["v"] - b["y"]) ** 2), keep
 
 
-def _sharded_loss(s, b, key):
-    return _dropout_loss(fs.unshard(s), b["x"], b["y"], key)
+def _check(loss, layout, *, has_aux=False, key=None, gathered=None, rows=ROWS):
+    """The step's loss, aux and gradients equal plain JAX's on the global batch."""
+    mesh, microbatches = layout
+    params, batch = _params(), _batch(rows)
+    key = jax.random.key(5) if key is None else key
+    ref, ref_grads = jax.value_and_grad(loss, has_aux=has_aux)(params, batch, key)
+
+    def sharded(s, b, k):
+        return loss(fs.unshard(s) if gathered is None else gathered(s), b, k)
+
+    step = jax.jit(fs.value_and_grad(sharded, has_aux=has_aux, microbatches=microbatches))
+    got, grads = step(fs.shard(params, mesh_for(mesh)), batch, key)
+    assert_tree_close(got, ref, atol=1e-6)
+    assert_tree_close(fs.unshard(grads), ref_grads, atol=1e-6)
+    return got
 
 
-def _reference(params, batch, key, slices):
-    """Plain JAX on the global batch, slice i drawing from `fold_in(key, i)` (the
-    documented derivation): per-slice means averaged = the global mean."""
-    xs = batch["x"].reshape(slices, ROWS // slices, WIDTH)
-    ys = batch["y"].reshape(slices, ROWS // slices, 1)
-
-    def loss(p):
-        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(slices))
-        losses, keep = jax.vmap(lambda x, y, k: _dropout_loss(p, x, y, k))(xs, ys, keys)
-        return jnp.mean(losses), keep.reshape(ROWS, WIDTH)
-
-    return jax.value_and_grad(loss, has_aux=True)(params)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"{m}-mb{k}" for m, k in LAYOUTS])
+def test_dropout_is_plain_jax_on_the_global_batch_on_every_layout(layout):
+    # The mask (returned per example through aux, gathered in batch order) too.
+    _check(_dropout_loss, layout, has_aux=True)
 
 
-@pytest.mark.parametrize("mesh, microbatches", [("8", 1), ("2x4", 1), ("4", 2)])
-def test_key_argument_draws_per_example_as_documented(mesh, microbatches):
-    params, batch, key = _params(), _batch(), jax.random.key(5)
-    step = jax.jit(fs.value_and_grad(_sharded_loss, has_aux=True, microbatches=microbatches))
-    state = fs.shard(params, mesh_for(mesh))
-    (loss, keep), grads = step(state, batch, key)
-    # Device d's microbatch m (of k) is slice d * k + m of the global batch.
-    slices = len(mesh_for(mesh).devices.flat) * microbatches
-    (ref_loss, ref_keep), ref_grads = _reference(params, batch, key, slices)
-    np.testing.assert_array_equal(np.asarray(keep), np.asarray(ref_keep))
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    assert_tree_close(fs.unshard(grads), ref_grads)
-    # Every slice drew its own mask: no device repeats another's.
-    per_slice = np.asarray(keep).reshape(slices, -1)
-    assert len({row.tobytes() for row in per_slice}) == slices
-
-
-def test_same_key_same_numbers_other_key_other_numbers():
+def test_masks_depend_on_the_key_and_differ_between_examples():
+    loss = fs.value_and_grad(lambda s, b, k: _dropout_loss(fs.unshard(s), b, k), has_aux=True)
     state, batch = fs.shard(_params(), mesh_for("8")), _batch()
-    step = jax.jit(fs.value_and_grad(_sharded_loss, has_aux=True))
-    (_, a), _ = step(state, batch, jax.random.key(0))
-    (_, b), _ = step(state, batch, jax.random.key(0))
-    (_, c), _ = step(state, batch, jax.random.key(1))
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert not np.array_equal(np.asarray(a), np.asarray(c))
+    (_, a), _ = jax.jit(loss)(state, batch, jax.random.key(0))
+    (_, b), _ = jax.jit(loss)(state, batch, jax.random.key(1))
+    assert not np.array_equal(np.asarray(a), np.asarray(b))
+    assert len({row.tobytes() for row in np.asarray(a).reshape(8, -1)}) == 8
 
 
-def test_raw_uint32_key_argument_is_refused_with_the_fix():
-    state = fs.shard(_params(), mesh_for("8"))
-    step = fs.value_and_grad(_sharded_loss, has_aux=True)
+def test_raw_key_and_key_made_inside_the_loss_draw_as_plain_jax():
+    def raw(p, b, data):
+        return _dropout_loss(p, b, data)[0]
+
+    def constant(p, b, _):
+        return _dropout_loss(p, b, jax.random.key(3))[0]
+
+    for loss, key in ((raw, jax.random.PRNGKey(2)), (constant, jax.random.key(0))):
+        _check(loss, ("2x4", 2), key=key)
+
+
+@pytest.mark.parametrize("layout", [("1", 1), ("8", 1), ("2x4", 2), ("4", 4)])
+def test_scalar_and_parameter_shaped_draws_are_shared_as_in_plain_jax(layout):
+    # 48 rows: 6 per device on 8 devices, as many as the noise's rows (the second trace
+    # on twice the rows tells them apart), and a dropout of the same shape as the noise.
+    def loss(p, b, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        w = p["w"] + 0.1 * jax.random.normal(k1, p["w"].shape)
+        scale = jax.random.uniform(k2, (), minval=0.5, maxval=1.5)
+        h, _ = _dropout(jnp.tanh(b["x"] @ w), k3)
+        return jnp.mean((h @ p["v"] * scale - b["y"]) ** 2)
+
+    _check(loss, layout, rows=48)
+
+
+def _block(p, h, key):
+    return _dropout(jnp.tanh(h @ p["w"]), key)[0]
+
+
+@pytest.mark.parametrize("layout", [("1", 1), ("8", 2), ("2x4", 1), ("2x4", 4)])
+@pytest.mark.parametrize("written", ["where", "cond"])
+def test_layer_drop_on_a_shared_scalar_draw_is_plain_jax(layout, written):
+    # LayerDrop: one decision for the whole batch, from a scalar draw. With lax.cond the
+    # skipped branch holds a unit's all-gather: the same predicate on every device.
+    unit = fs.fully_shard(_block)
+
+    def loss(p, b, key, block=_block):
+        h = jnp.tanh(b["x"] @ p["w"])
+        for i in range(3):
+            k = jax.random.fold_in(key, i)
+            drop = jax.random.uniform(jax.random.fold_in(k, 99)) < 0.5
+            if written == "where":
+                h = jnp.where(drop, h, block(p["u"], h, k))
+            else:
+                h = jax.lax.cond(drop, lambda h: h, lambda h, k=k: block(p["u"], h, k), h)
+        return jnp.mean((h @ p["v"] - b["y"]) ** 2)
+
+    def gathered(s):
+        full = fs.unshard(s)
+        return {**full, "u": s["u"]}
+
+    def sharded(p, b, key):
+        return loss(p, b, key, block=unit)
+
+    for seed in range(3):
+        params, batch, key = _params(), _batch(), jax.random.key(seed)
+        ref, ref_grads = jax.value_and_grad(loss)(params, batch, key)
+        step = fs.value_and_grad(lambda s, b, k: sharded(gathered(s), b, k), microbatches=layout[1])
+        got, grads = jax.jit(step)(fs.shard(params, mesh_for(layout[0])), batch, key)
+        np.testing.assert_allclose(got, ref, atol=1e-6)
+        assert_tree_close(fs.unshard(grads), ref_grads, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", [("8", 1), ("2x4", 2)])
+def test_draws_inside_units_checkpoint_and_scan_are_plain_jax(layout):
+    unit = fs.fully_shard(_block)
+
+    def loss(p, b, key, block=_block):
+        h = block(p["u"], b["x"], key)
+        h = jax.checkpoint(lambda h: _dropout(jnp.tanh(h), jax.random.fold_in(key, 1))[0])(h)
+
+        def body(h, i):
+            return _dropout(jnp.tanh(h), jax.random.fold_in(key, i))[0], None
+
+        h, _ = jax.lax.scan(body, h, jnp.arange(3))
+        return jnp.mean((h @ p["v"] - b["y"]) ** 2)
+
+    params, batch, key = _params(), _batch(), jax.random.key(1)
+    ref, ref_grads = jax.value_and_grad(loss)(params, batch, key)
+    step = fs.value_and_grad(
+        lambda s, b, k: loss({**fs.unshard(s), "u": s["u"]}, b, k, block=unit),
+        microbatches=layout[1],
+    )
+    got, grads = jax.jit(step)(fs.shard(params, mesh_for(layout[0])), batch, key)
+    np.testing.assert_allclose(got, ref, atol=1e-6)
+    assert_tree_close(fs.unshard(grads), ref_grads, atol=1e-6)
+
+
+def test_flattened_and_per_example_split_draws_are_plain_jax():
+    # A draw of (rows * width,) reshaped, and one key per example from a split.
+    def loss(p, b, key):
+        k1, k2 = jax.random.split(key)
+        h = jnp.tanh(b["x"] @ p["w"])
+        noise = jax.random.normal(k1, (h.size,)).reshape(h.shape)
+        keys = jax.random.split(k2, h.shape[0])
+        h, _ = jax.vmap(_dropout)(h + 0.1 * noise, keys)
+        return jnp.mean((h @ p["v"] - b["y"]) ** 2)
+
+    _check(loss, ("2x4", 2))
+
+
+def test_a_draw_that_changes_shape_otherwise_is_refused_with_its_line():
+    def loss(p, b, key):
+        noise = jax.random.normal(key, (b["x"].shape[0], b["x"].shape[0]))
+        return jnp.mean(noise @ b["x"] @ p["w"])
+
+    step = fs.value_and_grad(lambda s, b, k: loss(fs.unshard(s), b, k))
     with pytest.raises(errors.ShardingValueError) as info:
-        step(state, _batch(), jax.random.PRNGKey(0))
+        step(fs.shard(_params(), mesh_for("8")), _batch(), jax.random.key(0))
     message = str(info.value)
-    assert "same on several devices" in message
-    assert "test_randomness.py" in message and "_dropout_loss" in message
-    assert "jax.random.wrap_key_data" in message and "per_device_keys=False" in message
+    assert "test_randomness.py" in message and "per_device_keys=False" in message
+    assert "(4, 4)" in message and "(8, 8)" in message
 
 
-def test_key_made_inside_the_loss_from_a_constant_is_refused():
-    def loss(s, b):
-        return _dropout_loss(fs.unshard(s), b["x"], b["y"], jax.random.key(3))[0]
+def test_opt_out_draws_as_written_on_each_device():
+    # per_device_keys=False: every device draws (rows, width) from the key as written:
+    # the same mask for every device's rows.
+    def sharded(s, b, key):
+        return _dropout_loss(fs.unshard(s), b, key)
 
-    with pytest.raises(errors.ShardingValueError, match="same on several devices"):
-        jax.jit(fs.value_and_grad(loss))(fs.shard(_params(), mesh_for("8")), _batch())
-
-
-def test_key_folded_over_one_axis_only_is_refused_on_hsdp():
-    # Folding the shard axis alone leaves the two replica groups drawing alike. (The key
-    # arrives as raw data, which the root does not fold.)
-    def loss(s, b, raw):
-        key = jax.random.fold_in(jax.random.wrap_key_data(raw), jax.lax.axis_index("fsdp"))
-        return _dropout_loss(fs.unshard(s), b["x"], b["y"], key)[0]
-
-    raw = jax.random.key_data(jax.random.key(0))
-    with pytest.raises(errors.ShardingValueError, match="every data axis of"):
-        fs.value_and_grad(loss)(fs.shard(_params(), mesh_for("2x4")), _batch(), raw)
-
-
-def test_opt_out_shares_the_draws_across_devices():
-    # Noise meant for the whole batch (here: on the parameters) is the same on every
-    # device with per_device_keys=False, as plain JAX draws it once.
-    def noisy(p, x, y, key):
-        w = p["w"] + 0.1 * jax.random.normal(key, p["w"].shape)
-        return jnp.mean((jnp.tanh(x @ w) @ p["v"] - y) ** 2)
-
-    def loss(s, b, key):
-        return noisy(fs.unshard(s), b["x"], b["y"], key)
-
-    params, batch, key = _params(), _batch(), jax.random.key(9)
-    step = jax.jit(fs.value_and_grad(loss, per_device_keys=False))
-    value, grads = step(fs.shard(params, mesh_for("8")), batch, key)
-    ref_value, ref_grads = jax.value_and_grad(noisy)(params, batch["x"], batch["y"], key)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
-    assert_tree_close(fs.unshard(grads), ref_grads)
+    step = fs.value_and_grad(sharded, has_aux=True, per_device_keys=False)
+    (_, keep), _ = jax.jit(step)(fs.shard(_params(), mesh_for("8")), _batch(), jax.random.key(4))
+    first = np.asarray(jax.random.bernoulli(jax.random.key(4), 0.5, (ROWS // 8, WIDTH)))
+    # Equal on every device, so typed as such: it comes back once, not gathered.
+    np.testing.assert_array_equal(np.asarray(keep), first)
 
 
 def test_per_device_keys_must_be_a_bool():
     with pytest.raises(errors.ShardingTypeError, match="per_device_keys must be a bool"):
-        fs.value_and_grad(_sharded_loss, per_device_keys="yes")
+        fs.value_and_grad(_dropout_loss, per_device_keys="yes")
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_keys_returned_untouched_come_back_as_given(microbatches):
-    # Flax's recipe writes its RNG streams back from aux: the caller's key, not a
-    # device's folded one, comes back (and the step does not fail reducing it).
+def test_keys_returned_come_back_as_given(microbatches):
+    # Flax's recipe writes its RNG streams back from aux: the caller's key comes back.
     def loss(s, b, key):
-        value, _ = _dropout_loss(fs.unshard(s), b["x"], b["y"], key)
+        value, _ = _dropout_loss(fs.unshard(s), b, key)
         return value, {"key": key}
 
     key = jax.random.key(4)
     step = jax.jit(fs.value_and_grad(loss, has_aux=True, microbatches=microbatches))
     (_, aux), _ = step(fs.shard(_params(), mesh_for("8")), _batch(), key)
     np.testing.assert_array_equal(jax.random.key_data(aux["key"]), jax.random.key_data(key))
+
+
+@pytest.mark.parametrize("bit_width", [8, 16, 32])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_rows_from_counters_equal_the_global_draw_sliced(bit_width, axis):
+    # The guard of _jax_compat.threefry_rows: JAX's partitionable threefry bits.
+    key, shape = jax.random.key(11), (12, 5, 3)
+    full = jax.random.bits(key, shape, jnp.dtype(f"uint{bit_width}"))
+    for start, size in ((0, 3), (3, 2), (4, 1)):
+        rows = _jax_compat.threefry_rows(key, bit_width, shape, axis, start, size)
+        np.testing.assert_array_equal(
+            np.asarray(rows), np.asarray(jax.lax.slice_in_dim(full, start, start + size, axis=axis))
+        )

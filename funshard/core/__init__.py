@@ -23,7 +23,6 @@ from funshard.core._placement import Replicate as Replicate
 from funshard.core._placement import Shard as Shard
 from funshard.core._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
 from funshard.core._policy import param_dtype_for as param_dtype_for
-from funshard.core._random import fold_in as fold_in_key  # noqa: F401 (re-export)
 from funshard.core._routes import LeafRoute as LeafRoute
 from funshard.core._routes import leaf_routes as leaf_routes
 from funshard.core._routes import state_axes as state_axes

@@ -95,7 +95,11 @@ def _rewrite(jaxpr) -> tuple[Any, bool]:
     return (jaxpr.replace(eqns=eqns), True) if found else (jaxpr, False)
 
 
-def deferring_errors(fn: Callable, inspect: Callable[[Any], None] | None = None) -> Callable:
+def deferring_errors(
+    fn: Callable,
+    inspect: Callable[[Any], None] | None = None,
+    evaluate: Callable[..., list] | None = None,
+) -> Callable:
     """`fn` with the exceptions of its host callbacks recorded instead of raised.
 
     Returns a function `(*args) -> (fn(*args), has_callbacks)`: `fn` runs as its traced
@@ -106,6 +110,8 @@ def deferring_errors(fn: Callable, inspect: Callable[[Any], None] | None = None)
       fn: the function to run.
       inspect: called with `fn`'s traced jaxpr before it runs (it may raise): the root
         checks the program it has traced anyway here.
+      evaluate: runs the (rewritten) jaxpr, `evaluate(jaxpr, consts, *args)`; default
+        `eval_jaxpr` (the root passes its randomness rewrite, `_random.global_draws`).
     """
 
     def run(*args):
@@ -115,7 +121,7 @@ def deferring_errors(fn: Callable, inspect: Callable[[Any], None] | None = None)
         jaxpr, found = _rewrite(closed.jaxpr)
         flat = jax.tree.leaves(args)
         core, _ = _jax_compat.jaxpr_internals()
-        out = core.eval_jaxpr(jaxpr, closed.consts, *flat)
+        out = (evaluate or core.eval_jaxpr)(jaxpr, closed.consts, *flat)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out), found
 
     return run

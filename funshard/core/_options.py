@@ -30,8 +30,8 @@ class RootOptions:
       gradient_divide_factor: what the gradients' sum over the devices is divided by
         (None: the data-parallel world size).
       has_aux: the loss function returns `(loss, aux)`.
-      per_device_keys: fold each device's (and microbatch's) index into the typed PRNG
-        keys among the step's arguments, and refuse draws from keys equal on every device.
+      per_device_keys: make each draw that scales with the batch this device's rows of
+        the draw on the global batch (funshard/core/_random.py); False draws as written.
     """
 
     microbatches: int = 1

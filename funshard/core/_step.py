@@ -27,7 +27,7 @@ from funshard.core import _callbacks, _context, _control_flow, _random, _tree
 from funshard.core._batch import check_batch
 from funshard.core._options import RootOptions, root_options, trainable_flags
 from funshard.core._routes import LeafRoute, leaf_routes, state_axes
-from funshard.core._sharded import Sharded, is_sharded
+from funshard.core._sharded import Sharded, is_key, is_sharded
 from funshard.core._tree import common_mesh, is_inexact_array, sharded_leaves, split_arrays
 
 # A child of "funshard": silent unless the application configures logging (docs/concepts.md).
@@ -242,13 +242,15 @@ def _per_device(loss_fn, root: _Root, rebuild_args, values, local_batch, arg_val
     callbacks = []  # whether the user's step has host callbacks (trace time)
 
     def one(microbatch, index=None):
-        keyed_values, keyed_args = _keys_for(root, values, args, index)
+        def run(mb):
+            return _microbatch(loss_fn, root, values, mb, args)
+
         (loss, aux, grads, sums), found = _callbacks.deferring_errors(
-            lambda mb: _microbatch(loss_fn, root, keyed_values, mb, keyed_args),
-            inspect=functools.partial(_inspect, root),
+            run,
+            inspect=_control_flow.check,
+            evaluate=_draws_for(root, run, microbatch, index),
         )(microbatch)
         callbacks.append(found)
-        aux = _random.restore_keys(aux, (keyed_values, keyed_args), (values, args))
         return loss, aux, grads, sums
 
     if opts.microbatches == 1:
@@ -272,27 +274,22 @@ def _per_device(loss_fn, root: _Root, rebuild_args, values, local_batch, arg_val
     return loss, aux, grads
 
 
-def _keys_for(root: _Root, values: list, args, microbatch_index):
-    """(values, args) with the typed PRNG keys one microbatch on this device draws from.
+def _draws_for(root: _Root, run, microbatch, microbatch_index):
+    """How a microbatch's traced program runs: with its random draws those of plain JAX
+    on the global batch (`_random`), unless `per_device_keys=False`.
 
-    Keys among `args` get the index of this device's microbatch in the global batch;
-    keys in the state (Flax's RNG streams) the microbatch's index only, since
-    `funshard.flax`'s units fold the device's index into them themselves.
+    The batch is split over the data axes (device-major, as `comm.spec(dp_axes)`
+    places it), then each device's rows into consecutive microbatches: microbatch `m`
+    of device `d` is block `d * microbatches + m` of the global batch's equal blocks.
     """
     if not root.opts.per_device_keys:
-        return values, args
-    index = jax.lax.axis_index(root.dp_axes)
+        return None
+    block = jax.lax.axis_index(root.dp_axes) * root.opts.microbatches
     if microbatch_index is not None:
-        index = index * root.opts.microbatches + microbatch_index
-        values = [_random.fold_in(v, microbatch_index) if _random.is_key(v) else v for v in values]
-    return values, _random.fold_in_keys(args, index)
-
-
-def _inspect(root: _Root, jaxpr) -> None:
-    """What the root refuses in a microbatch's traced program (see the modules named)."""
-    _control_flow.check(jaxpr)
-    if root.opts.per_device_keys:
-        _random.check_draws(jaxpr, root.dp_axes)
+        block = block + microbatch_index
+    return _random.global_draws(
+        run, microbatch, root.dp_axes, block, root.world * root.opts.microbatches
+    )
 
 
 def _microbatch(loss_fn, root: _Root, values, batch, args):
@@ -435,7 +432,7 @@ def _combine_microbatches(stacked: Any) -> Any:
     streams written back) the last microbatch's."""
 
     def combine(x):
-        if _random.is_key(x):
+        if is_key(x):
             return x[-1]
         if x.ndim > 1:
             return x.reshape(-1, *x.shape[2:])
@@ -560,13 +557,14 @@ def value_and_grad(
       gradient_divide_factor: the gradients' sum over the data-parallel devices is
         divided by this (default: the data-parallel world size, giving the gradient of
         the global mean loss; 1.0 gives the plain sum, FSDP2's sum reduction).
-      per_device_keys: True (default) folds each device's index over the data axes
-        (and the microbatch's index) into every typed PRNG key (`jax.random.key`) among
-        `args`, so draws such as a dropout mask differ between examples as on the
-        global batch while staying a function of the key; and a draw from a key that is
-        the same on every device (a raw `jax.random.PRNGKey` argument, a key made in the
-        loss from a constant) is a ValueError at trace time. False passes keys
-        unchanged and checks nothing, for draws meant to be shared by every example.
+      per_device_keys: True (default) gives random draws plain JAX's numbers on the
+        global batch: a draw from a key that is the same on every device whose shape
+        scales with the batch (a dropout mask) becomes this device's rows of the draw
+        of the global shape, found by tracing the loss again on twice the rows; other
+        draws (a scalar, parameter-shaped noise) are the same on every device. So the
+        numbers depend on the key and each example's index only, not on the mesh or
+        `microbatches`. False draws as the loss writes them on each device's rows
+        (every device then draws the same numbers for its own rows).
 
     Returns:
       A function `(state, batch, *args) -> (loss, grads)` (or `((loss, aux), grads)`)
@@ -589,7 +587,8 @@ def value_and_grad(
         multiple of the data-parallel world size times `microbatches`, batch leaves
         have different leading sizes, or `trainable` does not fit the state; a `cond` /
         `switch` / `while_loop` whose predicate differs between devices guards a unit or
-        another collective; a random draw uses a key equal on every device (see `per_device_keys`).
+        another collective; a random draw changes shape with the batch other than
+        along one dimension (see `per_device_keys`).
       TypeError: the state has integer or bool leaves (they have no gradient, yet an
         optimizer would change them) that `trainable` does not mark False; the loss
         function's output does not match `has_aux`, its loss is not a floating

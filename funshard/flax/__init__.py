@@ -75,8 +75,8 @@ def fully_shard(
     Arguments of the call that are not arrays (`train: bool`, strings, None) reach the
     module unchanged, as static values; arrays are traced. Inside `fs.value_and_grad` a
     unit's BatchNorms average their statistics over the data-parallel axes (equal to
-    the unsharded model on the global batch), and the outermost unit folds the device's
-    index into the RNG keys it reads, so dropout masks differ per device.
+    the unsharded model on the global batch), and its dropout masks are the unsharded
+    model's (the root draws each device's rows of the global batch's draw).
 
     Args:
       module: an `nnx.Module` instance, or a `flax.linen.Module` subclass.

@@ -7,10 +7,9 @@ computes what the unsharded one computes on the whole batch.
   axes the step does not bind, e.g. the `pmap` axis 'batch' of Flax's examples)
   averages its batch moments over the data-parallel axes instead: SyncBatchNorm, equal
   to BatchNorm on the global batch.
-- RNG keys: every device holds the same replicated key, so dropout would draw the same
-  mask for every device's slice. The outermost unit folds the device's index over the
-  data axes into each key it reads, for that call only (the keys in the state do not
-  change; counts advance as usual).
+- RNG keys: nothing. They stay replicated, and the root (`fs.value_and_grad`) makes
+  every draw that scales with the batch (a Dropout's mask) this device's rows of the
+  draw on the global batch (funshard/core/_random.py): the unsharded model's masks.
 - The mesh: a mesh left set by `jax.set_mesh` that is not the state's makes the step's
   `shard_map` fail with JAX's mesh-mismatch error; it is named here instead.
 """
@@ -28,11 +27,6 @@ def step_axes() -> tuple[str, ...] | None:
     """The running step's data-parallel axes, or None outside `fs.value_and_grad`."""
     ctx = core.current_step()
     return None if ctx is None else ctx.dp_axes
-
-
-def is_outermost() -> bool:
-    """Whether a unit called now is the outermost one of a step (no unit around it)."""
-    return core.current_step() is not None and not core.in_unit()
 
 
 def _bound(axis_name: Any) -> bool:
@@ -63,17 +57,6 @@ def batch_axis_name(axis_name: Any, dp_axes: tuple[str, ...] | None) -> Any:
     if axis_name is None or not _bound(axis_name):
         return dp_axes
     return axis_name
-
-
-def device_index(dp_axes: tuple[str, ...]) -> jax.Array:
-    """This device's position over the data-parallel axes (0 .. world - 1)."""
-    return jax.lax.axis_index(dp_axes)
-
-
-def fold_in(key: jax.Array, index: jax.Array) -> jax.Array:
-    """`jax.random.fold_in` of every key of a (possibly shaped) typed key array (the
-    root's own fold for the step's key arguments)."""
-    return core.fold_in_key(key, index)
 
 
 def check_no_other_mesh(fn: str, mesh) -> None:

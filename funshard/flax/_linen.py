@@ -14,8 +14,8 @@ the unit boundary as arguments, to be gathered by the children themselves.
 Only arrays are traced, in the discovery trace as in the unit: Python arguments
 (`train: bool`) stay static. Parameters boxed with Flax's partitioning metadata
 (`nn.with_logical_partitioning`) are unboxed before the module sees them. Inside a step
-BatchNorm is synced through a method interceptor and the outermost unit folds the
-device index into its RNG keys (see `funshard.flax._data_parallel`).
+BatchNorm is synced through a method interceptor (see `funshard.flax._data_parallel`);
+RNG keys are passed as they are (the root makes the draws those of the global batch).
 """
 
 from __future__ import annotations
@@ -239,11 +239,6 @@ def _rngs(module: nn.Module) -> dict:
     return {name: module.make_rng(name) for name in module.scope.rngs}
 
 
-def _per_device(rngs: dict, dp_axes) -> dict:
-    index = _data_parallel.device_index(dp_axes)
-    return {name: _data_parallel.fold_in(key, index) for name, key in rngs.items()}
-
-
 def _sync_batch_norm(dp_axes):
     """A method interceptor: BatchNorm averages its statistics over the data axes.
 
@@ -307,7 +302,7 @@ def _unit_call(self, *args, **kwargs):
     variables["params"] = unbox(variables["params"])
     mutable = _mutable_collections(self)
     plain = _plain(self)
-    dp_axes, outermost = _data_parallel.step_axes(), _data_parallel.is_outermost()
+    dp_axes = _data_parallel.step_axes()
 
     def apply(variables, args, kwargs, rngs):
         return plain.apply(variables, *args, rngs=rngs, mutable=mutable, **kwargs)
@@ -325,8 +320,6 @@ def _unit_call(self, *args, **kwargs):
 
     def body(own_full, args, kwargs, rest, others, rngs):
         params = traverse_util.unflatten_dict({**own_full, **rest})
-        if outermost:
-            rngs = _per_device(rngs, dp_axes)
         if dp_axes is None:
             return apply({**others, "params": params}, args, kwargs, rngs)
         with nn.intercept_methods(_sync_batch_norm(dp_axes)):

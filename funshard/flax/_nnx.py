@@ -11,8 +11,8 @@ parameters cross the unit boundary as plain arguments and are gathered by the ch
 themselves, so each unit has ONE all-gather (and one re-gather in backward with
 `reshard_after_forward=True`).
 
-Inside a step a unit also syncs its BatchNorms and, when outermost, folds the device
-index into the RNG keys it reads (`funshard.flax._data_parallel` says why).
+Inside a step a unit also syncs its BatchNorms (`funshard.flax._data_parallel` says
+why); its RNG keys stay as they are (the root makes the draws those of the global batch).
 """
 
 from __future__ import annotations
@@ -211,23 +211,16 @@ def _unit_call(self, *args, **kwargs):
             sliced_by_transform(base.__name__, sliced, "nnx.scan / nnx.vmap over stacked modules")
         )
     own_paths = set(_flat(params))
-    dp_axes, outermost = _data_parallel.step_axes(), _data_parallel.is_outermost()
+    dp_axes = _data_parallel.step_axes()
 
     def body(full, args, kwargs, rest):
-        if outermost:
-            rest = _per_device_keys(rest, dp_axes)
         given = {p: _array_ids(v) for p, v in _flat(rest).items()}
         # Copies: the variables of `rest` may belong to an outer trace (extra args of
         # fs.value_and_grad), which nnx refuses to write; writes leave as outputs.
         module = nnx.merge(graphdef, full, rest, copy=True)
         if dp_axes is not None:
             _sync_batch_norms(module, dp_axes)
-        restore = _fold_argument_keys((args, kwargs), dp_axes) if outermost else None
-        try:
-            out = base.__call__(module, *args, **kwargs)
-        finally:
-            if restore is not None:
-                restore()
+        out = base.__call__(module, *args, **kwargs)
         after = _flat(nnx.state(module, lambda p, v: p not in own_paths))
         # Written variables (RNG counts, batch statistics) leave the unit as outputs.
         changed = {p: v.get_value() for p, v in after.items() if _array_ids(v) != given[p]}
@@ -241,41 +234,6 @@ def _unit_call(self, *args, **kwargs):
     out, changed = unit(params, args, kwargs, rest)
     _write_back(self, base.__name__, changed)
     return out
-
-
-def _per_device_keys(state, dp_axes):
-    """`state` with this device's index folded into each RNG key (see `_data_parallel`)."""
-    index = _data_parallel.device_index(dp_axes)
-
-    def fold(variable):
-        if isinstance(variable, nnx.RngKey):
-            return variable.replace(_data_parallel.fold_in(variable.get_value(), index))
-        return variable
-
-    return nnx.from_flat_state([(p, fold(v)) for p, v in nnx.to_flat_state(state)])
-
-
-def _fold_argument_keys(tree, dp_axes):
-    """Folds this device's index into the keys of `nnx.Rngs` passed as arguments.
-
-    The streams are the caller's objects (their counts advance as nnx's reference
-    semantics say), so the keys are folded for the call only: the returned function
-    puts the caller's keys back.
-    """
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    keys = [x for x in leaves if isinstance(x, nnx.RngKey)]
-    if not keys:
-        return None
-    index = _data_parallel.device_index(dp_axes)
-    originals = [k.get_value() for k in keys]
-    for k, value in zip(keys, originals, strict=True):
-        k.set_value(_data_parallel.fold_in(value, index))
-
-    def restore():
-        for k, value in zip(keys, originals, strict=True):
-            k.set_value(value)
-
-    return restore
 
 
 def _sync_batch_norms(module, dp_axes) -> None:
