@@ -561,7 +561,12 @@ def shard_model(model: GPT, mesh, mp_policy, scan: bool):
 def plan(state, optimizer, depth: int, scan: bool):
     """`fs.plan` of the step: what each device will hold and send, before compiling."""
     if scan:
-        return None  # fs.plan does not model `fs.scan` stacks
+        # The units of `shard_model`: the stack is one unit, gathered one layer at a
+        # time by fs.scan; the embeddings and the head are outermost units, which keep
+        # their parameters (fs.flax's default for them).
+        units = {"embed": "embed", "blocks": "blocks", "head": "head"}
+        keep = {"embed": False, "head": False}
+        return fs.plan(state, units=units, optimizer=optimizer, reshard_after_forward=keep)
     units = {"model": "", **{f"block{i}": f"blocks.{i}" for i in range(depth)}}
     return fs.plan(state, units=units, optimizer=optimizer, reshard_after_forward={"model": False})
 
@@ -1199,10 +1204,10 @@ def summary_table(facts: dict) -> Table:
     table.add_section()
     planned = facts["plan"]
     for kind, count in facts["collectives"].items():
-        note = "" if planned is None else f"fs.plan: {planned.count(kind)}"
+        note = f"fs.plan: {planned.count(kind)}"
         if facts["scan"]:
-            note = "the layer loop's counted once"
-        if planned is not None and kind == "all-reduce" and planned.count(kind) != count:
+            note += " run; here the layer loop's counted once"
+        elif kind == "all-reduce" and planned.count(kind) != count:
             note += " (XLA merged some)"
         table.add_row(f"{kind}s per step", str(count), note)
     table.add_section()
@@ -1278,10 +1283,7 @@ def resume(console, run: RunDir, state, opt_state) -> tuple[int, object, object]
 
 def print_plan(console, planned) -> None:
     """Prints `fs.plan`'s tables as plain text (their own layout, unwrapped)."""
-    if planned is None:
-        console.print("(fs.plan does not cover fs.scan stacks: no plan for --scan)")
-    else:
-        console.print(str(planned) + "\n", markup=False, highlight=False)
+    console.print(str(planned) + "\n", markup=False, highlight=False)
 
 
 def start_devices(parser, count: int) -> None:
@@ -1394,7 +1396,7 @@ class Trained:
     start: int  # the step this invocation resumed from
     step_fn: object  # the compiled step
     cost: StepCost
-    planned: object  # fs.plan's Plan, or None with --scan
+    planned: object  # fs.plan's Plan
     baseline: float
     compile_s: float
 

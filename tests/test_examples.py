@@ -351,6 +351,14 @@ def test_train_lm_scan(scan_run):
     shares = [float(x) for x in re.findall(r"replicated \(1/([\d.]+)\)", out)]
     assert len(shares) == 2 and all(2.5 < x < 3 for x in shares)
     assert int(summary_value(out, "reduce-scatters per step")) >= 1
+    # fs.plan covers the stack: one unit of TINY_DEPTH layers, each layer's gather run
+    # in forward and again in backward, its reduce-scatter once (tests/test_plan.py
+    # compares such plans with the compiled program).
+    size = r"\d+(?:\.\d+)? (?:B|KiB|MiB)"
+    row = re.search(
+        rf"^\s*blocks\s+\d+\s+True\s+(\d+)\s+{size}\s+{size}\s+(\d+)\s+{size}\s+(\d+)$", out, re.M
+    )
+    assert row and row.groups() == (str(TINY_DEPTH), str(2 * TINY_DEPTH), str(TINY_DEPTH)), out
     # XLA counts the layer loop's body once: no FLOPs, so no MFU, rather than a wrong one.
     assert "FLOPs and MFU: n/a with --scan" in out
     assert all("mfu_percent" not in r for r in metrics(run_dir))

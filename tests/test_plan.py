@@ -63,11 +63,19 @@ def _step(reshard, **options):
     return fs.value_and_grad(loss, **options)
 
 
-def _executed(text: str) -> dict:
+def _executed(text: str, layers: int | None = None) -> dict:
     """Per collective kind, the (group size, buffer bytes) of every execution in one
-    step, from the compiled HLO (ops inside the microbatch loop count once per trip)."""
+    step, from the compiled HLO (ops inside the microbatch loop count once per trip).
+
+    With `layers`, the step scans a stack of that many layers, whose loops prefetch
+    the next layer's gather in a conditional that runs on every trip but the last.
+    """
     ops, facts = hlo.executed_collectives(text, 8)
-    assert not facts["unknown_trip"] and not any(op["conditional"] for op in ops)
+    assert not facts["unknown_trip"]
+    for op in ops:
+        if op["conditional"]:
+            assert layers and op["kind"] == "all-gather" and op["times"] % layers == 0, op
+            op["times"] = op["times"] // layers * (layers - 1)
     return {
         kind: Counter(
             [
@@ -203,6 +211,132 @@ def test_gathered_bytes_per_unit_are_the_units_all_gather():
     # the embedding padded to 16.
     assert planned.unit("layer0").gathered_bytes == 4 * (6 * 24 + 6) * 2
     assert planned.unit("root").gathered_bytes == 4 * (4 * 24 + 6 * 5) * 2
+
+
+# A stack of layers run by fs.lax_scan / fs.scan: one unit, gathered and reduced one
+# layer at a time (each collective one layer's, run once per layer and microbatch).
+STACK = 3
+
+
+def _stacked_params():
+    """The stack (with a per-layer gain, replicated) beside a root embedding and head."""
+    k = jax.random.split(jax.random.key(1), 3)
+    return {
+        "embed": jax.random.normal(k[0], (13, 24)),
+        "blocks": {
+            "w": jax.random.normal(k[1], (STACK, 24, 24)) / 5,
+            "b": jnp.zeros((STACK, 24)),
+            "gain": jnp.linspace(0.5, 1.5, STACK),
+        },
+        "head": jax.random.normal(k[2], (24, 5)),
+    }
+
+
+def _stacked_state(mesh, policy=None):
+    params = _stacked_params()
+    ends = {"embed": params["embed"], "head": params["head"]}
+    return {
+        **fs.shard(ends, mesh, mp_policy=policy),
+        "blocks": fs.shard(params["blocks"], mesh, stacked=True, mp_policy=policy),
+    }
+
+
+def _block(h, p):
+    return _layer(p, h), None
+
+
+def _layer(p, h):
+    return jnp.tanh(h @ p["w"] + p["b"]) * p["gain"]
+
+
+def _scanned_step(scan, reshard, **options):
+    def loss(state, batch):
+        x, y = batch
+        root = fs.unshard({"embed": state["embed"], "head": state["head"]})
+        h = jnp.tanh(x @ root["embed"])
+        if scan == "lax_scan":
+            h = fs.lax_scan(_block, h, state["blocks"], reshard_after_forward=reshard)[0]
+        else:
+            h = fs.scan(_layer, state["blocks"], h, reshard_after_forward=reshard)
+        return jnp.mean(((h @ root["head"]).astype(jnp.float32) - y) ** 2)
+
+    return fs.value_and_grad(loss, **options)
+
+
+SCAN_CASES = {
+    "fsdp-microbatches": dict(mesh="8", microbatches=2),
+    "keep-layers": dict(mesh="8", reshard=False, microbatches=2),
+    "hsdp-bf16-fs-scan": dict(mesh="2x4", policy=BF16, microbatches=2, scan="scan"),
+    "hsdp-all-reduce-at-end": dict(mesh="2x4", microbatches=2, all_reduce_every_microbatch=False),
+}
+
+
+@functools.cache
+def _compiled_scan_case(case: str):
+    spec = dict(SCAN_CASES[case])
+    mesh, policy = mesh_for(spec.pop("mesh")), spec.pop("policy", None)
+    scan, reshard = spec.pop("scan", "lax_scan"), spec.pop("reshard", True)
+    state = _stacked_state(mesh, policy)
+    _, text = compiled(_scanned_step(scan, reshard, **spec), state, BATCH)
+    return text, state, dict(reshard_after_forward=reshard, **spec)
+
+
+def _widened(plan) -> int:
+    """All-reduce bytes per step as XLA CPU runs them: 16-bit ones widened to f32."""
+    return sum(
+        c.total_bytes * (2 if np.dtype(c.dtype).itemsize == 2 else 1)
+        for c in plan.collectives
+        if c.kind == "all-reduce"
+    )
+
+
+@pytest.mark.parametrize("case", SCAN_CASES)
+def test_scanned_stack_collectives_match_the_compiled_step(case):
+    text, state, options = _compiled_scan_case(case)
+    measured = _executed(text, layers=STACK)
+    planned = fs.plan(state, units={"blocks": "blocks"}, **options)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert _planned(planned, kind) == measured[kind], (kind, planned.collectives)
+    assert _widened(planned) == _bytes(measured["all-reduce"]), planned.collectives
+    blocks = planned.unit("blocks")
+    assert blocks.layers == STACK
+    microbatches = options["microbatches"]
+    gathers = 2 if options["reshard_after_forward"] else 1  # forward, backward re-gather
+    assert planned.count("all-gather", "blocks") == gathers * STACK * microbatches
+    assert planned.count("reduce-scatter", "blocks") == STACK * microbatches
+    # One layer's gather, read from the scan's own collective (named after its function).
+    name = "scan/_layer" if "fs-scan" in case else "scan/_block"
+    lines = [ln for ln in text.splitlines() if f"funshard/{name}/all_gather" in ln]
+    assert {c.nbytes for c in hlo.parse_collectives(lines)} == {blocks.gathered_bytes}
+
+
+def test_scanned_stack_figures():
+    """One layer's figures, worked out by hand: 24 x 24 + 24 values of a layer over 4
+    shards (6 rows of w and of b), gathered in bf16 and reduced in f32."""
+    state = _stacked_state(mesh_for("2x4"), BF16)
+    planned = fs.plan(state, units={"blocks": "blocks"}, microbatches=2)
+    blocks = planned.unit("blocks")
+    assert blocks.gathered_bytes == 4 * (6 * 24 + 6) * 2
+    assert blocks.reduce_scatter_bytes == 4 * (6 * 24 + 6) * 4
+    # Parameters per device: every layer's block, and the replicated gains whole.
+    assert blocks.param_bytes == STACK * (6 * 24 + 6) * 4 + STACK * 4
+    held = {
+        sum(
+            s.data.nbytes
+            for leaf in jax.tree.leaves(state["blocks"])
+            for s in leaf.addressable_shards
+            if s.device == d
+        )
+        for d in mesh_for("2x4").devices.flat
+    }
+    assert held == {blocks.param_bytes}
+    text = str(planned)
+    assert "one layer's for a stack" in text
+    header = next(ln for ln in text.splitlines() if ln.split()[:1] == ["unit"])
+    row = next(ln for ln in text.splitlines() if ln.split()[:1] == ["blocks"])
+    assert header.split()[3] == "layers" and row.split()[3] == str(STACK)
+    # A plan without a stack keeps its table as it was.
+    assert "layers" not in str(fs.plan(_params(), mesh_for("8"), units=UNITS))
 
 
 def test_plan_is_the_same_for_arrays_abstract_params_and_a_sharded_state():
@@ -452,6 +586,52 @@ def test_bad_inputs():
         lambda: fs.plan(params, mesh, trainable={"nope": False}),
         "`trainable` must be a pytree prefix",
     )
+
+
+def test_stacks_the_step_cannot_scan_are_refused():
+    """A stack is planned as fs.scan / fs.lax_scan run it: refused where they refuse,
+    and where the plan could only guess (a stack left to the root, or mixed in a unit)."""
+    state = _stacked_state(mesh_for("8"))
+    whole = {"blocks": "blocks"}
+    _raises(
+        ValueError,
+        lambda: fs.plan(state),
+        "['blocks']['b'], ['blocks']['w'] are stacked layers",
+        "units={'blocks': 'blocks'}",
+    )
+    _raises(
+        ValueError,
+        lambda: fs.plan(state, units={"model": ""}),
+        "unit 'model' holds stacked layers (['blocks']['b'], ['blocks']['w'])",
+        "sharded otherwise (['embed'], ['head'])",
+    )
+    uneven = {
+        **state,
+        "blocks": {
+            **state["blocks"],
+            "b": fs.shard(jnp.zeros((2, 24)), mesh_for("8"), stacked=True),
+        },
+    }
+    _raises(
+        ValueError,
+        lambda: fs.plan(uneven, units=whole),
+        "disagree on the number of layers",
+        "['blocks']['b'] (2, 24)",
+    )
+    for options, option in (
+        (dict(reshard_after_forward=4), "reshard_after_forward=4"),
+        (dict(microbatches=2, sync_every_microbatch=False), "sync_every_microbatch=False"),
+    ):
+        _raises(
+            NotImplementedError,
+            lambda options=options: fs.plan(state, units=whole, **options),
+            "unit 'blocks' is a stack of layers",
+            option,
+        )
+        reshard = options.get("reshard_after_forward", True)
+        step_options = {k: v for k, v in options.items() if k != "reshard_after_forward"}
+        with pytest.raises(NotImplementedError):  # the step refuses the same
+            jax.eval_shape(_scanned_step("lax_scan", reshard, **step_options), state, BATCH)
 
 
 def test_unit_taking_a_child_units_state_first_still_gathers_every_microbatch():

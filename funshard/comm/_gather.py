@@ -71,6 +71,15 @@ class GroupLayout:
     def dp_axes(self) -> tuple[str, ...]:
         return (*self.replicate_axes, *self.shard_axes)
 
+    def layer(self) -> GroupLayout:
+        """The layout of one layer of a stack (leaves sharded on dim 1, `stacked=True`):
+        each leaf with its leading layer axis dropped, as `fs.scan` gathers it."""
+        leaves = tuple(
+            dataclasses.replace(leaf, shape=leaf.shape[1:], dim=leaf.dim - 1)
+            for leaf in self.leaves
+        )
+        return dataclasses.replace(self, leaves=leaves)
+
 
 def scope(layout: GroupLayout, what: str):
     """`funshard/<unit>/<what>`: a unit's collectives, named in profiles and HLO metadata.

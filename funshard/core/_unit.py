@@ -301,15 +301,6 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
     return record.rebuild_out(out)
 
 
-def _layer_layout(sharded, name: str):
-    """The gather layout of one layer of each stacked leaf (its layer axis dropped)."""
-    stack = _context.layout_of(sharded, name=name)
-    layer = tuple(
-        dataclasses.replace(leaf, shape=leaf.shape[1:], dim=leaf.dim - 1) for leaf in stack.leaves
-    )
-    return dataclasses.replace(stack, leaves=layer)
-
-
 def _vary_like(carry, new_carry):
     """`carry` cast to vary over every mesh axis its counterpart in `new_carry` varies
     over (None if nothing is missing): the type a loop's carry needs when it starts
@@ -361,7 +352,7 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
     datas = tuple(x.data for x in sharded)
     if _context.accumulators_for(sharded) is not None:
         raise errors.UnsupportedError(_scan_deferred_sync_unsupported())
-    layout = _layer_layout(sharded, f"scan/{name}")
+    layout = _context.layout_of(sharded, name=f"scan/{name}").layer()
     others = unit.parts.others
     layers = datas[0].shape[0]
     record = Residuals()

@@ -102,6 +102,10 @@ class UnitPlan:
         `param_dtype`, padding included); 0 when it has no sharded leaf.
       reduce_scatter_bytes: the input of its reduce-scatter(s) per microbatch (padded,
         in `reduce_dtype`); 0 when nothing in it is trained.
+      layers: for a stack of layers run by `fs.scan` / `fs.lax_scan` (its sharded leaves
+        `stacked=True`), the number of layers, and then `gathered_bytes` and
+        `reduce_scatter_bytes` are those of ONE layer (the loop gathers and reduces
+        each layer in turn); None for a unit called once.
     """
 
     name: str
@@ -111,6 +115,7 @@ class UnitPlan:
     replicated_bytes: int
     gathered_bytes: int
     reduce_scatter_bytes: int
+    layers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,9 +346,15 @@ def _reduced_by_dtype(leaves, n: int) -> dict[np.dtype, int]:
 
 
 def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]:
-    """The collectives of one unit (or the root) inside the microbatch loop."""
+    """The collectives of one unit (or the root) inside the microbatch loop.
+
+    A scanned stack's collectives are one layer's, run once per layer: `k` counts
+    layers times microbatches.
+    """
     n, replicas = dims
-    k = opts.microbatches
+    k = opts.microbatches * (unit.layers or 1)
+    if layout and unit.layers:
+        layout = layout.layer()
     out = []
     gathered = _gathered_bytes(layout.leaves, n) if layout else 0
     if gathered:
@@ -351,14 +362,15 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
         keep = unit.reshard_after_forward
         # A gather tied to the unit's input runs in every microbatch; an untied one (the
         # root's unshard, a unit that keeps its parameters) is loop-invariant, and XLA
-        # hoists it out of the microbatch loop: it runs once per step.
-        tied = keep is not False  # normalised: False, True or an hpZ group size
+        # hoists it out of the microbatch loop: it runs once per step. A scan ties each
+        # layer's gather to that layer's input, whether it keeps the layers or not.
+        tied = keep is not False or unit.layers is not None
         out.append(
             Collective(
                 "all-gather", unit.name, "forward", gather_dtype, n, gathered, k if tied else 1
             )
         )
-        if tied:
+        if keep is not False:
             group = n if keep is True else keep
             out.append(
                 Collective("all-gather", unit.name, "backward", gather_dtype, group, gathered, k)
@@ -402,14 +414,16 @@ def _step_collectives(layouts, opts: RootOptions, dims) -> list[Collective]:
 
 def _replicated_collectives(groups, opts: RootOptions, world: int) -> list[Collective]:
     """All-reduces of the trained leaves kept whole: autodiff sums their gradients over
-    every device, in the dtype the unit computes with (a policy's `param_dtype`)."""
+    every device, in the dtype the unit computes with (a policy's `param_dtype`). A
+    scanned stack's (one value per layer) are all-reduced a layer at a time."""
     out = []
     for group in groups:
         by_dtype: dict[np.dtype, int] = {}
         for x, route in group.replicated:
             if route.wanted:
                 dtype = core.param_dtype_for(group.policy, np.dtype(x.dtype))
-                by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(x.shape) * dtype.itemsize
+                shape = x.shape[1:] if group.layers else x.shape
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(shape) * dtype.itemsize
         out += [
             Collective(
                 "all-reduce",
@@ -418,7 +432,7 @@ def _replicated_collectives(groups, opts: RootOptions, world: int) -> list[Colle
                 dtype.name,
                 world,
                 size,
-                opts.microbatches,
+                opts.microbatches * (group.layers or 1),
             )
             for dtype, size in by_dtype.items()
         ]
@@ -446,8 +460,12 @@ def _resharding(name: str, value: bool | int, n: int) -> bool | int:
     return True if value == n else (False if value == 1 else value)
 
 
-def _unit_plan(group: _units.LeafGroup, n: int) -> UnitPlan:
-    leaves = group.layout.leaves if group.layout else ()
+def _unit_plan(group: _units.LeafGroup, n: int, opts: RootOptions) -> UnitPlan:
+    layout = group.layout
+    if layout and group.layers:
+        _check_scannable(group, opts)
+        layout = layout.layer()
+    leaves = layout.leaves if layout else ()
     footprint = _footprint(list(group.sharded) + [x for x, _ in group.replicated])
     return UnitPlan(
         name=group.name,
@@ -457,6 +475,24 @@ def _unit_plan(group: _units.LeafGroup, n: int) -> UnitPlan:
         replicated_bytes=footprint.replicated,
         gathered_bytes=_gathered_bytes(leaves, n),
         reduce_scatter_bytes=sum(_reduced_by_dtype(leaves, n).values()),
+        layers=group.layers,
+    )
+
+
+def _check_scannable(group: _units.LeafGroup, opts: RootOptions) -> None:
+    """What `fs.scan` / `fs.lax_scan` refuse, refused for the stack they would run."""
+    value = group.reshard_after_forward
+    if not isinstance(value, bool):
+        raise errors.UnsupportedError(_scan_option(group.name, f"reshard_after_forward={value}"))
+    if not opts.sync_every_microbatch:
+        raise errors.UnsupportedError(_scan_option(group.name, "sync_every_microbatch=False"))
+
+
+def _scan_option(name: str, option: str) -> str:
+    return (
+        f"plan: unit {name!r} is a stack of layers (stacked=True), run by fs.scan / "
+        f"fs.lax_scan, which do not support {option} yet; plan (and run) it with "
+        "reshard_after_forward True or False and sync_every_microbatch=True."
     )
 
 
@@ -499,7 +535,9 @@ def plan(
         subtrees (FSDP2's `fully_shard([emb, head])`); `""` is the whole tree. Prefixes
         may nest: a leaf belongs to the unit with the longest prefix above it (FSDP2's
         rule, and `fs.flax.fully_shard`'s). A plain list of prefixes names each unit
-        after its prefix. Leaves in no unit belong to the root.
+        after its prefix. Leaves in no unit belong to the root. A unit whose sharded
+        leaves are stacked (`fs.shard(..., stacked=True)`) is a stack of layers, planned
+        as `fs.scan` / `fs.lax_scan` run it: one layer's collectives, once per layer.
       mp_policy: the policy `fs.shard` would attach (not for a sharded state).
       optimizer: an optax `GradientTransformation`, to count its state.
       reshard_after_forward: as in `fs.fully_shard`, for every unit, or a mapping from
@@ -524,7 +562,10 @@ def plan(
         `optimizer` has no `init`.
       ValueError: a unit's prefix matches no leaf, two units give the same prefix, a
         unit holds no shardable parameter, an option does not fit (e.g. `mp_policy` for
-        a state that is already sharded), or `trainable` does not fit `params`.
+        a state that is already sharded), `trainable` does not fit `params`, stacked
+        leaves are in no unit, or a unit mixes them with other sharded leaves.
+      NotImplementedError: a stack of layers with an int `reshard_after_forward` or
+        `sync_every_microbatch=False`, which `fs.scan` does not support yet.
     """
     opts = core.root_options(
         "plan",
@@ -546,7 +587,7 @@ def plan(
     n, replicas = first.num_shards, comm.axes_size(mesh, first.replicate_axis)
     unit_plans, collectives = [], []
     for group in groups:
-        unit_plans.append(_unit_plan(group, n))
+        unit_plans.append(_unit_plan(group, n, opts))
         collectives += _unit_collectives(unit_plans[-1], group.layout, opts, (n, replicas))
     collectives += _step_collectives([g.layout for g in groups], opts, (n, replicas))
     collectives += _replicated_collectives(groups, opts, n * replicas)

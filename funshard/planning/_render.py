@@ -50,11 +50,15 @@ def _reshard_text(value) -> str:
 
 
 def _units(plan: Any) -> tuple[str, list[str], list[list[str]]]:
+    # A scanned stack's collectives are one layer's: the "layers" column (shown only
+    # when a plan has such a unit) says how many run in turn.
+    scanned = any(u.layers for u in plan.units)
     body = [
         [
             u.name,
             str(len(u.leaves)),
             "-" if u.name == "root" else _reshard_text(u.reshard_after_forward),
+            *([str(u.layers) if u.layers else "-"] if scanned else []),
             human(u.param_bytes),
             human(u.gathered_bytes),
             str(plan.count("all-gather", u.name)),
@@ -67,13 +71,15 @@ def _units(plan: Any) -> tuple[str, list[str], list[list[str]]]:
         "unit",
         "leaves",
         "reshard",
+        *(["layers"] if scanned else []),
         "params/dev",
         "gathered",
         "gathers",
         "scattered",
         "scatters",
     ]
-    return "units (bytes of one collective, counts per step)", headers, body
+    each = "one collective, one layer's for a stack;" if scanned else "one collective,"
+    return f"units (bytes of {each} counts per step)", headers, body
 
 
 def _collectives(plan: Any) -> tuple[str, list[str], list[list[str]]]:

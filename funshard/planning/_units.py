@@ -170,6 +170,9 @@ class LeafGroup:
       reshard_after_forward: the unit's value (the root keeps what it gathers: False).
       policy: the mixed-precision policy of a unit's sharded leaves (None for the root,
         whose leaves are each gathered in their own policy's dtype).
+      layers: for a stack of layers (every sharded leaf `stacked=True`), which
+        `fs.scan` / `fs.lax_scan` gathers and reduces one layer at a time: the number of
+        layers; None for a unit called once.
     """
 
     name: str
@@ -179,6 +182,7 @@ class LeafGroup:
     layout: comm.GroupLayout | None
     reshard_after_forward: bool | int
     policy: Any
+    layers: int | None = None
 
 
 def _names(paths) -> list[tuple[str, ...]]:
@@ -265,6 +269,66 @@ def _group(name, idx, paths, items, routes: tuple[LeafRoute, ...], reshard) -> L
         layout,
         reshard,
         policy,
+        _layers(name, [paths[i] for i in sharded], [items[i] for i in sharded]),
+    )
+
+
+def _layers(name: str, paths, items) -> int | None:
+    """The number of layers of a unit whose sharded leaves are stacked, else None.
+
+    A stack is what `fs.scan` / `fs.lax_scan` run, and they refuse a stack mixed with
+    leaves sharded otherwise; the root gathers with `fs.unshard`, which would gather a
+    stack whole, so a stack left to the root is a unit the caller forgot to name.
+    """
+    stacked = [x.dim == 1 for x in items]
+    if not any(stacked):
+        return None
+    if name == ROOT:
+        raise errors.ShardingValueError(_stack_in_no_unit(paths, stacked))
+    if not all(stacked):
+        raise errors.ShardingValueError(_stack_mixed(name, paths, stacked))
+    counts = {x.shape[0] for x in items}
+    if len(counts) > 1:
+        raise errors.ShardingValueError(_layer_counts(name, paths, items))
+    return counts.pop()
+
+
+def _listed(paths, pick) -> str:
+    chosen = [_text.leaf_name(p) for p, keep in zip(paths, pick, strict=True) if keep]
+    return ", ".join(chosen[:6]) + (", ..." if len(chosen) > 6 else "")
+
+
+def _stack_in_no_unit(paths, stacked) -> str:
+    names = [n for n, s in zip(_names(paths), stacked, strict=True) if s]
+    # The subtree above every stacked leaf (never a leaf itself): the unit's prefix.
+    common = names[0][: min(map(len, names)) - 1]
+    while any(n[: len(common)] != common for n in names):
+        common = common[:-1]
+    unit = {common[-1] if common else "stack": display(common)}
+    return (
+        f"plan: {_listed(paths, stacked)} are stacked layers (fs.shard(..., stacked=True)) "
+        "in no unit. fs.scan / fs.lax_scan run a stack as one unit, gathering one layer at "
+        f"a time: name it in units= by its prefix, e.g. units={unit!r}."
+    )
+
+
+def _layer_counts(name: str, paths, items) -> str:
+    listing = ", ".join(
+        f"{_text.leaf_name(p)} {tuple(x.shape)}" for p, x in zip(paths, items, strict=True)
+    )
+    return (
+        f"plan: the stacked leaves of unit {name!r} disagree on the number of layers (dim "
+        f"0): {listing}. Stack every leaf over the same layers, as fs.scan requires."
+    )
+
+
+def _stack_mixed(name: str, paths, stacked) -> str:
+    flat = [not s for s in stacked]
+    return (
+        f"plan: unit {name!r} holds stacked layers ({_listed(paths, stacked)}) and leaves "
+        f"sharded otherwise ({_listed(paths, flat)}); fs.scan / fs.lax_scan need every "
+        "sharded leaf of their stack stacked. Give the stack a unit of its own (its "
+        "prefix in units=)."
     )
 
 
