@@ -421,3 +421,111 @@ def test_extra_arguments_train_as_optax(make_opt, wrap):
     got = fs.unshard(state)
     for k in shapes:
         np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=TOLERANCE, err_msg=k)
+
+
+def _probes_run(monkeypatch):
+    """A list that gets one entry per probe traced (cached verdicts add none)."""
+    from funshard.core import _padding_probe
+
+    runs = []
+    lowered_runs = _padding_probe._lowered_runs
+
+    def counted(*args):
+        runs.append(args)
+        return lowered_runs(*args)
+
+    monkeypatch.setattr(_padding_probe, "_lowered_runs", counted)
+    return runs
+
+
+def _fresh_verdict(opt, state):
+    """The probe's verdict with its caches emptied: the reference for a cached one."""
+    from funshard.core import _padding_probe
+
+    _padding_probe._VERDICTS.clear()
+    _padding_probe._PROGRAM_VERDICTS.clear()
+    return _padding_probe.padding_dependence(opt, state)
+
+
+def _accepted(verdict):
+    return not (verdict.updates or verdict.states or verdict.undecided)
+
+
+def test_equal_transforms_share_a_verdict_without_tracing(monkeypatch):
+    from funshard.core import _padding_probe
+
+    state = fs.shard(_params({"uneven": (11, 24), "bias": (11,)}), mesh_for("8"))
+    runs = _probes_run(monkeypatch)
+
+    def adamw(lr):
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.1))
+
+    first = _padding_probe.padding_dependence(adamw(1e-3), state)
+    again = _padding_probe.padding_dependence(adamw(1e-3), state)  # a new, equal object
+    assert len(runs) == 1 and again == first
+    _padding_probe.padding_dependence(adamw(2e-3), state)  # another learning rate
+    assert len(runs) == 2
+    assert first == _fresh_verdict(adamw(1e-3), state) and _accepted(first)
+
+
+def _masked_adafactor(uneven):
+    # Equal code; the closed-over flag decides whether the uneven leaf is masked in.
+    return optax.masked(optax.adafactor(1e-2), lambda p: {k: uneven or k != "uneven" for k in p})
+
+
+def test_transforms_differing_in_a_closed_over_value_get_their_own_verdicts():
+    from funshard.core import _padding_probe
+
+    state = fs.shard(_params({"uneven": (130, 128), "even": (136, 128)}), mesh_for("8"))
+    cached = [_padding_probe.padding_dependence(_masked_adafactor(u), state) for u in (True, False)]
+    fresh = [_fresh_verdict(_masked_adafactor(u), state) for u in (True, False)]
+    assert cached == fresh
+    assert fresh[0].updates and _accepted(fresh[1])
+
+
+_PEAK = 1e-2  # read from the module's globals by _global_schedule
+
+
+def _global_schedule(step):
+    return _PEAK * jnp.minimum(1.0, step / 10)
+
+
+def test_a_global_scalar_a_transform_reads_is_part_of_its_key(monkeypatch):
+    # muon warmed up from 0 is refused with a nonzero peak; with a peak of 0 every update
+    # is zero while the state accumulates, and the probe says it cannot tell.
+    state = fs.shard(_params({"uneven": (13, 32), "even": (16, 32)}), mesh_for("8"))
+    with pytest.raises(fs.errors.ShardingValueError, match=DEPENDS):
+        fs.init_optimizer(optax.contrib.muon(_global_schedule), state)
+    monkeypatch.setattr(__import__(__name__), "_PEAK", 0.0)
+    with pytest.raises(fs.errors.ShardingValueError, match=UNDECIDED):
+        fs.init_optimizer(optax.contrib.muon(_global_schedule), state)
+
+
+def test_cached_verdict_names_the_shard_count_of_its_state():
+    # (13, 32) pads to (16, 32) over 8 shards and over 4: the same program, other text.
+    opt = _muon()
+    for mesh_name, shards in (("8", 8), ("4", 4)):
+        state = fs.shard(_params({"uneven": (13, 32)}), mesh_for(mesh_name))
+        with pytest.raises(fs.errors.ShardingValueError) as info:
+            fs.init_optimizer(opt, state)
+        assert f"padded to (16, 32) over {shards} shards" in str(info.value)
+        state = fs.shard(_params({"uneven": (13, 32)}), mesh_for(mesh_name))
+        with pytest.raises(fs.errors.ShardingValueError) as info:
+            fs.init_optimizer(_muon(), state)  # an equal transform, cached by value
+        assert f"padded to (16, 32) over {shards} shards" in str(info.value)
+
+
+def test_probe_compiles_with_its_fast_options_and_falls_back(monkeypatch):
+    from funshard.core import _padding_probe
+
+    lowered = jax.jit(lambda x: jnp.sum(jnp.cos(x))).lower(np.ones((13, 32), np.float32))
+    # This jax takes the fastest set: the probe's cost does not silently grow back.
+    lowered.compile(compiler_options=_padding_probe._COMPILER_OPTIONS[0])
+    # An XLA without an option refuses the set; the probe takes the next and still judges.
+    unknown = {"xla_option_this_xla_does_not_have": True}
+    monkeypatch.setattr(_padding_probe, "_COMPILER_OPTIONS", (unknown, {}))
+    state = fs.shard(_params({"uneven": (130, 128), "even": (136, 128)}), mesh_for("8"))
+    assert _fresh_verdict(_adafactor(), state).updates == (
+        "['uneven'] (shape (130, 128), padded to (136, 128) over 8 shards)",
+    )
+    assert _accepted(_fresh_verdict(optax.adamw(1e-2), state))

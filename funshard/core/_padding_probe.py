@@ -10,16 +10,20 @@ the transform looks at the padded shape (adafactor's row and column means, muon)
 the probe cannot judge (the update does not run, or stays zero while the state
 accumulates) is reported as undecided, and refused like one that disagrees. Other leaves
 are replaced by one-element stand-ins, so the probe's cost is that of the uneven leaves
-alone; its verdict is cached per transform and layout, and per lowered program, so an
-equal transform built again is judged without compiling.
+alone. Its verdict is cached per transform and layout, a transform keyed by value (its
+functions' code and the values they close over), so an equal transform built again is
+judged without tracing; and per lowered program, so one that is not keyed by value is
+judged again without compiling.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import logging
+import types
 from typing import Any
 
 import jax
@@ -152,13 +156,28 @@ def _lowered_runs(opt: Any, logical: Any, padded: Any) -> Any:
     return jax.jit(both).lower(logical, padded)
 
 
+# Compile options, fastest first. Compiling, not running, is the probe's cost: at XLA's
+# lowest backend optimisation and with XLA:CPU's legacy emitters instead of its MLIR fusion
+# emitters (which own the time), the probe compiles about 7 times as fast as with either
+# alone, and op by op each small operation would compile on first use
+# (docs/benchmarks_design.md). An XLA without one of these options refuses the set ("No
+# such compile option") and the next is tried. Both runs are one program, compiled alike.
+_COMPILER_OPTIONS: tuple[dict[str, Any], ...] = (
+    {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
+    {"xla_backend_optimization_level": 0},
+)
+
+
 def _compiled(lowered: Any) -> Any:
-    # At XLA's lowest backend optimisation: compiling, not running, is the probe's cost,
-    # and this level compiles it in about half the time of the default one, where op by
-    # op every small operation would compile on first use (docs/benchmarks_design.md).
-    # jax 0.10's stub types option values as str | bool (0.12's admits ints: hence
-    # unused-ignore); XLA's integer options take ints.
-    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})  # type: ignore[dict-item, unused-ignore]
+    for options in _COMPILER_OPTIONS:
+        try:
+            # jax 0.10's stub types option values as str | bool (0.12's admits ints: hence
+            # unused-ignore); XLA's integer options take ints.
+            return lowered.compile(compiler_options=options)  # type: ignore[arg-type, unused-ignore]
+        except jax.errors.JaxRuntimeError as exc:
+            if "No such compile option" not in str(exc):
+                raise
+    return lowered.compile()
 
 
 def _close(logical: np.ndarray, padded_real: np.ndarray) -> bool:
@@ -336,7 +355,10 @@ def _probe(opt: Any, state: Any, real_shapes: bool) -> Verdict:
     logical, padded = _probe_inputs(state, real_shapes)
     with probing(), jax.default_device(_host_device()):
         lowered = _lowered_runs(opt, logical, padded)
-        key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        # The leaves' descriptions too: the program does not show the shard counts the
+        # verdict's text names.
+        leaves = "\n".join(describe(path, x) for path, x in _probed_leaves(state))
+        key = hashlib.sha256(f"{lowered.as_text()}\n{leaves}".encode()).hexdigest()
         if key in _PROGRAM_VERDICTS:
             _PROGRAM_VERDICTS.move_to_end(key)
             return _PROGRAM_VERDICTS[key]
@@ -413,17 +435,99 @@ def _verdict(opt: Any, state: Any) -> Verdict:
 
 def _cache_key(opt: Any, treedef: Any, items: list) -> Any:
     layout = tuple(
-        (tuple(x.shape), str(x.dtype), x.padded_shape, x.dim)
+        # The shard count is in the verdict's text, not in the padded shape alone.
+        (tuple(x.shape), str(x.dtype), x.padded_shape, x.dim, x.num_shards)
         if isinstance(x, Sharded)
         else (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
         for x in items
     )
-    key = (opt, treedef, layout)
+    try:
+        transform = _by_value(opt)
+    except _Opaque:  # keyed as the object itself
+        transform = opt
+    key = (transform, treedef, layout)
     try:
         hash(key)
     except TypeError:  # a transform object that is not hashable: probe every time
         return None
     return key
+
+
+class _Opaque(Exception):
+    """A part of a transform that `_by_value` does not key by value."""
+
+
+# Arrays a transform closes over (masks, schedule boundaries) are keyed by their bytes
+# up to this size; a larger one makes the transform opaque.
+_MAX_KEYED_ELEMENTS = 4096
+_MAX_DEPTH = 64
+
+
+def _by_value(x: Any, seen: tuple = ()) -> Any:
+    """A hashable key for a part of an optax transform, equal for parts that compute alike.
+
+    optax builds a transform from closures, so `optax.adamw(1e-3)` called twice gives two
+    objects of equal code closing over equal values. A function is keyed by its code, its
+    module's globals (by identity), its defaults, attributes and the values of its cells,
+    and the scalars it reads from its globals (a module-level learning rate): two functions
+    with equal keys compute as one function called twice does, so they get the same
+    verdict the per-object cache gives that function. Numbers are keyed by type and repr
+    (0.0 is not -0.0, 1 is not True), containers by their items, arrays by their bytes,
+    types by identity. Anything else (an object with attributes of its own, a bound method,
+    a tracer, a large array) raises `_Opaque`: such a transform is cached per object only.
+    """
+    if isinstance(x, (type(None), bool, int, float, complex, str, bytes, np.generic)):
+        return (type(x), repr(x))
+    if isinstance(x, type):
+        return ("type", x)
+    if isinstance(x, np.dtype):
+        return ("dtype", str(x))
+    if id(x) in seen:
+        return ("cycle", seen.index(id(x)))
+    if len(seen) > _MAX_DEPTH:
+        raise _Opaque
+    seen = (*seen, id(x))
+    if isinstance(x, tuple):  # namedtuples included, with any attributes of their own
+        attributes = _by_value(getattr(x, "__dict__", {}), seen)
+        return (type(x), tuple(_by_value(item, seen) for item in x), attributes)
+    if type(x) in (list, dict):
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        return (type(x), tuple((_by_value(k, seen), _by_value(v, seen)) for k, v in items))
+    if isinstance(x, types.FunctionType):
+        return _function_key(x, seen)
+    if isinstance(x, functools.partial):
+        return ("partial", *(_by_value(a, seen) for a in (x.func, x.args, x.keywords)))
+    if type(x) is np.ndarray and x.size <= _MAX_KEYED_ELEMENTS:
+        return ("ndarray", str(x.dtype), x.shape, x.tobytes())
+    raise _Opaque
+
+
+def _function_key(fn: types.FunctionType, seen: tuple) -> Any:
+    try:
+        cells = tuple(cell.cell_contents for cell in fn.__closure__ or ())
+    except ValueError:  # an empty cell (a variable not yet assigned)
+        raise _Opaque from None
+    scalars = sorted(
+        (name, fn.__globals__[name])
+        for name in _global_names(fn.__code__)
+        if isinstance(fn.__globals__.get(name), (bool, int, float, complex, str))
+    )
+    parts = (fn.__defaults__, fn.__kwdefaults__, fn.__dict__, cells, scalars)
+    return (
+        "function",
+        fn.__code__,
+        id(fn.__globals__),
+        *(_by_value(part, seen) for part in parts),
+    )
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names `code` and the functions defined in it may read from their globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
 
 
 def describe(path: Any, leaf: Sharded) -> str:
