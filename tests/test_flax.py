@@ -376,8 +376,8 @@ class DropoutModel(nnx.Module):
         return self.head(h), h != 0
 
 
-def _dropout_batch(i):
-    x = jax.random.normal(jax.random.key(20 + i), (ROWS, 4))
+def _dropout_batch(i, rows=ROWS):
+    x = jax.random.normal(jax.random.key(20 + i), (rows, 4))
     return {"x": x, "y": jnp.sin(x).sum(-1, keepdims=True)}
 
 
@@ -477,6 +477,119 @@ def test_nnx_dropout_masks_are_the_unsharded_models_on_the_global_batch(mesh_nam
     ref, ref_grads = jax.value_and_grad(ref_loss)(ref_params, batch, ref_rest)
     np.testing.assert_allclose(loss, ref, atol=1e-6)
     assert_tree_close(nnx.to_pure_dict(fs.unshard(grads)), nnx.to_pure_dict(ref_grads), atol=1e-6)
+
+
+class DropoutBlock(nnx.Module):
+    def __init__(self, rngs, dropout):
+        self.fc = nnx.Linear(4, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, deterministic=not dropout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(jnp.tanh(self.fc(x)))
+
+
+class OuterDropoutModel(nnx.Module):
+    """A Dropout outside every unit (the model is not marked: its Dropout and head run in
+    the root), after a block that is a unit and may hold a Dropout of its own."""
+
+    def __init__(self, rngs, inner_dropout, mark=True):
+        self.block = DropoutBlock(rngs, inner_dropout)
+        if mark:
+            fs.flax.fully_shard(self.block)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.head = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.drop(self.block(x)))
+
+
+def _mse_written(model, batch):
+    loss = jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+
+def _plain_flax_run(inner_dropout, steps):
+    """The unmarked model trained by plain Flax and optax on the whole batch, carrying its
+    RNG counts from step to step: ([loss], [parameter gradients], final parameters)."""
+    graphdef, params, rest = nnx.split(
+        OuterDropoutModel(nnx.Rngs(0, dropout=1), inner_dropout, mark=False), nnx.Param, ...
+    )
+    grad_fn = jax.jit(
+        jax.value_and_grad(
+            lambda p, b, r: _mse_written(nnx.merge(graphdef, p, r, copy=True), b), has_aux=True
+        )
+    )
+    opt_state, update, losses, grads = ADAM.init(params), _optax_step(ADAM), [], []
+    for i in range(steps):
+        (loss, rest), g = grad_fn(params, _dropout_batch(i, rows=16), rest)
+        params, opt_state = update(g, opt_state, params)
+        losses.append(loss)
+        grads.append(nnx.to_pure_dict(g))
+    return losses, grads, nnx.to_pure_dict(params)
+
+
+def _assert_runs_equal(run, reference):
+    for (loss, grads), ref_loss, ref_grads in zip(run[0], *reference[:2], strict=True):
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert_tree_close(grads, ref_grads, atol=1e-6)
+    assert_tree_close(run[1], reference[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+def test_nnx_one_state_recipe_with_dropout_outside_every_unit_is_plain_flax(mesh_name):
+    """docs/flax.md's one-state recipe, three AdamW steps, with a Dropout outside every
+    unit (it used to fail inside Flax's Dropout): the losses, gradients and parameters of
+    the unmarked model trained by plain Flax on the whole batch with the same streams."""
+    model = OuterDropoutModel(nnx.Rngs(0, dropout=1), inner_dropout=False)
+    graphdef, state = fs.flax.shard(model, mesh_for(mesh_name))
+    mask = fs.flax.trainable(state)
+    opt = optax.masked(ADAM, mask)
+    step = fs.value_and_grad(
+        lambda s, b: _mse_written(nnx.merge(graphdef, s), b), has_aux=True, trainable=mask
+    )
+
+    @jax.jit
+    def train_step(state, opt_state, batch):
+        (loss, written), grads = step(state, batch)
+        updates, opt_state = opt.update(grads, opt_state, state)
+        return fs.flax.apply_updates(state, updates, written), opt_state, loss, grads
+
+    opt_state, steps = fs.init_optimizer(opt, state), []
+    for i in range(3):
+        state, opt_state, loss, grads = train_step(state, opt_state, _dropout_batch(i, rows=16))
+        grads = nnx.filter_state(fs.unshard(grads), nnx.Param)
+        steps.append((loss, nnx.to_pure_dict(grads)))
+    assert state["drop"]["rngs"]["count"].get_value() == 3
+    params = nnx.to_pure_dict(nnx.filter_state(fs.unshard(state), nnx.Param))
+    _assert_runs_equal((steps, params), _plain_flax_run(inner_dropout=False, steps=3))
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+def test_nnx_two_state_recipe_with_dropout_inside_and_outside_units_is_plain_flax(mesh_name):
+    """docs/flax.md's two-state recipe, three AdamW steps, with one Dropout inside a unit
+    and one outside every unit: plain Flax's losses, gradients and parameters."""
+    model = OuterDropoutModel(nnx.Rngs(0, dropout=1), inner_dropout=True)
+    graphdef, params, rest = fs.flax.shard(model, mesh_for(mesh_name), nnx.Param, ...)
+    step = fs.value_and_grad(
+        lambda p, b, r: _mse_written(fs.flax.merge(graphdef, p, r), b), has_aux=True
+    )
+
+    @jax.jit
+    def train_step(params, rest, opt_state, batch):
+        (loss, rest), grads = step(params, batch, rest)
+        updates, opt_state = ADAM.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), rest, opt_state, loss, grads
+
+    opt_state, steps = fs.init_optimizer(ADAM, params), []
+    for i in range(3):
+        params, rest, opt_state, loss, grads = train_step(
+            params, rest, opt_state, _dropout_batch(i, rows=16)
+        )
+        steps.append((loss, nnx.to_pure_dict(fs.unshard(grads))))
+    assert rest["drop"]["rngs"]["count"].get_value() == 3
+    assert rest["block"]["drop"]["rngs"]["count"].get_value() == 3
+    run = (steps, nnx.to_pure_dict(fs.unshard(params)))
+    _assert_runs_equal(run, _plain_flax_run(inner_dropout=True, steps=3))
 
 
 class BatchNormModel(nnx.Module):
@@ -735,6 +848,63 @@ def test_linen_mutable_collections_and_rngs_inside_a_unit():
         rtol=1e-4,
         atol=1e-6,
     )
+
+
+class LinenSetupDropoutBlock(nn.Module):
+    def setup(self):
+        self.dense = nn.Dense(4)
+        self.drop = nn.Dropout(0.5, deterministic=False)
+
+    def __call__(self, x):
+        noise = jax.random.normal(self.make_rng("dropout"), x.shape)
+        return self.drop(jnp.tanh(self.dense(x))) + 0.1 * noise
+
+
+class LinenCompactDropoutBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dropout(0.5, deterministic=False)(jnp.tanh(nn.Dense(4)(x)))
+
+
+class LinenDropoutModel(nn.Module):
+    """One block instance called twice (its draws must differ between the calls, as
+    linen counts them), a Dropout and a `make_rng` draw in the model's own scope."""
+
+    block: Any
+
+    @nn.compact
+    def __call__(self, x):
+        block = self.block()
+        h = nn.Dropout(0.3, deterministic=False)(block(block(x)))
+        h = h + 0.1 * jax.random.normal(self.make_rng("dropout"), h.shape)
+        return nn.Dense(1)(h)
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+@pytest.mark.parametrize("block", [LinenSetupDropoutBlock, LinenCompactDropoutBlock])
+def test_linen_dropout_in_units_draws_the_unmarked_models_keys(block, mesh_name):
+    """linen units apply their module with their scope's streams and counters: the keys,
+    and so the loss and gradients with dropout on, are those of the unmarked model on the
+    whole batch (a unit used to draw one key with `make_rng` and derive others from it)."""
+    batch = _dropout_batch(0, rows=16)
+    plain = LinenDropoutModel(block)
+    variables = plain.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, batch["x"])
+    model = fs.flax.fully_shard(LinenDropoutModel)(fs.flax.fully_shard(block))
+
+    def loss_of(model):
+        def loss_fn(params, batch, key):
+            out = model.apply({"params": params}, batch["x"], rngs={"dropout": key})
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        return loss_fn
+
+    params = fs.shard(variables["params"], mesh_for(mesh_name))
+    loss, grads = jax.jit(fs.value_and_grad(loss_of(model)))(params, batch, jax.random.key(2))
+    ref, ref_grads = jax.value_and_grad(loss_of(plain))(
+        variables["params"], batch, jax.random.key(2)
+    )
+    np.testing.assert_allclose(loss, ref, rtol=1e-6, atol=1e-6)
+    assert_tree_close(fs.unshard(grads), ref_grads, atol=1e-6)
 
 
 def test_flax_plan_of_a_linen_model_predicts_the_compiled_step(linen_step):

@@ -15,10 +15,9 @@ annotations of the tutorials left out, otherwise written as Flax writes it.
 
 Every port runs the recipe docs/flax.md shows for it, for a few optimizer steps, and
 compares losses, parameters and batch statistics with the same model trained by plain
-JAX + optax on one device with the whole batch. Dropout is compared with it off (the
-numeric match: masks drawn per device cannot be the unsharded model's); miniGPT and
-lm1b run again with it on, which must train and differ from the deterministic run
-(tests/test_flax.py checks that masks differ per device and per step).
+JAX + optax on one device with the whole batch, Dropout included: the step draws each
+device's rows of the masks the unsharded model draws on the whole batch from the same
+streams (docs/concepts.md, "Randomness"). miniGPT and lm1b run with Dropout off and on.
 """
 
 from collections.abc import Callable
@@ -136,15 +135,13 @@ def _mnist_loss(model, batch, rngs):
 
 
 def _mnist_sharded():
-    """docs/flax.md's one-state recipe: fs.flax.shard + nnx.merge, a trainable mask.
-
-    Dropout is off here, as in the reference; the `nnx.Rngs` is passed all the same,
-    as the tutorial passes it (tests/test_flax.py runs that path with dropout on)."""
+    """docs/flax.md's one-state recipe: fs.flax.shard + nnx.merge, a trainable mask, and
+    Dropout on, drawing from an `nnx.Rngs` passed to the call as the tutorial does."""
     model = _nnx_model(_cnn)
     for layer in (model.conv1, model.conv2):
         fs.flax.fully_shard(layer)
     fs.flax.fully_shard(model)
-    model = nnx.view(model, deterministic=True, use_running_average=False)
+    model = nnx.view(model, deterministic=False, use_running_average=False)
     graphdef, state = _flax_shard(model, mesh_for("8"))
     mask = fs.flax.trainable(state)
     opt = optax.masked(MNIST_OPT, mask)
@@ -171,30 +168,35 @@ def _mnist_sharded():
 
 
 def _mnist_reference():
-    """The tutorial's model trained by plain JAX + optax on one device (dropout off)."""
-    model = nnx.view(_nnx_model(_cnn), deterministic=True, use_running_average=False)
+    """The tutorial's model trained by plain JAX + optax on one device, with the same
+    dropout keys."""
+    model = nnx.view(_nnx_model(_cnn), deterministic=False, use_running_average=False)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss_fn(params, rest, batch):
+    def loss_fn(params, rest, batch, key):
         model = nnx.merge(graphdef, params, rest, copy=True)
-        return _mnist_loss(model, batch, None), nnx.state(model, nnx.Not(nnx.Param))
+        loss = _mnist_loss(model, batch, nnx.Rngs(dropout=key))
+        return loss, nnx.state(model, nnx.Not(nnx.Param))
 
     @_jit
-    def train_step(params, rest, opt_state, batch):
-        (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
+    def train_step(params, rest, opt_state, batch, key):
+        (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch, key)
         updates, opt_state = MNIST_OPT.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), rest, opt_state, loss
 
     opt_state, losses = MNIST_OPT.init(params), []
-    for batch in _mnist_batches():
-        params, rest, opt_state, loss = train_step(params, rest, opt_state, batch)
+    for i, batch in enumerate(_mnist_batches()):
+        params, rest, opt_state, loss = train_step(
+            params, rest, opt_state, batch, jax.random.key(i)
+        )
         losses.append(loss)
     return nnx.merge_state(params, rest), losses
 
 
 def test_mnist_cnn_trains_like_the_unsharded_model():
     """Conv kernels, BatchNorm (synced over the 8 devices: the global batch's
-    statistics) and running averages after three AdamW steps equal one device's."""
+    statistics) and running averages after three AdamW steps with Dropout on equal one
+    device's."""
     state, losses = _mnist_sharded()
     want, want_losses = _mnist_reference()
     _assert_losses_close(losses, want_losses)
@@ -314,45 +316,40 @@ def _gpt_sharded(deterministic: bool):
     return params, rest, losses
 
 
-def _gpt_reference():
-    graphdef, params, rest = nnx.split(_gpt(True, False), nnx.Param, ...)
+def _gpt_reference(deterministic: bool):
+    """Plain JAX + optax on one device, the Dropout streams carried from step to step."""
+    graphdef, params, rest = nnx.split(_gpt(deterministic, False), nnx.Param, ...)
+
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        return _gpt_loss(model, batch), nnx.state(model, nnx.Not(nnx.Param))
 
     @_jit
-    def train_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: _gpt_loss(nnx.merge(graphdef, p, rest), batch))(
-            params
-        )
+    def train_step(params, rest, opt_state, batch):
+        (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
         updates, opt_state = GPT_OPT.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), rest, opt_state, loss
 
     opt_state, losses = GPT_OPT.init(params), []
     for batch in _gpt_batches():
-        params, opt_state, loss = train_step(params, opt_state, batch)
+        params, rest, opt_state, loss = train_step(params, rest, opt_state, batch)
         losses.append(loss)
     return params, losses
 
 
-@pytest.fixture(scope="module")
-def gpt_reference():
-    return _gpt_reference()
-
-
-def test_minigpt_trains_like_the_unsharded_model(gpt_reference):
-    params, _, losses = _gpt_sharded(deterministic=True)
-    want, want_losses = gpt_reference
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dropout-off", "dropout-on"])
+def test_minigpt_trains_like_the_unsharded_model(deterministic):
+    """Losses and parameters after three Adam steps equal one device's, with Dropout on
+    the same masks as the unsharded model's on the whole batch."""
+    params, rest, losses = _gpt_sharded(deterministic)
+    want, want_losses = _gpt_reference(deterministic)
     _assert_losses_close(losses, want_losses)
     assert_tree_close(
         nnx.to_pure_dict(fs.unshard(params)), nnx.to_pure_dict(want), rtol=1e-4, atol=1e-5
     )
-
-
-def test_minigpt_trains_with_dropout_on(gpt_reference):
-    """Dropout's streams advance once per Dropout call and step (the counts come back
-    through the aux), and the run differs from the deterministic one."""
-    _, rest, losses = _gpt_sharded(deterministic=False)
-    _, deterministic = gpt_reference
-    assert np.all(np.isfinite(losses))
-    assert not np.allclose(losses[1:], deterministic[1:], rtol=1e-6), (losses, deterministic)
+    if deterministic:
+        return
+    # Dropout's streams advance once per Dropout call and step (back through the aux).
     counts = [
         v.get_value()
         for path, v in nnx.to_flat_state(rest)
@@ -589,46 +586,38 @@ def _lm_sharded(deterministic: bool):
     return params, losses
 
 
-def _lm_reference():
-    model, params = _lm(True, False), _lm_variables()["params"]
+def _lm_reference(deterministic: bool):
+    model, params = _lm(deterministic, False), _lm_variables()["params"]
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, dropout_rng):
         inputs = batch["inputs"]
-        logits = model.apply({"params": params}, inputs)
+        logits = model.apply({"params": params}, inputs, rngs={"dropout": dropout_rng})
         weights = jnp.where(inputs > 0, 1, 0).astype(jnp.float32)
         loss, weight_sum = compute_weighted_cross_entropy(logits, inputs, weights)
         return loss / weight_sum
 
     @_jit
-    def train_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    def train_step(params, opt_state, batch, step):
+        dropout_rng = jax.random.fold_in(jax.random.key(1), step)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, dropout_rng)
         updates, opt_state = LM_OPT.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     opt_state, losses = LM_OPT.init(params), []
-    for batch in _lm_batches():
-        params, opt_state, loss = train_step(params, opt_state, batch)
+    for i, batch in enumerate(_lm_batches()):
+        params, opt_state, loss = train_step(params, opt_state, batch, i)
         losses.append(loss)
     return params, losses
 
 
-@pytest.fixture(scope="module")
-def lm_reference():
-    return _lm_reference()
-
-
-def test_lm1b_transformer_trains_like_the_unsharded_model(lm_reference):
-    params, losses = _lm_sharded(deterministic=True)
-    want, want_losses = lm_reference
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dropout-off", "dropout-on"])
+def test_lm1b_transformer_trains_like_the_unsharded_model(deterministic):
+    """Losses and parameters after three steps equal one device's, with Dropout (and
+    attention dropout) on the same masks as the unsharded model's on the whole batch."""
+    params, losses = _lm_sharded(deterministic)
+    want, want_losses = _lm_reference(deterministic)
     _assert_losses_close(losses, want_losses)
     assert_tree_close(nn.unbox(fs.unshard(params)), nn.unbox(want), rtol=1e-4, atol=1e-5)
-
-
-def test_lm1b_transformer_trains_with_dropout_on(lm_reference):
-    _, losses = _lm_sharded(deterministic=False)
-    _, deterministic = lm_reference
-    assert np.all(np.isfinite(losses))
-    assert not np.allclose(losses, deterministic, rtol=1e-6), (losses, deterministic)
 
 
 # --- linen: the ImageNet example's ResNet ---------------------------------------------

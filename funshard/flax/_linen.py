@@ -14,8 +14,10 @@ the unit boundary as arguments, to be gathered by the children themselves.
 Only arrays are traced, in the discovery trace as in the unit: Python arguments
 (`train: bool`) stay static. Parameters boxed with Flax's partitioning metadata
 (`nn.with_logical_partitioning`) are unboxed before the module sees them. Inside a step
-BatchNorm is synced through a method interceptor (see `funshard.flax._data_parallel`);
-RNG keys are passed as they are (the root makes the draws those of the global batch).
+BatchNorm is synced through a method interceptor (see `funshard.flax._data_parallel`).
+A unit applies its module with the RNG streams and counters of its own scope, so every
+key is the one the unmarked model derives (the root then makes each device's draws its
+rows of the global batch's draw).
 """
 
 from __future__ import annotations
@@ -234,9 +236,45 @@ def _with_policy(own: dict, policy) -> dict:
 
 
 def _rngs(module: nn.Module) -> dict:
-    # One key per stream for the unit's pure apply (its submodules derive theirs from it).
+    """The unit scope's RNG streams as linen holds them: `LazyRng`s, a key and the scope
+    path still to be folded into it (a pytree whose leaf is the key).
+
+    linen derives a submodule's key by folding the whole path and the call's count into
+    the root key at once; a key drawn here with `make_rng` and folded again below would
+    differ from the unmarked model's. `Module.apply` takes `LazyRng`s as they are.
+    """
     assert module.scope is not None, "a unit's module is bound when it runs"
-    return {name: module.make_rng(name) for name in module.scope.rngs}
+    return dict(module.scope.rngs)
+
+
+def _copy_counters(counters: dict) -> dict:
+    # Not copy.deepcopy: a child's entry is keyed by linen's token object, which must stay.
+    return {k: _copy_counters(v) if isinstance(v, dict) else v for k, v in counters.items()}
+
+
+def _set_counters(into: dict, counters: dict) -> None:
+    """Writes linen's nested draw counters `counters` into `into` in place: child scopes
+    already made (by `setup`) hold their own part of it."""
+    for key, value in counters.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _set_counters(into[key], value)
+        else:
+            into[key] = _copy_counters(value) if isinstance(value, dict) else value
+
+
+def _rng_counters(start: dict, end: dict):
+    """A method interceptor: the pure apply's root scope counts draws from `start` (the
+    unit scope's counters: a module called again draws new keys, as unmarked), and
+    `end["counters"]` is that scope's counters, which count on during the call."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        scope = context.module.scope
+        if scope is not None and scope.parent is None and "counters" not in end:
+            _set_counters(scope.rng_counters, start)
+            end["counters"] = scope.rng_counters
+        return next_fun(*args, **kwargs)
+
+    return interceptor
 
 
 def _sync_batch_norm(dp_axes):
@@ -317,13 +355,17 @@ def _unit_call(self, *args, **kwargs):
     if not own:  # every parameter belongs to a descendant unit
         return base.__call__(self, *args, **kwargs)
     others = {c: v for c, v in variables.items() if c != "params"}
+    start = _copy_counters(self.scope.rng_counters)
+    counted: dict = {}  # "counters": the last trace's counts, written back below
 
     def body(own_full, args, kwargs, rest, others, rngs):
         params = traverse_util.unflatten_dict({**own_full, **rest})
-        if dp_axes is None:
-            return apply({**others, "params": params}, args, kwargs, rngs)
-        with nn.intercept_methods(_sync_batch_norm(dp_axes)):
-            return apply({**others, "params": params}, args, kwargs, rngs)
+        counted.clear()  # each trace of the body counts from `start`
+        with nn.intercept_methods(_rng_counters(start, counted)):
+            if dp_axes is None:
+                return apply({**others, "params": params}, args, kwargs, rngs)
+            with nn.intercept_methods(_sync_batch_norm(dp_axes)):
+                return apply({**others, "params": params}, args, kwargs, rngs)
 
     unit = fs.fully_shard(
         body, reshard_after_forward=options.resolved_reshard_after_forward(), name=base.__name__
@@ -331,6 +373,8 @@ def _unit_call(self, *args, **kwargs):
     own = _with_policy(own, options.mp_policy)
     # The call's inputs first: the unit's gather waits for its first varying array.
     out = unit(own, args, kwargs, rest, others, _rngs(self))
+    # In place: the parent scope holds this dict for the next call of this module.
+    _set_counters(self.scope.rng_counters, counted.get("counters", {}))
     if mutable is False:
         return out
     out, updates = out
