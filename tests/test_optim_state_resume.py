@@ -199,3 +199,29 @@ def test_masked_node_state_has_a_state_dict_that_loads_back():
     like = fs.init_optimizer(opt, fs.shard(params, mesh_for("4")))
     loaded = fs.load_state_dict(sd, like)
     assert jax.tree.structure(loaded) == jax.tree.structure(like)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda: optax.contrib.muon(1e-2), lambda: optax.masked(optax.adam(1e-2), _decay_mask)],
+    ids=["muon", "masked_callable"],
+)
+def test_unshard_passes_masked_nodes_through(make_opt):
+    # muon keeps an optax.MaskedNode for each vector: fs.unshard of its state after an
+    # update equals plain optax's state on the unsharded parameters, node types included.
+    params = {k: jax.random.normal(jax.random.key(i), s) for i, (k, s) in enumerate(EVEN.items())}
+    grads = jax.tree.map(jnp.sin, params)
+    opt = make_opt()
+    state = fs.shard(params, mesh_for("8"))
+    _, opt_state = jax.jit(opt.update)(
+        fs.shard(grads, mesh_for("8")), fs.init_optimizer(opt, state), state
+    )
+    _, expected = jax.jit(opt.update)(grads, opt.init(params), params)
+    got = fs.unshard(opt_state)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    assert any(
+        isinstance(x, optax.MaskedNode)
+        for x in jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    )
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOLERANCE)

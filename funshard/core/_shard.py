@@ -319,6 +319,10 @@ def unshard_as(tree: Any, name: str) -> Any:
     if ctx is not None and mesh != ctx.mesh:
         path = next(p for p, x in zip(paths, items, strict=True) if isinstance(x, Sharded))
         raise errors.ShardingValueError(_other_mesh_in_step("unshard", path, mesh, ctx.mesh))
+    # A state node that holds no array (the optax.MaskedNode a masked transform keeps for
+    # a parameter it skips, as muon does for vectors) has nothing to gather: it becomes
+    # what it holds, as in plain optax's state.
+    items = [x.data if isinstance(x, Sharded) and not jax.tree.leaves(x.data) else x for x in items]
     gathered: dict[int, Any] = {}
     for (shard_axes, _), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
