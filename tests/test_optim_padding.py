@@ -519,8 +519,16 @@ def test_probe_compiles_with_its_fast_options_and_falls_back(monkeypatch):
     from funshard.core import _padding_probe
 
     lowered = jax.jit(lambda x: jnp.sum(jnp.cos(x))).lower(np.ones((13, 32), np.float32))
-    # This jax takes the fastest set: the probe's cost does not silently grow back.
-    lowered.compile(compiler_options=_padding_probe._COMPILER_OPTIONS[0])
+    # jax 0.10's XLA takes the fastest set, so the probe's cost does not silently grow
+    # back; jax 0.12's has no legacy emitters left and refuses it ("No such compile
+    # option"), so the probe compiles with the next set there.
+    fastest = _padding_probe._COMPILER_OPTIONS[0]
+    if jax.__version_info__ < (0, 11):
+        lowered.compile(compiler_options=fastest)
+    else:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):
+            lowered.compile(compiler_options=fastest)
+        lowered.compile(compiler_options=_padding_probe._COMPILER_OPTIONS[1])
     # An XLA without an option refuses the set; the probe takes the next and still judges.
     unknown = {"xla_option_this_xla_does_not_have": True}
     monkeypatch.setattr(_padding_probe, "_COMPILER_OPTIONS", (unknown, {}))
