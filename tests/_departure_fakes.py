@@ -36,3 +36,18 @@ class FakeService:
         """Posts process `rank`'s departure note, as that process would."""
         note = comm.Note(rank, step, kind, how, barrier=barrier)
         self.kv[f"funshard/left/{rank}"] = note.text()
+
+
+def fake_lifecycle_service(monkeypatch) -> tuple[FakeService, list[int]]:
+    """A fresh `FakeService` as the coordination service of `funshard.distributed`'s
+    lifecycle, with no lifecycle or board started yet and its exits recorded, not taken."""
+    from funshard.comm import _departures
+    from funshard.distributed import _lifecycle
+
+    exits: list[int] = []
+    monkeypatch.setattr(_lifecycle, "_exit_now", exits.append)
+    monkeypatch.setattr(_lifecycle, "_current", None)
+    monkeypatch.setattr(_departures, "_board", None)
+    service = FakeService()
+    monkeypatch.setattr(_lifecycle._jax_compat, "coordination_client", lambda: service)
+    return service, exits

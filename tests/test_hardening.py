@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _departure_fakes import FakeService
+from _departure_fakes import FakeService, fake_lifecycle_service
 from _launch import run
 from conftest import mesh_for
 
@@ -283,12 +283,7 @@ def test_failure_summary_names_the_process_that_left():
 @pytest.fixture
 def lifecycle(monkeypatch):
     """A process's lifecycle on a fake service (no processes): its exits are recorded."""
-    exits: list[int] = []
-    monkeypatch.setattr(_lifecycle, "_exit_now", exits.append)
-    monkeypatch.setattr(_lifecycle, "_current", None)
-    monkeypatch.setattr(_departures, "_board", None)
-    service = FakeService()
-    monkeypatch.setattr(_lifecycle._jax_compat, "coordination_client", lambda: service)
+    service, exits = fake_lifecycle_service(monkeypatch)
 
     def make(fail_fast: bool) -> _lifecycle.Lifecycle:
         launch = fs.distributed.Launch("torchrun", "127.0.0.1:1", 2, 1, None)

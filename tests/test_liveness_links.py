@@ -11,7 +11,7 @@ import socket
 import time
 
 import pytest
-from _departure_fakes import FakeService
+from _departure_fakes import FakeService, fake_lifecycle_service
 
 import funshard as fs
 from funshard import comm
@@ -65,12 +65,7 @@ def test_bye_goes_to_every_link_once_and_never_from_a_forked_child(pairs, monkey
 @pytest.fixture
 def lifecycle(monkeypatch):
     """A lifecycle of process `rank` of 4 on a fake service, with socket-pair links."""
-    exits: list[int] = []
-    monkeypatch.setattr(_lifecycle, "_exit_now", exits.append)
-    monkeypatch.setattr(_lifecycle, "_current", None)
-    monkeypatch.setattr(_departures, "_board", None)
-    service = FakeService()
-    monkeypatch.setattr(_lifecycle._jax_compat, "coordination_client", lambda: service)
+    service, _ = fake_lifecycle_service(monkeypatch)
     made = []
 
     def make(rank: int, links: Links, fail_fast: bool = False) -> _lifecycle.Lifecycle:

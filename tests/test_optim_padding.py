@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from _hlo import collectives
+from _optim_cases import batches, loss, random_tree, reference, sharded_step
 from conftest import mesh_for
 
 import funshard as fs
@@ -65,66 +66,34 @@ CASES = {
 
 
 def _params(shapes):
-    keys = jax.random.split(jax.random.key(0), len(shapes))
-    return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes.items(), strict=True)}
+    return random_tree(shapes, 0)
 
 
 def _targets(shapes):
-    keys = jax.random.split(jax.random.key(1), len(shapes))
-    return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes.items(), strict=True)}
+    return random_tree(shapes, 1)
 
 
-def _loss(params, targets, batch):
-    # A gradient that differs per element and per step (the batch scales the targets).
-    scale = jnp.mean(batch)
-    return sum(jnp.mean((jnp.tanh(params[k]) - scale * targets[k]) ** 2) for k in params)
-
-
-@jax.jit(static_argnums=0)
-def _reference(make_opt, params, targets, batches):
-    """Plain optax on the unsharded parameters, one device (jitted: op by op, adafactor's
-    many small operations would each compile)."""
-    opt = make_opt()
-    opt_state = opt.init(params)
-    for batch in batches:
-        grads = jax.grad(_loss)(params, targets, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
-def _sharded_step(opt, targets):
-    def loss_fn(state, batch):
-        return _loss(fs.unshard(state), targets, batch)
-
-    @jax.jit
-    def step(state, opt_state, batch):
-        _, grads = fs.value_and_grad(loss_fn)(state, batch)
-        updates, opt_state = opt.update(grads, opt_state, state)
-        return optax.apply_updates(state, updates), opt_state
-
+def _trains_as_optax(opt, make_opt, shapes, mesh_name):
+    """Trains `opt` (from `fs.init_optimizer`) for STEPS steps on `shapes` sharded over
+    the mesh `mesh_name`, checks the parameters against plain optax; returns the step."""
+    params, targets = _params(shapes), _targets(shapes)
+    state = fs.shard(params, mesh_for(mesh_name))
+    opt_state = fs.init_optimizer(opt, state)
+    step = sharded_step(opt, targets)
+    for batch in batches(STEPS):
+        state, opt_state = step(state, opt_state, batch)
+    expected = reference(make_opt, params, targets, batches(STEPS))
+    got = fs.unshard(state)
+    for k in shapes:
+        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=TOLERANCE, err_msg=k)
     return step
-
-
-def _batches():
-    return [jnp.arange(8.0) / 8 + step for step in range(STEPS)]
 
 
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_shard_optimizer_matches_optax(case, mesh_name):
     make_opt, shapes = CASES[case]
-    params, targets = _params(shapes), _targets(shapes)
-    opt = fs.shard_optimizer(make_opt())
-    state = fs.shard(params, mesh_for(mesh_name))
-    opt_state = fs.init_optimizer(opt, state)
-    step = _sharded_step(opt, targets)
-    for batch in _batches():
-        state, opt_state = step(state, opt_state, batch)
-    expected = _reference(make_opt, params, targets, _batches())
-    got = fs.unshard(state)
-    for k in shapes:
-        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=TOLERANCE, err_msg=k)
+    step = _trains_as_optax(fs.shard_optimizer(make_opt()), make_opt, shapes, mesh_name)
     assert step._cache_size() == 1  # the initial optimizer state is laid out as the step's
 
 
@@ -297,17 +266,7 @@ def test_exact_transforms_pass_the_probe_and_train_as_optax(make_opt):
     # L-BFGS keeps a memory of past steps with the padded rows one axis in; MultiSteps
     # emits nothing on its first step; a frozen leaf never moves: none depends on padding.
     shapes = {"uneven": (13, 32), "even": (16, 32), "bias": (13,)}
-    params, targets = _params(shapes), _targets(shapes)
-    state = fs.shard(params, mesh_for("8"))
-    opt = make_opt()
-    opt_state = fs.init_optimizer(opt, state)
-    step = _sharded_step(opt, targets)
-    for batch in _batches():
-        state, opt_state = step(state, opt_state, batch)
-    expected = _reference(make_opt, params, targets, _batches())
-    got = fs.unshard(state)
-    for k in shapes:
-        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=TOLERANCE, err_msg=k)
+    _trains_as_optax(make_opt(), make_opt, shapes, "8")
 
 
 def _needs_loss_scale():
@@ -361,7 +320,7 @@ def _value_step(opt, targets, batch):
     """A step that passes value=, grad= and value_fn= (as optax.lbfgs's docs do)."""
 
     def loss_fn(state, batch):
-        return _loss(fs.unshard(state), targets, batch)
+        return loss(fs.unshard(state), targets, batch)
 
     @jax.jit
     def step(state, opt_state):
@@ -372,7 +331,7 @@ def _value_step(opt, targets, batch):
             state,
             value=value,
             grad=grads,
-            value_fn=lambda s: _loss(fs.unshard(s), targets, batch),
+            value_fn=lambda s: loss(fs.unshard(s), targets, batch),
         )
         return optax.apply_updates(state, updates), opt_state
 
@@ -380,12 +339,12 @@ def _value_step(opt, targets, batch):
 
 
 @jax.jit(static_argnums=0)
-def _value_reference(make_opt, params, targets, batch):
+def _valuereference(make_opt, params, targets, batch):
     opt = make_opt()
     opt_state = opt.init(params)
 
     def value_fn(p):
-        return _loss(p, targets, batch)
+        return loss(p, targets, batch)
 
     for _ in range(STEPS):
         value, grads = jax.value_and_grad(value_fn)(params)
@@ -417,7 +376,7 @@ def test_extra_arguments_train_as_optax(make_opt, wrap):
     step = _value_step(opt, targets, batch)
     for _ in range(STEPS):
         state, opt_state = step(state, opt_state)
-    expected = _value_reference(make_opt, params, targets, batch)
+    expected = _valuereference(make_opt, params, targets, batch)
     got = fs.unshard(state)
     for k in shapes:
         np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=TOLERANCE, err_msg=k)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _optim_cases import batches, random_tree, reference, sharded_step
 from conftest import mesh_for
 
 import funshard as fs
@@ -114,44 +115,6 @@ CASES = {
 }
 
 
-def _tree(shapes, seed):
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes.items(), strict=True)}
-
-
-def _loss(params, targets, batch):
-    scale = jnp.mean(batch)
-    return sum(jnp.mean((jnp.tanh(params[k]) - scale * targets[k]) ** 2) for k in params)
-
-
-def _batches():
-    return [jnp.arange(8.0) / 8 + step for step in range(3)]
-
-
-@jax.jit(static_argnums=0)
-def _reference(make_opt, params, targets, batches):
-    opt = make_opt()
-    opt_state = opt.init(params)
-    for batch in batches:
-        grads = jax.grad(_loss)(params, targets, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
-def _step(opt, targets):
-    def loss_fn(state, batch):
-        return _loss(fs.unshard(state), targets, batch)
-
-    @jax.jit
-    def step(state, opt_state, batch):
-        _, grads = fs.value_and_grad(loss_fn)(state, batch)
-        updates, opt_state = opt.update(grads, opt_state, state)
-        return optax.apply_updates(state, updates), opt_state
-
-    return step
-
-
 def _holds(tree, node_type):
     def is_node(x):
         return isinstance(x, node_type)
@@ -162,12 +125,12 @@ def _holds(tree, node_type):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_optimizer_state_resumes_onto_another_device_count(case, tmp_path):
     make_opt, wrapped, shapes, node_type = CASES[case]
-    params, targets = _tree(shapes, 0), _tree(shapes, 1)
+    params, targets = random_tree(shapes, 0), random_tree(shapes, 1)
     opt = fs.shard_optimizer(make_opt()) if wrapped else make_opt()
     state = fs.shard(params, mesh_for("8"))
     opt_state = fs.init_optimizer(opt, state)
-    step = _step(opt, targets)
-    for batch in _batches()[:2]:
+    step = sharded_step(opt, targets)
+    for batch in batches()[:2]:
         state, opt_state = step(state, opt_state, batch)
     assert _holds(opt_state, node_type)
     fs.save(tmp_path / "ckpt", {"state": state, "opt_state": opt_state})
@@ -176,9 +139,9 @@ def test_optimizer_state_resumes_onto_another_device_count(case, tmp_path):
     like = {"state": abstract, "opt_state": fs.init_optimizer(opt, abstract)}
     restored = fs.restore(tmp_path / "ckpt", like)
     assert jax.tree.structure(restored) == jax.tree.structure(like)
-    state, opt_state = step(restored["state"], restored["opt_state"], _batches()[2])
+    state, opt_state = step(restored["state"], restored["opt_state"], batches()[2])
 
-    expected = _reference(make_opt, params, targets, _batches())
+    expected = reference(make_opt, params, targets, batches())
     got = fs.unshard(state)
     for k in shapes:
         np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=TOLERANCE, err_msg=k)
@@ -186,7 +149,7 @@ def test_optimizer_state_resumes_onto_another_device_count(case, tmp_path):
 
 def test_masked_node_state_has_a_state_dict_that_loads_back():
     # muon keeps MaskedNode where its adam or its orthogonalisation does not apply.
-    params = _tree(EVEN, 0)
+    params = random_tree(EVEN, 0)
     opt = optax.contrib.muon(1e-2)
     state = fs.shard(params, mesh_for("8"))
     opt_state = fs.init_optimizer(opt, state)
