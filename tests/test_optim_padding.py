@@ -365,6 +365,7 @@ def _valuereference(make_opt, params, targets, batch):
     ],
     ids=["lbfgs_wrapped", "lbfgs", "adam_reduce_on_plateau", "muon_reduce_on_plateau_wrapped"],
 )
+@pytest.mark.slow  # L-BFGS's line search: about 20 s a case on 2 cores
 def test_extra_arguments_train_as_optax(make_opt, wrap):
     # The wrapper cuts grad= like the updates and calls value_fn on the sharded layout.
     shapes = {"uneven": (13, 32), "even": (16, 32), "bias": (13,)}

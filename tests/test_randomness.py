@@ -111,6 +111,7 @@ def _block(p, h, key):
     return _dropout(jnp.tanh(h @ p["w"]), key)[0]
 
 
+@pytest.mark.slow  # 10-28 s a case on 2 cores
 @pytest.mark.parametrize("layout", [("1", 1), ("8", 2), ("2x4", 1), ("2x4", 4)])
 @pytest.mark.parametrize("written", ["where", "cond"])
 def test_layer_drop_on_a_shared_scalar_draw_is_plain_jax(layout, written):
