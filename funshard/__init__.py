@@ -20,11 +20,17 @@ from funshard.core import MixedPrecisionPolicy as MixedPrecisionPolicy
 from funshard.core import Replicate as Replicate
 from funshard.core import Shard as Shard
 from funshard.core import Sharded as Sharded
+from funshard.core import column_parallel as column_parallel
+from funshard.core import expert_combine as expert_combine
+from funshard.core import expert_dispatch as expert_dispatch
 from funshard.core import fully_shard as fully_shard
+from funshard.core import gather_columns as gather_columns
 from funshard.core import grad as grad
 from funshard.core import init_optimizer as init_optimizer
 from funshard.core import lax_scan as lax_scan
 from funshard.core import reshard as reshard
+from funshard.core import route_top_k as route_top_k
+from funshard.core import row_parallel as row_parallel
 from funshard.core import scan as scan
 from funshard.core import shard as shard
 from funshard.core import shard_optimizer as shard_optimizer
@@ -57,9 +63,13 @@ __all__ = [
     "Replicate",
     "Shard",
     "Sharded",
+    "column_parallel",
     "distributed",
     "errors",
+    "expert_combine",
+    "expert_dispatch",
     "fully_shard",
+    "gather_columns",
     "grad",
     "init_optimizer",
     "lax_scan",
@@ -68,6 +78,8 @@ __all__ = [
     "plan",
     "reshard",
     "restore",
+    "route_top_k",
+    "row_parallel",
     "save",
     "scan",
     "shard",

@@ -111,7 +111,12 @@ def global_array(blocks: Blocks, mesh: Mesh, axes: tuple[str, ...], dim: int = 0
 
 @functools.cache
 def _gather_fn(
-    mesh: Mesh, shard_axes: tuple[str, ...], rows: tuple[int, ...], dims: tuple[int, ...]
+    mesh: Mesh,
+    shard_axes: tuple[str, ...],
+    rows: tuple[int, ...],
+    dims: tuple[int, ...],
+    in_specs: tuple[PartitionSpec, ...] | None = None,
+    out_specs: tuple[PartitionSpec, ...] | None = None,
 ):
     """The compiled gather of `eager_all_gather` for one mesh and layout."""
 
@@ -125,8 +130,8 @@ def _gather_fn(
     mapped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=tuple(_mesh.spec(shard_axes, d) for d in dims),
-        out_specs=(PartitionSpec(),) * len(rows),
+        in_specs=in_specs or tuple(_mesh.spec(shard_axes, d) for d in dims),
+        out_specs=out_specs or (PartitionSpec(),) * len(rows),
     )
     return jax.jit(mapped)
 
@@ -137,6 +142,7 @@ def eager_all_gather(
     shard_axes: tuple[str, ...],
     rows: Sequence[int] | None = None,
     dims: Sequence[int] | None = None,
+    specs: Sequence[tuple[PartitionSpec, PartitionSpec]] | None = None,
 ) -> list[jax.Array]:
     """All-gathers padded global arrays, each split over `shard_axes`, into replicated ones.
 
@@ -151,16 +157,25 @@ def eager_all_gather(
       rows: logical size of each leaf's sharded dimension (the padding is cut off);
         defaults to the padded size.
       dims: the sharded dimension of each leaf (default: all 0).
+      specs: for arrays also split over model axes, each one's `(spec of the padded
+        array, spec of the result)`: the gather then runs within each model block, and
+        `rows` is a model block's logical size.
 
     Returns:
-      Replicated arrays, one per leaf.
+      Replicated arrays (split over their model axes only, with `specs`), one per leaf.
     """
     if not datas:
         return []
     dims = (0,) * len(datas) if dims is None else tuple(dims)
     if rows is None:
         rows = tuple(x.shape[d] for x, d in zip(datas, dims, strict=True))
-    return list(_gather_fn(_mesh.in_context(mesh), tuple(shard_axes), tuple(rows), dims)(*datas))
+    in_specs = out_specs = None
+    if specs is not None:
+        in_specs = tuple(s for s, _ in specs)
+        out_specs = tuple(s for _, s in specs)
+    mesh = _mesh.in_context(mesh)
+    fn = _gather_fn(mesh, tuple(shard_axes), tuple(rows), dims, in_specs, out_specs)
+    return list(fn(*datas))
 
 
 def _out_axes(

@@ -66,6 +66,9 @@ class GroupLayout:
     num_shards: int
     skip_replicate_reduce: bool = False
     name: str = "unshard"  # the unit's label in profiles and HLO metadata
+    # The model axes (tensor, expert) the leaves are split over: their blocks, gathered
+    # values and gradients vary over them, and no collective here runs over them.
+    model_axes: tuple[str, ...] = ()
 
     @property
     def dp_axes(self) -> tuple[str, ...]:
@@ -218,7 +221,7 @@ def _zero_cotangent(leaf: LeafLayout, layout: GroupLayout):
     shape = leaf.local_shape
     if not leaf.differentiable:
         return np.zeros(shape, jax.dtypes.float0)
-    varying = layout.shard_axes
+    varying = layout.shard_axes + layout.model_axes
     if layout.skip_replicate_reduce:
         varying = varying + layout.replicate_axes
     return _lowering.vary(jnp.zeros(shape, leaf.dtype), varying)
@@ -234,7 +237,7 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     padded = []
     for i in idx:
         leaf = layout.leaves[i]
-        ct = _lowering.vary(cts[i].astype(leaf.reduce_dtype), layout.dp_axes)
+        ct = _lowering.vary(cts[i].astype(leaf.reduce_dtype), layout.dp_axes + layout.model_axes)
         widths = [(0, 0)] * ct.ndim
         widths[leaf.dim] = (0, leaf.rows * layout.num_shards - leaf.shape[leaf.dim])
         padded.append(jnp.pad(ct, widths) if widths[leaf.dim][1] else ct)
@@ -294,7 +297,9 @@ def backward_values(cts, layout: GroupLayout, deferred: tuple[bool, ...] | None)
         return tuple(reduce_values(cts, layout)), None
     zeros = tuple(_zero_cotangent(leaf, layout) for leaf in layout.leaves)
     routed = tuple(
-        _lowering.vary(ct.astype(leaf.reduce_dtype), layout.dp_axes) if d else None
+        _lowering.vary(ct.astype(leaf.reduce_dtype), layout.dp_axes + layout.model_axes)
+        if d
+        else None
         for ct, leaf, d in zip(cts, layout.leaves, deferred, strict=True)
     )
     return zeros, routed

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from funshard import errors
 from funshard.comm import _mesh
@@ -60,7 +60,14 @@ def _group_size_not_divisor(fn: str, k: int, shards: int) -> str:
 
 
 class LayoutFacts:
-    """What follows from a layout's fields: shard count, padding, block shapes, sharding."""
+    """What follows from a layout's fields: shard count, padding, block shapes, sharding.
+
+    With model axes (tensor or expert parallelism), each dim `d` is first split evenly
+    over `model_axes[d]`: a device's *model block* has `block_shape`. FSDP then chunks
+    the block's `dim` over the shard axes as above. Where `dim` is itself split over
+    model axes, each model block is zero-padded on its own, so the padded global array
+    is the model blocks' padded chunks in mesh order (torch's `_StridedShard` layout).
+    """
 
     # The fields these facts read, declared for the type checker: the dataclasses that
     # share them (`Layout`, `funshard.Sharded`) define them.
@@ -68,29 +75,48 @@ class LayoutFacts:
     mesh: Mesh
     shard_axis: tuple[str, ...]
     dim: int
+    model_axes: tuple[tuple[str, ...], ...]
 
     @property
     def num_shards(self) -> int:
         """Number of devices the sharded dimension is split over."""
         return _mesh.axes_size(self.mesh, self.shard_axis)
 
+    def model_split(self, d: int) -> int:
+        """Number of model blocks dim `d` is split into (1 without model axes)."""
+        if not self.model_axes:
+            return 1
+        return _mesh.axes_size(self.mesh, self.model_axes[d])
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The logical shape of one device's model block (`shape` without model axes)."""
+        return tuple(size // self.model_split(d) for d, size in enumerate(self.shape))
+
+    @property
+    def model_axis_names(self) -> tuple[str, ...]:
+        """Every model axis the array is split over, in dim order."""
+        return tuple(a for axes in self.model_axes for a in axes)
+
     @property
     def rows_per_shard(self) -> int:
-        """Size of each device's block along `dim`: `ceil(shape[dim] / num_shards)`."""
-        return rows_per_shard(self.shape[self.dim], self.num_shards)
+        """Size of each device's block along `dim`: `ceil(block / num_shards)`."""
+        return rows_per_shard(self.block_shape[self.dim], self.num_shards)
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
-        """Global shape of `data` (`dim` zero-padded to a multiple of the shard count)."""
-        return self._with_dim(self.rows_per_shard * self.num_shards)
+        """Global shape of `data` (`dim` zero-padded to a multiple of the shard count,
+        per model block)."""
+        size = self.model_split(self.dim) * self.rows_per_shard * self.num_shards
+        return self._with_dim(self.shape, size)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
         """Shape of one device's block of `data`."""
-        return self._with_dim(self.rows_per_shard)
+        return self._with_dim(self.block_shape, self.rows_per_shard)
 
-    def _with_dim(self, size: int) -> tuple[int, ...]:
-        return (*self.shape[: self.dim], size, *self.shape[self.dim + 1 :])
+    def _with_dim(self, shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+        return (*shape[: self.dim], size, *shape[self.dim + 1 :])
 
     @property
     def ndim(self) -> int:
@@ -103,13 +129,66 @@ class LayoutFacts:
         return math.prod(self.shape)
 
     def chunk(self, index: int) -> tuple[int, int]:
-        """`(start, rows)` of shard `index`'s logical rows along `dim` (see `chunk`)."""
-        return chunk(self.shape[self.dim], self.num_shards, index)
+        """`(start, rows)` of shard `index`'s logical rows along `dim` of a model block
+        (see `chunk`)."""
+        return chunk(self.block_shape[self.dim], self.num_shards, index)
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """The `PartitionSpec` of `data` outside a step."""
+        if not self.model_axes:
+            return _mesh.spec(self.shard_axis, self.dim)
+        entries = [
+            (*axes, *self.shard_axis) if d == self.dim else axes
+            for d, axes in enumerate(self.model_axes)
+        ]
+        return PartitionSpec(*(_entry(axes) for axes in entries))
+
+    @property
+    def model_spec(self) -> PartitionSpec:
+        """The `PartitionSpec` of the full logical array: its model axes only."""
+        return PartitionSpec(*(_entry(axes) for axes in self.model_axes))
 
     @property
     def sharding(self) -> NamedSharding:
         """The sharding of `data` outside a step."""
-        return NamedSharding(self.mesh, _mesh.spec(self.shard_axis, self.dim))
+        return NamedSharding(self.mesh, self.spec)
+
+
+def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """One dim's `PartitionSpec` entry for `axes`."""
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def to_padded(x: Any, layout: LayoutFacts, pad: Any, lead: int = 0) -> Any:
+    """The full logical array `x` as `layout`'s padded global array.
+
+    `pad(x, dim, size)` zero-pads `dim` at its end (numpy's or jax's); `lead` leading axes
+    (a `jax.vmap` stack) are carried along. Each model block of `dim` is padded on its own.
+    """
+    dim, blocks = lead + layout.dim, layout.model_split(layout.dim)
+    size = layout.rows_per_shard * layout.num_shards
+    if blocks == 1:
+        return pad(x, dim, size)
+    shape = tuple(x.shape)
+    split = x.reshape(*shape[:dim], blocks, shape[dim] // blocks, *shape[dim + 1 :])
+    padded = pad(split, dim + 1, size)
+    return padded.reshape(*shape[:dim], blocks * size, *shape[dim + 1 :])
+
+
+def from_padded(x: Any, layout: LayoutFacts, lead: int = 0) -> Any:
+    """The full logical array of `layout`'s padded global array `x` (`to_padded`'s
+    inverse, for numpy and jax arrays alike)."""
+    dim, blocks = lead + layout.dim, layout.model_split(layout.dim)
+    rows = layout.block_shape[layout.dim]
+    shape = tuple(x.shape)
+    if blocks == 1:
+        return x[(slice(None),) * dim + (slice(0, rows),)]
+    split = x.reshape(*shape[:dim], blocks, shape[dim] // blocks, *shape[dim + 1 :])
+    kept = split[(slice(None),) * (dim + 1) + (slice(0, rows),)]
+    return kept.reshape(*shape[:dim], blocks * rows, *shape[dim + 1 :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +209,8 @@ class Layout(LayoutFacts):
       mp_policy: the mixed-precision policy for its gathers and reductions (a
         `funshard.MixedPrecisionPolicy`), or None.
       dim: the sharded dimension.
+      model_axes: per dim, the model axes (tensor, expert, ...) that split it evenly
+        before FSDP shards it; `()` for none at all (a plain FSDP leaf).
     """
 
     shape: tuple[int, ...]
@@ -139,3 +220,4 @@ class Layout(LayoutFacts):
     replicate_axis: tuple[str, ...] = ()
     mp_policy: Any = None
     dim: int = 0
+    model_axes: tuple[tuple[str, ...], ...] = ()

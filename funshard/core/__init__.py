@@ -19,6 +19,12 @@ from funshard.core._options import check_mp_policy as check_mp_policy
 from funshard.core._options import check_reshard_after_forward as check_reshard_after_forward
 from funshard.core._options import root_options as root_options
 from funshard.core._options import trainable_flags as trainable_flags
+from funshard.core._parallel import column_parallel as column_parallel
+from funshard.core._parallel import expert_combine as expert_combine
+from funshard.core._parallel import expert_dispatch as expert_dispatch
+from funshard.core._parallel import gather_columns as gather_columns
+from funshard.core._parallel import route_top_k as route_top_k
+from funshard.core._parallel import row_parallel as row_parallel
 from funshard.core._placement import Replicate as Replicate
 from funshard.core._placement import Shard as Shard
 from funshard.core._policy import MixedPrecisionPolicy as MixedPrecisionPolicy

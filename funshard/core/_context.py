@@ -186,7 +186,8 @@ def layout_of(
     return comm.GroupLayout(
         leaves=tuple(
             comm.LeafLayout(
-                shape=s.shape,
+                # A model-split leaf is gathered and reduced within its model block.
+                shape=s.block_shape,
                 dtype=np.dtype(s.dtype),
                 gather_dtype=_policy.param_dtype_for(s.mp_policy, np.dtype(s.dtype)),
                 reduce_dtype=_policy.reduce_dtype_for(s.mp_policy, np.dtype(s.dtype)),
@@ -201,6 +202,7 @@ def layout_of(
         num_shards=first.num_shards,
         skip_replicate_reduce=skip_replicate_reduce,
         name=name,
+        model_axes=tuple(sorted(first.model_axis_names)),
     )
 
 

@@ -93,19 +93,26 @@ def leaf_routes(
 
 
 def state_axes(fn: str, paths, items) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-    """(replicate axes, shard axes) shared by every `Sharded` leaf (None: there is none).
+    """(replicate axes, shard axes) of the state (None: it has no `Sharded` leaf).
+
+    Those are every leaf's data axes together: a leaf split over model axes (an expert
+    stack over `expert`) is FSDP-sharded over the state's data axes minus those, and the
+    batch is split over all of them. The order is that of the leaf with the most.
 
     Raises:
-      ShardingValueError: two leaves are sharded over different axes.
+      ShardingValueError: two leaves are sharded over different axes, other than by
+        the model axes one of them is split over.
     """
-    axes = None
-    for path, x in zip(paths, items, strict=True):
-        if not isinstance(x, Sharded):
-            continue
+    found = [(p, x) for p, x in zip(paths, items, strict=True) if isinstance(x, Sharded)]
+    if not found:
+        return None
+    _, widest = max(found, key=lambda px: len(px[1].replicate_axis) + len(px[1].shard_axis))
+    axes = (widest.replicate_axis, widest.shard_axis)
+    for path, x in found:
+        model = set(x.model_axis_names)
         these = (x.replicate_axis, x.shard_axis)
-        if axes is None:
-            axes = these
-        elif these != axes:
+        pairs = zip(axes, these, strict=True)
+        if any(tuple(a for a in want if a not in model) != have for want, have in pairs):
             raise errors.ShardingValueError(_mixed_axes(fn, path, these, axes))
     return axes
 

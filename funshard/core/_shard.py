@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import tree_unflatten
 
 from funshard import _text, comm, errors
-from funshard.core import _context, _options, _placement, _tree
+from funshard.core import _context, _model, _options, _placement, _tree
 from funshard.core._placement import Replicate
 from funshard.core._policy import MixedPrecisionPolicy
 from funshard.core._sharded import Sharded, is_array, is_key, is_sharded
@@ -137,7 +137,7 @@ def _dim_not_divisible(path, shape, dim: int, shards: int) -> str:
     )
 
 
-def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement, min_size, traced):
+def _shard_leaf(path, x, mesh, axes: _model.LeafAxes, mp_policy, placement, min_size, traced):
     if isinstance(x, Sharded):
         raise errors.ShardingValueError(_already_sharded(path))
     if not (is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
@@ -147,16 +147,29 @@ def _shard_leaf(path, x, mesh, shard_axes, replicate_axes, mp_policy, placement,
         # device draws from the same key, so they stay whole.
         return _replicate(x, mesh, traced)
     dtype = _check_numeric("shard", path, x)
+    if axes.model_axes:
+        # A model-split leaf is always FSDP-sharded: replicated, it would hold the whole
+        # parameter on every device of its model axes' groups.
+        min_size = 0
     where = _placement.resolve(path, x, placement, min_size) if x.ndim else Replicate()
     if isinstance(where, Replicate):
+        if axes.model_axes:
+            raise errors.ShardingValueError(_model.replicated_model_leaf(path, axes))
         return _replicate(_strong(x), mesh, traced)
     layout = comm.Layout(
-        tuple(x.shape), dtype, mesh, shard_axes, replicate_axes, mp_policy, where.dim
+        tuple(x.shape),
+        dtype,
+        mesh,
+        axes.shard_axes,
+        axes.replicate_axes,
+        mp_policy,
+        where.dim,
+        axes.model_axes,
     )
     stacked = placement is _stacked_placement
-    if where.dim and not stacked and x.shape[where.dim] % layout.num_shards:
+    if where.dim and not stacked and layout.block_shape[where.dim] % layout.num_shards:
         raise errors.ShardingValueError(
-            _dim_not_divisible(path, x.shape, where.dim, layout.num_shards)
+            _dim_not_divisible(path, layout.block_shape, where.dim, layout.num_shards)
         )
     return Sharded.from_layout(layout, _place(x, layout, traced))
 
@@ -168,20 +181,22 @@ def _place(x, layout: comm.Layout, traced: bool) -> jax.Array | jax.ShapeDtypeSt
     sharding constraint, so the compiled init computes only each device's block; an
     abstract `x` (`jax.ShapeDtypeStruct`) becomes the abstract `layout.data`.
     """
-    size = layout.padded_shape[layout.dim]
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(layout.padded_shape, layout.dtype, sharding=layout.sharding)
     if traced:
         # Host arrays too: placed eagerly they would be constants of the program,
         # which the compiler returns replicated.
-        padded = _pad(_strong(jnp.asarray(x)), layout.dim, size)
+        padded = comm.to_padded(_strong(jnp.asarray(x)), layout, _pad)
         return comm.constrain(padded, layout.sharding)
     if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
-        return jax.device_put(_pad(_strong(x), layout.dim, size), layout.sharding)
+        if layout.model_axes:
+            # Padded per model block by one program that keeps the input's split.
+            return _pad_to_layout(x, layout)
+        return jax.device_put(comm.to_padded(_strong(x), layout, _pad), layout.sharding)
     # Host arrays (and any array in a multi-process job, where device_put would compare
     # the value across processes): every process holds the full value and copies out
     # only the blocks of its own devices.
-    padded = _pad(np.asarray(x), layout.dim, size)
+    padded = comm.to_padded(np.asarray(x), layout, _pad)
     return jax.make_array_from_callback(padded.shape, layout.sharding, lambda idx: padded[idx])
 
 
@@ -209,6 +224,7 @@ def shard(
     placement: _placement.PlacementFn | None = None,
     min_shard_size: int = 0,
     stacked: bool = False,
+    model_spec: Any = None,
 ) -> Any:
     """Shards every array leaf of `params` on dim 0 across the data-parallel devices.
 
@@ -227,6 +243,14 @@ def shard(
       stacked: the leaves hold a stack of identical layers on a leading layer axis
         (for `funshard.scan`): each layer is sharded on its own dim 0 (the array's dim
         1, zero-padded per layer); leaves with one value per layer are replicated.
+      model_spec: model parallelism (tensor, expert, ...) per leaf, in JAX's own
+        vocabulary: a `jax.sharding.PartitionSpec` naming, per dim, the mesh axes that
+        split it (e.g. `P(None, "tensor")` for a column-parallel kernel), as a pytree
+        prefix of `params` (None: no model axes) or a function `(path, array)` returning
+        one. Arrays that already carry a `NamedSharding` on the mesh's model axes keep
+        it without being named here. Each leaf is FSDP-sharded over the data axes
+        (`shard_axis`, `replicate_axis`) minus its own model axes, and a step gathers and
+        reduces only its model block (see docs/parallelism.md).
 
     Returns:
       The same tree where each array with ndim >= 1 is a `Sharded` leaf holding
@@ -235,7 +259,9 @@ def shard(
 
     Raises:
       ValueError: called inside a step (the loss function of `value_and_grad`); an
-        axis is not in the mesh (or is both a shard and a replicate axis), a leaf is
+        axis is not in the mesh (or is both a shard and a replicate axis); a model axis
+        is not in the mesh, does not divide its dim, is named twice, leaves a leaf no
+        data axis, or would drop the sharding an array already has; a leaf is
         already `Sharded`, `stacked` is combined with `placement`, a
         placement names a dim the leaf does not have, or it names a dim other than 0
         whose size the shard count does not divide.
@@ -253,17 +279,10 @@ def shard(
     _options.check_mp_policy("shard", mp_policy)
     _check_leaves(params)
     traced = any(_is_traced(x) for x in jax.tree.leaves(params))
+    axes_of = _model.leaf_axes(params, mesh, shard_axes, replicate_axes, model_spec)
     return jax.tree_util.tree_map_with_path(
         lambda p, x: _shard_leaf(
-            p,
-            x,
-            mesh,
-            shard_axes,
-            replicate_axes,
-            mp_policy,
-            placement,
-            min_shard_size,
-            traced,
+            p, x, mesh, axes_of(p, x), mp_policy, placement, min_shard_size, traced
         ),
         params,
         is_leaf=is_sharded,
@@ -271,10 +290,13 @@ def shard(
 
 
 def _groups(items) -> dict[tuple, list[int]]:
+    # Leaves split over different model axes vary over different axes inside a step: one
+    # buffer would mix those types (and sum a replicated leaf's gradient over them).
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(items):
         if isinstance(x, Sharded):
-            groups.setdefault((x.shard_axis, x.replicate_axis), []).append(i)
+            key = (x.shard_axis, x.replicate_axis, tuple(sorted(x.model_axis_names)))
+            groups.setdefault(key, []).append(i)
     return groups
 
 
@@ -324,23 +346,35 @@ def unshard_as(tree: Any, name: str) -> Any:
     # what it holds, as in plain optax's state.
     items = [x.data if isinstance(x, Sharded) and not jax.tree.leaves(x.data) else x for x in items]
     gathered: dict[int, Any] = {}
-    for (shard_axes, _), idx in _groups(items).items():
+    for (shard_axes, _, model_axes), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
             fulls = _context.unshard_in_step(leaves, name)
         else:
             _same_on_every_process(name, mesh, leaves)
             stacked = [_stacked_dims(paths[i], x) for i, x in zip(idx, leaves, strict=True)]
+            specs = None
+            if model_axes:
+                specs = [
+                    (_stacked_spec(k, x.spec), _stacked_spec(k, x.model_spec))
+                    for k, x in zip(stacked, leaves, strict=True)
+                ]
             fulls = comm.eager_all_gather(
                 [x.data for x in leaves],
                 mesh,
                 shard_axes,
-                [x.shape[x.dim] for x in leaves],
+                [x.block_shape[x.dim] for x in leaves],
                 [k + x.dim for k, x in zip(stacked, leaves, strict=True)],
+                specs,
             )
         gathered.update(zip(idx, fulls, strict=True))
     parts = _tree.Partition(tuple(items), treedef, tuple(sorted(gathered)))
     return parts.combine([gathered[i] for i in parts.positions])
+
+
+def _stacked_spec(lead: int, spec: PartitionSpec) -> PartitionSpec:
+    """`spec` with `lead` unsplit leading axes (a `jax.vmap` stack) in front."""
+    return PartitionSpec(*([None] * lead), *spec)
 
 
 def _stacked_dims(path, leaf: Sharded) -> int:
@@ -404,20 +438,23 @@ def _reshard_not_array(path, full, shape) -> str:
     )
 
 
-def _full_problem(path, full, like: Sharded) -> tuple[type, str] | None:
+def _full_problem(path, full, like: Sharded, in_step: bool) -> tuple[type, str] | None:
     """(exception type, message) if `full` cannot be resharded like `like`, else None."""
+    # Inside a step a model-split leaf's full value is its model block.
+    shape = like.block_shape if in_step else like.shape
     if not is_array(full):
-        return errors.ShardingTypeError, _reshard_not_array(path, full, like.shape)
-    if tuple(full.shape) != like.shape:
-        return errors.ShardingValueError, _shape_mismatch("reshard", path, full.shape, like.shape)
+        return errors.ShardingTypeError, _reshard_not_array(path, full, shape)
+    if tuple(full.shape) != shape:
+        return errors.ShardingValueError, _shape_mismatch("reshard", path, full.shape, shape)
     if np.dtype(full.dtype) != like.dtype:
         return errors.ShardingValueError, _dtype_mismatch("reshard", path, full.dtype, like.dtype)
     return None
 
 
 def _local_rows(full, like: Sharded):
-    # Differentiable: the step's gradient flows through an in-step reshard.
-    padded = _pad(full, like.dim, like.padded_shape[like.dim], exact_bits=False)
+    # Differentiable: the step's gradient flows through an in-step reshard. `full` is
+    # this device's model block (what `unshard` gives inside a step).
+    padded = _pad(full, like.dim, like.rows_per_shard * like.num_shards, exact_bits=False)
     start = jax.lax.axis_index(like.shard_axis) * like.rows_per_shard
     return jax.lax.dynamic_slice_in_dim(padded, start, like.rows_per_shard, axis=like.dim)
 
@@ -435,7 +472,7 @@ def reshard_leaf(full, like: Sharded, in_step: bool) -> Sharded:
     return dataclasses.replace(like, data=data)
 
 
-def _pad_to_layout(full, like: Sharded) -> jax.Array:
+def _pad_to_layout(full, like: comm.LayoutFacts) -> jax.Array:
     """`full` padded and laid out as `like.data`, bit for bit.
 
     Floating values enter the program as raw bits: the SPMD partitioner pads the
@@ -445,13 +482,14 @@ def _pad_to_layout(full, like: Sharded) -> jax.Array:
     dtype = np.dtype(like.dtype)
     if jnp.issubdtype(dtype, jnp.floating):
         full = jax.lax.bitcast_convert_type(full, comm.UINT[dtype.itemsize])
-    fn = jax.jit(_pad_as, static_argnums=(1, 2, 3), out_shardings=like.sharding)
-    return fn(full, like.dim, like.padded_shape[like.dim], dtype)
+    layout = like.layout if isinstance(like, Sharded) else like
+    fn = jax.jit(_pad_as, static_argnums=(1, 2), out_shardings=like.sharding)
+    return fn(full, layout, dtype)
 
 
-def _pad_as(x, dim: int, size: int, dtype: np.dtype):
-    """`x` (raw bits for floating `dtype`) padded on `dim` to `size`, as `dtype`."""
-    x = _pad(x, dim, size)
+def _pad_as(x, layout: comm.Layout, dtype: np.dtype):
+    """`x` (raw bits for floating `dtype`) padded as `layout`, as `dtype`."""
+    x = comm.to_padded(x, layout, _pad)
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
@@ -488,16 +526,16 @@ def reshard(full_tree: Any, like: Any) -> Any:
         raise errors.ShardingValueError(
             _structure_mismatch("reshard", "full", got, treedef)
         ) from exc
+    in_step = _context.current() is not None
     problems = [
         found
         for path, full, item in zip(paths, fulls, items, strict=True)
-        if isinstance(item, Sharded) and (found := _full_problem(path, full, item))
+        if isinstance(item, Sharded) and (found := _full_problem(path, full, item, in_step))
     ]
     if problems:  # every bad leaf at once, as jax.shard_map reports its specs
         only_types = all(k is errors.ShardingTypeError for k, _ in problems)
         kind = errors.ShardingTypeError if only_types else errors.ShardingValueError
         raise kind(_text.joined([message for _, message in problems]))
-    in_step = _context.current() is not None
     out = [
         reshard_leaf(full, item, in_step) if isinstance(item, Sharded) else full
         for full, item in zip(fulls, items, strict=True)

@@ -57,6 +57,10 @@ class Sharded(comm.LayoutFacts):
       dim: the sharded dimension: 0, another dim a placement chose (which must then
         divide evenly), or 1 for stacked layers (`shard(..., stacked=True)`, padded
         per layer like dim 0).
+      model_axes: per dim, the model axes (tensor, expert, ...) that split it before
+        FSDP shards it (`shard(..., model_spec=...)`); `()` for a plain FSDP leaf. Inside
+        a step the leaf holds, gathers and reduces only this device's model block
+        (`block_shape`).
     """
 
     data: Any
@@ -69,6 +73,9 @@ class Sharded(comm.LayoutFacts):
         metadata=dict(static=True), default=None
     )
     dim: int = dataclasses.field(metadata=dict(static=True), default=0)
+    model_axes: tuple[tuple[str, ...], ...] = dataclasses.field(
+        metadata=dict(static=True), default=()
+    )
 
     def __post_init__(self):
         # `jax.eval_shape` drops the sharding of outputs on a mesh with Auto axes; the
@@ -108,6 +115,8 @@ class Sharded(comm.LayoutFacts):
             fields.append(f"dim={self.dim}")
         if self.replicate_axis:
             fields.append(f"replicate_axis={self.replicate_axis}")
+        if self.model_axes:
+            fields.append(f"model_spec={self.model_spec}")
         fields.append(f"mesh={dict(self.mesh.shape)}")
         if self.mp_policy is not None:
             fields.append(f"mp_policy={self.mp_policy}")

@@ -85,9 +85,7 @@ class _Root:
     @property
     def specs(self) -> list[PartitionSpec]:
         """The shard_map spec of each traced value."""
-        return [
-            comm.spec(x.shard_axis, x.dim) if r.sharded else PartitionSpec() for r, x in self.traced
-        ]
+        return [x.spec if r.sharded else PartitionSpec() for r, x in self.traced]
 
     def values(self) -> list:
         """The traced values: `Sharded` leaves' padded arrays, and the arrays."""
@@ -261,6 +259,7 @@ def _per_device(loss_fn, root: _Root, rebuild_args, values, local_batch, arg_val
         )
         loss, aux = jnp.mean(losses), _combine_microbatches(auxes)
     grads = _add(grads, _reduce_deferred(root, sums))
+    _check_model_invariant(loss, root)
     # A loss already reduced over some data axes (psum / pmean in the loss function) is
     # not averaged over them again, nor are its gradients.
     loss_axes = varying_axes(loss, root.dp_axes)
@@ -272,6 +271,31 @@ def _per_device(loss_fn, root: _Root, rebuild_args, values, local_batch, arg_val
     if any(callbacks):
         _callbacks.raise_pending((loss, aux, grads))
     return loss, aux, grads
+
+
+def _check_model_invariant(loss, root: _Root) -> None:
+    """Refuses a loss that still differs between the devices of a model axis.
+
+    Tensor- and expert-parallel devices hold parts of one model, so their losses must
+    agree: a loss varying over a model axis is a partial result (a row-parallel
+    output without its `psum`, logits split over `tensor` without their gather), and
+    averaging it would be a silent wrong number.
+    """
+    model = [a for a in root.mesh.axis_names if a not in root.dp_axes]
+    varying = [a for a in _jax_compat.varying_axes(loss) if a in model]
+    if varying:
+        raise errors.ShardingValueError(_loss_varies_over_model(tuple(varying)))
+
+
+def _loss_varies_over_model(axes: tuple[str, ...]) -> str:
+    return (
+        f"value_and_grad: the loss still differs between the devices of the model axes "
+        f"{axes}: it is a partial result of a model split over them (a row-parallel "
+        f"output without jax.lax.psum over {axes[0]!r}, or logits still split over it). "
+        "Combine it over those axes (jax.lax.psum of a row-parallel matmul's output, "
+        "jax.lax.all_gather of split logits, funshard's row_parallel helper) before the "
+        "loss."
+    )
 
 
 def _draws_for(root: _Root, run, microbatch, microbatch_index):
@@ -322,7 +346,7 @@ def _microbatch(loss_fn, root: _Root, values, batch, args):
 
 def _accumulator(item: Sharded, dp_axes):
     dtype = _context.layout_of([item]).leaves[0].reduce_dtype
-    return comm.vary(jnp.zeros(item.shape, dtype), dp_axes)
+    return comm.vary(jnp.zeros(item.block_shape, dtype), (*dp_axes, *item.model_axis_names))
 
 
 def _split_output(out, has_aux: bool):
@@ -395,7 +419,7 @@ def _zero_sums(root: _Root, values) -> tuple[dict, dict]:
     for r, _ in root.traced:
         if r.by_autodiff:
             v = values[r.position]
-            grads[r.position] = comm.vary(jnp.zeros_like(v), varying_axes(v, root.dp_axes))
+            grads[r.position] = comm.vary(jnp.zeros_like(v), varying_axes(v, root.mesh.axis_names))
     sums = {r.position: _accumulator(x, root.dp_axes) for r, x in root.traced if r.deferred}
     return grads, sums
 

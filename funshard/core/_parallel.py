@@ -1,0 +1,175 @@
+"""Tensor- and expert-parallel building blocks for a loss that runs per device.
+
+Inside `fs.value_and_grad` the loss sees each leaf's model block (`Sharded.block_shape`):
+a column-parallel kernel's columns of this `tensor` rank, a stack of this `expert` rank's
+experts. These helpers write the model axes' collectives explicitly, as everything in
+funshard is, with `jax.lax`: what a Megatron block or a GShard MoE layer needs and no
+more. The backward collectives follow from JAX's own typing of values inside
+`jax.shard_map`: an activation replicated over `tensor` that meets a column-split kernel
+gets its cotangent summed over `tensor` (Megatron's "f"), a `psum` transposes to
+nothing more (Megatron's "g").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from funshard import errors
+
+TENSOR_AXIS = "tensor"
+EXPERT_AXIS = "expert"
+
+
+def column_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """`x @ kernel + bias` with `kernel` split over a model axis on its last dim.
+
+    Args:
+      x: activations replicated over the model axis, `(..., d_in)`.
+      kernel: this device's columns, `(d_in, d_out / t)` (a leaf sharded with
+        `model_spec=P(None, "tensor")`, gathered by `fs.unshard` or a unit).
+      bias: this device's part of the bias, `(d_out / t,)`, or None.
+
+    Returns:
+      This device's columns of the output, `(..., d_out / t)`, split over the model axis
+      as the kernel is. No communication forward; backward, the gradient of `x` is
+      summed over the model axis by JAX itself.
+    """
+    y = x @ kernel
+    return y if bias is None else y + bias
+
+
+def row_parallel(
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, axis: str = TENSOR_AXIS
+) -> jax.Array:
+    """`x @ kernel + bias` with `kernel` split over `axis` on its first dim.
+
+    Args:
+      x: this device's columns of the input, `(..., d_in / t)` (a `column_parallel`
+        output).
+      kernel: this device's rows, `(d_in / t, d_out)` (`model_spec=P("tensor", None)`).
+      bias: the whole bias, `(d_out,)` (replicated over `axis`), or None.
+      axis: the model axis (or axes) `kernel` is split over.
+
+    Returns:
+      The full output, `(..., d_out)`, equal on every device of `axis`: the partial
+      products are summed with one `jax.lax.psum` over `axis`.
+    """
+    y = jax.lax.psum(x @ kernel, axis)
+    return y if bias is None else y + bias
+
+
+def gather_columns(x: jax.Array, *, axis: str = TENSOR_AXIS) -> jax.Array:
+    """The full last dim of `x` split over `axis` (e.g. vocabulary-parallel logits).
+
+    An all-gather over `axis` whose gradient is the matching reduce-scatter.
+    """
+    return jax.lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
+
+
+def _bad_top_k(k: int, experts: int) -> str:
+    return (
+        f"route_top_k: k={k} must be between 1 and the number of experts ({experts}); "
+        "pick how many experts each token goes to."
+    )
+
+
+def route_top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing: each token's `k` experts and their softmax weights.
+
+    Args:
+      logits: router logits `(tokens, experts)`.
+      k: experts per token.
+
+    Returns:
+      `(experts, weights)`, both `(tokens, k)`: expert indices (int32) and the
+      softmax probabilities of those experts, renormalised over the `k` chosen.
+
+    Raises:
+      ValueError: `k` is not between 1 and the number of experts.
+    """
+    experts = logits.shape[-1]
+    if not 1 <= k <= experts:
+        raise errors.ShardingValueError(_bad_top_k(k, experts))
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, index = jax.lax.top_k(probs, k)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return index.astype(jnp.int32), weights.astype(logits.dtype)
+
+
+def _dispatch_mask(index: jax.Array, experts: int, capacity: int) -> jax.Array:
+    """One-hot `(tokens, k, experts, capacity)`: where each routed copy of a token goes.
+
+    Slots are given in token order, first choices before second ones (GShard); a copy
+    past an expert's `capacity` is dropped (all zeros).
+    """
+    tokens, k = index.shape
+    # First choices of every token, then second choices, ...: (k * tokens, experts).
+    onehot = jax.nn.one_hot(index.T.reshape(-1), experts, dtype=jnp.int32)
+    slot = jnp.cumsum(onehot, axis=0) * onehot - 1
+    kept = jax.nn.one_hot(jnp.max(slot, axis=-1), capacity, dtype=jnp.float32)
+    kept = kept[:, None, :] * onehot[:, :, None]  # (k * tokens, experts, capacity)
+    return kept.reshape(k, tokens, experts, capacity).transpose(1, 0, 2, 3)
+
+
+def _bad_experts(experts: int, size: int, axis: str) -> str:
+    return (
+        f"expert_dispatch: {experts} experts cannot be split over the {size} devices of "
+        f"{axis!r}; use a number of experts that {size} divides."
+    )
+
+
+def expert_dispatch(
+    x: jax.Array,
+    index: jax.Array,
+    experts: int,
+    *,
+    capacity: int | None = None,
+    axis: str = EXPERT_AXIS,
+) -> tuple[jax.Array, jax.Array]:
+    """Sends each token to the devices that hold its experts (one `all_to_all`).
+
+    Args:
+      x: this device's tokens, `(tokens, d)`.
+      index: each token's experts, `(tokens, k)` (from `route_top_k`).
+      experts: the number of experts in all.
+      capacity: slots per expert for this device's tokens; copies past it are dropped.
+        The default, `tokens * k`, drops none (exact, as a dense computation).
+      axis: the model axis the expert stack is split over.
+
+    Returns:
+      `(inputs, mask)`: `inputs` is `(experts / e, e * capacity, d)`, the tokens each of
+      this device's experts receives from every device of `axis`, and `mask` the
+      dispatch mask `expert_combine` needs.
+
+    Raises:
+      ValueError: the axis size does not divide `experts`.
+    """
+    size = jax.lax.axis_size(axis)
+    if experts % size:
+        raise errors.ShardingValueError(_bad_experts(experts, size, axis))
+    tokens, k = index.shape
+    capacity = tokens * k if capacity is None else capacity
+    mask = _dispatch_mask(index, experts, capacity)
+    routed = jnp.einsum("tkec,td->ecd", mask.astype(x.dtype), x)
+    return jax.lax.all_to_all(routed, axis, 0, 1, tiled=True), mask
+
+
+def expert_combine(
+    outputs: jax.Array, mask: jax.Array, weights: jax.Array, *, axis: str = EXPERT_AXIS
+) -> jax.Array:
+    """Brings the experts' outputs back to their tokens and mixes them by `weights`.
+
+    Args:
+      outputs: what this device's experts computed, `(experts / e, e * capacity, d)`.
+      mask: the dispatch mask `expert_dispatch` returned.
+      weights: each token's routing weights, `(tokens, k)`.
+      axis: the model axis the expert stack is split over.
+
+    Returns:
+      `(tokens, d)`: each token's weighted sum of its experts' outputs (dropped copies
+      count zero).
+    """
+    back = jax.lax.all_to_all(outputs, axis, 1, 0, tiled=True)  # (experts, capacity, d)
+    combine = mask.astype(outputs.dtype) * weights[:, :, None, None].astype(outputs.dtype)
+    return jnp.einsum("tkec,ecd->td", combine, back)
