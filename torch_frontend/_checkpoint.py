@@ -262,7 +262,7 @@ def checkpoint_tree(
       copy: copy the parameters' shards (for a save that outlives the call).
     """
     local = module.state_dict(keep_vars=True)
-    managed, base = managed_params(module), _base_layout(module)
+    managed, base = managed_params(module, "torch_frontend.save"), _base_layout(module)
     tree: dict[str, Any] = {MODEL: _model_tree(module, local, managed, base, copy)}
     if optimizer is not None:
         tree[OPTIMIZER] = _optimizer_tree(optimizer, module, managed, base)
@@ -584,7 +584,7 @@ def restore(
     path = os.path.abspath(os.fspath(path))
     stored = _stored(path)
     local = module.state_dict(keep_vars=True)
-    managed, base = managed_params(module), _base_layout(module)
+    managed, base = managed_params(module, "torch_frontend.restore"), _base_layout(module)
     like: dict[str, Any] = {MODEL: _like_model(local, managed, base)}
     has_optimizer = any(p.startswith(keystr((DictKey(OPTIMIZER),))) for p in stored)
     if optimizer is None and has_optimizer:

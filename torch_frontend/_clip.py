@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from funshard import errors
 from torch_frontend import _bridge
-from torch_frontend._param import managed
+from torch_frontend._param import managed, tensor_parallel_refused
 
 logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
@@ -104,6 +104,10 @@ def clip_grad_norm_(
     replicated: list[torch.Tensor] = []
     for param in params:
         owner = managed(param)
+        if owner is not None and owner.tensor_parallel:
+            raise errors.UnsupportedError(
+                tensor_parallel_refused("torch_frontend.clip_grad_norm_", owner)
+            )
         # Every managed layout gathers, with or without gradients: each process runs
         # the same collectives.
         grads = replicated if owner is None else partials.setdefault(owner.layout, [])

@@ -43,6 +43,14 @@ class DeepcopyError(errors.UnsupportedError, AssertionError):
     """`copy.deepcopy` of a sharded module: FSDP2 raises AssertionError."""
 
 
+class TensorParallelMeshError(errors.ShardingValueError, RuntimeError, TypeError):
+    """A TP DTensor whose mesh does not compose with `fully_shard`'s.
+
+    FSDP2 fails with RuntimeError (meshes of two `init_device_mesh` calls, or
+    overlapping ones) or TypeError (a mesh without dim names: "Invariant encountered").
+    """
+
+
 if TYPE_CHECKING:
     from jax.sharding import Mesh
     from torch.distributed.device_mesh import DeviceMesh
@@ -477,13 +485,43 @@ def _check_unmanaged(param: nn.Parameter, fqn: str, modules: list[nn.Module]) ->
         raise SharedParameterError(
             _already_managed(fqn) if outer else _shared_with_group(fqn, owner._param_fqn)
         )
-    if isinstance(param, DTensor):
-        raise errors.UnsupportedError(
-            _not_supported_yet(
-                f"the DTensor parameter {fqn!r} (tensor parallelism)",
-                "pass modules with plain tensor parameters.",
-            )
-        )
+
+
+def _check_tensor_parallel(param: nn.Parameter, fqn: str, device_mesh: DeviceMesh) -> None:
+    """A TP DTensor must live on the other dims of the mesh `fully_shard` shards over.
+
+    FSDP2 joins the two meshes (`DeviceMesh._concatenate`) and fails with torch's
+    RuntimeError when they do not come from one mesh or overlap; this says which
+    parameter and what to pass.
+    """
+    if not isinstance(param, DTensor):
+        return
+    if len(param.placements) > 2:
+        raise errors.UnsupportedError(_tp_dims(fqn, param))
+    try:
+        _param.spmd_mesh(device_mesh, param.device_mesh)
+    except RuntimeError as exc:
+        raise TensorParallelMeshError(_tp_mesh(fqn, param, device_mesh, exc)) from None
+
+
+def _tp_dims(fqn: str, param: DTensor) -> str:
+    # FSDP2's sentence first (its NotImplementedError).
+    return (
+        f"FSDP only supports 1D TP/EP or 2D EP+TP, not {tuple(param.placements)}: "
+        f"parameter {fqn!r} is a DTensor on a {param.device_mesh.ndim}-D mesh. Place it "
+        "on at most two model-parallel dims."
+    )
+
+
+def _tp_mesh(fqn: str, param: DTensor, device_mesh: DeviceMesh, exc: RuntimeError) -> str:
+    return (
+        f"fully_shard: parameter {fqn!r} is a DTensor on {param.device_mesh} (tensor "
+        f"parallelism), and the mesh fully_shard shards over, {device_mesh}, is not "
+        f"another dim of the same device mesh ({exc}). Take both from one named "
+        'init_device_mesh: mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", '
+        '"tp")); parallelize_module(block, mesh["tp"], plan); fully_shard(block, '
+        'mesh=mesh["dp"]).'
+    )
 
 
 def _already_managed(fqn: str) -> str:
@@ -627,11 +665,20 @@ def fully_shard(
     gradients into the shards' `.grad`, averaged over the data-parallel world. Apply it
     bottom-up: blocks first, then the root.
 
+    Tensor parallelism composes as in FSDP2 (torchtitan's recipe): a parameter that
+    `parallelize_module` made a DTensor on `mesh["tp"]` is sharded over `mesh["dp"]`
+    on its TP-local block, becoming a DTensor on both dims with FSDP2's placements
+    (`(_StridedShard(0, sf=tp), Shard(0))` column-parallel, `(Shard(0), Shard(1))`
+    row-parallel). The gathers and reduce-scatters run over the dp ranks only and
+    move the TP-local block; the forward sees the TP DTensor, so the TP collectives
+    stay torch's.
+
     Args:
       module: a module, or a list of modules that form ONE group (tied weights).
       mesh: a torch `DeviceMesh` as FSDP2 takes it (`init_device_mesh("cpu", (n,))`,
-        or 2-D `(replicate, shard)` for HSDP), or the mesh from `init_distributed()`
-        (None: that mesh).
+        or 2-D `(replicate, shard)` for HSDP, or the data-parallel dims of a bigger
+        named mesh, `mesh["dp"]`), or the mesh from `init_distributed()` (None: that
+        mesh).
       reshard_after_forward: True frees the gathered parameters after forward and
         gathers again in backward; False keeps them. An int k (a divisor of the shard
         world size, FSDP2's hpZ) keeps each rank's 1/k of them, so the backward's
@@ -659,7 +706,9 @@ def fully_shard(
       NotImplementedError: an argument not supported yet (`CPUOffloadPolicy` on a GPU
         mesh, `dp_mesh_dims`).
       RuntimeError: `CPUOffloadPolicy(pin_memory=True)` without an accelerator (as
-        FSDP2).
+        FSDP2); a tensor-parallel parameter whose mesh is not another dim of the
+        same named device mesh as `mesh` (`TensorParallelMeshError`, also a
+        TypeError and a ValueError).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn)
@@ -677,6 +726,7 @@ def fully_shard(
         owner, attr = uses[0]
         fqn = f"{names[id(owner)]}.{attr}" if names[id(owner)] else attr
         _check_unmanaged(param, fqn, modules)
+        _check_tensor_parallel(param, fqn, device_mesh)
         placed.append((param, uses, fqn, _shard_dim(shard_placement_fn, param, fqn)))
     # Every placement is checked before any module changes: an error loses nothing.
     spec = ShardSpec(device_mesh)

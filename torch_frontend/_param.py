@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import weakref
@@ -12,9 +13,11 @@ from typing import cast
 import jax
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from funshard import errors
 from torch_frontend import _bridge
@@ -51,15 +54,65 @@ def _get_orig_param_uid(param: nn.Parameter) -> int:
     return uid
 
 
+@functools.cache
+def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel mesh and a parameter's tensor-parallel mesh as one (FSDP2's).
+
+    Both must be sub-meshes of one `init_device_mesh` mesh with named, disjoint dims.
+    Made without process groups (torch's `_concatenate` reuses the sub-meshes' own), once
+    per pair.
+
+    Raises:
+      RuntimeError: the meshes come from different meshes, overlap, or lack dim names.
+    """
+    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise RuntimeError("both meshes need dim names (init_device_mesh's mesh_dim_names)")
+    return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """How a group's shards are DTensors: the torch mesh and the placement of a dim."""
+    """How a group's shards are DTensors: the torch mesh and the placement of a dim.
+
+    Attributes:
+      device_mesh: the data-parallel mesh `fully_shard` was given.
+      tp_spec: a tensor-parallel parameter's own DTensor spec (None: a plain one). Its
+        shard is then a DTensor on the data-parallel and tensor-parallel dims together,
+        with FSDP2's placements.
+    """
 
     device_mesh: DeviceMesh
+    tp_spec: DTensorSpec | None = None
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The mesh of the sharded DTensor."""
+        if self.tp_spec is None:
+            return self.device_mesh
+        return spmd_mesh(self.device_mesh, self.tp_spec.mesh)
 
     def placements(self, dim: int) -> tuple[Placement, ...]:
-        """FSDP2's: `Shard(dim)`, after `Replicate()` on an HSDP mesh."""
-        return (Replicate(),) * (self.device_mesh.ndim - 1) + (Shard(dim),)
+        """FSDP2's: `Shard(dim)`, after `Replicate()` on an HSDP mesh.
+
+        A tensor-parallel parameter is sharded on `dim` of its TP-local block, so the
+        data-parallel placement is `_StridedShard(dim, split_factor=TP shards on dim)`
+        where TP already splits `dim`, followed by the TP placements.
+        """
+        replicas = (Replicate(),) * (self.device_mesh.ndim - 1)
+        if self.tp_spec is None:
+            return (*replicas, Shard(dim))
+        split = self.tp_spec.num_shards_map[dim]
+        fsdp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+        return (*replicas, fsdp, *self.tp_spec.placements)
+
+    def tp_spec_in(self, dtype: torch.dtype) -> DTensorSpec:
+        """The tensor-parallel spec of the unsharded parameter gathered in `dtype`."""
+        spec = self.tp_spec
+        assert spec is not None and spec.tensor_meta is not None, "a tensor-parallel spec"
+        meta = spec.tensor_meta
+        if meta.dtype == dtype:
+            return spec
+        return dataclasses.replace(spec, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -82,6 +135,12 @@ class FSDPParam:
     freed by reshard: autograd's saved tensors and gradient accumulation across
     microbatches see it as one leaf. Names as FSDP2's `FSDPParam` (docs/torch.md).
 
+    A tensor-parallel parameter (a DTensor from `parallelize_module`) is sharded as
+    FSDP2 shards it: its TP-local block is what the rows, gathers and reduce-scatters
+    are about (`shape`), the shard is a DTensor on the data-parallel and TP dims
+    together (`ShardSpec.placements`), and the unsharded parameter is a DTensor with
+    the TP spec over the gathered block, so the module's TP code runs as before.
+
     Attributes:
       _param_fqn: the parameter's name (relative to the fully_shard module, then to
         the root).
@@ -99,10 +158,15 @@ class FSDPParam:
         spec: ShardSpec,
         dim: int = 0,
     ):
+        requires_grad = param.requires_grad
         if param.ndim == 0:
             raise errors.ShardingValueError(_scalar_param(fqn))
         self._param_fqn, self.uses, self.dim = fqn, uses, dim
         self._orig_param_uid = _get_orig_param_uid(param)
+        self.global_shape = tuple(param.shape)  # the sharded DTensor's (TP included)
+        if isinstance(param, DTensor):
+            spec = dataclasses.replace(spec, tp_spec=param._spec)
+            param = param._local_tensor
         self.layout, self.spec = layout, spec
         self.shape, self.dtype = tuple(param.shape), param.dtype
         self.orig_dtype = param.dtype  # at fully_shard: `module.to(...)` may change dtype
@@ -117,7 +181,7 @@ class FSDPParam:
         self._sharded_param_data = padded
         # On a dim other than 0 a shard shorter than the padding is a strided view.
         self.sharded_param = nn.Parameter(
-            self.to_sharded_dtensor(self._local(padded)), requires_grad=param.requires_grad
+            self.to_sharded_dtensor(self._local(padded)), requires_grad=requires_grad
         )
         _MANAGED[id(self.sharded_param)] = self
         self._unsharded_param: nn.Parameter | None = None
@@ -142,10 +206,9 @@ class FSDPParam:
         """
         spec = self._sharding_spec
         if spec is None or spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
-            meta = TensorMeta(torch.Size(self.shape), _contiguous_strides(self.shape), local.dtype)
-            spec = DTensorSpec(
-                self.spec.device_mesh, self.spec.placements(self.dim), tensor_meta=meta
-            )
+            shape = self.global_shape
+            meta = TensorMeta(torch.Size(shape), _contiguous_strides(shape), local.dtype)
+            spec = DTensorSpec(self.spec.mesh, self.spec.placements(self.dim), tensor_meta=meta)
             self._sharding_spec = spec
         return DTensor(local.detach(), spec, requires_grad=False)
 
@@ -160,6 +223,17 @@ class FSDPParam:
         # keeps the subclass; `reset_sharded_param` adopts DTensors only); torch's stubs
         # type `nn.Parameter(...)` as a plain Parameter.
         return cast(DTensor, self.sharded_param)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the parameter was a tensor-parallel DTensor at `fully_shard`."""
+        return self.spec.tp_spec is not None
+
+    @property
+    def _unsharded_local(self) -> torch.Tensor:
+        """The unsharded parameter's data as a plain tensor (a TP DTensor's local block)."""
+        param = self.unsharded_param
+        return param._local_tensor if isinstance(param, DTensor) else param
 
     @property
     def unsharded_param(self) -> nn.Parameter:
@@ -228,7 +302,7 @@ class FSDPParam:
             if (
                 not isinstance(new, DTensor)
                 or new.shape != self.sharded_param.shape
-                or new.device_mesh != self.spec.device_mesh
+                or new.device_mesh != self.spec.mesh
                 or tuple(new.placements) != self.spec.placements(self.dim)
             ):
                 raise errors.ShardingValueError(_replaced_param(self._param_fqn))
@@ -247,7 +321,7 @@ class FSDPParam:
         The part is the rank's 1/k of the padded full tensor in the gather dtype (its
         own buffer, so the full one can be freed); `hpz` is the group layout.
         """
-        full = self.unsharded_param.data
+        full = self._unsharded_local.detach()
         part_rows = layout.world * layout.padded_rows(self.rows) // hpz.world
         start = hpz.rank * part_rows
         stop = min(start + part_rows, self.rows)
@@ -285,19 +359,21 @@ class FSDPParam:
             full_shape[0] = self.layout.world * self.layout.padded_rows(self.rows)
         if self._unsharded_param is None or self._unsharded_param.dtype != dtype:
             base = torch.empty(full_shape, dtype=dtype, device=self._sharded_param_data.device)
+            data = base.narrow(self.dim, 0, self.rows)
+            if self.tensor_parallel:  # the module's TP code sees its DTensor, as with FSDP2
+                data = DTensor(data, self.spec.tp_spec_in(dtype), requires_grad=False)
             self._unsharded_param = nn.Parameter(
-                base.narrow(self.dim, 0, self.rows), requires_grad=self.sharded_param.requires_grad
+                data, requires_grad=self.sharded_param.requires_grad
             )
             _MANAGED[id(self._unsharded_param)] = self
-        storage = self._unsharded_param.untyped_storage()
+        local = self._unsharded_local
+        storage = local.untyped_storage()
         nbytes = dtype.itemsize * math.prod(full_shape)
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         if self.dim != 0:
-            return self._unsharded_param.detach()
-        return self._unsharded_param.detach().as_strided(
-            full_shape, _contiguous_strides(full_shape), 0
-        )
+            return local.detach()
+        return local.detach().as_strided(full_shape, _contiguous_strides(full_shape), 0)
 
     def to_unsharded(self, full: torch.Tensor) -> None:
         """Makes the modules use a copy of `full` (a gathered tensor) as the parameter."""
@@ -332,7 +408,7 @@ class FSDPParam:
         (`set_unshard_in_backward(False)`).
         """
         if self._unsharded_param is not None:
-            self._unsharded_param.untyped_storage().resize_(0)
+            self._unsharded_local.untyped_storage().resize_(0)
         for module, name in self.uses:
             # A slot the user changed while it held the unsharded parameter (`lin.bias
             # = None` between a kept-gathered forward and its backward) keeps the
@@ -348,7 +424,7 @@ class FSDPParam:
         if self._unsharded_param is not None:
             self._unsharded_param.grad = None
         if grad is not None:
-            grad = grad.to(dtype)
+            grad = self._grad_local(grad).to(dtype)
         if self.unsharded_accumulated_grad is not None:
             grad = (
                 self.unsharded_accumulated_grad
@@ -357,6 +433,21 @@ class FSDPParam:
             )
             self.unsharded_accumulated_grad = None
         return grad
+
+    def _grad_local(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient's block for the reduce-scatter: a TP DTensor's local one.
+
+        A partial TP gradient (a row-parallel bias's) is reduced over the TP dims first,
+        by torch's collective, so that it has the parameter's own TP placements (FSDP2's
+        `_get_grad_inner_tensor`).
+        """
+        if not isinstance(grad, DTensor):
+            return grad
+        placements = self.spec.tp_spec_in(grad.dtype).placements
+        if tuple(grad.placements) != tuple(placements):
+            grad = grad.redistribute(placements=placements)
+        local = grad._local_tensor
+        return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
 
     def accumulate_unsharded_grad(self, dtype: torch.dtype) -> None:
         """Keeps this backward's gradient (no reduction this time), in `dtype`."""
@@ -445,4 +536,19 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.device == b.device
         and a.dtype == b.dtype
         and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
+
+
+def tensor_parallel_refused(what: str, param: FSDPParam) -> str:
+    """The message of a frontend tool that cannot take a tensor-parallel parameter."""
+    return (
+        f"{what}: parameter {param._param_fqn!r} is tensor-parallel (a DTensor with "
+        f"placements {param.spec.placements(param.dim)}), and {what} gathers over the "
+        "data-parallel mesh only, so it would see this rank's TP block as the whole "
+        "tensor; it is not supported for tensor parallelism yet. Use torch's tools, "
+        "which read the placements: torch.distributed.checkpoint.state_dict's "
+        "get_model_state_dict / set_model_state_dict (StateDictOptions(full_state_dict="
+        "True) for full tensors), torch.distributed.checkpoint.save / load, and for the "
+        "gradient norm torchtitan's sum of torch.linalg.vector_norm(p.grad).full_tensor() "
+        "** 2 over the parameters (docs/torch.md, 2-D meshes)."
     )

@@ -23,7 +23,7 @@ from torch import nn
 from funshard import comm, errors
 from torch_frontend import _bridge
 from torch_frontend._group import FSDPParamGroup
-from torch_frontend._param import FSDPParam
+from torch_frontend._param import FSDPParam, tensor_parallel_refused
 from torch_frontend._state import get_module_fsdp_state
 
 logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
@@ -78,13 +78,24 @@ def _adopt_assigned(group: FSDPParamGroup, module: nn.Module, _incompatible) -> 
                 param.reset_sharded_param()
 
 
-def managed_params(module: nn.Module) -> dict[int, Managed]:
-    """`id` of each local shard managed at or below `module` -> its `Managed`."""
+def managed_params(module: nn.Module, what: str) -> dict[int, Managed]:
+    """`id` of each local shard managed at or below `module` -> its `Managed`.
+
+    Args:
+      module: the module.
+      what: the public function asking, for the error's message.
+
+    Raises:
+      NotImplementedError: a managed parameter is tensor-parallel: these full tensors
+        and checkpoints gather over the data-parallel mesh only.
+    """
     managed: dict[int, Managed] = {}
     for sub in module.modules():
         state = get_module_fsdp_state(sub)
         if state is not None:
             for param in state._fsdp_param_group.fsdp_params:
+                if param.tensor_parallel:
+                    raise errors.UnsupportedError(tensor_parallel_refused(what, param))
                 managed[id(param.sharded_param)] = Managed(param, state._fsdp_param_group.layout)
     return managed
 
@@ -166,7 +177,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
         (FUNSHARD_DEPARTURE_TIMEOUT, 30 by default).
     """
     local = module.state_dict(keep_vars=True)
-    managed = managed_params(module)
+    managed = managed_params(module, "torch_frontend.full_state_dict")
     fulls = gather_full([managed[id(t)] for t in local.values() if id(t) in managed])
     if rank0_only and jax.process_index() != 0:
         return {}
@@ -207,7 +218,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
         full shape; the message names every such key.
     """
     local = module.state_dict(keep_vars=True)
-    managed = managed_params(module)
+    managed = managed_params(module, "torch_frontend.load_full_state_dict")
     expected = {
         key: managed[id(t)].param.shape if id(t) in managed else tuple(t.shape)
         for key, t in local.items()
