@@ -158,30 +158,30 @@ class FSDPParam:
         spec: ShardSpec,
         dim: int = 0,
     ):
-        requires_grad = param.requires_grad
         if param.ndim == 0:
             raise errors.ShardingValueError(_scalar_param(fqn))
         self._param_fqn, self.uses, self.dim = fqn, uses, dim
         self._orig_param_uid = _get_orig_param_uid(param)
         self.global_shape = tuple(param.shape)  # the sharded DTensor's (TP included)
+        data: torch.Tensor = param
         if isinstance(param, DTensor):
             spec = dataclasses.replace(spec, tp_spec=param._spec)
-            param = param._local_tensor
+            data = param._local_tensor
         self.layout, self.spec = layout, spec
-        self.shape, self.dtype = tuple(param.shape), param.dtype
-        self.orig_dtype = param.dtype  # at fully_shard: `module.to(...)` may change dtype
+        self.shape, self.dtype = tuple(data.shape), data.dtype
+        self.orig_dtype = data.dtype  # at fully_shard: `module.to(...)` may change dtype
         self.group_modules: tuple[nn.Module, ...] = ()  # the fully_shard call's modules
-        self.rows = param.shape[dim]
+        self.rows = data.shape[dim]
         self.local_rows = layout.local_rows(self.rows)
         self._sharding_spec: DTensorSpec | None = None
-        padded = param.detach().new_zeros(self._padded_shape())
+        padded = data.detach().new_zeros(self._padded_shape())
         start = layout.rank * padded.shape[dim]
         if not padded.is_meta:
-            self._local(padded).copy_(param.detach().narrow(dim, start, self.local_rows))
+            self._local(padded).copy_(data.detach().narrow(dim, start, self.local_rows))
         self._sharded_param_data = padded
         # On a dim other than 0 a shard shorter than the padding is a strided view.
         self.sharded_param = nn.Parameter(
-            self.to_sharded_dtensor(self._local(padded)), requires_grad=requires_grad
+            self.to_sharded_dtensor(self._local(padded)), requires_grad=param.requires_grad
         )
         _MANAGED[id(self.sharded_param)] = self
         self._unsharded_param: nn.Parameter | None = None
