@@ -27,12 +27,13 @@ import torch.distributed as dist
 from torch import nn
 
 DIM, STEPS, LR = 8, 3, 0.1
-# name -> (hidden, reshard_after_forward, activation checkpointing)
+# name -> (hidden, reshard_after_forward, activation checkpointing, shard on dim 1)
 CASES = {
-    "even": (16, True, False),
-    "uneven": (17, True, False),
-    "keep": (17, False, False),
-    "ac": (17, True, True),
+    "even": (16, True, False, False),
+    "dim1": (16, True, False, True),
+    "uneven": (17, True, False, False),
+    "keep": (17, False, False, False),
+    "ac": (17, True, True, False),
 }
 
 
@@ -73,7 +74,29 @@ def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
 
 
-def parallelize(model: Model, mesh, fully_shard, reshard: bool, ac: bool) -> Model:
+def columns(mesh):
+    """shard_placement_fn: FSDP2's `ShardPlacementResult` on the dp mesh, matrices on dim 1.
+
+    Every parameter names the same mesh info: FSDP2 (torch 2.13) refuses a second
+    info object on the same process group ("must use the same FSDPMeshInfo object").
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
+
+    info = FSDPMeshInfo(mesh["dp"], shard_mesh_dim=0)
+
+    def placement(param):
+        return ShardPlacementResult(Shard(1) if param.ndim == 2 else None, info)
+
+    return placement
+
+
+def parallelize(
+    model: Model, mesh, fully_shard, reshard: bool, ac: bool, dim1: bool = False
+) -> Model:
     """torchtitan's order: TP plan per block, activation checkpointing, fully_shard."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.tensor.parallel import (
@@ -92,7 +115,8 @@ def parallelize(model: Model, mesh, fully_shard, reshard: bool, ac: bool) -> Mod
         if ac:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
             model.blocks[i] = block
-        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
+        fn = columns(mesh) if dim1 else None
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard, shard_placement_fn=fn)
     return fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
 
 
@@ -211,6 +235,22 @@ def frontend_refusals(model: nn.Module, out: Path, record: dict) -> None:
     _raised(record, "tf_load_full_state_dict", lambda: tf.load_full_state_dict(model, {}))
     _raised(record, "tf_save", lambda: tf.save(out / "tf_ckpt", model))
     _raised(record, "tf_clip", lambda: tf.clip_grad_norm_(model.parameters(), 1.0))
+    _raised(record, "own_mesh", lambda: own_mesh(tf.fully_shard))
+
+
+def own_mesh(fully_shard) -> None:
+    """A `ShardPlacementResult` on another mesh: FSDP2 makes a second parameter group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("all",))
+    dp = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    block = build(16).blocks[0]
+    fully_shard(block, mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(None, info))
 
 
 def run(impl: str, out: Path, rank: int) -> dict[str, np.ndarray]:
@@ -225,8 +265,8 @@ def run(impl: str, out: Path, rank: int) -> dict[str, np.ndarray]:
     dp_rank = mesh["dp"].get_local_rank()
     record: dict[str, np.ndarray] = {}
     model = None
-    for name, (hidden, reshard, ac) in CASES.items():
-        model = parallelize(build(hidden), mesh, fully_shard, reshard, ac)
+    for name, (hidden, reshard, ac, dim1) in CASES.items():
+        model = parallelize(build(hidden), mesh, fully_shard, reshard, ac, dim1)
         train(model, dp_rank, record, name)
     mistakes(mesh, fully_shard, record)
     if impl == "frontend":

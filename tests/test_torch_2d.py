@@ -166,3 +166,20 @@ def test_frontend_tools_refuse_tensor_parallel_parameters(ranks, name):
     assert "NotImplementedError" in types
     assert "parameter 'blocks.0._checkpoint_wrapped_module.in_proj.weight'" in message
     assert "get_model_state_dict" in message
+
+
+def test_shard_placement_fn_on_tp_parameters_dim_1(ranks):
+    """FSDP2's `ShardPlacementResult` on the dp mesh (one group), on dim 1 of TP blocks."""
+    record = ranks["frontend"][0]
+    got = {k: str(record[f"dim1/placement/blocks.0.{k}.weight"]) for k in ("in_proj", "out_proj")}
+    assert got == {
+        "in_proj": "('dp', 'tp') (Shard(dim=1), Shard(dim=0))",
+        "out_proj": "('dp', 'tp') (_StridedShard(dim=1, sf=2), Shard(dim=1))",
+    }
+
+
+def test_a_parameter_group_on_another_mesh_is_refused(ranks):
+    types, message = _error(ranks["frontend"][0], "own_mesh")
+    assert "NotImplementedError" in types
+    assert "ShardPlacementResult on another mesh" in message
+    assert "parameter 'norm.weight'" in message

@@ -544,11 +544,29 @@ def _shared_with_group(fqn: str, other: str) -> str:
     )
 
 
-def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
-    """The dimension `shard_placement_fn` shards `param` on (FSDP2's `Shard(dim)`)."""
+def _shard_placement_result() -> Any:
+    """FSDP2's `ShardPlacementResult` (private in torch 2.13), if this torch has it."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    except ImportError:
+        return None
+    return ShardPlacementResult
+
+
+def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str, device_mesh: DeviceMesh) -> int:
+    """The dimension `shard_placement_fn` shards `param` on (FSDP2's `Shard(dim)`).
+
+    A `ShardPlacementResult` on the mesh `fully_shard` was given is its placement;
+    one on another mesh (a parameter group of its own) is not supported yet.
+    """
     from torch.distributed.tensor import Shard
 
-    placement = None if shard_placement_fn is None else shard_placement_fn(param)
+    placement: Any = None if shard_placement_fn is None else shard_placement_fn(param)
+    result_type = _shard_placement_result()
+    if result_type is not None and isinstance(placement, result_type):
+        if placement.mesh_info.mesh != device_mesh:
+            raise errors.UnsupportedError(_own_mesh(fqn, placement.mesh_info.mesh, device_mesh))
+        placement = placement.placement
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
@@ -558,6 +576,15 @@ def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str) -> int:
             _placement_out_of_range(fqn, placement.dim, tuple(param.shape))
         )
     return placement.dim % param.ndim
+
+
+def _own_mesh(fqn: str, mesh: DeviceMesh, device_mesh: DeviceMesh) -> str:
+    return _not_supported_yet(
+        f"a ShardPlacementResult on another mesh ({mesh}) than fully_shard's "
+        f"({device_mesh}) for parameter {fqn!r} (a parameter group of its own)",
+        "return a placement on fully_shard's mesh (or a Shard(dim), or None), or shard "
+        "the parameter's module in a fully_shard call of its own over that mesh.",
+    )
 
 
 def _bad_placement(fqn: str, placement) -> str:
@@ -727,7 +754,7 @@ def fully_shard(
         fqn = f"{names[id(owner)]}.{attr}" if names[id(owner)] else attr
         _check_unmanaged(param, fqn, modules)
         _check_tensor_parallel(param, fqn, device_mesh)
-        placed.append((param, uses, fqn, _shard_dim(shard_placement_fn, param, fqn)))
+        placed.append((param, uses, fqn, _shard_dim(shard_placement_fn, param, fqn, device_mesh)))
     # Every placement is checked before any module changes: an error loses nothing.
     spec = ShardSpec(device_mesh)
     params = [FSDPParam(param, uses, fqn, layout, spec, dim) for param, uses, fqn, dim in placed]
