@@ -59,9 +59,11 @@ from funshard.comm._layout import LayoutFacts as LayoutFacts
 from funshard.comm._layout import check_group_size as check_group_size
 from funshard.comm._layout import chunk as chunk
 from funshard.comm._layout import from_padded as from_padded
+from funshard.comm._layout import pad_blocks as pad_blocks
 from funshard.comm._layout import padded_size as padded_size
 from funshard.comm._layout import rows_per_shard as rows_per_shard
 from funshard.comm._layout import to_padded as to_padded
+from funshard.comm._layout import unpad_blocks as unpad_blocks
 from funshard.comm._lowering import PRESENT_SCOPE as PRESENT_SCOPE
 from funshard.comm._lowering import UINT as UINT
 from funshard.comm._lowering import all_gather_blocks as all_gather_blocks

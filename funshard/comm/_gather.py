@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funshard import _text
+from funshard import _text, errors
 from funshard.comm import _lowering
 from funshard.comm._lowering import is_inexact_array
 
@@ -69,6 +69,10 @@ class GroupLayout:
     # The model axes (tensor, expert) the leaves are split over: their blocks, gathered
     # values and gradients vary over them, and no collective here runs over them.
     model_axes: tuple[str, ...] = ()
+    # A unit whose leaves live on different axes (an expert stack beside dense leaves,
+    # tensor-split kernels beside replicated norms): (leaf positions, layout) per set of
+    # axes, each gathered and reduced on its own. Empty when all leaves share their axes.
+    subgroups: tuple[tuple[tuple[int, ...], GroupLayout], ...] = ()
 
     @property
     def dp_axes(self) -> tuple[str, ...]:
@@ -81,7 +85,8 @@ class GroupLayout:
             dataclasses.replace(leaf, shape=leaf.shape[1:], dim=leaf.dim - 1)
             for leaf in self.leaves
         )
-        return dataclasses.replace(self, leaves=leaves)
+        subgroups = tuple((idx, sub.layer()) for idx, sub in self.subgroups)
+        return dataclasses.replace(self, leaves=leaves, subgroups=subgroups)
 
 
 def scope(layout: GroupLayout, what: str):
@@ -180,6 +185,24 @@ def _logical(fulls: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Array]
     ]
 
 
+def _per_subgroup(layout: GroupLayout, values: Sequence, run) -> list:
+    """`run(values of a subgroup, its layout)` for each subgroup, back in leaf order."""
+    out: list = [None] * len(layout.leaves)
+    for idx, sub in layout.subgroups:
+        for i, value in zip(idx, run([values[i] for i in idx], sub), strict=True):
+            out[i] = value
+    return out
+
+
+def _mixed_hpz(layout: GroupLayout) -> str:
+    return (
+        f"fully_shard: reshard_after_forward=<int> (hpZ) needs one set of shard axes for "
+        f"the unit {layout.name!r}, but its parameters live on several (model-split "
+        "leaves beside others); use reshard_after_forward=True or False, or put them in "
+        "separate units."
+    )
+
+
 def gather_values(
     datas: Sequence[jax.Array],
     layout: GroupLayout,
@@ -191,6 +214,10 @@ def gather_values(
     With `keep_group` (hpZ), returns `(arrays, part)` where `part` is this device's
     share of the gathered buffer within `keep_group`, for `regather_values`.
     """
+    if layout.subgroups:
+        if keep_group is not None:
+            raise errors.UnsupportedError(_mixed_hpz(layout))
+        return _per_subgroup(layout, datas, lambda d, sub: gather_values(d, sub, dependency))
     dims = [leaf.dim for leaf in layout.leaves]
     _log_gather(layout, keep_group)
     with scope(layout, "all_gather"):
@@ -233,6 +260,8 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     Trainable floating leaves are reduced in their `reduce_dtype` and returned in their
     own dtype; frozen and non-floating leaves get zero cotangents (no communication).
     """
+    if layout.subgroups:
+        return _per_subgroup(layout, cts, reduce_values)
     idx = [i for i, leaf in enumerate(layout.leaves) if leaf.reduced]
     padded = []
     for i in idx:
@@ -295,6 +324,18 @@ def backward_values(cts, layout: GroupLayout, deferred: tuple[bool, ...] | None)
     """
     if deferred is None:
         return tuple(reduce_values(cts, layout)), None
+    if layout.subgroups:
+        both = _per_subgroup(
+            layout,
+            list(zip(cts, deferred, strict=True)),
+            lambda pairs, sub: list(
+                zip(
+                    *backward_values([c for c, _ in pairs], sub, tuple(d for _, d in pairs)),
+                    strict=True,
+                )
+            ),
+        )
+        return tuple(z for z, _ in both), tuple(r for _, r in both)
     zeros = tuple(_zero_cotangent(leaf, layout) for leaf in layout.leaves)
     routed = tuple(
         _lowering.vary(ct.astype(leaf.reduce_dtype), layout.dp_axes + layout.model_axes)

@@ -168,21 +168,28 @@ def to_padded(x: Any, layout: LayoutFacts, pad: Any, lead: int = 0) -> Any:
     `pad(x, dim, size)` zero-pads `dim` at its end (numpy's or jax's); `lead` leading axes
     (a `jax.vmap` stack) are carried along. Each model block of `dim` is padded on its own.
     """
-    dim, blocks = lead + layout.dim, layout.model_split(layout.dim)
     size = layout.rows_per_shard * layout.num_shards
-    if blocks == 1:
-        return pad(x, dim, size)
-    shape = tuple(x.shape)
-    split = x.reshape(*shape[:dim], blocks, shape[dim] // blocks, *shape[dim + 1 :])
-    padded = pad(split, dim + 1, size)
-    return padded.reshape(*shape[:dim], blocks * size, *shape[dim + 1 :])
+    return pad_blocks(x, lead + layout.dim, layout.model_split(layout.dim), size, pad)
 
 
 def from_padded(x: Any, layout: LayoutFacts, lead: int = 0) -> Any:
     """The full logical array of `layout`'s padded global array `x` (`to_padded`'s
     inverse, for numpy and jax arrays alike)."""
-    dim, blocks = lead + layout.dim, layout.model_split(layout.dim)
-    rows = layout.block_shape[layout.dim]
+    dim = layout.dim
+    return unpad_blocks(x, lead + dim, layout.model_split(dim), layout.block_shape[dim])
+
+
+def pad_blocks(x: Any, dim: int, blocks: int, size: int, pad: Any) -> Any:
+    """`x` with each of its `blocks` equal blocks along `dim` padded to `size` by `pad`."""
+    if blocks == 1:
+        return pad(x, dim, size)
+    shape = tuple(x.shape)
+    split = x.reshape(*shape[:dim], blocks, shape[dim] // blocks, *shape[dim + 1 :])
+    return pad(split, dim + 1, size).reshape(*shape[:dim], blocks * size, *shape[dim + 1 :])
+
+
+def unpad_blocks(x: Any, dim: int, blocks: int, rows: int) -> Any:
+    """`x` with each of its `blocks` equal blocks along `dim` cut to its first `rows`."""
     shape = tuple(x.shape)
     if blocks == 1:
         return x[(slice(None),) * dim + (slice(0, rows),)]

@@ -431,7 +431,10 @@ def reduce_scatter_blocks(
         cols = [fulls[i].reshape(n, -1) for i in idx]
         slab = jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
         if slab.size == 0:
-            flat = jnp.zeros((slab.shape[1],), slab.dtype)
+            # Typed as the reduce-scatter's result would be: varying over the shard axes
+            # (and whatever else the cotangent varies over but the reduction sums away).
+            varying = _jax_compat.varying_axes(slab) - set(replicate_axes)
+            flat = vary(jnp.zeros((slab.shape[1],), slab.dtype), sorted(varying | set(shard_axes)))
         else:
             flat = _scatter_sum(slab, shard_axes)
             if replicate_axes:

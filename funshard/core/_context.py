@@ -182,6 +182,27 @@ def layout_of(
     """
     if skip_replicate_reduce is None:
         skip_replicate_reduce = any(skips_replicate_reduce(s) for s in leaves)
+    by_axes: dict[tuple, list[int]] = {}
+    for i, s in enumerate(leaves):
+        by_axes.setdefault(_axes_key(s), []).append(i)
+    if len(by_axes) > 1:
+        whole = _uniform_layout(leaves, skip_replicate_reduce, name)
+        subgroups = tuple(
+            (tuple(idx), _uniform_layout([leaves[i] for i in idx], skip_replicate_reduce, name))
+            for idx in by_axes.values()
+        )
+        return dataclasses.replace(whole, subgroups=subgroups)
+    return _uniform_layout(leaves, skip_replicate_reduce, name)
+
+
+def _axes_key(leaf: Sharded) -> tuple:
+    """The axes a leaf is gathered, reduced and typed over: one collective per key."""
+    return (leaf.shard_axis, leaf.replicate_axis, tuple(sorted(leaf.model_axis_names)))
+
+
+def _uniform_layout(
+    leaves: Sequence[Sharded], skip_replicate_reduce: bool, name: str
+) -> comm.GroupLayout:
     first = leaves[0]
     return comm.GroupLayout(
         leaves=tuple(

@@ -140,7 +140,7 @@ def _spec_function(model_spec: Any, params: Any) -> Callable[[Any, Any], Any]:
 
     specs, treedef = jax.tree_util.tree_flatten_with_path(model_spec, is_leaf=is_spec)
     try:
-        subtrees = treedef.flatten_up_to(params)
+        subtrees = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
     except (ValueError, TypeError) as exc:
         raise errors.ShardingValueError(
             f"shard: model_spec does not match the structure of params ({exc}); pass a "

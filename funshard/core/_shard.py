@@ -472,7 +472,7 @@ def reshard_leaf(full, like: Sharded, in_step: bool) -> Sharded:
     return dataclasses.replace(like, data=data)
 
 
-def _pad_to_layout(full, like: comm.LayoutFacts) -> jax.Array:
+def _pad_to_layout(full, like: comm.Layout | Sharded) -> jax.Array:
     """`full` padded and laid out as `like.data`, bit for bit.
 
     Floating values enter the program as raw bits: the SPMD partitioner pads the

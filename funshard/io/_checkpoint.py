@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.tree_util import keystr
 
-from funshard import _text, core, errors
+from funshard import _text, comm, core, errors
 from funshard.core import Sharded, is_array
 from funshard.io._stored import stored_leaves
 
@@ -61,12 +62,19 @@ def _is_abstract(x) -> bool:
 
 def _entry(path, x) -> dict | None:
     if isinstance(x, Sharded):
-        return {
+        entry: dict[str, Any] = {
             "path": keystr(tuple(path)),
             "kind": "sharded",
             "shape": list(x.shape),
             "dtype": np.dtype(x.dtype).name,
         }
+        blocks = x.model_split(x.dim)
+        if blocks > 1:
+            # Padded per model block: restoring onto another split cuts each block's
+            # padding, which only these two numbers locate.
+            entry["blocks"] = blocks
+            entry["padded"] = x.padded_shape[x.dim]
+        return entry
     if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
         return {
             "path": keystr(tuple(path)),
@@ -285,8 +293,21 @@ def _unplaced(paths, items, mesh) -> list:
     ]
 
 
-def _restore_target(x, mesh):
+def _restore_target(x, mesh, record: dict):
     ocp = _ocp()
+    saved = _saved_blocks(x, record)
+    if saved is not None:
+        # Read whole in the stored padding (replicated), then moved by `_relaid`.
+        shape = list(x.shape)
+        shape[x.dim] = saved[1]
+        whole = NamedSharding(x.mesh, PartitionSpec())
+        struct = jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=whole)
+        # strict=False: a leaf written without model blocks is read at its logical size
+        # (its padding, at the end, cut off).
+        args = ocp.ArrayRestoreArgs(
+            sharding=whole, global_shape=tuple(shape), dtype=x.dtype, strict=False
+        )
+        return struct, args
     if isinstance(x, Sharded):
         struct = jax.ShapeDtypeStruct(x.padded_shape, x.dtype, sharding=x.sharding)
         # Padding rows are zeros at the end: pad or drop them for this shard count.
@@ -452,7 +473,9 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
     stored = [
         i for i, (p, x) in enumerate(zip(paths, items, strict=True)) if _entry(p, x) is not None
     ]
-    targets = [_restore_target(items[i], mesh) for i in stored]
+    records = {leaf["path"]: leaf for leaf in meta["leaves"]}
+    saved = [records[keystr(tuple(paths[i]))] for i in stored]
+    targets = [_restore_target(items[i], mesh, r) for i, r in zip(stored, saved, strict=True)]
     item = {str(k): t[0] for k, t in enumerate(targets)}
     restore_args = {str(k): t[1] for k, t in enumerate(targets)}
     arrays = _read(
@@ -461,7 +484,50 @@ def restore(path: str | os.PathLike, like: Any) -> Any:
         ocp.args.Composite(arrays=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)),
     )["arrays"]
     parts = core.Partition(tuple(items), treedef, tuple(stored))
-    return parts.combine([_restored(items[i], arrays[str(k)]) for k, i in enumerate(stored)])
+    return parts.combine(
+        [
+            _restored(items[i], _relaid(items[i], arrays[str(k)], record))
+            for k, (i, record) in enumerate(zip(stored, saved, strict=True))
+        ]
+    )
+
+
+def _saved_blocks(like: Any, record: dict) -> tuple[int, int] | None:
+    """(model blocks, padded size) of a stored `Sharded` leaf whose padding `like`
+    cannot read in place (padded per model block, on one side or both), else None."""
+    if not isinstance(like, Sharded):
+        return None
+    blocks, padded = int(record.get("blocks", 1)), record.get("padded")
+    wanted = (like.model_split(like.dim), like.padded_shape[like.dim])
+    if blocks == 1 and wanted[0] == 1:
+        return None  # padding at the end only: orbax pads or cuts it (strict=False)
+    if (blocks, padded) == wanted:
+        return None
+    if padded is None:  # written without model blocks: padded at the end
+        return 1, like.shape[like.dim]
+    return blocks, int(padded)
+
+
+def _relaid(like: Any, value: Any, record: dict) -> Any:
+    """`value` as read, moved into `like`'s padding where it was read in another one."""
+    saved = _saved_blocks(like, record)
+    if saved is None:
+        return value
+    blocks, _ = saved
+    rows = like.shape[like.dim] // blocks
+    layout = like.layout
+
+    def move(x):
+        full = comm.unpad_blocks(x, like.dim, blocks, rows)
+        return comm.to_padded(full, layout, _pad_end)
+
+    return jax.jit(move, out_shardings=like.sharding)(value)
+
+
+def _pad_end(x, dim: int, size: int):
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, size - x.shape[dim])
+    return jax.numpy.pad(x, widths)
 
 
 def _restored(like: Any, value: Any) -> Any:
