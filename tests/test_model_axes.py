@@ -122,6 +122,7 @@ GPT_MESHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", GPT_MESHES.values(), ids=GPT_MESHES.keys())
 def test_gpt_block_matches_one_device_and_gathers_over_data_axes_only(axes):
     mesh = _mesh(**axes)
@@ -156,6 +157,7 @@ def test_gpt_block_matches_one_device_and_gathers_over_data_axes_only(axes):
     assert not [c for c in found if c["kind"] not in ("all-gather", "reduce-scatter", "all-reduce")]
 
 
+@pytest.mark.slow
 def test_gpt_block_compositions_on_fsdp4_tensor2():
     """Units with reshard_after_forward, microbatches with and without per-microbatch
     sync, a frozen leaf, and an optax step from fs.init_optimizer: plain JAX's numbers."""
@@ -189,6 +191,7 @@ def test_gpt_block_compositions_on_fsdp4_tensor2():
     _assert_close(new, optax.apply_updates(params, ref_updates))
 
 
+@pytest.mark.slow
 def test_mixed_precision_gathers_model_blocks_in_param_dtype():
     mesh = _mesh(fsdp=4, tensor=2)
     params, x = gpt_params(2), _batch()
@@ -204,6 +207,30 @@ def test_mixed_precision_gathers_model_blocks_in_param_dtype():
     # bf16 travels as its 16-bit pattern on CPU; gradients are reduced in f32.
     assert {c["dtype"] for c in found if c["kind"] == "all-gather"} == {"u16"}
     assert {c["dtype"] for c in found if c["kind"] == "reduce-scatter"} == {"f32"}
+
+
+@pytest.mark.slow
+def test_scanned_stack_on_an_explicit_mesh():
+    """`jax.make_mesh`'s own (Explicit) mesh and `fs.lax_scan` over a stack of blocks
+    sharded with `stacked=True`: each layer's model block gathered in the loop."""
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
+    stack = jax.tree.map(lambda *a: jnp.stack(a), gpt_params(1), gpt_params(2))
+    spec = {k: None if v is None else P(None, *v) for k, v in GPT_SPEC.items()}
+    state = fs.shard(stack, mesh, model_spec=spec, stacked=True)
+    x = _batch()
+
+    def reference(p, x):
+        h, _ = jax.lax.scan(lambda h, layer: (gpt_block(layer, h), None), x, p)
+        return jnp.mean(h**2)
+
+    def loss(s, b):
+        h, _ = fs.lax_scan(lambda h, layer: (gpt_block(layer, h, "tensor"), None), b, s)
+        return jnp.mean(h**2)
+
+    want_loss, want = jax.value_and_grad(reference)(stack, x)
+    got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, x)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
 
 
 # ---- a mixture-of-experts layer ---------------------------------------------------------
@@ -249,6 +276,7 @@ MOE_MESHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes, tensor", MOE_MESHES.values(), ids=MOE_MESHES.keys())
 def test_moe_matches_one_device_with_expert_leaves_on_their_own_data_axes(axes, tensor):
     mesh = _mesh(**axes)
@@ -345,6 +373,7 @@ def test_shard_unshard_and_linear_gradient_on_any_mesh(axes, rows, cols, which, 
 # ---- state dicts and checkpoints across meshes ------------------------------------------
 
 
+@pytest.mark.slow
 def test_state_dict_and_checkpoint_move_between_nd_meshes(tmp_path):
     params = gpt_params(4)
     mesh = _mesh(fsdp=4, tensor=2)

@@ -62,6 +62,9 @@ class Collective:
       bytes: one execution's buffer: the gathered output of an all-gather, the full
         input of a reduce-scatter, the buffer of an all-reduce (as XLA's HLO types them).
       times: executions per step.
+      axes: the mesh axes it runs over, where known (the shard axes of a gather or
+        reduce-scatter, the replicate axes of an HSDP all-reduce); a model-split leaf's
+        run over its own data axes only.
     """
 
     kind: str
@@ -71,6 +74,7 @@ class Collective:
     group: int
     bytes: int
     times: int
+    axes: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -351,10 +355,21 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
     A scanned stack's collectives are one layer's, run once per layer: `k` counts
     layers times microbatches.
     """
+    if layout and layout.subgroups:
+        # Leaves on different axes (model-split beside others): one set of collectives
+        # per set of axes, each over its own data axes.
+        return [
+            dataclasses.replace(c, axes=c.axes or sub.shard_axes)
+            for _, sub in layout.subgroups
+            for c in _unit_collectives(
+                unit, sub, opts, (sub.num_shards, dims[1] if sub.replicate_axes else 1)
+            )
+        ]
     n, replicas = dims
     k = opts.microbatches * (unit.layers or 1)
     if layout and unit.layers:
         layout = layout.layer()
+    shards = layout.shard_axes if layout else ()
     out = []
     gathered = _gathered_bytes(layout.leaves, n) if layout else 0
     if gathered:
@@ -365,10 +380,9 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
         # hoists it out of the microbatch loop: it runs once per step. A scan ties each
         # layer's gather to that layer's input, whether it keeps the layers or not.
         tied = keep is not False or unit.layers is not None
+        times = k if tied else 1
         out.append(
-            Collective(
-                "all-gather", unit.name, "forward", gather_dtype, n, gathered, k if tied else 1
-            )
+            Collective("all-gather", unit.name, "forward", gather_dtype, n, gathered, times, shards)
         )
         if keep is not False:
             group = n if keep is True else keep
@@ -377,11 +391,20 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
             )
     if layout and opts.sync_every_microbatch:
         for dtype, size in _reduced_by_dtype(layout.leaves, n).items():
-            out.append(Collective("reduce-scatter", unit.name, "gradients", dtype.name, n, size, k))
+            out.append(
+                Collective("reduce-scatter", unit.name, "gradients", dtype.name, n, size, k, shards)
+            )
             if replicas > 1 and opts.all_reduce_every_microbatch:
                 out.append(
                     Collective(
-                        "all-reduce", unit.name, "replicas", dtype.name, replicas, size // n, k
+                        "all-reduce",
+                        unit.name,
+                        "replicas",
+                        dtype.name,
+                        replicas,
+                        size // n,
+                        k,
+                        layout.replicate_axes,
                     )
                 )
     return out
@@ -465,7 +488,10 @@ def _unit_plan(group: _units.LeafGroup, n: int, opts: RootOptions) -> UnitPlan:
     if layout and group.layers:
         _check_scannable(group, opts)
         layout = layout.layer()
-    leaves = layout.leaves if layout else ()
+    # Model-split leaves beside others: each set of axes is its own collective.
+    parts = [(sub, sub.num_shards) for _, sub in layout.subgroups] if layout else []
+    if layout and not parts:
+        parts = [(layout, n)]
     footprint = _footprint(list(group.sharded) + [x for x, _ in group.replicated])
     return UnitPlan(
         name=group.name,
@@ -473,8 +499,10 @@ def _unit_plan(group: _units.LeafGroup, n: int, opts: RootOptions) -> UnitPlan:
         reshard_after_forward=_resharding(group.name, group.reshard_after_forward, n),
         param_bytes=footprint.per_device,
         replicated_bytes=footprint.replicated,
-        gathered_bytes=_gathered_bytes(leaves, n),
-        reduce_scatter_bytes=sum(_reduced_by_dtype(leaves, n).values()),
+        gathered_bytes=sum(_gathered_bytes(sub.leaves, m) for sub, m in parts),
+        reduce_scatter_bytes=sum(
+            sum(_reduced_by_dtype(sub.leaves, m).values()) for sub, m in parts
+        ),
         layers=group.layers,
     )
 

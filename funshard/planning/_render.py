@@ -91,9 +91,30 @@ def _collectives(plan: Any) -> tuple[str, list[str], list[list[str]]]:
     return "collectives per step", ["", "count", "bytes", "sent/device"], body
 
 
+def _by_axes(plan: Any) -> tuple[str, list[str], list[list[str]]]:
+    """Bytes per set of mesh axes: where model axes leave leaves their own data axes."""
+    totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    for c in plan.collectives:
+        if c.axes:
+            entry = totals.setdefault((c.kind, c.axes), [0, 0, 0.0])
+            entry[0] += c.times
+            entry[1] += c.total_bytes
+            entry[2] += c.sent_bytes
+    body = [
+        [kind, ",".join(axes), str(int(count)), human(int(size)), human(sent)]
+        for (kind, axes), (count, size, sent) in sorted(totals.items())
+    ]
+    return "collectives per mesh axes", ["", "axes", "count", "bytes", "sent/device"], body
+
+
 def sections(plan: Any) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, headers, rows) of each table."""
-    return [_memory(plan), _units(plan), _collectives(plan)]
+    """(title, headers, rows) of each table (per mesh axes only where leaves differ)."""
+    found = [_memory(plan), _units(plan), _collectives(plan)]
+    sharded = {c.axes for c in plan.collectives if c.kind != "all-reduce" and c.axes}
+    used = {a for c in plan.collectives for a in c.axes}
+    if len(sharded) > 1 or any(name not in used for name, _ in plan.mesh_shape):
+        found.append(_by_axes(plan))  # model axes on the mesh
+    return found
 
 
 def _text_table(name: str, headers: list[str], rows: list[list[str]]) -> list[str]:
