@@ -192,6 +192,24 @@ def test_gpt_block_compositions_on_fsdp4_tensor2():
 
 
 @pytest.mark.slow
+def test_dropout_draws_per_data_parallel_slice_not_per_tensor_rank():
+    """A draw on activations replicated over `tensor` is the global draw's rows for the
+    device's data-parallel slice, the same on both tensor ranks: plain JAX's numbers."""
+
+    def loss(p, x, key, tensor=None):
+        x = x * jax.random.bernoulli(key, 0.8, x.shape) / 0.8
+        return jnp.mean(gpt_block(p, x, tensor) ** 2)
+
+    params, x, key = gpt_params(5), _batch(), jax.random.key(3)
+    want_loss, want = jax.value_and_grad(loss)(params, x, key)
+    state = fs.shard(params, _mesh(fsdp=4, tensor=2), model_spec=GPT_SPEC)
+    step = fs.value_and_grad(lambda s, b, k: loss(fs.unshard(s), b, k, "tensor"))
+    got_loss, grads = jax.jit(step)(state, x, key)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
+
+
+@pytest.mark.slow
 def test_mixed_precision_gathers_model_blocks_in_param_dtype():
     mesh = _mesh(fsdp=4, tensor=2)
     params, x = gpt_params(2), _batch()
