@@ -4,6 +4,7 @@ one says so)."""
 import re
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 from conftest import mesh_for
@@ -72,7 +73,9 @@ def test_a_specialised_read_needs_the_walk_back_over_its_cache(monkeypatch):
 
 def test_every_data_read_in_a_hot_loop_of_the_loss_is_refused():
     # The same `.data` instruction run many times in one trace: on 3.12 the interpreter
-    # specialises it and f_lasti then points into its inline cache.
+    # specialises it and f_lasti then points into its inline cache. Jitted: the loss is
+    # traced the same way, and one compiled program costs ~3 s where the eager step
+    # compiles each of its ~600 operations apart (~50 s).
     layers = 40
     state = fs.shard({"w": [jnp.ones((8, 2)) for _ in range(layers)]}, mesh_for("2"))
 
@@ -86,7 +89,7 @@ def test_every_data_read_in_a_hot_loop_of_the_loss_is_refused():
         assert refused == layers, refused
         return jnp.mean(x @ fs.unshard(s)["w"][0])
 
-    loss_value, _ = fs.value_and_grad(loss)(state, jnp.ones((4, 8)))
+    loss_value, _ = jax.jit(fs.value_and_grad(loss))(state, jnp.ones((4, 8)))
     assert loss_value == 8.0
 
 
