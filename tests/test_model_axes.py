@@ -192,6 +192,51 @@ def test_gpt_block_compositions_on_fsdp4_tensor2():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["adafactor", "muon"])
+def test_whole_matrix_optimizers_see_each_model_blocks_logical_rows(name):
+    """fs.shard_optimizer cuts each model block's own padding (per-block padded leaves:
+    b_in, w_out, wo) and gives plain optax's update; the bare transform is refused."""
+    base = {"adafactor": optax.adafactor(1e-2), "muon": optax.contrib.muon(1e-2)}[name]
+    params, x = gpt_params(), _batch()
+    want_grads = jax.grad(gpt_loss)(params, x)
+    updates, _ = base.update(want_grads, base.init(params), params)
+    want = optax.apply_updates(params, updates)
+    state = fs.shard(params, _mesh(fsdp=4, tensor=2), model_spec=GPT_SPEC)
+    assert state["b_in"].padded_shape == (24,)  # blocks of 9 padded to 12
+    opt = fs.shard_optimizer(base)
+    opt_state = fs.init_optimizer(opt, state)
+    _, grads = jax.jit(fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor")))(
+        state, x
+    )
+    updates, _ = jax.jit(opt.update)(grads, opt_state, state)
+    _assert_close(fs.unshard(optax.apply_updates(state, updates)), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(errors.ShardingValueError, match="zero padding rows"):
+        fs.init_optimizer(base, state)
+
+
+@pytest.mark.slow
+def test_vocabulary_parallel_head_gathered_by_gather_columns():
+    """Logits split over `tensor` (a column-parallel head), gathered whole for the loss."""
+    params = {**gpt_params(6), "head": jax.random.normal(jax.random.key(9), (D, 10)) / 4}
+    spec = {**GPT_SPEC, "head": P(None, "tensor")}
+    x, labels = _batch(), jax.random.randint(jax.random.key(8), (16, SEQ), 0, 10)
+
+    def loss(p, x, labels, tensor=None):
+        logits = fs.column_parallel(gpt_block(p, x, tensor), p["head"])
+        if tensor:
+            logits = fs.gather_columns(logits, axis=tensor)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+    want_loss, want = jax.value_and_grad(loss)(params, x, labels)
+    state = fs.shard(params, _mesh(fsdp=4, tensor=2), model_spec=spec)
+    step = fs.value_and_grad(lambda s, b: loss(fs.unshard(s), b[0], b[1], "tensor"))
+    got_loss, grads = jax.jit(step)(state, (x, labels))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
+
+
+@pytest.mark.slow
 def test_dropout_draws_per_data_parallel_slice_not_per_tensor_rank():
     """A draw on activations replicated over `tensor` is the global draw's rows for the
     device's data-parallel slice, the same on both tensor ranks: plain JAX's numbers."""

@@ -62,9 +62,11 @@ def row_parallel(
 def gather_columns(x: jax.Array, *, axis: str = TENSOR_AXIS) -> jax.Array:
     """The full last dim of `x` split over `axis` (e.g. vocabulary-parallel logits).
 
-    An all-gather over `axis` whose gradient is the matching reduce-scatter.
+    An all-gather over `axis` whose result is the same on every device of `axis` (typed
+    so: a loss computed from it needs no further combining). Its gradient is this
+    device's columns of the cotangent, which every device of `axis` computes whole.
     """
-    return jax.lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
+    return jax.lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True, to="invarying")
 
 
 def _bad_top_k(k: int, experts: int) -> str:

@@ -127,7 +127,7 @@ def _cut(leaf: Sharded, x: Any) -> Any:
     if getattr(x, "shape", None) is None or tuple(x.shape) != leaf.padded_shape:
         return x
     full = _constrain(x, _replicated(leaf))  # the all-gather of this array
-    return jax.lax.slice_in_dim(full, 0, leaf.shape[leaf.dim], axis=leaf.dim)
+    return comm.from_padded(full, leaf)  # each model block's padding cut off
 
 
 def _pad(leaf: Sharded, x: Any) -> Any:
@@ -140,10 +140,14 @@ def _pad(leaf: Sharded, x: Any) -> Any:
         return x
     if tuple(x.shape) != tuple(leaf.shape):
         return _constrain(x, _replicated(leaf))
-    widths = [(0, 0)] * x.ndim
-    widths[leaf.dim] = (0, leaf.padded_shape[leaf.dim] - leaf.shape[leaf.dim])
     # Every device keeps only its own block: a local slice of a replicated value.
-    return _constrain(jnp.pad(x, widths), leaf.sharding)
+    return _constrain(comm.to_padded(x, leaf, _pad_end), leaf.sharding)
+
+
+def _pad_end(x: jax.Array, dim: int, size: int) -> jax.Array:
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, size - x.shape[dim])
+    return jnp.pad(x, widths)
 
 
 def _map_uneven(fn, tree: Any) -> Any:
