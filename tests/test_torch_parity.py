@@ -72,3 +72,5 @@ def test_the_ci_subset_covers_every_area():
         "init",
     ):
         assert f"test_fully_shard_{area}.py" in areas, area
+    # FSDP2 composed with tensor parallelism (2-D meshes)
+    assert "test_2d_composability.py" in areas
