@@ -183,3 +183,42 @@ def test_a_parameter_group_on_another_mesh_is_refused(ranks):
     assert "NotImplementedError" in types
     assert "ShardPlacementResult on another mesh" in message
     assert "parameter 'norm.weight'" in message
+
+
+def _full(record: dict, prefix: str) -> dict[str, np.ndarray]:
+    return {k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix)}
+
+
+@pytest.mark.parametrize(
+    ("loaded", "saved"), [("from2d/loaded/", "ac/full/"), ("from1d/loaded/", "flat/full/")]
+)
+def test_dcp_into_a_fresh_2d_model_loads_the_saved_parameters(ranks, loaded, saved):
+    """2-D -> 2-D and 1-D -> 2-D: every rank's full state dict is the saved model's."""
+    for rank in range(WORLD):
+        record = ranks["frontend"][rank]
+        want, got = _full(record, saved), _full(record, loaded)
+        assert want and set(got) == set(want)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"rank {rank}: {key}")
+    placement = str(ranks["frontend"][0]["from1d/placement/blocks.0.out_proj.weight"])
+    assert placement == "('dp', 'tp') (Shard(dim=0), Shard(dim=1))"
+
+
+def test_a_2d_model_loaded_from_1d_trains_as_plain_torch(ranks):
+    """The loaded model's losses: plain torch from the saved parameters, on the global batch."""
+    hidden = w.CASES["ac"][0]
+    model = w.build(hidden)
+    saved = _full(ranks["fsdp2"][0], "flat/full/")
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in saved.items()})
+    opt = torch.optim.SGD(model.parameters(), lr=w.LR)
+    losses = []
+    for step in range(w.STEPS):
+        x, y = (torch.cat(t) for t in zip(*(w.batch(step, d) for d in range(DP)), strict=True))
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for impl in ("fsdp2", "frontend"):
+        per_dp = [ranks[impl][d * TP]["from1d/loss"] for d in range(DP)]
+        np.testing.assert_allclose(np.mean(per_dp, axis=0), losses, rtol=1e-5, err_msg=impl)
