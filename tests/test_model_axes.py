@@ -373,6 +373,22 @@ def test_moe_matches_one_device_with_expert_leaves_on_their_own_data_axes(axes, 
         sparse,
     }
     assert {c["groups"] for c in found if c["kind"] == "all-to-all"} == {_groups(mesh, ("expert",))}
+    # The plan counts the same collectives, each over its own data axes.
+    plan = fs.plan(state)
+    planned = [c for c in plan.collectives if c.kind == "all-gather"]
+    assert {c.axes for c in planned} == {("fsdp",), ("fsdp", "expert")}
+    gathered = sum(c["elements"] for c in found if c["kind"] == "all-gather")
+    assert sum(c.bytes for c in planned) == 4 * gathered  # float32
+    assert "collectives per mesh axes" in str(plan)
+    # Planned from the unsharded parameters, without building the state.
+    again = fs.plan(
+        params,
+        mesh,
+        shard_axis=("fsdp", "expert"),
+        model_spec=spec,
+        placement=lambda path, a: fs.Shard(1) if a.ndim == 3 else None,
+    )
+    assert again.collectives == plan.collectives
 
 
 # ---- the layout as a property -----------------------------------------------------------

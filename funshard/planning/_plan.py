@@ -543,6 +543,7 @@ def plan(
     replicate_axis: str | tuple[str, ...] | None = None,
     placement: Any = None,
     min_shard_size: int | None = None,
+    model_spec: Any = None,
 ) -> Plan:
     """Works out what one training step will hold and move per device, without running it.
 
@@ -578,6 +579,8 @@ def plan(
       replicate_axis: as in `fs.shard` (not for a sharded state).
       placement: as in `fs.shard` (not for a sharded state).
       min_shard_size: as in `fs.shard` (not for a sharded state).
+      model_spec: as in `fs.shard`: the model axes (tensor, expert) splitting each leaf
+        (not for a sharded state, which carries them).
 
     Returns:
       A `Plan`: per-device bytes of parameters, gradients and optimizer state next to
@@ -606,6 +609,7 @@ def plan(
         replicate_axis=replicate_axis,
         placement=placement,
         min_shard_size=min_shard_size,
+        model_spec=model_spec,
     )
     state, mesh = _laid_out(params, mesh, mp_policy, shard_options)
     specs = _units.unit_specs(units)

@@ -280,7 +280,9 @@ def _layers(name: str, paths, items) -> int | None:
     leaves sharded otherwise; the root gathers with `fs.unshard`, which would gather a
     stack whole, so a stack left to the root is a unit the caller forgot to name.
     """
-    stacked = [x.dim == 1 for x in items]
+    # An expert stack split over a model axis on dim 0 and FSDP-sharded on dim 1 (FSDP2's
+    # Shard(1) for experts) is one array, not layers: no one splits layers over a model axis.
+    stacked = [x.dim == 1 and not (x.model_axes and x.model_axes[0]) for x in items]
     if not any(stacked):
         return None
     if name == ROOT:
