@@ -12,7 +12,19 @@ and ends with a summary table (memory per device, collectives per step read from
 compiled program, losses against the unigram baseline, speed), a loss-curve PNG and a
 sample of generated text.
 
+Model parallelism composes with FSDP on one `jax.make_mesh` mesh. `--tensor K` splits
+every block over a `tensor` axis of K devices as Megatron does (each device computes
+its heads and its columns of the MLP; the output projections sum over `tensor`) and
+FSDP-shards the rest over the other devices; the batch is split over the data axes only.
+`--experts E` puts a top-2 mixture of E experts in place of each block's MLP, and
+`--expert-parallel K` splits the experts over an `expert` axis of K devices (tokens
+travel to their experts with `all_to_all`), which the dense parameters and the batch
+use as a data axis (torchtitan's dense and sparse views of the same devices). Both
+compose with `--replicate`, `--scan` and each other, and a checkpoint resumes on any
+other split of the same model.
+
 Run: python examples/train_lm.py [--steps N] [--devices 8] [--replicate K]
+         [--tensor K] [--experts E] [--expert-parallel K]
          [--batch B] [--lr LR] [--warmup W] [--clip NORM] [--seed S]
          [--param-dtype bf16] [--scan] [--run-dir DIR] [--override]
          [--peak-tflops T] [--profile DIR] [--tensorboard] [--sample PROMPT]
@@ -80,7 +92,7 @@ import funshard.flax  # noqa: E402  (fs.flax)
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 from models import TINY, VOCAB, ModelConfig  # noqa: E402
-from models.nnx_gpt import GPT  # noqa: E402
+from models.nnx_gpt import EXPERT, GPT, TENSOR, TOP_K, model_spec  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 PROMPT = "ROMEO:"  # the default --sample, as docs/getting-started.md states it
@@ -113,6 +125,9 @@ class Settings:
     steps: int = 400
     devices: int = 8
     replicate: int = 1  # 1: plain FSDP
+    tensor: int = 1  # 1: no tensor parallelism
+    experts: int = 0  # 0: a dense MLP in every block
+    expert_parallel: int = 1  # 1: every device holds every expert
     param_dtype: str = "f32"
     eval_every: int = 100
     checkpoint_every: int = 200
@@ -122,14 +137,28 @@ class Settings:
         """The model shape `--tiny` selects."""
         return TINY if self.tiny else ModelConfig()
 
+    @property
+    def data_parallel(self) -> int:
+        """Devices the batch is split over: a tensor-parallel group shares its rows."""
+        return self.devices // self.tensor
+
 
 # The checkpoints' shapes depend on these: no resume can change them.
-FIXED = ("tiny", "scan")
+FIXED = ("tiny", "scan", "experts")
 # These change what the run computes: a resume refuses a change unless --override.
 MATCHED = ("batch", "lr", "seed", "warmup", "clip")
 # Layout, length and bookkeeping: a resume may change them (checkpoints are resharded on
 # load; a larger --steps extends the run, and the cosine schedule with it).
-FREE = ("steps", "devices", "replicate", "param_dtype", "eval_every", "checkpoint_every")
+FREE = (
+    "steps",
+    "devices",
+    "replicate",
+    "tensor",
+    "expert_parallel",
+    "param_dtype",
+    "eval_every",
+    "checkpoint_every",
+)
 DEFAULTS = Settings()
 
 
@@ -149,9 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
         epilog="A run folder keeps the run settings in config.json. Rerunning a folder "
         "takes every setting not given from there; --steps, --devices, --replicate, "
-        "--param-dtype, --eval-every and --checkpoint-every may change on resume, "
-        "--batch, --lr, --seed, --warmup and --clip only with --override, --tiny "
-        "and --scan never.",
+        "--tensor, --expert-parallel, --param-dtype, --eval-every and --checkpoint-every "
+        "may change on resume, --batch, --lr, --seed, --warmup and --clip only with "
+        "--override, --tiny, --scan and --experts never.",
     )
     run = p.add_argument_group("run settings (kept in the run folder)")
     unset = argparse.SUPPRESS  # absent from the namespace unless given
@@ -209,6 +238,30 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="HSDP: replicate over K groups, shard within each "
         "(jax.make_mesh; default 1: plain FSDP)",
+    )
+    run.add_argument(
+        "--tensor",
+        type=int,
+        default=unset,
+        metavar="K",
+        help="tensor parallelism: split each block's heads and MLP over K devices "
+        "(Megatron), FSDP over the rest (default 1: none)",
+    )
+    run.add_argument(
+        "--experts",
+        type=int,
+        default=unset,
+        metavar="E",
+        help=f"a top-{TOP_K} mixture of E experts in place of each block's MLP "
+        "(default 0: a dense MLP)",
+    )
+    run.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=unset,
+        metavar="K",
+        help="expert parallelism: split the experts over K devices, with all_to_all "
+        "dispatch (default 1: every device holds every expert)",
     )
     run.add_argument(
         "--param-dtype",
@@ -306,8 +359,8 @@ def resume_conflict(refused: list[tuple[str, object, object]], override: bool) -
         lines.append(f"  {flag(name)}: {_shown(old)} in the run folder, {_shown(new)} now")
     if any(name in FIXED for name, _, _ in refused):
         lines.append(
-            "--tiny and --scan fix the shape of the checkpoints: leave them as they "
-            "were, or pass another --run-dir."
+            "--tiny, --scan and --experts fix the shape of the checkpoints: leave them "
+            "as they were, or pass another --run-dir."
         )
     if not override and any(name in MATCHED for name, _, _ in refused):
         lines.append(
@@ -343,8 +396,6 @@ def check_settings(parser, settings: Settings, args, run_path: Path | None = Non
 
 
 def _setting_problems(s: Settings) -> list[str | None]:
-    batch_split = s.devices >= 1 and s.batch >= 1 and s.batch % s.devices
-    lower = s.batch // s.devices * s.devices if s.devices >= 1 else 0
     return [
         _at_least("steps", s.steps, 1, "the step to train to"),
         _at_least("batch", s.batch, 1, "sequences per step"),
@@ -362,19 +413,71 @@ def _setting_problems(s: Settings) -> list[str | None]:
         else f"--clip {s.clip}: the gradient-norm limit must be positive (or 0: no clipping)",
         _at_least("devices", s.devices, 1, "devices"),
         _at_least("replicate", s.replicate, 1, "replica groups (1: plain FSDP)"),
-        None
-        if s.replicate < 1 or s.devices < 1 or s.devices % s.replicate == 0
-        else f"--replicate {s.replicate} does not divide --devices {s.devices}: HSDP needs "
-        f"{s.devices} devices to form {s.replicate} equal groups",
-        None
-        if not batch_split
-        else f"--batch {s.batch} is not divisible by --devices {s.devices}'s data-parallel size "
-        f"{s.devices} (every device trains on an equal share of the batch): pass "
-        + (f"--batch {lower} or " if lower else "")
-        + f"--batch {lower + s.devices}, "
-        f"or a --devices that divides {s.batch}",
+        _at_least("tensor", s.tensor, 1, "devices per tensor-parallel group (1: none)"),
+        _at_least("expert_parallel", s.expert_parallel, 1, "devices the experts are split over"),
+        *_model_problems(s),
+        *_mesh_problems(s),
         _at_least("eval_every", s.eval_every, 1, "steps between validations"),
         _at_least("checkpoint_every", s.checkpoint_every, 1, "steps between checkpoints"),
+    ]
+
+
+def _model_problems(s: Settings) -> list[str | None]:
+    """What the model's shape rules out: a split its heads or experts do not allow."""
+    heads = s.model.heads
+    return [
+        None
+        if s.experts == 0 or s.experts >= TOP_K
+        else f"--experts {s.experts}: each token goes to {TOP_K} experts, so a mixture "
+        f"needs at least {TOP_K} (or 0: a dense MLP)",
+        None
+        if s.expert_parallel == 1 or s.experts
+        else f"--expert-parallel {s.expert_parallel} needs experts to split: pass "
+        f"--experts E (a multiple of {s.expert_parallel})",
+        None
+        if s.tensor < 1 or heads % s.tensor == 0
+        else f"--tensor {s.tensor} does not divide the model's {heads} attention heads: "
+        "tensor parallelism gives each device whole heads; pass a --tensor that "
+        f"divides {heads}",
+        None
+        if s.experts < TOP_K or s.expert_parallel < 1 or s.experts % s.expert_parallel == 0
+        else f"--expert-parallel {s.expert_parallel} does not divide --experts {s.experts}: "
+        "every device of the expert axis holds as many experts",
+    ]
+
+
+def _mesh_problems(s: Settings) -> list[str | None]:
+    """What the device count rules out: a mesh that does not fit, a batch that does not
+    split evenly over the data-parallel devices."""
+    split = {"replicate": s.replicate, "tensor": s.tensor, "expert_parallel": s.expert_parallel}
+    if s.devices < 1 or min(split.values()) < 1:
+        return []  # reported already
+    given = {name: k for name, k in split.items() if k > 1}
+    product = math.prod(split.values())
+    if s.devices % product:
+        flags = " x ".join(f"{flag(name)} {k}" for name, k in given.items())
+        what = (
+            f"HSDP needs {s.devices} devices to form {s.replicate} equal groups"
+            if list(given) == ["replicate"]
+            else f"the mesh needs a whole number of FSDP devices for each of the {product} "
+            "groups they make"
+        )
+        return [f"{flags} does not divide --devices {s.devices}: {what}"]
+    dp = s.data_parallel
+    if s.batch < 1 or s.batch % dp == 0:
+        return []
+    lower = s.batch // dp * dp
+    size = (
+        f"--devices {s.devices}'s data-parallel size {dp}"
+        if s.tensor == 1
+        else f"the data-parallel size {dp} (--devices {s.devices} / --tensor {s.tensor})"
+    )
+    return [
+        f"--batch {s.batch} is not divisible by {size} (every device trains on an equal "
+        "share of the batch): pass " + (f"--batch {lower} or " if lower else "") + f"--batch "
+        f"{lower + dp}, or a --devices "
+        + ("that" if s.tensor == 1 else "whose data-parallel size")
+        + f" divides {s.batch}"
     ]
 
 
@@ -511,7 +614,9 @@ class Text:
         ]
 
     def _place(self, batch: np.ndarray):
-        return fs.distributed.shard_batch(batch, self.mesh)
+        # Split over the data axes only: the devices of a tensor-parallel group see the
+        # same rows.
+        return fs.distributed.shard_batch(batch, self.mesh, axes=data_axes(self.mesh))
 
 
 def unigram_entropy(data: np.ndarray) -> float:
@@ -532,11 +637,26 @@ def _is_sharded(x) -> bool:
 def shard_model(model: GPT, mesh, mp_policy, scan: bool):
     """Marks the FSDP units of `model` and shards its parameters over `mesh`.
 
+    On a mesh with model axes (`tensor`, `expert`) each parameter is first split as
+    `models.nnx_gpt.model_spec` says, then FSDP-sharded over the data axes it is not
+    split over.
+
     Returns:
       `(graphdef, state)`: `state` is an `nnx.State` whose parameters are `fs.Sharded`;
       `nnx.merge(graphdef, state)` inside the loss gives the model back, and its units
-      gather their parameters when called.
+      gather their parameters (their model blocks) when called.
     """
+
+    def shard(tree, stacked: bool = False):
+        return fs.shard(
+            tree,
+            mesh,
+            mp_policy=mp_policy,
+            shard_axis=shard_axes(mesh),
+            stacked=stacked,
+            model_spec=model_spec(mesh.axis_names, stacked=stacked),
+        )
+
     if not scan:
         # FSDP2's recipe: each block a unit, then the model (embeddings and head).
         for block in model.blocks:
@@ -544,17 +664,23 @@ def shard_model(model: GPT, mesh, mp_policy, scan: bool):
         # The root's parameters are needed again as soon as the backward pass starts:
         # FSDP2 does not reshard the root after forward either.
         fs.flax.fully_shard(model, reshard_after_forward=False)
-        return fs.flax.shard(model, mesh, mp_policy=mp_policy)
+        if not {TENSOR, EXPERT} & set(mesh.axis_names):
+            return fs.flax.shard(model, mesh, mp_policy=mp_policy)
+        # fs.flax.shard takes neither model specs nor several shard axes: every
+        # parameter belongs to a unit, so fs.shard on the whole state is the same thing.
+        graphdef, state = nnx.split(model)
+        return graphdef, shard(state)
     # The stack is one `fs.scan` unit, sharded layer by layer (`stacked=True`). The model
     # cannot be a unit here, since it would gather the whole stack: the embeddings and
     # the head are units of their own (FSDP2's `fully_shard(model.embed)`).
     fs.flax.fully_shard(model.embed)
     fs.flax.fully_shard(model.head, reshard_after_forward=False)
-    stack = fs.shard(nnx.state(model.blocks), mesh, stacked=True, mp_policy=mp_policy)
-    graphdef, state = fs.flax.shard(model, mesh, mp_policy=mp_policy)  # blocks: replicated
-    stacked = dict(nnx.to_flat_state(nnx.State({"blocks": stack})))
+    graphdef, state = nnx.split(model)
+    stack = nnx.to_flat_state(nnx.State({"blocks": shard(nnx.state(model.blocks), True)}))
+    rest = [(path, v) for path, v in nnx.to_flat_state(state) if path[0] != "blocks"]
+    placed = dict([*stack, *nnx.to_flat_state(shard(nnx.from_flat_state(rest)))])
     return graphdef, nnx.from_flat_state(
-        [(path, stacked.get(path, value)) for path, value in nnx.to_flat_state(state)]
+        [(path, placed[path]) for path, _ in nnx.to_flat_state(state)]
     )
 
 
@@ -572,14 +698,14 @@ def plan(state, optimizer, depth: int, scan: bool):
 
 
 def collectives(compiled_text: str) -> dict[str, int]:
-    """Counts the all-gathers, reduce-scatters and all-reduces in a compiled program's HLO.
+    """Counts the all-gathers, reduce-scatters and all-reduces in a compiled program's HLO,
+    and its all-to-alls if it has any (expert parallelism).
 
     An instruction inside a loop body (`--scan`: the layer loop) is counted once.
     """
-    ops = Counter(
-        re.findall(r"\s(all-gather|reduce-scatter|all-reduce)(?:-start)?\(", compiled_text)
-    )
-    return {kind: ops[kind] for kind in ("all-gather", "reduce-scatter", "all-reduce")}
+    kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+    ops = Counter(re.findall(rf"\s({'|'.join(kinds)})(?:-start)?\(", compiled_text))
+    return {kind: ops[kind] for kind in kinds if ops[kind] or kind != "all-to-all"}
 
 
 def device_bytes(tree, device) -> int:
@@ -617,16 +743,35 @@ def make_loss(graphdef):
     return loss_fn
 
 
-def make_mesh(replicate: int):
-    """JAX's own mesh over every device: ("fsdp",), or ("replicate", "fsdp") for HSDP.
+def make_mesh(settings: Settings):
+    """JAX's own mesh over every device: ("fsdp",), with "replicate" in front for HSDP,
+    and "expert" and "tensor" after it for expert and tensor parallelism.
 
     `jax.make_mesh` gives `Explicit` axes, where an array's type carries its sharding; the
     training step places its inputs itself, so the same job runs on `fs.make_mesh()`.
+    Tensor parallelism takes the last axis, whose devices are nearest each other (on a
+    GPU node, one NVLink domain), as Megatron places it.
     """
-    n = jax.device_count()
-    if replicate == 1:
-        return jax.make_mesh((n,), ("fsdp",))
-    return jax.make_mesh((replicate, n // replicate), ("replicate", "fsdp"))
+    groups = settings.replicate * settings.expert_parallel * settings.tensor
+    sizes = {
+        "replicate": settings.replicate,
+        "fsdp": jax.device_count() // groups,
+        EXPERT: settings.expert_parallel,
+        TENSOR: settings.tensor,
+    }
+    axes = {name: k for name, k in sizes.items() if k > 1 or name == "fsdp"}
+    return jax.make_mesh(tuple(axes.values()), tuple(axes))
+
+
+def shard_axes(mesh) -> tuple[str, ...]:
+    """The axes FSDP shards over: "fsdp", and "expert", which the dense parameters use
+    as a data axis (the expert stacks, split over it, are FSDP-sharded over "fsdp")."""
+    return tuple(a for a in ("fsdp", EXPERT) if a in mesh.axis_names)
+
+
+def data_axes(mesh) -> tuple[str, ...]:
+    """The axes the batch is split over: every axis but "tensor"."""
+    return tuple(a for a in mesh.axis_names if a != TENSOR)
 
 
 def outside_the_step(loss_fn, mesh):
@@ -1205,11 +1350,18 @@ def summary_table(facts: dict) -> Table:
     planned = facts["plan"]
     for kind, count in facts["collectives"].items():
         note = f"fs.plan: {planned.count(kind)}"
-        if facts["scan"]:
+        if kind == "all-to-all":
+            note = "expert dispatch and combine"
+        elif facts["scan"]:
             note += " run; here the layer loop's counted once"
+        elif kind == "all-reduce" and facts["tensor"] > 1:
+            note += " + tensor sums"
         elif kind == "all-reduce" and planned.count(kind) != count:
             note += " (XLA merged some)"
         table.add_row(f"{kind}s per step", str(count), note)
+    if facts["model axes"]:
+        for (kind, axes), size in planned_bytes_by_axes(planned).items():
+            table.add_row(f"{kind} over {','.join(axes)}", _size(size), "fs.plan's bytes per step")
     table.add_section()
     baseline = facts["baseline"]
     loss, window = facts["train loss"]
@@ -1234,6 +1386,20 @@ def summary_table(facts: dict) -> Table:
     table.add_row("MFU", *_mfu_cells(facts))
     table.add_row("wall time", f"{facts['wall']:.1f} s", f"compile {facts['compile']:.1f} s")
     return table
+
+
+def planned_bytes_by_axes(planned) -> dict[tuple[str, tuple[str, ...]], int]:
+    """FSDP's collective bytes per step by kind and mesh axes, as `fs.plan` counts them.
+
+    On a mesh with model axes each leaf is gathered and reduced over its own data axes:
+    dense parameters over "fsdp" and "expert", the expert stacks over "fsdp" alone.
+    (The model's own tensor-parallel sums and expert all-to-alls are not planned.)
+    """
+    totals: Counter = Counter()
+    for c in planned.collectives:
+        if c.axes:
+            totals[c.kind, c.axes] += c.total_bytes
+    return dict(sorted(totals.items()))
 
 
 def _mfu_cells(facts: dict) -> tuple[str, str]:
@@ -1419,8 +1585,8 @@ def train(
       SystemExit: stopped by a signal.
     """
     cfg = settings.model
-    mesh = make_mesh(settings.replicate)
-    model = GPT(cfg, scan=settings.scan, rngs=nnx.Rngs(settings.seed))
+    mesh = make_mesh(settings)
+    model = GPT(cfg, scan=settings.scan, experts=settings.experts, rngs=nnx.Rngs(settings.seed))
     graphdef, state = shard_model(model, mesh, policy_for(settings.param_dtype), settings.scan)
     del model  # its arrays now live sharded in `state`
     optimizer = make_optimizer(settings)
@@ -1506,6 +1672,8 @@ def report(console, run: RunDir, settings: Settings, args, started: float, t: Tr
                 "collectives": collectives(t.step_fn.as_text()),
                 "plan": t.planned,
                 "scan": settings.scan,
+                "tensor": settings.tensor,
+                "model axes": settings.tensor > 1 or settings.expert_parallel > 1,
                 "baseline": t.baseline,
                 # The progress bar's last loss: the same rows, the same average.
                 "train loss": (last["loss"], last["window"]),

@@ -6,8 +6,12 @@ of FSDP (or HSDP), a rerun with the same run folder resumes from the last checkp
 with the run's own settings, the loss plot is a PNG, and a sample continues the prompt.
 Its readouts are checked too: the JSONL rows' step time, tokens/s, MFU, learning rate
 (against the schedule written out here), gradient norm (against plain JAX on one
-device) and peak memory, the progress line, and the `--profile` trace.
-`examples/quickstart.py` must train too. (`examples/train_torch.py` needs torchrun:
+device) and peak memory, the progress line, and the `--profile` trace. Its model
+parallelism is checked against its own plain run: `--tensor 2` (alone and with
+`--replicate 2`) logs the losses and gradient norms of `--tensor 1`, the top-2 mixture
+of experts split over `expert` and `tensor` those of its dense evaluation on every
+device, and a checkpoint resumes at another split. `examples/quickstart.py` must train
+too. (`examples/train_torch.py` needs torchrun:
 tests/test_train_torch.py. train_lm.py's flag checks and run-folder rules run
 in-process in tests/test_train_lm.py.)
 """
@@ -18,6 +22,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
@@ -363,6 +368,176 @@ def test_train_lm_scan(scan_run):
     assert "FLOPs and MFU: n/a with --scan" in out
     assert all("mfu_percent" not in r for r in metrics(run_dir))
     assert_png(run_dir / "loss.png")
+
+
+# ------------------------------------------------------------------ model parallelism
+
+PARALLEL = [
+    "--tiny",
+    "--batch",
+    str(BATCH),
+    "--eval-every",
+    "10",
+    "--checkpoint-every",
+    "10",
+    "--sample",
+    "",
+]
+
+
+def resume_from(run_dir: Path, step: int, copy: Path) -> Path:
+    """A copy of `run_dir` as if its run had stopped after `step`: the later checkpoints
+    removed (a resume then redoes the later steps, logging them again)."""
+    shutil.copytree(run_dir, copy)
+    for path in (copy / "checkpoints").iterdir():
+        if int(path.name.removeprefix("step_")) > step:
+            shutil.rmtree(path)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def tensor_runs(tmp_path_factory):
+    """`--steps 30` with --tensor 1, --tensor 2 and --tensor 2 --replicate 2; then the
+    --tensor 2 run again from its step-10 checkpoint, at --tensor 1."""
+    cwd = tmp_path_factory.mktemp("train_lm_tensor")
+    splits = {
+        "plain": [],
+        "tensor": ["--tensor", "2"],
+        "hybrid": ["--tensor", "2", "--replicate", "2"],
+    }
+    outs = {
+        name: run_example(
+            "train_lm.py", *PARALLEL, "--steps", "30", *flags, "--run-dir", str(cwd / name), cwd=cwd
+        )
+        for name, flags in splits.items()
+    }
+    resumed = resume_from(cwd / "tensor", 10, cwd / "resumed")
+    outs["resumed"] = run_example(
+        "train_lm.py", "--tensor", "1", "--run-dir", str(resumed), cwd=cwd
+    )
+    return outs, cwd
+
+
+def by_step(run_dir: Path) -> dict[tuple[int, str], float]:
+    """A run folder's logged numbers by (step, name): loss, val, grad_norm."""
+    return {
+        (r["step"], key): r[key]
+        for r in metrics(run_dir)
+        for key in ("loss", "val", "grad_norm")
+        if key in r
+    }
+
+
+def test_train_lm_tensor_parallel_gives_the_plain_losses(tensor_runs):
+    outs, cwd = tensor_runs
+    plain = by_step(cwd / "plain")
+    assert_learns(logged(outs["plain"]), [10, 20, 30])
+    assert len(plain) == 11  # steps 1, 10, 20, 30: loss and gradient norm; 3 validations
+    for name, mesh, share in (
+        ("tensor", "{'fsdp': 4, 'tensor': 2}", (4, 8)),
+        ("hybrid", "{'replicate': 2, 'fsdp': 2, 'tensor': 2}", (2, 4)),
+    ):
+        out = outs[name]
+        assert f"mesh {mesh}" in out
+        split = by_step(cwd / name)
+        assert split.keys() == plain.keys()
+        for key, value in plain.items():
+            assert split[key] == pytest.approx(value, rel=1e-5), (name, key)
+        # A device holds 1/fsdp of each leaf's tensor-parallel block: between 1/fsdp
+        # (were no leaf split over tensor) and 1/(fsdp x tensor) of the model.
+        ratios = [float(x) for x in re.findall(r"replicated \(1/([\d.]+)\)", out)]
+        assert len(ratios) == 2 and all(share[0] < x < share[1] for x in ratios), ratios
+        # The row-parallel projections sum over tensor (twice per block forward, and
+        # the gradients of their inputs twice backward): all-reduces the plain run has not.
+        extra = int(summary_value(out, "all-reduces per step")) - int(
+            summary_value(outs["plain"], "all-reduces per step")
+        )
+        assert extra >= 4 * TINY_DEPTH, extra
+        # FSDP's collectives run over the data axes only and move each leaf's
+        # tensor-parallel block: fewer bytes gathered than the plain run's whole leaves.
+        assert "collectives per mesh axes" in out  # the plan's table
+        gathered = kib(summary_value(out, "all-gather over fsdp"))
+        assert 0 < gathered < kib(planned_bytes(outs["plain"], "all-gather"))
+        assert kib(summary_value(out, "reduce-scatter over fsdp")) > 0
+    assert kib(summary_value(outs["hybrid"], "all-reduce over replicate")) > 0
+
+
+def kib(size: str) -> float:
+    """`12.5 KiB` or `1.2 MiB` (fs.plan's and train_lm's sizes) in KiB."""
+    value, unit = size.split()
+    return float(value) * {"B": 1 / 1024, "KiB": 1, "MiB": 1024}[unit]
+
+
+def planned_bytes(out: str, kind: str) -> str:
+    """The bytes of `kind` in the printed plan's "collectives per step" table."""
+    match = re.search(rf"^\s+{kind}\s+\d+\s+(\S+ [KM]?i?B)\s", out, re.M)
+    assert match, out
+    return match.group(1)
+
+
+def test_train_lm_resumes_at_another_tensor_size(tensor_runs):
+    outs, cwd = tensor_runs
+    out = outs["resumed"]
+    assert re.search(r"resumed at step 10 from \S+step_000010$", out, re.M)
+    assert "resuming with --tensor 1 (was 2)" in out
+    assert "mesh {'fsdp': 8}" in out
+    plain, resumed = by_step(cwd / "plain"), by_step(cwd / "resumed")
+    # Steps 11..30 again, on 8 FSDP devices: the numbers of the plain run, which never
+    # stopped (the row of step 30 averages steps 21..30 in both; that of step 20 starts
+    # at step 12 here, as the resume logs step 11 on its own).
+    for key in ((20, "grad_norm"), (20, "val"), (30, "loss"), (30, "grad_norm"), (30, "val")):
+        assert resumed[key] == pytest.approx(plain[key], rel=1e-5), key
+    assert (11, "grad_norm") in resumed
+
+
+@pytest.fixture(scope="module")
+def expert_runs(tmp_path_factory):
+    """A top-2 mixture of 4 experts with --scan, 10 steps: evaluated densely on every
+    device; split over expert=2 x tensor=2; that run again from its step-5 checkpoint,
+    over expert=4 alone."""
+    cwd = tmp_path_factory.mktemp("train_lm_experts")
+    moe = [*PARALLEL, "--scan", "--experts", "4", "--steps", "10"]
+    moe += ["--eval-every", "5", "--checkpoint-every", "5"]
+    outs = {"dense": run_example("train_lm.py", *moe, "--run-dir", str(cwd / "dense"), cwd=cwd)}
+    outs["split"] = run_example(
+        "train_lm.py",
+        *moe,
+        "--expert-parallel",
+        "2",
+        "--tensor",
+        "2",
+        "--run-dir",
+        str(cwd / "split"),
+        cwd=cwd,
+    )
+    resumed = resume_from(cwd / "split", 5, cwd / "resumed")
+    outs["resumed"] = run_example(
+        "train_lm.py", "--expert-parallel", "4", "--tensor", "1", "--run-dir", str(resumed), cwd=cwd
+    )
+    return outs, cwd
+
+
+def test_train_lm_expert_parallel_gives_the_dense_losses(expert_runs):
+    outs, cwd = expert_runs
+    assert "mesh {'fsdp': 8}" in outs["dense"]
+    assert "mesh {'fsdp': 2, 'expert': 2, 'tensor': 2}" in outs["split"]
+    assert "mesh {'fsdp': 2, 'expert': 4}" in outs["resumed"]
+    assert re.search(r"resumed at step 5 from \S+step_000005$", outs["resumed"], re.M)
+    # Tokens travel to their experts' devices and back: all-to-alls in the step, none
+    # where every device evaluates every expert.
+    assert "all-to-alls per step" not in outs["dense"]
+    for name in ("split", "resumed"):
+        assert int(summary_value(outs[name], "all-to-alls per step")) >= 2
+    dense = by_step(cwd / "dense")
+    assert dense[10, "val"] < dense[5, "val"] < dense[1, "loss"]
+    split, resumed = by_step(cwd / "split"), by_step(cwd / "resumed")
+    assert split.keys() == dense.keys()
+    for key, value in dense.items():
+        assert split[key] == pytest.approx(value, rel=1e-5), key
+    # Steps 6..10 again (the resume logs step 6 on its own, so its row of step 10
+    # averages steps 7..10: the gradient norm and the validation are compared).
+    for key in ((10, "grad_norm"), (10, "val")):
+        assert resumed[key] == pytest.approx(dense[key], rel=1e-5), key
 
 
 def test_quickstart_learns(tmp_path):

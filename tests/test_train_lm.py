@@ -84,6 +84,34 @@ BAD_FLAGS = [
     (["--peak-tflops", "0"], ["--peak-tflops 0.0: must be the device's positive peak"]),
     # Every problem at once, not one per attempt.
     (["--steps", "0", "--lr", "-1"], ["--steps 0", "--lr -1.0"]),
+    # Tensor and expert parallelism: the mesh, the model's heads and experts, the batch.
+    (["--tensor", "0"], ["--tensor 0: must be at least 1"]),
+    (["--expert-parallel", "0"], ["--expert-parallel 0: must be at least 1"]),
+    (
+        ["--tensor", "3"],
+        [
+            "--tensor 3 does not divide the model's 4 attention heads",
+            "--tensor 3 does not divide --devices 8",
+        ],
+    ),
+    (["--tiny", "--tensor", "4"], ["--tensor 4 does not divide the model's 2 attention heads"]),
+    (
+        ["--replicate", "2", "--tensor", "2", "--devices", "6", "--batch", "6"],
+        ["--replicate 2 x --tensor 2 does not divide --devices 6"],
+    ),
+    (
+        ["--tensor", "2", "--batch", "6"],
+        [
+            "--batch 6 is not divisible by the data-parallel size 4 (--devices 8 / --tensor 2)",
+            "--batch 4 or --batch 8, or a --devices whose data-parallel size divides 6",
+        ],
+    ),
+    (["--experts", "1"], ["--experts 1: each token goes to 2 experts"]),
+    (["--expert-parallel", "2"], ["--expert-parallel 2 needs experts to split"]),
+    (
+        ["--experts", "6", "--expert-parallel", "4"],
+        ["--expert-parallel 4 does not divide --experts 6"],
+    ),
 ]
 
 
@@ -111,6 +139,24 @@ def test_good_flags_reach_the_devices(tmp_path, no_jax):
             ]
         )
     assert no_jax == [4]
+    # The batch is split over the data-parallel devices only: 8 / 2 here.
+    with pytest.raises(Started):
+        train_lm.main(
+            [
+                "--tiny",
+                "--batch",
+                "4",
+                "--tensor",
+                "2",
+                "--experts",
+                "4",
+                "--expert-parallel",
+                "2",
+                "--run-dir",
+                str(tmp_path / "run2"),
+            ]
+        )
+    assert no_jax == [4, 8]
 
 
 @pytest.mark.parametrize("name", ["--profile", "--run-dir"])
@@ -176,6 +222,9 @@ def test_a_new_run_folder_keeps_every_setting(tmp_path, trained_with):
         "steps": 20,
         "devices": 8,
         "replicate": 1,
+        "tensor": 1,
+        "experts": 0,
+        "expert_parallel": 1,
         "param_dtype": "f32",
         "eval_every": 100,
         "checkpoint_every": 200,
@@ -206,6 +255,8 @@ def test_resume_takes_unset_flags_from_the_run_folder(tmp_path, trained_with):
             "4",
             "--replicate",
             "2",
+            "--tensor",
+            "2",
             "--param-dtype",
             "bf16",
             "--run-dir",
@@ -221,7 +272,13 @@ def test_resume_takes_unset_flags_from_the_run_folder(tmp_path, trained_with):
         1.0,
         2,
     )
-    assert (got.steps, got.devices, got.replicate, got.param_dtype) == (80, 4, 2, "bf16")
+    assert (got.steps, got.devices, got.replicate, got.tensor, got.param_dtype) == (
+        80,
+        4,
+        2,
+        2,
+        "bf16",
+    )
     changes = json.loads((tmp_path / "config.json").read_text())["changes"]
     assert {c["change"] for c in changes} >= {"--steps 80 (was 50)", "--devices 4 (was 8)"}
 
@@ -236,11 +293,18 @@ def test_override_changes_a_setting_and_records_it(tmp_path, trained_with, capsy
     assert "resuming with --lr 0.5 (was 0.005)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--scan"], ["--scan", "--override"]])
-def test_the_model_shape_never_changes_on_resume(tmp_path, capsys, no_jax, argv):
+@pytest.mark.parametrize(
+    "argv, change",
+    [
+        (["--scan"], "--scan: not given in the run folder, given now"),
+        (["--scan", "--override"], "--scan: not given in the run folder, given now"),
+        (["--experts", "4", "--override"], "--experts: 0 in the run folder, 4 now"),
+    ],
+)
+def test_the_model_shape_never_changes_on_resume(tmp_path, capsys, no_jax, argv, change):
     saved_run(tmp_path, tiny=True)
     err = refused([*argv, "--run-dir", str(tmp_path)], capsys)
-    assert "--scan: not given in the run folder, given now" in err
+    assert change in err
     assert "fix the shape of the checkpoints" in err
 
 
