@@ -29,13 +29,15 @@ import torch.distributed as dist
 from torch import nn
 
 DIM, STEPS, LR = 8, 3, 0.1
-# name -> (hidden, reshard_after_forward, activation checkpointing, shard on dim 1)
+# name -> (hidden, reshard_after_forward, activation checkpointing, shard on dim 1,
+# sequence parallelism)
 CASES = {
-    "even": (16, True, False, False),
-    "dim1": (16, True, False, True),
-    "uneven": (17, True, False, False),
-    "keep": (17, False, False, False),
-    "ac": (17, True, True, False),
+    "even": (16, True, False, False, False),
+    "dim1": (16, True, False, True, False),
+    "uneven": (17, True, False, False, False),
+    "keep": (17, False, False, False, False),
+    "ac": (17, True, True, False, False),
+    "seq": (16, True, False, False, True),
 }
 
 
@@ -96,8 +98,41 @@ def columns(mesh):
     return placement
 
 
+def sequence_parallel(block: nn.Module, tp_mesh) -> None:
+    """torchtitan's sequence parallelism, the rows (tokens) as the sequence: the block's
+    input is split over tp by rows, the norm runs on its rows (`SequenceParallel`), the
+    column-parallel layer gathers them and the row-parallel one reduce-scatters back to
+    rows, and the block returns the residual stream replicated, as a plain tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "norm": SequenceParallel(sequence_dim=0),
+        "in_proj": ColwiseParallel(input_layouts=Shard(0)),
+        "out_proj": RowwiseParallel(output_layouts=Shard(0), use_local_output=False),
+    }
+    parallelize_module(block, tp_mesh, plan)
+    rows = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(0),))
+    parallelize_module(block, tp_mesh, rows)
+    output = PrepareModuleOutput(output_layouts=(Shard(0),), desired_output_layouts=(Replicate(),))
+    parallelize_module(block, tp_mesh, output)
+
+
 def parallelize(
-    model: Model, mesh, fully_shard, reshard: bool, ac: bool, dim1: bool = False
+    model: Model,
+    mesh,
+    fully_shard,
+    reshard: bool,
+    ac: bool,
+    dim1: bool = False,
+    seq: bool = False,
 ) -> Model:
     """torchtitan's order: TP plan per block, activation checkpointing, fully_shard."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -112,8 +147,11 @@ def parallelize(
         # global shape would be inferred as tp times the local one): torch's own rule.
         uneven = block.in_proj.out_features % mesh["tp"].size() != 0
         colwise = ColwiseParallel(use_local_output=not uneven)
-        plan = {"in_proj": colwise, "out_proj": RowwiseParallel()}
-        parallelize_module(block, mesh["tp"], plan)
+        if seq:
+            sequence_parallel(block, mesh["tp"])
+        else:
+            plan = {"in_proj": colwise, "out_proj": RowwiseParallel()}
+            parallelize_module(block, mesh["tp"], plan)
         if ac:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
             model.blocks[i] = block
@@ -310,15 +348,15 @@ def run(impl: str, out: Path, rank: int) -> dict[str, np.ndarray]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     record: dict[str, np.ndarray] = {}
-    model = None
-    for name, (hidden, reshard, ac, dim1) in CASES.items():
-        model = parallelize(build(hidden), mesh, fully_shard, reshard, ac, dim1)
-        train(model, dp_rank, record, name)
+    models = {}
+    for name, (hidden, reshard, ac, dim1, seq) in CASES.items():
+        models[name] = parallelize(build(hidden), mesh, fully_shard, reshard, ac, dim1, seq)
+        train(models[name], dp_rank, record, name)
     mistakes(mesh, fully_shard, record)
     if impl == "frontend":
-        frontend_refusals(model, out, record)
+        frontend_refusals(models["ac"], out, record)
     hidden = CASES["ac"][0]
-    reload_1d(model, fully_shard, out, hidden, record)
+    reload_1d(models["ac"], fully_shard, out, hidden, record)
     # DCP into a 2-D model: from the 2-D checkpoint above (2-D -> 2-D) and from a dp-only one.
     load_into_2d(out / "dcp_2d", mesh, fully_shard, hidden, dp_rank, record, "from2d")
     path = save_1d(fully_shard, out, hidden, record)

@@ -222,3 +222,12 @@ def test_a_2d_model_loaded_from_1d_trains_as_plain_torch(ranks):
     for impl in ("fsdp2", "frontend"):
         per_dp = [ranks[impl][d * TP]["from1d/loss"] for d in range(DP)]
         np.testing.assert_allclose(np.mean(per_dp, axis=0), losses, rtol=1e-5, err_msg=impl)
+
+
+def test_sequence_parallel_norms_become_2d_dtensors(ranks):
+    """`SequenceParallel` replicates the norm over tp: FSDP2 shards it over dp beside that."""
+    for impl in ("fsdp2", "frontend"):
+        record = ranks[impl][0]
+        for name in ("weight", "bias"):
+            got = str(record[f"seq/placement/blocks.0.norm.{name}"])
+            assert got == "('dp', 'tp') (Shard(dim=0), Replicate())", (impl, name, got)
