@@ -106,8 +106,11 @@ def state_axes(fn: str, paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]
     found = [(p, x) for p, x in zip(paths, items, strict=True) if isinstance(x, Sharded)]
     if not found:
         return None
-    _, widest = max(found, key=lambda px: len(px[1].replicate_axis) + len(px[1].shard_axis))
-    axes = (widest.replicate_axis, widest.shard_axis)
+    # A leaf without model axes has the state's own data axes; if every leaf has some,
+    # the one with the most data axes does.
+    dense = [x for _, x in found if not x.model_axis_names]
+    first = dense[0] if dense else max((x for _, x in found), key=_data_axes_count)
+    axes = (first.replicate_axis, first.shard_axis)
     for path, x in found:
         model = set(x.model_axis_names)
         these = (x.replicate_axis, x.shard_axis)
@@ -115,6 +118,10 @@ def state_axes(fn: str, paths, items) -> tuple[tuple[str, ...], tuple[str, ...]]
         if any(tuple(a for a in want if a not in model) != have for want, have in pairs):
             raise errors.ShardingValueError(_mixed_axes(fn, path, these, axes))
     return axes
+
+
+def _data_axes_count(x: Sharded) -> int:
+    return len(x.replicate_axis) + len(x.shard_axis)
 
 
 def _mixed_axes(fn: str, path, these, axes) -> str:
