@@ -111,7 +111,7 @@ def _block(p, h, key):
     return _dropout(jnp.tanh(h @ p["w"]), key)[0]
 
 
-@pytest.mark.slow  # 10-28 s a case on 2 cores
+@pytest.mark.slow  # the 8 cases: about 28 s of CPU together (one compile per case and side)
 @pytest.mark.parametrize("layout", [("1", 1), ("8", 2), ("2x4", 1), ("2x4", 4)])
 @pytest.mark.parametrize("written", ["where", "cond"])
 def test_layer_drop_on_a_shared_scalar_draw_is_plain_jax(layout, written):
@@ -137,11 +137,16 @@ def test_layer_drop_on_a_shared_scalar_draw_is_plain_jax(layout, written):
     def sharded(p, b, key):
         return loss(p, b, key, block=unit)
 
+    # One compiled step and one compiled reference for the three seeds (the key is an
+    # argument, not a constant): eagerly, the cond's fresh lambdas compiled anew per seed.
+    step = jax.jit(
+        fs.value_and_grad(lambda s, b, k: sharded(gathered(s), b, k), microbatches=layout[1])
+    )
+    reference = jax.jit(jax.value_and_grad(loss))
     for seed in range(3):
         params, batch, key = _params(), _batch(), jax.random.key(seed)
-        ref, ref_grads = jax.value_and_grad(loss)(params, batch, key)
-        step = fs.value_and_grad(lambda s, b, k: sharded(gathered(s), b, k), microbatches=layout[1])
-        got, grads = jax.jit(step)(fs.shard(params, mesh_for(layout[0])), batch, key)
+        ref, ref_grads = reference(params, batch, key)
+        got, grads = step(fs.shard(params, mesh_for(layout[0])), batch, key)
         np.testing.assert_allclose(got, ref, atol=1e-6)
         assert_tree_close(fs.unshard(grads), ref_grads, atol=1e-6)
 
