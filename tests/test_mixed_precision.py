@@ -81,9 +81,14 @@ def test_adamw_on_bf16_policy_keeps_f32_optimizer_state():
     state = fs.shard(params, mesh_for("2x4"), mp_policy=BF16)
     opt = optax.adamw(1e-2)
     opt_state = opt.init(state)
-    grads = jax.jit(fs.grad(mlp_sharded_loss(True)))(state, mlp_batch())
-    updates, opt_state = opt.update(grads, opt_state, state)
-    state = optax.apply_updates(state, updates)
+
+    @jax.jit  # one program: eagerly, each of adamw's operations compiles per leaf shape
+    def train_step(state, opt_state, batch):
+        grads = fs.grad(mlp_sharded_loss(True))(state, batch)
+        updates, opt_state = opt.update(grads, opt_state, state)
+        return optax.apply_updates(state, updates), opt_state
+
+    state, opt_state = train_step(state, opt_state, mlp_batch())
     assert all(
         leaf.dtype == jnp.float32
         for leaf in jax.tree.leaves((state, opt_state))
