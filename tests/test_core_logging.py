@@ -113,7 +113,8 @@ def test_scanned_stack_records_its_plan_layer_by_layer(caplog):
     def loss_fn(s, batch):
         return jnp.mean(fs.scan(lambda layer, h: jnp.tanh(h @ layer["w"]), s, batch))
 
-    fs.value_and_grad(loss_fn)(state, jnp.ones((8, 8)))
+    # Jitted: the same trace, one compiled program (eagerly, each operation compiles).
+    jax.jit(fs.value_and_grad(loss_fn))(state, jnp.ones((8, 8)))
     plans = [m for m in _messages(caplog) if m.startswith("scan ")]
     assert plans == [
         "scan '<lambda>' (in a step, layer by layer, reshard_after_forward=True): gathers "
