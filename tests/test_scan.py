@@ -434,7 +434,7 @@ def test_gpt2_style_model_ports_with_one_call():
         return _gpt2_loss({**rest, "blocks": state["blocks"]}, tokens, scan=fs.lax_scan)
 
     loss, grads = jax.jit(fs.value_and_grad(sharded_loss))(state, tokens)
-    ref_loss, ref_grads = jax.value_and_grad(_gpt2_loss)(params, tokens)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(_gpt2_loss))(params, tokens)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     got = fs.unshard(grads)
     for path, want in jax.tree_util.tree_leaves_with_path(ref_grads):
