@@ -195,7 +195,7 @@ def test_gpt_block_compositions_on_fsdp4_tensor2():
 @pytest.mark.parametrize("name", ["adafactor", "muon"])
 def test_whole_matrix_optimizers_see_each_model_blocks_logical_rows(name):
     """fs.shard_optimizer cuts each model block's own padding (per-block padded leaves:
-    b_in, w_out, wo) and gives plain optax's update; the bare transform is refused."""
+    b_in, w_out) and gives plain optax's update."""
     base = {"adafactor": optax.adafactor(1e-2), "muon": optax.contrib.muon(1e-2)}[name]
     params, x = gpt_params(), _batch()
     want_grads = jax.grad(gpt_loss)(params, x)
@@ -210,8 +210,17 @@ def test_whole_matrix_optimizers_see_each_model_blocks_logical_rows(name):
     )
     updates, _ = jax.jit(opt.update)(grads, opt_state, state)
     _assert_close(fs.unshard(optax.apply_updates(state, updates)), want, rtol=1e-4, atol=1e-5)
-    with pytest.raises(errors.ShardingValueError, match="zero padding rows"):
-        fs.init_optimizer(base, state)
+    # The bare transform: refused where the padding probe finds its update reading the
+    # padding (adafactor; muon on jax 0.10.2), else plain optax's numbers (muon on jax
+    # 0.12, where the probe finds these leaves exact), never anything else.
+    try:
+        bare = fs.init_optimizer(base, state)
+    except errors.ShardingValueError as refusal:
+        assert "zero padding rows" in str(refusal)
+    else:
+        updates, _ = jax.jit(base.update)(grads, bare, state)
+        new = fs.unshard(optax.apply_updates(state, updates))
+        _assert_close(new, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

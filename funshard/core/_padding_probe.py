@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from funshard import _text
+from funshard import _text, comm
 from funshard.core._shard_optimizer import is_shard_optimizer, is_uneven, probing
 from funshard.core._sharded import Sharded, is_key, is_sharded
 
@@ -59,10 +59,14 @@ def _real_rows(x: Sharded, seed: int) -> np.ndarray:
     return values.astype(np.dtype(x.dtype))
 
 
-def _padded(x: Sharded, values: np.ndarray) -> np.ndarray:
+def _pad_end(values: np.ndarray, dim: int, size: int) -> np.ndarray:
     widths = [(0, 0)] * values.ndim
-    widths[x.dim] = (0, x.padded_shape[x.dim] - x.shape[x.dim])
+    widths[dim] = (0, size - values.shape[dim])
     return np.pad(values, widths)
+
+
+def _padded(x: Sharded, values: np.ndarray) -> np.ndarray:
+    return comm.to_padded(values, x, _pad_end)  # each model block padded on its own
 
 
 def _probed(x: Any) -> bool:
@@ -223,8 +227,11 @@ def _agrees(node: Sharded, logical: Any, padded: Any, check_padding: bool) -> bo
     axis = _padded_axis(node, logical.shape, padded.shape)
     if axis is None:
         return False  # a state array whose shape depends on the padding otherwise
-    real, padding = np.split(padded, [node.shape[node.dim]], axis=axis)
-    return _close(logical, real) and (not check_padding or not np.any(padding))
+    blocks, rows = node.model_split(node.dim), node.block_shape[node.dim]
+    real = comm.unpad_blocks(padded, axis, blocks, rows)
+    size = node.rows_per_shard * node.num_shards
+    kept = comm.pad_blocks(np.ones(real.shape, bool), axis, blocks, size, _pad_end)
+    return _close(logical, real) and (not check_padding or not np.any(padded[~kept]))
 
 
 def _item_agrees(logical: Any, padded: Any, check_padding: bool) -> bool:
@@ -436,7 +443,7 @@ def _verdict(opt: Any, state: Any) -> Verdict:
 def _cache_key(opt: Any, treedef: Any, items: list) -> Any:
     layout = tuple(
         # The shard count is in the verdict's text, not in the padded shape alone.
-        (tuple(x.shape), str(x.dtype), x.padded_shape, x.dim, x.num_shards)
+        (tuple(x.shape), str(x.dtype), x.padded_shape, x.dim, x.num_shards, x.model_axes)
         if isinstance(x, Sharded)
         else (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
         for x in items
