@@ -411,6 +411,7 @@ MESHES = [
 ]
 
 
+@pytest.mark.slow  # 12 compiled steps on 8 devices: about 30 s
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     axes=st.sampled_from(MESHES),
