@@ -292,9 +292,9 @@ def _loss_varies_over_model(axes: tuple[str, ...]) -> str:
         f"value_and_grad: the loss still differs between the devices of the model axes "
         f"{axes}: it is a partial result of a model split over them (a row-parallel "
         f"output without jax.lax.psum over {axes[0]!r}, or logits still split over it). "
-        "Combine it over those axes (jax.lax.psum of a row-parallel matmul's output, "
-        "jax.lax.all_gather of split logits, funshard's row_parallel helper) before the "
-        "loss."
+        "Combine it over those axes before the loss: fs.row_parallel (a psum of the "
+        "row-parallel matmul's output), fs.gather_columns of split logits, or "
+        "jax.lax.psum / pmax written in the loss (see docs/parallelism.md)."
     )
 
 
