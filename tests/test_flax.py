@@ -1080,3 +1080,71 @@ def test_flax_plan_takes_its_units_from_the_model():
         fs.flax.plan(model, mesh_for("2"), reshard_after_forward=False)
     with pytest.raises(TypeError, match="expected an nnx.Module marked"):
         fs.flax.plan({"w": jnp.ones(4)}, mesh_for("2"))
+
+
+# --- model axes (tensor parallelism) through fs.flax.shard --------------------------------
+
+
+class _TensorBlock(nnx.Module):
+    """Column-parallel `up`, row-parallel `down`; `tensor` None is the plain model."""
+
+    def __init__(self, rngs: nnx.Rngs, tensor: str | None = None):
+        self.up = nnx.Linear(8, 12, rngs=rngs)
+        self.down = nnx.Param(jax.random.normal(rngs.params(), (12, 8)) / 4)
+        self.tensor = tensor
+
+    def __call__(self, x):
+        h = jax.nn.gelu(fs.column_parallel(x, self.up.kernel[...], self.up.bias[...]))
+        if self.tensor:
+            return x + fs.row_parallel(h, self.down[...], axis=self.tensor)
+        return x + h @ self.down[...]
+
+
+class _TensorModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, tensor: str | None = None):
+        self.blocks = nnx.List([_TensorBlock(rngs, tensor) for _ in range(2)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _tensor_spec(path, array):
+    name = jax.tree_util.keystr(path)
+    if "['up']['kernel']" in name:
+        return jax.sharding.PartitionSpec(None, "tensor")
+    if "['up']['bias']" in name:
+        return jax.sharding.PartitionSpec("tensor")
+    if "['down']" in name:
+        return jax.sharding.PartitionSpec("tensor", None)
+    return None
+
+
+@pytest.mark.slow
+def test_nnx_units_with_tensor_parallel_params_match_the_unsharded_model():
+    """fs.flax.shard(model_spec=...) on fsdp=4 x tensor=2: units gather model blocks
+    (b_up 12 -> 6 per tensor rank, padded per block over fsdp), plain Flax's numbers."""
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    graphdef, params = nnx.split(_TensorModel(nnx.Rngs(0)))
+
+    def reference(params):
+        return jnp.mean(nnx.merge(graphdef, params)(x) ** 2)
+
+    want_loss, want = jax.value_and_grad(reference)(params)
+    model = _TensorModel(nnx.Rngs(0), tensor="tensor")
+    for block in model.blocks:
+        fs.flax.fully_shard(block)
+    fs.flax.fully_shard(model)
+    axis_types = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=axis_types)
+    sharded_graphdef, state = fs.flax.shard(model, mesh, model_spec=_tensor_spec)
+    up = state["blocks"][0]["up"]["bias"].get_value()
+    assert up.model_axes == (("tensor",),) and up.block_shape == (6,)
+
+    def loss(s, b):
+        return jnp.mean(nnx.merge(sharded_graphdef, s)(b) ** 2)
+
+    got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, x)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    assert_tree_close(nnx.to_pure_dict(fs.unshard(grads)), nnx.to_pure_dict(want))

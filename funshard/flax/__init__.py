@@ -28,6 +28,7 @@ below are `funshard.errors.ShardingTypeError` / `ShardingValueError`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jax.sharding import Mesh
@@ -113,6 +114,8 @@ def shard(
     mesh: Mesh,
     *filters: nnx.filterlib.Filter,
     mp_policy: fs.MixedPrecisionPolicy | None = None,
+    shard_axis: str | tuple[str, ...] | None = None,
+    model_spec: Callable[[Any, Any], Any] | None = None,
 ) -> tuple:
     """Splits a marked nnx model into a graphdef and a state whose parameters are sharded.
 
@@ -128,6 +131,13 @@ def shard(
       *filters: optional nnx filters, as for `nnx.split`: the state is split by them
         (e.g. `nnx.Param, ...` gives `graphdef, params, rest`).
       mp_policy: the mixed-precision policy of units marked without one.
+      shard_axis: as in `fs.shard` (default: its "fsdp").
+      model_spec: tensor or expert parallelism, as in `fs.shard`: a function
+        `(path, array)` returning the `PartitionSpec` of a unit's parameter over the
+        mesh's model axes (or None), `path` being the parameter's key path in the nnx
+        state (e.g. `jax.tree_util.keystr(path)` ends in `['up']['kernel'].value`). The
+        modules then compute on model blocks and write their model axes' collectives
+        (`fs.row_parallel`, ...); see docs/parallelism.md.
 
     Returns:
       `(graphdef, state)`, or `(graphdef, *states)` with filters. `nnx.merge(graphdef,
@@ -140,7 +150,9 @@ def shard(
         than `mesh` is set with `jax.set_mesh` (the step would fail on it); or
         `fs.shard` rejects a value (e.g. parameters that are already sharded).
     """
-    return _nnx.shard(model, mesh, *filters, mp_policy=mp_policy)
+    return _nnx.shard(
+        model, mesh, *filters, mp_policy=mp_policy, shard_axis=shard_axis, model_spec=model_spec
+    )
 
 
 def merge(graphdef: nnx.GraphDef, *states: nnx.State) -> nnx.Module:

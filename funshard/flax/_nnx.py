@@ -334,7 +334,7 @@ def _replicate(path, array):
     return fs.Replicate()
 
 
-def shard(model: nnx.Module, mesh, *filters, mp_policy=None):
+def shard(model: nnx.Module, mesh, *filters, mp_policy=None, shard_axis=None, model_spec=None):
     """See `funshard.flax.shard`."""
     if not isinstance(model, nnx.Module):
         raise errors.ShardingTypeError(_not_nnx_model(model))
@@ -350,6 +350,10 @@ def shard(model: nnx.Module, mesh, *filters, mp_policy=None):
     placed: dict = {}
     for key, items in groups.items():
         options = dict(placement=_replicate) if key is None else dict(mp_policy=key[1])
+        if shard_axis is not None:
+            options["shard_axis"] = shard_axis
+        if model_spec is not None and key is not None:
+            options["model_spec"] = model_spec
         placed.update(nnx.to_flat_state(fs.shard(nnx.from_flat_state(items), mesh, **options)))
     # The model's own order, whatever the grouping: it is the pytree order of the state.
     state = nnx.from_flat_state([(path, placed[path]) for path, _ in flat])
