@@ -108,19 +108,24 @@ def test_gathers_run_over_dp_only_and_move_the_tp_local_block(ranks):
             assert list(record[f"frontend/{case}/gathered"]) == want, (rank, case)
 
 
+def _plain_torch_losses(model) -> list[float]:
+    """The losses of `model` unsharded, trained on the dp ranks' batches together."""
+    opt = torch.optim.SGD(model.parameters(), lr=w.LR)
+    losses = []
+    for step in range(w.STEPS):
+        x, y = (torch.cat(t) for t in zip(*(w.batch(step, d) for d in range(DP)), strict=True))
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_fsdp2s_losses_are_plain_torchs_on_the_global_batch(ranks):
     """The control is right: one unsharded model on the dp ranks' batches together."""
     for case, (hidden, *_) in w.CASES.items():
-        model = w.build(hidden)
-        opt = torch.optim.SGD(model.parameters(), lr=w.LR)
-        losses = []
-        for step in range(w.STEPS):
-            x, y = (torch.cat(t) for t in zip(*(w.batch(step, d) for d in range(DP)), strict=True))
-            loss = (model(x) - y).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _plain_torch_losses(w.build(hidden))
         # Each dp rank's loss is its batch's mean: the global mean is their mean.
         per_dp = [ranks["fsdp2"][d * TP][f"{case}/loss"] for d in range(DP)]
         np.testing.assert_allclose(np.mean(per_dp, axis=0), losses, rtol=1e-5)
@@ -210,15 +215,7 @@ def test_a_2d_model_loaded_from_1d_trains_as_plain_torch(ranks):
     model = w.build(hidden)
     saved = _full(ranks["fsdp2"][0], "flat/full/")
     model.load_state_dict({k: torch.from_numpy(v) for k, v in saved.items()})
-    opt = torch.optim.SGD(model.parameters(), lr=w.LR)
-    losses = []
-    for step in range(w.STEPS):
-        x, y = (torch.cat(t) for t in zip(*(w.batch(step, d) for d in range(DP)), strict=True))
-        loss = (model(x) - y).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _plain_torch_losses(model)
     for impl in ("fsdp2", "frontend"):
         per_dp = [ranks[impl][d * TP]["from1d/loss"] for d in range(DP)]
         np.testing.assert_allclose(np.mean(per_dp, axis=0), losses, rtol=1e-5, err_msg=impl)
