@@ -537,3 +537,17 @@ def test_a_loss_that_varies_over_a_model_axis_is_refused():
 
     with pytest.raises(errors.ShardingValueError, match="model axes \\('tensor',\\)"):
         jax.jit(fs.value_and_grad(partial_sum))(state, _batch())
+
+
+def test_a_unit_under_a_device_dependent_cond_is_refused_on_a_tensor_mesh():
+    """The control-flow check holds on model meshes: a predicate read from this device's
+    rows (varying over `fsdp`) guarding a unit's collectives is refused at trace time."""
+    state = fs.shard(gpt_params(), _mesh(fsdp=4, tensor=2), model_spec=GPT_SPEC)
+    unit = fs.fully_shard(lambda p, b: gpt_block(p, b, "tensor"))
+
+    def loss(s, b):
+        y = jax.lax.cond(b.sum() > 0, lambda: unit(s, b), lambda: b)
+        return jnp.mean(y**2)
+
+    with pytest.raises(errors.ShardingValueError, match="predicate differs between devices"):
+        jax.jit(fs.value_and_grad(loss))(state, _batch())
