@@ -398,6 +398,11 @@ def test_moe_matches_one_device_with_expert_leaves_on_their_own_data_axes(axes, 
         placement=lambda path, a: fs.Shard(1) if a.ndim == 3 else None,
     )
     assert again.collectives == plan.collectives
+    # A unit of expert leaves only gathers over their own data axes, in groups of 2.
+    experts = fs.plan(state, units={"experts": ["w_in", "w_out"]})
+    assert experts.num_shards == mesh.shape["fsdp"] * mesh.shape["expert"]
+    unit_gathers = [c for c in experts.collectives if c.unit == "experts"]
+    assert unit_gathers and {(c.axes, c.group) for c in unit_gathers} == {(("fsdp",), 2)}
 
 
 # ---- the layout as a property -----------------------------------------------------------

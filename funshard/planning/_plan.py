@@ -366,6 +366,8 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
             )
         ]
     n, replicas = dims
+    if layout:  # a unit of model-split leaves only runs over its own data axes
+        n, replicas = layout.num_shards, replicas if layout.replicate_axes else 1
     k = opts.microbatches * (unit.layers or 1)
     if layout and unit.layers:
         layout = layout.layer()
@@ -386,8 +388,12 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
         )
         if keep is not False:
             group = n if keep is True else keep
+            # hpZ's re-gather runs within the trailing shard axes that span its groups.
+            axes = shards if keep is True else ()
             out.append(
-                Collective("all-gather", unit.name, "backward", gather_dtype, group, gathered, k)
+                Collective(
+                    "all-gather", unit.name, "backward", gather_dtype, group, gathered, k, axes
+                )
             )
     if layout and opts.sync_every_microbatch:
         for dtype, size in _reduced_by_dtype(layout.leaves, n).items():
@@ -491,7 +497,7 @@ def _unit_plan(group: _units.LeafGroup, n: int, opts: RootOptions) -> UnitPlan:
     # Model-split leaves beside others: each set of axes is its own collective.
     parts = [(sub, sub.num_shards) for _, sub in layout.subgroups] if layout else []
     if layout and not parts:
-        parts = [(layout, n)]
+        parts = [(layout, layout.num_shards)]
     footprint = _footprint(list(group.sharded) + [x for x, _ in group.replicated])
     return UnitPlan(
         name=group.name,
@@ -615,7 +621,8 @@ def plan(
     specs = _units.unit_specs(units)
     rf = _units.reshard_by_unit(reshard_after_forward, [name for name, _ in specs])
     groups = _units.group_leaves(state, specs, rf, _routes(state, trainable, opts))
-    first = next(x for g in groups for x in g.sharded)
+    # The state's own shard count: that of its widest leaves (model-split ones have fewer).
+    first = max((x for g in groups for x in g.sharded), key=lambda x: x.num_shards)
     n, replicas = first.num_shards, comm.axes_size(mesh, first.replicate_axis)
     unit_plans, collectives = [], []
     for group in groups:
