@@ -60,6 +60,7 @@ from funshard.comm._layout import check_group_size as check_group_size
 from funshard.comm._layout import chunk as chunk
 from funshard.comm._layout import from_padded as from_padded
 from funshard.comm._layout import pad_blocks as pad_blocks
+from funshard.comm._layout import pad_end as pad_end
 from funshard.comm._layout import padded_size as padded_size
 from funshard.comm._layout import rows_per_shard as rows_per_shard
 from funshard.comm._layout import to_padded as to_padded

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -162,11 +163,19 @@ def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return axes[0] if len(axes) == 1 else axes
 
 
-def to_padded(x: Any, layout: LayoutFacts, pad: Any, lead: int = 0) -> Any:
+def pad_end(x: Any, dim: int, size: int) -> Any:
+    """`x` (a numpy or jax array) zero-padded at the end of `dim` to `size`."""
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, size - x.shape[dim])
+    return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
+
+
+def to_padded(x: Any, layout: LayoutFacts, pad: Any = pad_end, lead: int = 0) -> Any:
     """The full logical array `x` as `layout`'s padded global array.
 
-    `pad(x, dim, size)` zero-pads `dim` at its end (numpy's or jax's); `lead` leading axes
-    (a `jax.vmap` stack) are carried along. Each model block of `dim` is padded on its own.
+    `pad(x, dim, size)` zero-pads `dim` at its end (default `pad_end`); `lead` leading
+    axes (a `jax.vmap` stack) are carried along. Each model block of `dim` is padded on
+    its own.
     """
     size = layout.rows_per_shard * layout.num_shards
     return pad_blocks(x, lead + layout.dim, layout.model_split(layout.dim), size, pad)
@@ -179,7 +188,7 @@ def from_padded(x: Any, layout: LayoutFacts, lead: int = 0) -> Any:
     return unpad_blocks(x, lead + dim, layout.model_split(dim), layout.block_shape[dim])
 
 
-def pad_blocks(x: Any, dim: int, blocks: int, size: int, pad: Any) -> Any:
+def pad_blocks(x: Any, dim: int, blocks: int, size: int, pad: Any = pad_end) -> Any:
     """`x` with each of its `blocks` equal blocks along `dim` padded to `size` by `pad`."""
     if blocks == 1:
         return pad(x, dim, size)

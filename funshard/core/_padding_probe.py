@@ -59,14 +59,8 @@ def _real_rows(x: Sharded, seed: int) -> np.ndarray:
     return values.astype(np.dtype(x.dtype))
 
 
-def _pad_end(values: np.ndarray, dim: int, size: int) -> np.ndarray:
-    widths = [(0, 0)] * values.ndim
-    widths[dim] = (0, size - values.shape[dim])
-    return np.pad(values, widths)
-
-
 def _padded(x: Sharded, values: np.ndarray) -> np.ndarray:
-    return comm.to_padded(values, x, _pad_end)  # each model block padded on its own
+    return comm.to_padded(values, x)  # each model block padded on its own
 
 
 def _probed(x: Any) -> bool:
@@ -230,7 +224,7 @@ def _agrees(node: Sharded, logical: Any, padded: Any, check_padding: bool) -> bo
     blocks, rows = node.model_split(node.dim), node.block_shape[node.dim]
     real = comm.unpad_blocks(padded, axis, blocks, rows)
     size = node.rows_per_shard * node.num_shards
-    kept = comm.pad_blocks(np.ones(real.shape, bool), axis, blocks, size, _pad_end)
+    kept = comm.pad_blocks(np.ones(real.shape, bool), axis, blocks, size)
     return _close(logical, real) and (not check_padding or not np.any(padded[~kept]))
 
 

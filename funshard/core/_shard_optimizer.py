@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -141,13 +140,7 @@ def _pad(leaf: Sharded, x: Any) -> Any:
     if tuple(x.shape) != tuple(leaf.shape):
         return _constrain(x, _replicated(leaf))
     # Every device keeps only its own block: a local slice of a replicated value.
-    return _constrain(comm.to_padded(x, leaf, _pad_end), leaf.sharding)
-
-
-def _pad_end(x: jax.Array, dim: int, size: int) -> jax.Array:
-    widths = [(0, 0)] * x.ndim
-    widths[dim] = (0, size - x.shape[dim])
-    return jnp.pad(x, widths)
+    return _constrain(comm.to_padded(x, leaf), leaf.sharding)
 
 
 def _map_uneven(fn, tree: Any) -> Any:

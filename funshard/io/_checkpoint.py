@@ -519,15 +519,9 @@ def _relaid(like: Any, value: Any, record: dict) -> Any:
 
     def move(x):
         full = comm.unpad_blocks(x, like.dim, blocks, rows)
-        return comm.to_padded(full, layout, _pad_end)
+        return comm.to_padded(full, layout)
 
     return jax.jit(move, out_shardings=like.sharding)(value)
-
-
-def _pad_end(x, dim: int, size: int):
-    widths = [(0, 0)] * x.ndim
-    widths[dim] = (0, size - x.shape[dim])
-    return jax.numpy.pad(x, widths)
 
 
 def _restored(like: Any, value: Any) -> Any:
