@@ -556,3 +556,46 @@ def test_a_unit_under_a_device_dependent_cond_is_refused_on_a_tensor_mesh():
 
     with pytest.raises(errors.ShardingValueError, match="predicate differs between devices"):
         jax.jit(fs.value_and_grad(loss))(state, _batch())
+
+
+@pytest.mark.slow
+def test_compositions_on_a_tensor_mesh_are_plain_jax():
+    """jax.checkpoint around the block, a psum-normalised loss, a frozen integer leaf split
+    over `tensor`, and a NaN in the batch: plain JAX's numbers (NaN where it has NaN)."""
+    params, x = gpt_params(), _batch()
+    want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
+    mesh = _mesh(fsdp=4, tensor=2)
+    state = fs.shard(params, mesh, model_spec=GPT_SPEC)
+
+    def checkpointed(s, b):
+        block = jax.checkpoint(lambda p, b: gpt_block(p, b, "tensor"))
+        return jnp.mean(block(fs.unshard(s), b) ** 2)
+
+    def normalised(s, b):
+        y = gpt_block(fs.unshard(s), b, "tensor")
+        count = jax.lax.psum(jnp.asarray(y.size, jnp.float32), "fsdp")
+        return jax.lax.psum(jnp.sum(y**2), "fsdp") / count
+
+    for loss in (checkpointed, normalised):
+        got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, x)
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6, err_msg=loss.__name__)
+        _assert_close(fs.unshard(grads), want)
+
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
+    spec = {**GPT_SPEC, "ids": P(None, "tensor")}
+    with_ids = fs.shard({**params, "ids": ids}, mesh, model_spec=spec)
+    trainable = {name: name != "ids" for name in with_ids}
+    step = fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor"), trainable=trainable)
+    _, grads = jax.jit(step)(with_ids, x)
+    _assert_close({n: fs.unshard(grads)[n] for n in params}, want)
+    np.testing.assert_array_equal(fs.unshard(with_ids)["ids"], ids)
+
+    bad = x.at[0, 0, 0].set(jnp.nan)
+    want_loss, want = jax.value_and_grad(gpt_loss)(params, bad)
+    step = fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor"))
+    got_loss, grads = jax.jit(step)(state, bad)
+    assert np.isnan(got_loss) and np.isnan(want_loss)
+    got = fs.unshard(grads)
+    assert {n: bool(np.isnan(got[n]).any()) for n in want} == {
+        n: bool(np.isnan(want[n]).any()) for n in want
+    }
