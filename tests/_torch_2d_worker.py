@@ -12,6 +12,11 @@ the full state dict (`get_model_state_dict`). The last case is saved with DCP on
 2-D mesh and loaded into a dp-only (1-D, 4 ranks) model and into a fresh 2-D one; a
 dp-only model is saved and loaded into a fresh 2-D one; both loaded 2-D models then
 train. Each rank writes `rank{r}.npz`.
+
+First, in the same job, the parameter-group cases (`groups_and_spmd`): torchtitan's MoE
+sharding (experts on a sparse `(efsdp, ep)` mesh through `ShardPlacementResult`, two
+groups per block), an HSDP group beside an FSDP one, and `dp_mesh_dims` on the full
+`(dp, tp)` mesh (FSDP and HSDP), with the same records, plus the mistakes of both APIs.
 """
 
 from __future__ import annotations
@@ -319,22 +324,272 @@ def frontend_refusals(model: nn.Module, out: Path, record: dict) -> None:
     _raised(record, "tf_load_full_state_dict", lambda: tf.load_full_state_dict(model, {}))
     _raised(record, "tf_save", lambda: tf.save(out / "tf_ckpt", model))
     _raised(record, "tf_clip", lambda: tf.clip_grad_norm_(model.parameters(), 1.0))
-    _raised(record, "own_mesh", lambda: own_mesh(tf.fully_shard))
 
 
-def own_mesh(fully_shard) -> None:
-    """A `ShardPlacementResult` on another mesh: FSDP2 makes a second parameter group."""
-    from torch.distributed.device_mesh import init_device_mesh
+def frontend_group_refusals(mesh, record: dict) -> None:
+    """What torch_frontend refuses of `dp_mesh_dims` and `ShardPlacementResult` (FSDP2 runs
+    some of these): a typed error naming what to do."""
+    from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         FSDPMeshInfo,
         ShardPlacementResult,
     )
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("all",))
+    import torch_frontend as tf
+
+    info = FSDPMeshInfo(mesh["dp"], shard_mesh_dim=0)
+    cases = {
+        "dims_ddp": DataParallelMeshDims(replicate="dp"),
+        "dims_flattened": DataParallelMeshDims(shard=("dp", "tp")),
+    }
+    for name, dims in cases.items():
+        _raised(record, name, lambda d=dims: spmd(mesh, tf.fully_shard, d))
+    _raised(
+        record,
+        "dims_with_result",
+        lambda: tf.fully_shard(
+            build(16).blocks[0],
+            mesh=mesh,
+            dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+            shard_placement_fn=lambda p: ShardPlacementResult(None, info),
+        ),
+    )
+    _raised(
+        record,
+        "result_not_info",
+        lambda: tf.fully_shard(
+            build(16).blocks[0],
+            mesh=mesh["dp"],
+            shard_placement_fn=lambda p: ShardPlacementResult(None, mesh["dp"]),
+        ),
+    )
+
+
+EXPERTS = 4  # the expert stack's leading dim, split over ep (2 per ep rank)
+
+
+class MoE(nn.Module):
+    """A residual block with a dense norm and a stack of experts (`(EXPERTS, DIM, DIM)`).
+
+    Under expert parallelism the stack is a DTensor `Shard(0)` on the `ep` dim of the
+    sparse mesh; each rank runs its tokens through its own experts (the ep-local block),
+    which is what the parameter groups are about (no token dispatch).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.experts = nn.Parameter(torch.randn(EXPERTS, DIM, DIM) / math.sqrt(DIM))
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor
+
+        experts = self.experts
+        local = experts.to_local() if isinstance(experts, DTensor) else experts
+        return x + torch.relu(torch.einsum("bd,edh->beh", self.norm(x), local)).mean(1)
+
+
+class MoEModel(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(5, DIM)
+        self.blocks = nn.ModuleList(MoE() for _ in range(layers))
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def expert_parallel(fully_shard, reshard: bool) -> nn.Module:
+    """torchtitan's MoE sharding: dense parameters over all 4 ranks (`dp`), the experts
+    split over `ep` and FSDP-sharded on dim 1 over `efsdp` of a sparse `(efsdp, ep)`
+    view of the same ranks, through `ShardPlacementResult` (two parameter groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dense = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0)
+    torch.manual_seed(3)
+    model = MoEModel()
+    for block in model.blocks:
+        stack = distribute_tensor(block.experts.detach(), sparse["ep"], [Shard(0)])
+        block.experts = nn.Parameter(stack)
+
+    def placement(param):
+        return ShardPlacementResult(Shard(1), info) if param.ndim == 3 else None
+
+    for block in model.blocks:
+        fully_shard(block, mesh=dense, reshard_after_forward=reshard, shard_placement_fn=placement)
+    return fully_shard(model, mesh=dense, reshard_after_forward=reshard)
+
+
+def groups(model: nn.Module, record: dict, prefix: str) -> None:
+    """Each block's parameter groups: how many, and `_fsdp_param_group` refusing them."""
+    state = model.blocks[0]._get_fsdp_state()
+    record[f"{prefix}/groups"] = np.asarray(len(state._fsdp_param_groups))
+    _raised(record, f"{prefix}_one_group", lambda: state._fsdp_param_group)
+    fqns = [sorted(p._param_fqn for p in g.fsdp_params) for g in state._fsdp_param_groups]
+    record[f"{prefix}/group_fqns"] = np.asarray([", ".join(f) for f in fqns])
+    for i, group in enumerate(state._fsdp_param_groups):
+        if hasattr(group, "layout"):  # torch_frontend's: where each group's gathers run
+            processes = [d.process_index for d in group.layout.mesh.devices.flat]
+            record[f"frontend/{prefix}/gather_processes/{i}"] = np.asarray(processes)
+
+
+def train_global(
+    model: nn.Module, record: dict, prefix: str, data_rank: int, mesh=None, layout=()
+) -> None:
+    """As `train`, on `batch(step, data_rank)`. With a mesh, the input is a DTensor on it
+    (placements `layout`) and the loss is the mean over the full output: every data rank's batch
+    in rank order, as `full_tensor()` gathers them."""
+    from torch.distributed.tensor import DTensor
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step, data_rank)
+        if mesh is None:
+            out = model(x)
+        else:
+            out = model(DTensor.from_local(x, mesh, layout)).full_tensor()
+            y = torch.cat([batch(step, d)[1] for d in range(len(out) // len(y))])
+        loss = (out - y).pow(2).mean()
+        loss.backward()
+        norms.append(grad_norm(model))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    record[f"{prefix}/loss"], record[f"{prefix}/norm"] = np.asarray(losses), np.asarray(norms)
+    for key, value in full_state(model).items():
+        record[f"{prefix}/full/{key}"] = value
+    for key, value in placements(model).items():
+        record[f"{prefix}/placement/{key}"] = np.asarray(value)
+
+
+# The full-mesh placements of `dp_mesh_dims`' parameters (Replicate on dp): in_proj
+# column-parallel, out_proj row-parallel, everything else replicated.
+SPMD_TP = {"in_proj.weight": 0, "in_proj.bias": 0, "out_proj.weight": 1}
+
+
+def spmd(mesh, fully_shard, dims, reshard=True, tp=True, on=None, split_dp=False) -> nn.Module:
+    """`fully_shard(block, mesh=mesh, dp_mesh_dims=...)` on DTensors of the full mesh.
+
+    `tp=False` replicates every parameter over tp too. The mistakes: `on` another mesh
+    than the parameters', `split_dp` a parameter split over dp already.
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    model = build(16)
+    for name, param in list(model.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        dim = next((d for k, d in SPMD_TP.items() if name.endswith(k)), None) if tp else None
+        placement = [Replicate(), Replicate() if dim is None else Shard(dim)]
+        if split_dp and name.endswith("in_proj.weight"):
+            placement[0] = Shard(1)
+        dtensor = distribute_tensor(param.detach(), mesh, placement)
+        setattr(model.get_submodule(owner), attr, nn.Parameter(dtensor))
+    on = mesh if on is None else on
+    for block in model.blocks:
+        fully_shard(block, mesh=on, dp_mesh_dims=dims, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=on, dp_mesh_dims=dims, reshard_after_forward=reshard)
+
+
+def own_mesh(fully_shard) -> nn.Module:
+    """Plain parameters on two meshes of the same 4 ranks: the blocks' linear layers
+    HSDP over a `(replicate=2, shard=2)` mesh of their own (`ShardPlacementResult`), the
+    rest FSDP over fully_shard's 4-rank mesh. (A second 1-D mesh of the same 4 ranks
+    would share its process group, which FSDP2 refuses: one info per process group.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
     dp = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
-    block = build(16).blocks[0]
-    fully_shard(block, mesh=dp, shard_placement_fn=lambda p: ShardPlacementResult(None, info))
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    info = HSDPMeshInfo(hsdp, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def placement(param):
+        return ShardPlacementResult(None, info) if param.ndim == 2 else None
+
+    model = build(16, seed=5)
+    for block in model.blocks:
+        fully_shard(block, mesh=dp, shard_placement_fn=placement)
+    return fully_shard(model, mesh=dp)
+
+
+def frontend_tools(model: nn.Module, record: dict, prefix: str) -> None:
+    """torch_frontend's own full state dict and clipping over a state's several groups."""
+    import torch_frontend as tf
+
+    x, y = batch(0, dist.get_rank())
+    (model(x) - y).pow(2).mean().backward()
+    record[f"frontend/{prefix}/norm"] = np.asarray(grad_norm(model))
+    record[f"frontend/{prefix}/clip_norm"] = np.asarray(
+        tf.clip_grad_norm_(model.parameters(), 1e9).item()
+    )
+    for key, value in tf.full_state_dict(model).items():
+        record[f"frontend/{prefix}/tf_full/{key}"] = value.detach().numpy().copy()
+
+
+def groups_and_spmd(mesh, fully_shard, dp_rank: int, record: dict, impl: str) -> None:
+    """The parameter-group cases: experts on a mesh of their own, and `dp_mesh_dims`."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Replicate, Shard
+
+    rank = dist.get_rank()
+    for reshard in (True, False):
+        prefix = f"moe_{'reshard' if reshard else 'keep'}"
+        model = expert_parallel(fully_shard, reshard)
+        train_global(model, record, prefix, rank)
+        groups(model, record, prefix)
+    model = own_mesh(fully_shard)
+    train_global(model, record, "own_mesh", rank)
+    groups(model, record, "own_mesh")
+    if impl == "frontend":
+        frontend_tools(model, record, "own_mesh")
+    model = spmd(mesh, fully_shard, DataParallelMeshDims(shard="dp"))
+    train_global(model, record, "spmd", dp_rank, mesh, [Shard(0), Replicate()])
+    groups(model, record, "spmd")
+    # HSDP on the full mesh: replicas over dp, shards over tp; each rank its own batch.
+    model = spmd(mesh, fully_shard, DataParallelMeshDims(shard="tp", replicate="dp"), tp=False)
+    train_global(model, record, "spmd_hsdp", rank, mesh, [Shard(0), Shard(0)])
+    group_mistakes(mesh, fully_shard, record)
+
+
+def group_mistakes(mesh, fully_shard, record: dict) -> None:
+    """Bad parameter groups and `dp_mesh_dims`: both implementations raise (types compared)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    dims = DataParallelMeshDims(shard="dp")
+    cases = {
+        "spmd_plain": lambda: fully_shard(build(16).blocks[0], mesh=mesh, dp_mesh_dims=dims),
+        "spmd_split_dp": lambda: spmd(mesh, fully_shard, dims, split_dp=True),
+        "spmd_unknown_dim": lambda: spmd(mesh, fully_shard, DataParallelMeshDims(shard="x")),
+        "spmd_hpz": lambda: spmd(mesh, fully_shard, dims, reshard=2),
+        "spmd_unnamed": lambda: spmd(mesh, fully_shard, dims, on=init_device_mesh("cpu", (4,))),
+    }
+    # One process group, two info objects (the default one and another).
+    info = FSDPMeshInfo(mesh["dp"], shard_mesh_dim=0)
+    two = lambda p: ShardPlacementResult(None, info) if p.ndim == 2 else None  # noqa: E731
+    cases["two_infos"] = lambda: fully_shard(
+        build(16).blocks[0], mesh=mesh["dp"], shard_placement_fn=two
+    )
+    for name, fn in cases.items():
+        _raised(record, name, fn)
 
 
 def run(impl: str, out: Path, rank: int) -> dict[str, np.ndarray]:
@@ -348,6 +603,7 @@ def run(impl: str, out: Path, rank: int) -> dict[str, np.ndarray]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     record: dict[str, np.ndarray] = {}
+    groups_and_spmd(mesh, fully_shard, dp_rank, record, impl)
     models = {}
     for name, (hidden, reshard, ac, dim1, seq) in CASES.items():
         models[name] = parallelize(build(hidden), mesh, fully_shard, reshard, ac, dim1, seq)
@@ -355,6 +611,7 @@ def run(impl: str, out: Path, rank: int) -> dict[str, np.ndarray]:
     mistakes(mesh, fully_shard, record)
     if impl == "frontend":
         frontend_refusals(models["ac"], out, record)
+        frontend_group_refusals(mesh, record)
     hidden = CASES["ac"][0]
     reload_1d(models["ac"], fully_shard, out, hidden, record)
     # DCP into a 2-D model: from the 2-D checkpoint above (2-D -> 2-D) and from a dp-only one.

@@ -54,9 +54,16 @@ def _dp_rank(rank: int) -> int:
     return rank // TP  # init_device_mesh's (dp, tp) grid, row-major
 
 
+# Cases whose dense group reduce-scatters over all 4 ranks: the 4-term sums run in
+# another order than gloo's, so they equal FSDP2's to the last bit or two (measured:
+# 4.3e-7 relative at most), and are compared with a tolerance (`test_parameter_groups_...`).
+FOUR_RANK_SUMS = ("moe_reshard/", "moe_keep/", "own_mesh/")
+
+
 def _common(record: dict) -> dict:
     """The training and reload records (errors are compared by type, below)."""
-    return {k: v for k, v in record.items() if not k.startswith(("frontend/", "error/"))}
+    skip = ("frontend/", "error/", *FOUR_RANK_SUMS)
+    return {k: v for k, v in record.items() if not k.startswith(skip)}
 
 
 def test_frontend_equals_fsdp2_on_every_rank(ranks):
@@ -108,12 +115,13 @@ def test_gathers_run_over_dp_only_and_move_the_tp_local_block(ranks):
             assert list(record[f"frontend/{case}/gathered"]) == want, (rank, case)
 
 
-def _plain_torch_losses(model) -> list[float]:
-    """The losses of `model` unsharded, trained on the dp ranks' batches together."""
-    opt = torch.optim.SGD(model.parameters(), lr=w.LR)
+def _plain_torch_losses(model, data_ranks: int = DP, lr: float = w.LR) -> list[float]:
+    """The losses of `model` unsharded, trained on the data ranks' batches together."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(w.STEPS):
-        x, y = (torch.cat(t) for t in zip(*(w.batch(step, d) for d in range(DP)), strict=True))
+        batches = (w.batch(step, d) for d in range(data_ranks))
+        x, y = (torch.cat(t) for t in zip(*batches, strict=True))
         loss = (model(x) - y).pow(2).mean()
         loss.backward()
         opt.step()
@@ -183,11 +191,138 @@ def test_shard_placement_fn_on_tp_parameters_dim_1(ranks):
     }
 
 
-def test_a_parameter_group_on_another_mesh_is_refused(ranks):
-    types, message = _error(ranks["frontend"][0], "own_mesh")
-    assert "NotImplementedError" in types
-    assert "ShardPlacementResult on another mesh" in message
-    assert "parameter 'norm.weight'" in message
+@pytest.mark.parametrize("case", ["moe_reshard", "moe_keep", "own_mesh"])
+def test_parameter_groups_on_their_own_meshes_equal_fsdp2(ranks, case):
+    """`ShardPlacementResult` on another mesh: losses, grad norms, full state dicts equal
+    FSDP2's (to 1e-6, see FOUR_RANK_SUMS); placements, groups and their members exactly."""
+    for rank in range(WORLD):
+        want, got = ranks["fsdp2"][rank], ranks["frontend"][rank]
+        keys = [k for k in want if k.startswith(f"{case}/")]
+        assert keys and set(keys) == {k for k in got if k.startswith(f"{case}/")}
+        for key in keys:
+            if want[key].dtype.kind == "f":
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7, err_msg=key)
+            else:
+                np.testing.assert_array_equal(got[key], want[key], err_msg=f"{rank}: {key}")
+
+
+def test_experts_are_fsdp_sharded_over_efsdp_on_dim_1(ranks):
+    """torchtitan's MoE: experts split over ep, FSDP-sharded on dim 1 over efsdp (2 ranks),
+    the dense parameters over all 4; two groups per block, experts second (FSDP2's order)."""
+    record = ranks["frontend"][0]
+    assert str(record["moe_reshard/placement/blocks.0.experts"]) == (
+        "('efsdp', 'ep') (Shard(dim=1), Shard(dim=0))"
+    )
+    assert str(record["moe_reshard/placement/blocks.0.norm.weight"]) == "('dp',) (Shard(dim=0),)"
+    assert int(record["moe_reshard/groups"]) == 2
+    assert list(record["moe_reshard/group_fqns"]) == [
+        "blocks.0.norm.bias, blocks.0.norm.weight",
+        "blocks.0.experts",
+    ]
+    for rank in range(WORLD):
+        got = ranks["frontend"][rank]
+        assert list(got["frontend/moe_reshard/gather_processes/0"]) == list(range(WORLD))
+        ep = rank % 2  # init_device_mesh's (efsdp, ep) grid, row-major
+        assert list(got["frontend/moe_reshard/gather_processes/1"]) == [ep, ep + 2]
+
+
+@pytest.mark.parametrize("case", ["moe_reshard", "own_mesh"])
+def test_one_group_accessor_raises_as_fsdp2s_with_several(ranks, case):
+    fsdp2_types, fsdp2_message = _error(ranks["fsdp2"][0], f"{case}_one_group")
+    types, message = _error(ranks["frontend"][0], f"{case}_one_group")
+    assert fsdp2_types[0] == "AssertionError" and "AssertionError" in types
+    assert message.startswith(fsdp2_message.split(" when using")[0].split(". Use")[0])
+    assert "Use `_fsdp_param_groups` (plural)" in message
+
+
+def test_spmd_has_one_group_and_the_accessor_returns_it(ranks):
+    for impl in ("fsdp2", "frontend"):
+        assert int(ranks[impl][0]["spmd/groups"]) == 1
+        assert _error(ranks[impl][0], "spmd_one_group")[0] == ["nothing raised"]
+
+
+def test_own_mesh_groups_train_as_plain_torch(ranks):
+    """The control: an HSDP group beside the FSDP one is plain data parallelism over 4."""
+    model = w.build(16, seed=5)
+    losses = _plain_torch_losses(model, WORLD)
+    per_rank = [ranks["fsdp2"][r]["own_mesh/loss"] for r in range(WORLD)]
+    np.testing.assert_allclose(np.mean(per_rank, axis=0), losses, rtol=1e-5)
+
+
+def test_frontend_tools_take_several_groups(ranks):
+    """torch_frontend's full state dict and clip_grad_norm_ over an HSDP and an FSDP group:
+    get_model_state_dict's tensors, and torchtitan's norm of the same gradients."""
+    for rank in range(WORLD):
+        record = ranks["frontend"][rank]
+        mine = _full(record, "frontend/own_mesh/tf_full/")
+        assert mine and set(mine) == set(_full(record, "own_mesh/full/"))
+        for key, value in mine.items():
+            np.testing.assert_array_equal(value, record[f"own_mesh/full/{key}"], err_msg=key)
+        np.testing.assert_allclose(
+            record["frontend/own_mesh/clip_norm"], record["frontend/own_mesh/norm"], rtol=1e-6
+        )
+
+
+def test_dp_mesh_dims_placements_are_fsdp2s(ranks):
+    """On the full (dp, tp) mesh: the 2-D recipe's placements; HSDP: Replicate() on dp."""
+    record = ranks["frontend"][0]
+    got = {k: str(record[f"spmd/placement/blocks.0.{k}"]) for k in ("in_proj.weight", "norm.bias")}
+    two_d = "('dp', 'tp') "
+    assert got == {
+        "in_proj.weight": two_d + "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+        "norm.bias": two_d + "(Shard(dim=0), Replicate())",
+    }
+    assert str(record["spmd/placement/blocks.0.out_proj.weight"]) == (
+        two_d + "(Shard(dim=0), Shard(dim=1))"
+    )
+    assert str(record["spmd_hsdp/placement/head.weight"]) == two_d + "(Replicate(), Shard(dim=0))"
+
+
+@pytest.mark.parametrize(("case", "data_ranks"), [("spmd", DP), ("spmd_hsdp", WORLD)])
+def test_dp_mesh_dims_fsdp2_trains_as_plain_torch(ranks, case, data_ranks):
+    """The control: the loss is the global batch's mean on every rank, and FSDP2 still
+    divides the gradients summed over the data-parallel ranks by their number: plain SGD
+    at lr / data_ranks on the global batch."""
+    losses = _plain_torch_losses(w.build(16), data_ranks, lr=w.LR / data_ranks)
+    for rank in range(WORLD):
+        np.testing.assert_allclose(ranks["fsdp2"][rank][f"{case}/loss"], losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "spmd_plain",
+        "spmd_split_dp",
+        "spmd_unknown_dim",
+        "spmd_hpz",
+        "spmd_unnamed",
+        "two_infos",
+    ],
+)
+def test_group_and_dp_mesh_dims_mistakes_raise_fsdp2s_type(ranks, name):
+    fsdp2_types, fsdp2_message = _error(ranks["fsdp2"][0], name)
+    types, message = _error(ranks["frontend"][0], name)
+    assert fsdp2_types[0] != "nothing raised"
+    assert fsdp2_types[0] in types, (fsdp2_types, types, message)
+    assert message[:40] == fsdp2_message[:40], message  # FSDP2's sentence first
+    if name in ("spmd_plain", "spmd_split_dp", "two_infos"):
+        assert "parameter '" in message  # named
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("dims_ddp", "name a shard dim"),
+        ("dims_flattened", "name one shard dim"),
+        ("dims_with_result", "ShardPlacementResult with dp_mesh_dims (parameter 'norm.weight')"),
+        ("result_not_info", "must be an FSDPMeshInfo"),
+    ],
+)
+def test_frontend_refuses_what_it_does_not_build_of_groups(ranks, name, words):
+    types, message = _error(ranks["frontend"][0], name)
+    want = "TypeError" if name == "result_not_info" else "NotImplementedError"
+    assert want in types and "FunshardError" in types, types
+    assert words in message, message
 
 
 def _full(record: dict, prefix: str) -> dict[str, np.ndarray]:

@@ -796,15 +796,10 @@ def test_an_output_that_is_a_view_warns():
         model(torch.randn(2, 4))
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        ({"dp_mesh_dims": object()}, "dp_mesh_dims"),
-    ],
-)
-def test_arguments_not_supported_yet_say_so(kwargs, match):
-    with pytest.raises(NotImplementedError, match=match):
-        fully_shard(nn.Linear(2, 2), **kwargs)
+def test_dp_mesh_dims_must_be_fsdp2s_type():
+    # The forms FSDP2 takes are tested against it in tests/test_torch_2d.py.
+    with pytest.raises(TypeError, match="dp_mesh_dims must be a .*DataParallelMeshDims"):
+        fully_shard(nn.Linear(2, 2), dp_mesh_dims=object())
 
 
 def test_cpu_offload_on_a_cpu_mesh_trains_as_plain_torch():

@@ -52,7 +52,7 @@ def _base_layout(module: nn.Module) -> _bridge.RankLayout:
     for sub in module.modules():
         state = get_module_fsdp_state(sub)
         if state is not None:
-            return state._fsdp_param_group.layout
+            return state._fsdp_param_groups[0].layout
     raise errors.ShardingValueError(not_fsdp_module("torch_frontend checkpoint", module))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable
@@ -9,8 +11,9 @@ from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from funshard import comm, errors
 from torch_frontend import _bridge, _distributed, _param, _state_dict, _tree
@@ -53,7 +56,6 @@ class TensorParallelMeshError(errors.ShardingValueError, RuntimeError, TypeError
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import Shard
 
@@ -97,6 +99,10 @@ class FSDPModule(_ModuleBase):
                 states.append(state)
         return states
 
+    def _fsdp_groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        """Every parameter group of these states (several where parameters have own meshes)."""
+        return [g for state in self._fsdp_states(recurse) for g in state._fsdp_param_groups]
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gathers this module's parameters now (one collective); they stay until reshard.
 
@@ -107,25 +113,27 @@ class FSDPModule(_ModuleBase):
         Returns:
           An `UnshardHandle` with `async_op=True`, else None.
         """
-        group = self._get_fsdp_state()._fsdp_param_group
-        group.unshard(async_op=async_op)
-        return UnshardHandle(group) if async_op else None
+        groups = self._get_fsdp_state()._fsdp_param_groups
+        for group in groups:
+            group.unshard(async_op=async_op)
+        return UnshardHandle(groups) if async_op else None
 
     def reshard(self) -> None:
         """Frees the gathered parameters; the module holds its local shards again."""
-        self._get_fsdp_state()._fsdp_param_group.reshard()
+        for group in self._get_fsdp_state()._fsdp_param_groups:
+            group.reshard()
 
     def _apply(self, *args, **kwargs):
         # `module.to(dtype / device)`, `to_empty` and `half()` convert the sharded
         # DTensors: reshard first so that those are what the modules hold, then adopt
         # the converted local tensors as the padded storage JAX gathers from.
-        state = get_module_fsdp_state(self)
-        if state is not None:
-            state._fsdp_param_group.reshard()
+        groups = [] if (state := get_module_fsdp_state(self)) is None else state._fsdp_param_groups
+        for group in groups:
+            group.reshard()
         result = super()._apply(*args, **kwargs)
-        if state is not None:
-            with torch.no_grad():
-                for param in state._fsdp_param_group.fsdp_params:
+        with torch.no_grad():
+            for group in groups:
+                for param in group.fsdp_params:
                     param.reset_sharded_param()
         return result
 
@@ -136,9 +144,8 @@ class FSDPModule(_ModuleBase):
 
         Also sets `set_requires_all_reduce` to the same value, as FSDP2 does.
         """
-        for state in self._fsdp_states(recurse):
-            state._fsdp_param_group.reduce_grads = requires_gradient_sync
-            state._fsdp_param_group.all_reduce_grads = requires_gradient_sync
+        for group in self._fsdp_groups(recurse):
+            group.reduce_grads = group.all_reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters gradients within the replica but skips the all-reduce.
@@ -148,8 +155,8 @@ class FSDPModule(_ModuleBase):
         parameters' `.grad` is not touched); the next backward with it all-reduces the
         pending sum together with its own gradients. No effect without a replicate axis.
         """
-        for state in self._fsdp_states(recurse):
-            state._fsdp_param_group.all_reduce_grads = requires_all_reduce
+        for group in self._fsdp_groups(recurse):
+            group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Changes `reshard_after_forward` (a bool) at run time."""
@@ -158,15 +165,16 @@ class FSDPModule(_ModuleBase):
                 f"set_reshard_after_forward: expected a bool, got {reshard_after_forward!r}."
             )
         for state in self._fsdp_states(recurse):
-            state._fsdp_param_group.reshard_after_forward = reshard_after_forward
+            for group in state._fsdp_param_groups:
+                group.reshard_after_forward = reshard_after_forward
             state._auto_reshard_after_forward = False
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         """False keeps parameters gathered after backward (e.g. between accumulation steps)."""
-        for state in self._fsdp_states(recurse):
-            state._fsdp_param_group.reshard_after_backward = reshard_after_backward
+        for group in self._fsdp_groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Records whether the next backward is the iteration's last (FSDP2's flag)."""
@@ -174,7 +182,8 @@ class FSDPModule(_ModuleBase):
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divides reduced gradients by `factor` instead of the data-parallel size."""
-        self._get_fsdp_state()._fsdp_param_group.gradient_divide_factor = float(factor)
+        for group in self._fsdp_groups(recurse=False):
+            group.gradient_divide_factor = float(factor)
 
     def reset_iter_state(self) -> None:
         """After an exception mid-iteration: discard its gradients in flight, reshard all.
@@ -195,7 +204,8 @@ class FSDPModule(_ModuleBase):
         whose weight gradient needs only the indices); the gradient is still
         reduce-scattered. With False, a backward that does need them fails in torch.
         """
-        self._get_fsdp_state()._fsdp_param_group.unshard_in_backward = unshard_in_backward
+        for group in self._fsdp_groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for FSDP2 compatibility: reductions here are always sums.
@@ -265,7 +275,7 @@ def _note_converted_dtype(module: nn.Module, exc: RuntimeError, inputs: Any) -> 
         return  # an inner module noted it
     state = get_module_fsdp_state(module)
     states = [state, *state._state_ctx.all_states] if state is not None else []
-    for group in (s._fsdp_param_group for s in states):
+    for group in (g for s in states for g in s._fsdp_param_groups):
         for param in group.fsdp_params:
             if param.dtype == param.orig_dtype:
                 continue
@@ -311,17 +321,18 @@ def not_fsdp_module(method: str, module) -> str:
 
 
 class UnshardHandle:
-    """Returned by `unshard(async_op=True)`: `wait()` completes the gather."""
+    """Returned by `unshard(async_op=True)`: `wait()` completes the gathers."""
 
-    def __init__(self, group: FSDPParamGroup | None = None) -> None:
+    def __init__(self, groups: list[FSDPParamGroup] | None = None) -> None:
         """Made by `FSDPModule.unshard(async_op=True)`, not by users."""
-        self._fsdp_param_group = group
+        self._fsdp_param_groups = groups
 
     def wait(self) -> None:
-        """Waits for the gather and binds the gathered parameters."""
-        if self._fsdp_param_group is not None:
-            self._fsdp_param_group.wait_for_unshard()
-            self._fsdp_param_group = None
+        """Waits for the gathers (one per parameter group) and binds the parameters."""
+        if self._fsdp_param_groups is not None:
+            for group in self._fsdp_param_groups:
+                group.wait_for_unshard()
+            self._fsdp_param_groups = None
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -390,13 +401,6 @@ def _check_offload(offload_policy, layout: _bridge.RankLayout) -> None:
             "an accelerator, and none is available (FSDP2's pin_memory() raises: Cannot "
             "access accelerator device when none is available). Pass "
             "CPUOffloadPolicy(pin_memory=False)."
-        )
-
-
-def _check_not_yet(dp_mesh_dims) -> None:
-    if dp_mesh_dims is not None:
-        raise errors.UnsupportedError(
-            _not_supported_yet("dp_mesh_dims", "pass None and a mesh from init_distributed().")
         )
 
 
@@ -553,20 +557,183 @@ def _shard_placement_result() -> Any:
     return ShardPlacementResult
 
 
-def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str, device_mesh: DeviceMesh) -> int:
-    """The dimension `shard_placement_fn` shards `param` on (FSDP2's `Shard(dim)`).
+@dataclasses.dataclass(frozen=True)
+class _GroupMesh:
+    """Where one parameter group lives (FSDP2's `FSDPMeshInfo` of a group).
 
-    A `ShardPlacementResult` on the mesh `fully_shard` was given is its placement;
-    one on another mesh (a parameter group of its own) is not supported yet.
+    Attributes:
+      device_mesh: the data-parallel torch mesh its gathers and reduce-scatters run over.
+      layout: this process's layout on the matching jax mesh.
+      spec: how its shards are DTensors.
+      info: the `ShardPlacementResult.mesh_info` that named this mesh (None:
+        `fully_shard`'s own).
+      full_mesh: with `dp_mesh_dims`, the full mesh the parameters are DTensors on.
     """
-    from torch.distributed.tensor import Shard
 
+    device_mesh: DeviceMesh
+    layout: _bridge.RankLayout
+    spec: ShardSpec
+    info: Any = None
+    full_mesh: DeviceMesh | None = None
+
+    @property
+    def key(self) -> tuple:
+        """Its process groups: FSDP2 groups parameters by these."""
+        return tuple(self.device_mesh.get_group(i) for i in range(self.device_mesh.ndim))
+
+    def check(self, param: nn.Parameter, fqn: str) -> None:
+        """Raises if `param` cannot be sharded over this mesh (see the two checks)."""
+        if self.full_mesh is None:
+            _check_tensor_parallel(param, fqn, self.device_mesh)
+        else:
+            _check_full_mesh_param(param, fqn, self.full_mesh, self.spec)
+
+
+def _group_mesh(device_mesh: DeviceMesh, info: Any = None, **spec: Any) -> _GroupMesh:
+    jax_mesh, device_mesh = _distributed.both_meshes(device_mesh)
+    layout = _distributed.layout_of(jax_mesh)
+    return _GroupMesh(device_mesh, layout, ShardSpec(device_mesh, **spec), info)
+
+
+def _default_mesh(mesh, dp_mesh_dims, reshard_after_forward) -> _GroupMesh:
+    """The mesh of the parameters `shard_placement_fn` does not place elsewhere."""
+    if dp_mesh_dims is None:
+        jax_mesh, device_mesh = _distributed.both_meshes(mesh)
+        layout = _distributed.layout_of(jax_mesh)
+        return _GroupMesh(device_mesh, layout, ShardSpec(device_mesh))
+    shard, replicate = _named_dims(mesh, dp_mesh_dims, reshard_after_forward)
+    names = mesh.mesh_dim_names
+    dp_mesh = mesh[shard] if replicate is None else _hsdp_mesh(mesh, replicate, shard)
+    dp_dims = {names.index(shard)} | ({names.index(replicate)} if replicate else set())
+    made = _group_mesh(dp_mesh, dp_shard_dim=names.index(shard), dp_dims=frozenset(dp_dims))
+    return dataclasses.replace(made, full_mesh=mesh)
+
+
+@functools.cache
+def _hsdp_mesh(mesh: DeviceMesh, replicate: str, shard: str) -> DeviceMesh:
+    # FSDP2's HSDP mesh of `dp_mesh_dims`: (replicate, shard), made once per mesh.
+    return DeviceMesh._concatenate([mesh[replicate], mesh[shard]])
+
+
+def _named_dims(mesh, dims, reshard_after_forward) -> tuple[str, str | None]:
+    """`dp_mesh_dims`' (shard dim, replicate dim or None), checked as FSDP2 checks them.
+
+    Raises:
+      TypeError: `dims` is not a `DataParallelMeshDims`, or `mesh` not a torch mesh.
+      ValueError: the mesh has no dim names, or lacks a named dim (FSDP2's).
+      NotImplementedError: an int `reshard_after_forward` (FSDP2's), no shard dim
+        (DDP), or several names for one role.
+    """
+    dims_type = _data_parallel_mesh_dims()
+    if dims_type is None or not isinstance(dims, dims_type):
+        raise errors.ShardingTypeError(_bad_dims(dims))
+    dims = cast("DataParallelMeshDims", dims)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise errors.ShardingTypeError(_dims_need_device_mesh(mesh))
+    if mesh is None or mesh.mesh_dim_names is None:
+        raise errors.ShardingValueError(_dims_need_names(mesh))
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in mesh.mesh_dim_names:
+            raise errors.ShardingValueError(_dim_not_in_mesh(name, mesh))
+    if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+        raise errors.UnsupportedError(_dims_hpz(reshard_after_forward))
+    if not dims.shard_names:
+        raise errors.UnsupportedError(
+            _not_supported_yet(
+                f"{dims} (replication only, FSDP2's DDP mode)",
+                "name a shard dim (DataParallelMeshDims(shard=...)), or use DDP.",
+            )
+        )
+    if len(dims.shard_names) > 1 or len(dims.replicate_names) > 1:
+        raise errors.UnsupportedError(
+            _not_supported_yet(
+                f"{dims} (several dims flattened into one role)",
+                "name one shard dim and at most one replicate dim; to shard over "
+                "several, make them one dim of the mesh (init_device_mesh).",
+            )
+        )
+    return dims.shard_names[0], (dims.replicate_names or (None,))[0]
+
+
+def _data_parallel_mesh_dims() -> type | None:
+    """FSDP2's `DataParallelMeshDims` (torch 2.13 and later), if this torch has it."""
+    try:
+        from torch.distributed.fsdp import DataParallelMeshDims
+    except ImportError:
+        return None
+    return DataParallelMeshDims
+
+
+def _check_full_mesh_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh, spec: ShardSpec):
+    """With `dp_mesh_dims`: a DTensor on that very mesh, replicated over its dp dims.
+
+    Raises:
+      ValueError: FSDP2's three errors, naming the parameter.
+    """
+    names = mesh.mesh_dim_names or ()
+    if not isinstance(param, DTensor):
+        raise errors.ShardingValueError(_full_mesh_plain(fqn, names))
+    if param.device_mesh is not mesh:
+        raise errors.ShardingValueError(_full_mesh_other(fqn, param.device_mesh, mesh))
+    for i in sorted(spec.dp_dims):
+        if not isinstance(param.placements[i], Replicate):
+            role = "shard" if i == spec.dp_shard_dim else "replicate"
+            raise errors.ShardingValueError(_full_mesh_split(fqn, role, names[i], i, param))
+
+
+def _placement(shard_placement_fn, param: nn.Parameter, fqn: str, default: _GroupMesh):
+    """(the dim `shard_placement_fn` shards `param` on, the mesh of its group).
+
+    `Shard(dim)` or None (dim 0) keep fully_shard's mesh; FSDP2's
+    `ShardPlacementResult` also names a mesh (its `mesh_info`), whose parameters form a
+    group of their own, as in FSDP2.
+    """
     placement: Any = None if shard_placement_fn is None else shard_placement_fn(param)
+    group_mesh = default
     result_type = _shard_placement_result()
     if result_type is not None and isinstance(placement, result_type):
-        if placement.mesh_info.mesh != device_mesh:
-            raise errors.UnsupportedError(_own_mesh(fqn, placement.mesh_info.mesh, device_mesh))
+        group_mesh = _info_mesh(placement.mesh_info, fqn, default)
         placement = placement.placement
+    return _shard_dim(placement, param, fqn), group_mesh
+
+
+def _info_mesh(info: Any, fqn: str, default: _GroupMesh) -> _GroupMesh:
+    """The group mesh of a `ShardPlacementResult`'s `mesh_info`.
+
+    Raises:
+      TypeError: it is not an `FSDPMeshInfo` (FSDP2 needs one to group by).
+      NotImplementedError: with `dp_mesh_dims`, or an info whose dims are not FSDP2's
+        usual (shard) or (replicate, shard).
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    if not isinstance(info, FSDPMeshInfo):
+        raise errors.ShardingTypeError(_bad_info(fqn, info))
+    if default.full_mesh is not None:
+        raise errors.UnsupportedError(
+            _not_supported_yet(
+                f"a ShardPlacementResult with dp_mesh_dims (parameter {fqn!r})",
+                "return Shard(dim) or None, or shard that module in a fully_shard call of its own.",
+            )
+        )
+    hsdp = isinstance(info, HSDPMeshInfo)
+    usual = (2, 1, 0) if hsdp else (1, 0, None)
+    if (info.mesh.ndim, info.shard_mesh_dim, info.replicate_mesh_dim) != usual:
+        raise errors.UnsupportedError(
+            _not_supported_yet(
+                f"{type(info).__name__} with shard_mesh_dim={info.shard_mesh_dim} on a "
+                f"{info.mesh.ndim}-D mesh (parameter {fqn!r})",
+                "use FSDPMeshInfo(mesh_1d, shard_mesh_dim=0) or HSDPMeshInfo(mesh_2d, "
+                "shard_mesh_dim=1, replicate_mesh_dim=0).",
+            )
+        )
+    return _group_mesh(info.mesh, info)
+
+
+def _shard_dim(placement: Any, param: nn.Parameter, fqn: str) -> int:
+    """The dimension of FSDP2's `Shard(dim)` (None: 0), checked against the parameter."""
+    from torch.distributed.tensor import Shard
+
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
@@ -578,12 +745,90 @@ def _shard_dim(shard_placement_fn, param: nn.Parameter, fqn: str, device_mesh: D
     return placement.dim % param.ndim
 
 
-def _own_mesh(fqn: str, mesh: DeviceMesh, device_mesh: DeviceMesh) -> str:
-    return _not_supported_yet(
-        f"a ShardPlacementResult on another mesh ({mesh}) than fully_shard's "
-        f"({device_mesh}) for parameter {fqn!r} (a parameter group of its own)",
-        "return a placement on fully_shard's mesh (or a Shard(dim), or None), or shard "
-        "the parameter's module in a fully_shard call of its own over that mesh.",
+def _two_infos(fqn: str, known: _GroupMesh, new: _GroupMesh) -> str:
+    # FSDP2's sentence first: code written for FSDP2 may match it.
+    what = "fully_shard's own mesh" if known.info is None else f"{known.info}"
+    return (
+        "Params sharing the same process group must use the same FSDPMeshInfo object, "
+        f"but got different objects: parameter {fqn!r} names {new.info} for the process "
+        f"groups of {what}. Make one FSDPMeshInfo per mesh and return that object for "
+        "every parameter of the mesh (or None / Shard(dim) for fully_shard's own mesh)."
+    )
+
+
+def _bad_info(fqn: str, info: Any) -> str:
+    return (
+        f"fully_shard: shard_placement_fn returned a ShardPlacementResult whose mesh_info "
+        f"is a {type(info).__name__} for parameter {fqn!r}; it must be an FSDPMeshInfo "
+        "(torch.distributed.fsdp._fully_shard._fsdp_common), e.g. "
+        'FSDPMeshInfo(mesh["efsdp"], shard_mesh_dim=0).'
+    )
+
+
+def _bad_dims(dims: Any) -> str:
+    return (
+        f"fully_shard: dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims "
+        f"(torch 2.13 and later), got {type(dims).__name__}."
+    )
+
+
+def _dims_need_device_mesh(mesh: Any) -> str:
+    return (
+        f"fully_shard: dp_mesh_dims names dims of a torch DeviceMesh, but mesh is a "
+        f"{type(mesh).__name__}. Pass mesh=init_device_mesh(..., mesh_dim_names=...)."
+    )
+
+
+def _dims_need_names(mesh: Any) -> str:
+    # FSDP2's sentence first: code written for FSDP2 may match it.
+    return (
+        f"mesh must have mesh_dim_names when dp_mesh_dims is provided (got {mesh}). Pass "
+        'mesh=init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")).'
+    )
+
+
+def _dim_not_in_mesh(name: str, mesh: DeviceMesh) -> str:
+    # FSDP2's sentence first.
+    return (
+        f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}: "
+        "name dims of the mesh passed to fully_shard in dp_mesh_dims."
+    )
+
+
+def _dims_hpz(k: int) -> str:
+    # FSDP2's sentence first (its NotImplementedError).
+    return (
+        "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims): "
+        f"got {k}. Pass True or False."
+    )
+
+
+def _full_mesh_plain(fqn: str, names: tuple) -> str:
+    # FSDP2's sentence first (its ValueError).
+    return (
+        "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
+        f"mesh (e.g. via distribute_module). Got plain tensor for parameter '{fqn}'. Make "
+        f"it a DTensor on the {names} mesh passed to fully_shard, Replicate() on the "
+        "data-parallel dims (distribute_tensor(p, mesh, placements))."
+    )
+
+
+def _full_mesh_other(fqn: str, got: DeviceMesh, mesh: DeviceMesh) -> str:
+    # FSDP2's sentence first (its ValueError).
+    return (
+        "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
+        f"different mesh objects: parameter '{fqn}' is on {got}, fully_shard got {mesh}. "
+        "Distribute the parameters over the very mesh object passed to fully_shard."
+    )
+
+
+def _full_mesh_split(fqn: str, role: str, name: str, index: int, param: DTensor) -> str:
+    # FSDP2's sentence first (its ValueError).
+    return (
+        f"Expected Replicate() on DP {role} dim '{name}' (index {index}) but got "
+        f"{param.placements[index]}: parameter '{fqn}' has placements "
+        f"{tuple(param.placements)}. With dp_mesh_dims, fully_shard shards the "
+        "data-parallel dims itself: distribute the parameter with Replicate() there."
     )
 
 
@@ -688,9 +933,9 @@ def fully_shard(
     Each parameter not already managed by an inner `fully_shard` becomes a DTensor
     (`Shard(0)`, after `Replicate()` on an HSDP mesh) whose local tensor is this rank's
     shard `torch.chunk(p, world, dim=0)[rank]` (possibly empty); the forward gathers
-    them (one collective per call of `fully_shard`), the backward reduce-scatters their
-    gradients into the shards' `.grad`, averaged over the data-parallel world. Apply it
-    bottom-up: blocks first, then the root.
+    them (one collective per call of `fully_shard` and mesh), the backward
+    reduce-scatters their gradients into the shards' `.grad`, averaged over the
+    data-parallel world. Apply it bottom-up: blocks first, then the root.
 
     Tensor parallelism composes as in FSDP2 (torchtitan's recipe): a parameter that
     `parallelize_module` made a DTensor on `mesh["tp"]` is sharded over `mesh["dp"]`
@@ -715,23 +960,34 @@ def fully_shard(
       mp_policy: the mixed-precision policy.
       shard_placement_fn: called on each parameter; returns
         `torch.distributed.tensor.Shard(dim)` to shard it on `dim` (this rank keeps
-        `torch.chunk(p, world, dim)[rank]`), or None for dim 0, as in FSDP2.
+        `torch.chunk(p, world, dim)[rank]`), or None for dim 0, as in FSDP2; or FSDP2's
+        `ShardPlacementResult(placement, mesh_info)`, whose parameters on another mesh
+        form a parameter group of their own (`_fsdp_param_groups`; e.g. experts over
+        an expert-data-parallel mesh).
       offload_policy: None or FSDP2's default `OffloadPolicy()`, or `CPUOffloadPolicy()`
         on a CPU mesh, where parameters, gradients and the optimizer step already live
         in host memory (as FSDP2 on CPU, it changes nothing there).
       ignored_params: parameters to leave alone: not sharded, not gathered, their
         gradients not reduced (as in FSDP2).
-      dp_mesh_dims: not supported yet (must be None).
+      dp_mesh_dims: FSDP2's `DataParallelMeshDims(shard=..., replicate=...)`: `mesh` is
+        then the full named mesh, the parameters DTensors on it with `Replicate()` on
+        those dims, which fully_shard shards (one shard dim, at most one replicate
+        dim).
 
     Returns:
       `module`, its class swapped to `FSDP<Cls>` (a subclass of `FSDPModule`).
 
     Raises:
-      TypeError: a bad argument type (not a module, a policy, a placement).
+      TypeError: a bad argument type (not a module, a policy, a placement, a
+        `DataParallelMeshDims`, an `FSDPMeshInfo`).
       ValueError: a module already sharded, an hpZ size that does not divide the
-        world, a placement out of range, or a 0-d parameter (as FSDP2).
+        world, a placement out of range, or a 0-d parameter (as FSDP2); with
+        `dp_mesh_dims`, a parameter that is not a DTensor on `mesh` replicated over
+        its dims, or a dim not in it; two `FSDPMeshInfo` objects for one process group.
       NotImplementedError: an argument not supported yet (`CPUOffloadPolicy` on a GPU
-        mesh, `dp_mesh_dims`).
+        mesh, `dp_mesh_dims` without a shard dim or with several dims in one role, or
+        with a `ShardPlacementResult`; an int `reshard_after_forward` with
+        `dp_mesh_dims`, as FSDP2).
       RuntimeError: `CPUOffloadPolicy(pin_memory=True)` without an accelerator (as
         FSDP2); a tensor-parallel parameter whose mesh is not another dim of the
         same named device mesh as `mesh` (`TensorParallelMeshError`, also a
@@ -739,33 +995,80 @@ def fully_shard(
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_arguments(modules, reshard_after_forward, mp_policy, shard_placement_fn)
-    _check_not_yet(dp_mesh_dims)
     ignored = {id(p) for p in ignored_params or ()}
-    jax_mesh, device_mesh = _distributed.both_meshes(mesh)
-    layout = _distributed.layout_of(jax_mesh)
-    _check_offload(offload_policy, layout)
-    post_forward = _post_forward_world(reshard_after_forward, layout)
+    default = _default_mesh(mesh, dp_mesh_dims, reshard_after_forward)
+    _check_offload(offload_policy, default.layout)
     names = _param_names(modules)
-    placed = []
+    placed: dict[tuple, tuple[_GroupMesh, list]] = {}  # process groups -> mesh, parameters
     for param, uses in module_params(modules, lambda m: get_module_fsdp_state(m) is not None):
         if id(param) in ignored:
             continue
         owner, attr = uses[0]
         fqn = f"{names[id(owner)]}.{attr}" if names[id(owner)] else attr
         _check_unmanaged(param, fqn, modules)
-        _check_tensor_parallel(param, fqn, device_mesh)
-        placed.append((param, uses, fqn, _shard_dim(shard_placement_fn, param, fqn, device_mesh)))
-    # Every placement is checked before any module changes: an error loses nothing.
-    spec = ShardSpec(device_mesh)
-    params = [FSDPParam(param, uses, fqn, layout, spec, dim) for param, uses, fqn, dim in placed]
-    for fsdp_param in params:
-        fsdp_param.group_modules = tuple(modules)
-    group = FSDPParamGroup(params, layout, mp_policy, post_forward, device_mesh)
-    if logger.isEnabledFor(logging.DEBUG):
-        _log_group(modules, group)
-    FSDPState(tuple(modules), group, mp_policy, reshard_after_forward is None)
-    _state_dict.register_hooks(group)
+        dim, group_mesh = _placement(shard_placement_fn, param, fqn, default)
+        group_mesh.check(param, fqn)
+        # FSDP2 groups parameters by process group; one group's must share one info.
+        known, params = placed.setdefault(group_mesh.key, (group_mesh, []))
+        if known.info is not group_mesh.info:
+            raise errors.ShardingValueError(_two_infos(fqn, known, group_mesh))
+        params.append((param, uses, fqn, dim))
+    # No parameters: one empty group, whose hooks still run.
+    ordered = _in_fsdp2_order(placed, modules) or [(default, [])]
+    post_forward = []
+    for group_mesh, _ in ordered:  # a plain loop: the hpZ warning names the caller's line
+        post_forward.append(_post_forward_world(reshard_after_forward, group_mesh.layout))
+    # Every placement and hpZ size is checked before any module changes: an error loses
+    # nothing.
+    groups = [
+        _make_group(group_mesh, params, modules, mp_policy, post)
+        for (group_mesh, params), post in zip(ordered, post_forward, strict=True)
+    ]
+    FSDPState(tuple(modules), groups, mp_policy, reshard_after_forward is None)
+    for group in groups:
+        _state_dict.register_hooks(group)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
     # Every module's class is now FSDP<Cls>, a subclass of FSDPModule (the loop above).
     return cast("FSDPModule | list[FSDPModule]", module)
+
+
+def _make_group(
+    group_mesh: _GroupMesh,
+    placed: list,
+    modules: list[nn.Module],
+    mp_policy: MixedPrecisionPolicy,
+    post_forward: bool | int,
+) -> FSDPParamGroup:
+    """One parameter group on its mesh, with its own layout (its collectives' ranks)."""
+    layout, spec = group_mesh.layout, group_mesh.spec
+    params = [FSDPParam(param, uses, fqn, layout, spec, dim) for param, uses, fqn, dim in placed]
+    for fsdp_param in params:
+        fsdp_param.group_modules = tuple(modules)
+    group = FSDPParamGroup(params, layout, mp_policy, post_forward, group_mesh.device_mesh)
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_group(modules, group)
+    return group
+
+
+def _in_fsdp2_order(placed: dict, modules: list[nn.Module]) -> list:
+    """The groups in FSDP2's order: by their first parameter in its parameter order.
+
+    FSDP2 lists a call's parameters module by module, children before their parent
+    (a post-order walk that stops at modules with a `fully_shard` of their own).
+    """
+    order: dict[int, int] = {}
+    seen: set[int] = set()
+
+    def walk(module: nn.Module) -> None:
+        seen.add(id(module))
+        for child in module.children():
+            if id(child) not in seen and get_module_fsdp_state(child) is None:
+                walk(child)
+        for param in module._parameters.values():
+            if param is not None:
+                order.setdefault(id(param), len(order))
+
+    for top in modules:
+        walk(top)
+    return sorted(placed.values(), key=lambda g: min(order[id(p[0])] for p in g[1]))

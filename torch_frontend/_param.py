@@ -75,20 +75,29 @@ class ShardSpec:
     """How a group's shards are DTensors: the torch mesh and the placement of a dim.
 
     Attributes:
-      device_mesh: the data-parallel mesh `fully_shard` was given.
+      device_mesh: the data-parallel mesh of the group (the one `fully_shard` was
+        given, a `ShardPlacementResult`'s, or the dp dims named by `dp_mesh_dims`).
       tp_spec: a tensor-parallel parameter's own DTensor spec (None: a plain one). Its
         shard is then a DTensor on the data-parallel and tensor-parallel dims together,
         with FSDP2's placements.
+      dp_shard_dim: with `dp_mesh_dims`, the index of its shard dim in the full mesh
+        that `tp_spec` is on (the parameter is already a DTensor there, `Replicate()` on
+        the data-parallel dims); None otherwise.
+      dp_dims: with `dp_mesh_dims`, the indices of all its data-parallel dims.
     """
 
     device_mesh: DeviceMesh
     tp_spec: DTensorSpec | None = None
+    dp_shard_dim: int | None = None
+    dp_dims: frozenset[int] = frozenset()
 
     @property
     def mesh(self) -> DeviceMesh:
         """The mesh of the sharded DTensor."""
         if self.tp_spec is None:
             return self.device_mesh
+        if self.dp_shard_dim is not None:
+            return self.tp_spec.mesh  # the full mesh, as the parameter was
         return spmd_mesh(self.device_mesh, self.tp_spec.mesh)
 
     def placements(self, dim: int) -> tuple[Placement, ...]:
@@ -96,14 +105,29 @@ class ShardSpec:
 
         A tensor-parallel parameter is sharded on `dim` of its TP-local block, so the
         data-parallel placement is `_StridedShard(dim, split_factor=TP shards on dim)`
-        where TP already splits `dim`, followed by the TP placements.
+        where TP already splits `dim`, followed by the TP placements. With
+        `dp_mesh_dims` the parameter's own placements stay, but the shard dim's: that
+        counts only the TP splits of `dim` on the dims after it, as FSDP2's.
         """
         replicas = (Replicate(),) * (self.device_mesh.ndim - 1)
         if self.tp_spec is None:
             return (*replicas, Shard(dim))
+        if self.dp_shard_dim is not None:
+            return self._full_mesh_placements(dim, self.dp_shard_dim)
         split = self.tp_spec.num_shards_map[dim]
         fsdp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
         return (*replicas, fsdp, *self.tp_spec.placements)
+
+    def _full_mesh_placements(self, dim: int, at: int) -> tuple[Placement, ...]:
+        assert self.tp_spec is not None, "dp_mesh_dims' parameters are DTensors"
+        mesh, placements = self.tp_spec.mesh, list(self.tp_spec.placements)
+        split = 1
+        for j in range(at + 1, mesh.ndim):
+            p = placements[j]
+            if isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
+                split *= mesh.size(j)
+        placements[at] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+        return tuple(placements)
 
     def tp_spec_in(self, dtype: torch.dtype) -> DTensorSpec:
         """The tensor-parallel spec of the unsharded parameter gathered in `dtype`."""
@@ -444,6 +468,13 @@ class FSDPParam:
         if not isinstance(grad, DTensor):
             return grad
         placements = self.spec.tp_spec_in(grad.dtype).placements
+        if self.spec.dp_dims:
+            # dp_mesh_dims: a partial sum over the data-parallel dims stays one, for
+            # the reduce-scatter to sum (FSDP2's: no all-reduce over them first).
+            placements = tuple(
+                grad.placements[i] if i in self.spec.dp_dims else p
+                for i, p in enumerate(placements)
+            )
         if tuple(grad.placements) != tuple(placements):
             grad = grad.redistribute(placements=placements)
         local = grad._local_tensor

@@ -1,4 +1,4 @@
-"""Per-module state: FSDP2's hooks and its lazy root, over one `FSDPParamGroup`."""
+"""Per-module state: FSDP2's hooks and its lazy root, over its `FSDPParamGroup`s."""
 
 from __future__ import annotations
 
@@ -44,22 +44,32 @@ class FSDPStateContext:
         self.next_in_forward: dict[FSDPState, FSDPState] = {}
 
 
+class SeveralParamGroupsError(errors.ShardingValueError, AssertionError):
+    """`_fsdp_param_group` of a state with several groups: FSDP2 raises AssertionError."""
+
+
 def get_module_fsdp_state(module: nn.Module) -> FSDPState | None:
     """The state `fully_shard` attached to `module`, if any."""
     return module.__dict__.get(STATE_ATTR)
 
 
 class FSDPState:
-    """The hooks of one `fully_shard` call (one module, or a list grouped as one)."""
+    """The hooks of one `fully_shard` call (one module, or a list grouped as one).
+
+    Its parameters are in one group per mesh (FSDP2's `_fsdp_param_groups`): one,
+    unless `shard_placement_fn` put some on a mesh of their own (`ShardPlacementResult`),
+    e.g. experts sharded over an expert-data-parallel mesh. Every hook runs each group
+    in list order (the backward's in reverse), as FSDP2's.
+    """
 
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: FSDPParamGroup,
+        groups: list[FSDPParamGroup],
         mp_policy: MixedPrecisionPolicy,
         auto_reshard_after_forward: bool,
     ):
-        self._modules, self._fsdp_param_group, self._mp_policy = modules, group, mp_policy
+        self._modules, self._fsdp_param_groups, self._mp_policy = modules, groups, mp_policy
         self._auto_reshard_after_forward = auto_reshard_after_forward
         self._is_root: bool | None = None
         self._state_ctx = FSDPStateContext()
@@ -100,9 +110,21 @@ class FSDPState:
             self._pre_forward_hook_handle = self._post_forward_hook_handle = handle
 
     @property
+    def _fsdp_param_group(self) -> FSDPParamGroup:
+        """The state's one parameter group (FSDP2's property, kept for single-mesh code).
+
+        Raises:
+          AssertionError: the state has several groups (`SeveralParamGroupsError`,
+            also a ValueError); use `_fsdp_param_groups`.
+        """
+        if len(self._fsdp_param_groups) > 1:
+            raise SeveralParamGroupsError(_several_groups(self._fsdp_param_groups))
+        return self._fsdp_param_groups[0]
+
+    @property
     def _comm_ctx(self) -> CommContext:
         """FSDP2's `_comm_ctx`: the collective launcher every group of the job shares."""
-        return self._fsdp_param_group.comm_ctx
+        return self._fsdp_param_groups[0].comm_ctx
 
     # ---- forward ----
 
@@ -123,7 +145,7 @@ class FSDPState:
 
     def _traced(self, label: str) -> record_function:
         """A profiler range named as FSDP2 names it ("<label> (<fqn>)"), logged at debug."""
-        label = self._fsdp_param_group._with_fqn(label)
+        label = self._fsdp_param_groups[0]._with_fqn(label)  # all share the module's fqn
         logger.debug("%s", label)
         return record_function(label)
 
@@ -132,7 +154,8 @@ class FSDPState:
         if self._training_state == TrainingState.PRE_BACKWARD:
             # Activation checkpointing re-runs forward inside backward: parameters only.
             with self._traced("FSDP::pre_forward"):
-                self._fsdp_param_group.unshard()
+                for group in self._fsdp_param_groups:
+                    group.unshard()
             return self._cast_forward_inputs(args, kwargs)
         first_in_pass = self._training_state != TrainingState.FORWARD
         self._training_state = TrainingState.FORWARD
@@ -140,14 +163,16 @@ class FSDPState:
             self._root_pre_forward()
         args, kwargs = self._cast_forward_inputs(args, kwargs)
         with self._traced("FSDP::pre_forward"):
-            args, kwargs = self._fsdp_param_group.pre_forward(args, kwargs)
+            for group in self._fsdp_param_groups:
+                args, kwargs = group.pre_forward(args, kwargs)
         if first_in_pass and torch.is_grad_enabled():
             self._state_ctx.pre_forward_order.append(self)
             for state in self._forward_prefetch_targets():  # dispatched now: they run
                 with record_function(
-                    f"FSDP::forward_prefetch for {state._fsdp_param_group._module_fqn}"
+                    f"FSDP::forward_prefetch for {state._fsdp_param_groups[0]._module_fqn}"
                 ):
-                    state._fsdp_param_group.unshard(async_op=True)  # while we compute
+                    for group in state._fsdp_param_groups:
+                        group.unshard(async_op=True)  # while we compute
         return args, kwargs
 
     def _forward_prefetch_targets(self) -> list[FSDPState]:
@@ -169,7 +194,8 @@ class FSDPState:
         return self._cast_output_dtype(output)
 
     def _finish_forward(self) -> None:
-        self._fsdp_param_group.post_forward()
+        for group in self._fsdp_param_groups:
+            group.post_forward()
         if torch.is_grad_enabled():  # only a forward that a backward may follow
             self._post_forward_indices.append(len(self._state_ctx.post_forward_order))
             self._state_ctx.post_forward_order.append(self)
@@ -199,7 +225,8 @@ class FSDPState:
             with record_function("FSDP::root_pre_forward"):
                 self._state_ctx.pre_forward_order.append(None)
                 for state in self._state_ctx.all_states:
-                    state._fsdp_param_group.drop_stale_parts()
+                    for group in state._fsdp_param_groups:
+                        group.drop_stale_parts()
 
     def _force_complete_incomplete_states(self, output: Any) -> Any:
         # A grouped state whose modules did not all run forward never reached its
@@ -237,20 +264,22 @@ class FSDPState:
                 if state._is_root is not None:
                     raise RuntimeError(_child_ran_forward_first(name, type(root).__name__))
                 state._is_root = False
-                state.fqn = state._fsdp_param_group.name = name
+                state.fqn = name
+                for group in state._fsdp_param_groups:
+                    group.name = name
             state._state_ctx = self._state_ctx
             self._state_ctx.all_states.append(state)
         self._name_groups(root)
         if self._auto_reshard_after_forward:
             # The root's parameters would be gathered again at once for the backward pass.
-            self._fsdp_param_group.reshard_after_forward = False
+            for group in self._fsdp_param_groups:
+                group.reshard_after_forward = False
         self._name_params(root)  # first: the errors below name parameters from the root
         # As FSDP2's lazy init: a parameter replaced since fully_shard by a DTensor of
         # the same sharding (computed from other sharded parameters, e.g. DoRA's
         # magnitudes) becomes the managed one.
-        for state in self._state_ctx.all_states:
-            for param in state._fsdp_param_group.fsdp_params:
-                param.reset_sharded_param()
+        for param in self._all_params():
+            param.reset_sharded_param()
         self._validate_no_duplicate_params()
         if logger.isEnabledFor(logging.DEBUG):
             self._log_lazy_init(root)
@@ -263,13 +292,15 @@ class FSDPState:
             if state is not None and state._state_ctx is self._state_ctx:
                 names.setdefault(state, []).append(name)
         for state, paths in names.items():
-            state._fsdp_param_group._module_fqn = ", ".join(paths)
+            for group in state._fsdp_param_groups:
+                group._module_fqn = ", ".join(paths)
 
     def _log_lazy_init(self, root: nn.Module) -> None:
         groups = "; ".join(
             f"{g._module_fqn or '<root>'}: {len(g.fsdp_params)} parameters, "
             f"reshard_after_forward={g.reshard_after_forward}"
-            for g in (s._fsdp_param_group for s in self._state_ctx.all_states)
+            for s in self._state_ctx.all_states
+            for g in s._fsdp_param_groups
         )
         logger.debug(
             "FSDP::lazy_init: root %s with %d fully_shard groups (%s)",
@@ -280,11 +311,7 @@ class FSDPState:
 
     def _name_params(self, root: nn.Module) -> None:
         """Names every managed parameter by its path from the root, for messages."""
-        by_param = {
-            id(p.sharded_param): p
-            for s in self._state_ctx.all_states
-            for p in s._fsdp_param_group.fsdp_params
-        }
+        by_param = {id(p.sharded_param): p for p in self._all_params()}
         module_names: dict[int, str] = {}
         for name, module in root.named_modules(remove_duplicate=False):
             module_names.setdefault(id(module), name)
@@ -304,13 +331,18 @@ class FSDPState:
           ValueError: FSDP2's lazy-init error, naming both users of the parameter.
         """
         owners: dict[int, str] = {}
+        for param in self._all_params():
+            if param._orig_param_uid in owners:
+                raise errors.ShardingValueError(
+                    _param_in_two_groups(param._param_fqn, owners[param._orig_param_uid])
+                )
+            owners[param._orig_param_uid] = param._param_fqn
+
+    def _all_params(self):
+        """Every parameter of every group of every state under this root."""
         for state in self._state_ctx.all_states:
-            for param in state._fsdp_param_group.fsdp_params:
-                if param._orig_param_uid in owners:
-                    raise errors.ShardingValueError(
-                        _param_in_two_groups(param._param_fqn, owners[param._orig_param_uid])
-                    )
-                owners[param._orig_param_uid] = param._param_fqn
+            for group in state._fsdp_param_groups:
+                yield from group.fsdp_params
 
     # ---- backward ----
 
@@ -338,13 +370,16 @@ class FSDPState:
         already = self._training_state == TrainingState.PRE_BACKWARD
         self._training_state = TrainingState.PRE_BACKWARD
         self._register_root_post_backward_final_callback()
-        self._fsdp_param_group.pre_backward()
+        for group in self._fsdp_param_groups:
+            group.pre_backward()
         if not already:
             for state in self._backward_prefetch_targets():
                 with record_function(
-                    f"FSDP::backward_prefetch for {state._fsdp_param_group._module_fqn}"
+                    f"FSDP::backward_prefetch for {state._fsdp_param_groups[0]._module_fqn}"
                 ):
-                    state._fsdp_param_group.prefetch_for_backward()
+                    # The backward runs the groups in reverse: the last one first.
+                    for group in reversed(state._fsdp_param_groups):
+                        group.prefetch_for_backward()
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         """Explicit targets, else the state whose post-forward ran just before ours."""
@@ -380,14 +415,17 @@ class FSDPState:
             self._learn_forward_order()
         for state in self._state_ctx.all_states:
             state._modules_to_run_forward.clear()
-            if state._fsdp_param_group._training_state != TrainingState.POST_BACKWARD:
-                state._fsdp_param_group.post_backward()
+            # Reversed, as the backward runs them (FSDP2's order).
+            for group in reversed(state._fsdp_param_groups):
+                if group._training_state != TrainingState.POST_BACKWARD:
+                    group.post_backward()
+                if last:
+                    # A prefetch whose module never ran must not outlive the
+                    # iteration: the optimizer writes the shards it reads next.
+                    group.cancel_prefetch()
+                group._training_state = TrainingState.IDLE
             if last:
                 state._post_forward_indices.clear()
-                # A prefetch whose module never ran must not outlive the iteration:
-                # the optimizer writes the shards it reads next.
-                state._fsdp_param_group.cancel_prefetch()
-            state._fsdp_param_group._training_state = TrainingState.IDLE
             state._training_state = TrainingState.IDLE
         # The last reduce-scatter overlapped the end of the backward; the optimizer
         # (or the next backward's accumulation) reads its gradients.
@@ -417,7 +455,8 @@ class FSDPState:
             state._modules_to_run_forward.clear()
             state._post_forward_indices.clear()
             state._training_state = TrainingState.IDLE
-            state._fsdp_param_group._reset_iter_state()
+            for group in state._fsdp_param_groups:
+                group._reset_iter_state()
         self._state_ctx.iter_forward_root = None
         self._state_ctx.post_backward_final_callback_queued = False
 
@@ -449,6 +488,17 @@ def _param_in_two_groups(fqn: str, other: str) -> str:
         f"Parameter '{fqn}' is shared with a parameter already managed by another FSDP "
         f"group (as {other!r}). For shared/tied parameters, use "
         "fully_shard([module_a, module_b]) to place them in the same FSDP group."
+    )
+
+
+def _several_groups(groups: list[FSDPParamGroup]) -> str:
+    # FSDP2's sentence first: code written for FSDP2 may match it.
+    fqns = [g._module_fqn for g in groups]
+    return (
+        f"Expected at most 1 param group for backward compatibility, but got {len(groups)} "
+        f"(fqns: {fqns}): shard_placement_fn put parameters on {len(groups)} meshes "
+        "(ShardPlacementResult), one group each. Use `_fsdp_param_groups` (plural) to "
+        "access all param groups."
     )
 
 

@@ -93,10 +93,11 @@ def managed_params(module: nn.Module, what: str) -> dict[int, Managed]:
     for sub in module.modules():
         state = get_module_fsdp_state(sub)
         if state is not None:
-            for param in state._fsdp_param_group.fsdp_params:
-                if param.tensor_parallel:
-                    raise errors.UnsupportedError(tensor_parallel_refused(what, param))
-                managed[id(param.sharded_param)] = Managed(param, state._fsdp_param_group.layout)
+            for group in state._fsdp_param_groups:  # each on its own mesh
+                for param in group.fsdp_params:
+                    if param.tensor_parallel:
+                        raise errors.UnsupportedError(tensor_parallel_refused(what, param))
+                    managed[id(param.sharded_param)] = Managed(param, group.layout)
     return managed
 
 
