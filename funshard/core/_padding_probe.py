@@ -29,7 +29,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from funshard import _text, comm
 from funshard.core._shard_optimizer import is_shard_optimizer, is_uneven, probing
@@ -124,6 +123,8 @@ def _applied(params: Any, updates: Any) -> Any:
 
 def _training(opt: Any, params: Any) -> tuple:
     """`(updates of each step, stacked; final opt_state)` after `opt.init` and STEPS updates."""
+    import optax  # here, not at module level: `import funshard` does not load optax
+
     opt = optax.with_extra_args_support(opt)
 
     def step(carry, _):
@@ -380,6 +381,8 @@ def _deciding_transform(opt: Any) -> Any:
     transform's update every k steps, so it is exact padded exactly when that transform
     is; probing the inner one sees an update at once, however large k.
     """
+    import optax  # here, not at module level: `import funshard` does not load optax
+
     owner = opt if isinstance(opt, optax.MultiSteps) else getattr(opt.init, "__self__", None)
     inner = getattr(owner, "_opt", None) if isinstance(owner, optax.MultiSteps) else None
     return opt if inner is None else _deciding_transform(inner)

@@ -20,15 +20,17 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from funshard import comm
 from funshard.core import _tree
 from funshard.core._sharded import Sharded, is_sharded
+
+if TYPE_CHECKING:  # optax is imported where it is used: `import funshard` does not load it
+    import optax
 
 # Set while `init_optimizer`'s probe runs a transform on single-device host copies: there
 # a wrapped transform inside it cuts and pads but places nothing on the mesh.
@@ -225,6 +227,8 @@ def shard_optimizer(opt: optax.GradientTransformation) -> optax.GradientTransfor
       A `GradientTransformationExtraArgs` whose `init` and `update` take and return the
       sharded state, updates and optimizer state in funshard's padded layout.
     """
+    import optax
+
     inner = optax.with_extra_args_support(opt)
 
     # Moving arrays between `Sharded` and `LeafStatistics` nodes changes the pytree, not
