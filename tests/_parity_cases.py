@@ -33,6 +33,9 @@ What differs from upstream, for every case:
 - CUDA-only parts are left out: streams, `device_sleep` (kept as `time.sleep` where it
   only delays the compute, dropped where it patches torch's collectives), memory stats,
   CUDA events, CUDA graphs, `torch.compile`, pinned memory.
+- The CI suite's longest cases run fewer of upstream's iterations, each case's note says
+  how many: the clip_grad_norm_ loops 2 (upstream's 10 are one computation repeated:
+  nothing steps), training loops 4 or 5 (still several steps, both kinds of zero_grad).
 - Assertions are soft: a failing assertion is recorded (with the subtest) and the case
   runs on, so that every rank issues the same collectives; the case fails if any rank
   recorded a failure or raised.
@@ -133,6 +136,10 @@ class Case:
 
 
 CASES: dict[str, Case] = {}
+# Why a CI case may run fewer of upstream's training iterations (the CI suite's time):
+_FEWER_STEPS = (
+    "optimizer steps on new inputs, zero_grad with and without set_to_none, each twice or more"
+)
 
 
 def case(
@@ -951,6 +958,7 @@ def _snapshot_grad(grad: torch.Tensor) -> torch.Tensor:
     "training",
     "TestFullyShard1DTrainingCompose::test_partial_group_forward_then_standalone",
     ci=True,
+    note=f"4 iterations per subtest (upstream: 10): {_FEWER_STEPS}",
 )
 def partial_group_forward_then_standalone(t: T, impl: Impl):
     dim, vocab_size, n_chunks = 32, 128, 4
@@ -1028,7 +1036,7 @@ def partial_group_forward_then_standalone(t: T, impl: Impl):
         if do_grouping_parity:
             ungrouped = new_model()
             ungrouped_optim = shard(ungrouped, grouped=False)
-        for iter_idx in range(10):
+        for iter_idx in range(4):  # upstream: 10 (the case's note)
             fsdp_loss, fsdp_head_grad = run_chunked(model, expected_h_dtype)
             if do_grouping_parity:
                 ug_loss, ug_head_grad = run_chunked(ungrouped, expected_h_dtype)
@@ -2233,7 +2241,7 @@ class _TensorPair(NamedTuple):
 @case(
     "mixed_precision",
     "TestFullyShardMixedPrecisionTraining::test_structured_input_output",
-    note="world 2 (upstream: up to 4)",
+    note=f"world 2 (upstream: up to 4); 4 iterations per subtest (upstream: 10): {_FEWER_STEPS}",
     ci=True,
 )
 def mp_structured_input_output(t: T, impl: Impl):
@@ -2294,7 +2302,7 @@ def mp_structured_input_output(t: T, impl: Impl):
         ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         torch.manual_seed(1)  # the same on every rank
-        for iter_idx in range(10):
+        for iter_idx in range(4):  # upstream: 10 (the case's note)
             global_inp = torch.rand((global_batch_size, dim))
             local_inp = _local_slice(t, global_inp, local_batch_size)
             optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
@@ -2528,6 +2536,10 @@ def mp_norm_modules_fp16(t: T, impl: Impl):
 # test_fully_shard_clip_grad_norm_.py
 
 
+CLIP_ITERATIONS = 2  # upstream: 10 identical iterations (_check_clip_grad_norm)
+_CLIP_ITER_NOTE = "2 iterations (upstream: 10, each the same computation: nothing steps)"
+
+
 def _check_clip_grad_norm(
     t: T, max_norm, norm_type, ref_model, ref_optim, model, optim, dp_mesh=None
 ) -> None:
@@ -2540,7 +2552,9 @@ def _check_clip_grad_norm(
     vector_norm = functools.partial(torch.linalg.vector_norm, ord=norm_type)
     torch.manual_seed(42 + dp_rank + 1)
     inp = torch.randint(0, model.model_args.vocab_size, (3, 16))
-    for _ in range(10):
+    # Upstream runs this 10 times, but nothing steps: each iteration is the first again on
+    # the same parameters and input. Two check the same: the first, and one after zero_grad.
+    for _ in range(CLIP_ITERATIONS):
         ref_optim.zero_grad()
         ref_model(inp).sum().backward()
         _average_grads(ref_model, group)
@@ -2581,7 +2595,12 @@ def _check_clip_grad_norm(
                 t.assertFalse(torch.equal(param.grad.to_local(), grad))
 
 
-@case("clip_grad_norm_", "TestClipGradNormWorldSize2::test_clip_grad_norm_1d", ci=True)
+@case(
+    "clip_grad_norm_",
+    "TestClipGradNormWorldSize2::test_clip_grad_norm_1d",
+    ci=True,
+    note=_CLIP_ITER_NOTE,
+)
 def clip_grad_norm_1d(t: T, impl: Impl):
     def body(norm_type):
         torch.manual_seed(42)
@@ -2619,7 +2638,7 @@ def _clip_grad_norm_2d(t: T, impl: Impl, norm_types: list) -> None:
 
 _CLIP_2D_NOTE = (
     "torch's own clip_grad_norm_ on the DTensor gradients, as upstream; SDPA's math backend"
-    " on the CPU, its causal mask replicated (_math_attention)"
+    f" on the CPU, its causal mask replicated (_math_attention); {_CLIP_ITER_NOTE}"
 )
 # Measured on FSDP2 and torch_frontend alike: upstream draws its tokens on the GPU; the
 # CPU's draw leaves one local block with a small inf-norm, so upstream's check that
@@ -3627,8 +3646,10 @@ def _train_parity_2d_mlp(
     use_activation_checkpointing: bool,
     mlp_dim: int,
     foreach: bool = False,
+    iterations: int = 10,
 ) -> nn.Module:
-    """Upstream's `_test_train_parity_2d_mlp` / `_test_2d_mlp_with_nd_mesh` loop."""
+    """Upstream's `_test_train_parity_2d_mlp` / `_test_2d_mlp_with_nd_mesh` loop (upstream:
+    10 iterations)."""
     dp_mesh, tp_mesh = global_mesh["dp"], global_mesh["tp"]
     dp_group = dp_mesh.get_group()
     torch.manual_seed(42)
@@ -3645,7 +3666,7 @@ def _train_parity_2d_mlp(
     )
     optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=foreach)
     torch.manual_seed(42 + dp_group.rank() + 1)
-    for iter_idx in range(10):
+    for iter_idx in range(iterations):
         inp = torch.randn((8, mlp_dim))
         pairs = ((ref_model, ref_optim), (model, optim))
         losses = _train_step(pairs, inp, iter_idx, ref_model, dp_group)
@@ -3695,7 +3716,12 @@ def mlp_2d_with_nd_mesh(t: T, impl: Impl):
 
 
 @case(
-    "training", "TestFullyShard2DTraining::test_train_parity_2d_mlp", world=4, ci=True, file=TWO_D
+    "training",
+    "TestFullyShard2DTraining::test_train_parity_2d_mlp",
+    world=4,
+    ci=True,
+    file=TWO_D,
+    note=f"5 iterations per subtest (upstream: 10): {_FEWER_STEPS}",
 )
 def train_parity_2d_mlp(t: T, impl: Impl):
     global_mesh = _dp_tp_mesh(t)
@@ -3705,7 +3731,7 @@ def train_parity_2d_mlp(t: T, impl: Impl):
             "use_activation_checkpointing": [False, True],
             "mlp_dim": [3, 16, 17],
         },
-        functools.partial(_train_parity_2d_mlp, t, impl, global_mesh),
+        functools.partial(_train_parity_2d_mlp, t, impl, global_mesh, iterations=5),
     )
 
 
