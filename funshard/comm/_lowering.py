@@ -15,7 +15,8 @@ normalisation would otherwise widen a bf16 all-gather to f32) and is exact every
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -86,13 +87,20 @@ def tie_to(buffer: jax.Array, dependency: jax.Array | None) -> jax.Array:
     `dependency` nor merge it with an identical collective elsewhere (the re-gather of
     the backward pass), and the values never change.
     """
-    if dependency is None or buffer.size == 0 or dependency.size == 0:
-        return buffer
+    return tie_all([buffer], dependency)[0]
+
+
+def tie_all(buffers: Sequence[jax.Array], dependency: jax.Array | None) -> list[jax.Array]:
+    """Each of `buffers` tied to `dependency` (see `tie_to`) by one shared predicate."""
+    buffers = list(buffers)
+    if dependency is None or dependency.size == 0 or not any(b.size for b in buffers):
+        return buffers
     d = dependency.reshape(-1)[0]
     if jnp.issubdtype(d.dtype, jnp.complexfloating):
         d = jnp.real(d)
     d = d.astype(jnp.float32)
-    return jnp.where((d == d) | (d != d), buffer, jnp.zeros_like(buffer))
+    always = (d == d) | (d != d)
+    return [jnp.where(always, b, jnp.zeros_like(b)) if b.size else b for b in buffers]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +198,7 @@ def all_gather_blocks(
         return (empty, None) if keep_group else empty
     # Tied before packing, not after: the backward pass's re-gather would otherwise share
     # (by CSE) the forward's packed buffer, keeping it alive from forward to backward.
-    flat = pack([tie_to(b, dependency) for b in blocks], packing)
+    flat = pack(tie_all(blocks, dependency), packing)
     gathered = jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to)
     if keep_group is None:
         return copy_out(gathered, packing, axes) if to == "varying" else unpack(gathered, packing)
@@ -212,7 +220,7 @@ def _present(axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.axis_index(axes) < _mesh_axes_size(axes)
 
 
-def _materialized(fn, operand, axes: tuple[str, ...]):
+def _materialized(fn: Callable, operand, axes: tuple[str, ...]):
     """`fn(operand)` as buffers XLA must materialise: a fusion boundary.
 
     An `optimization_barrier` is the tool for this, and XLA GPU keeps it until after
@@ -220,19 +228,42 @@ def _materialized(fn, operand, axes: tuple[str, ...]):
     conditional instead, whose outputs are always materialised. Its predicate is true
     on every device but unknown to the compiler; the other branch never runs. (On GPU
     a conditional would cost a device-to-host sync, hence not everywhere.)
+
+    `fn` must be a function that lives as long as its inputs' layout (see `_unpacker`):
+    the branches are then the same objects for every unit of that layout, so JAX traces
+    them once and reuses the jaxprs (tracing them anew in every unit of a deep model
+    cost more than the rest of the unit's trace).
     """
+    conditional, barrier = _boundary_branches(fn, axes)
+    return jax.lax.platform_dependent(operand, cpu=conditional, default=barrier)
+
+
+# Bounded: an evicted entry only costs a trace again.
+@functools.lru_cache(maxsize=4096)
+def _boundary_branches(fn: Callable, axes: tuple[str, ...]) -> tuple[Callable, Callable]:
+    """The two platform branches of `_materialized(fn, ., axes)`, one pair per `fn`."""
 
     def barrier(x):
         return jax.lax.optimization_barrier(fn(x))
 
-    def conditional(x):
-        def never(y):
-            return jax.tree.map(jnp.zeros_like, fn(y))
+    def never(y):
+        return jax.tree.map(jnp.zeros_like, fn(y))
 
+    def conditional(x):
         with jax.named_scope(PRESENT_SCOPE):
             return jax.lax.cond(_present(axes), fn, never, x)
 
-    return jax.lax.platform_dependent(operand, cpu=conditional, default=barrier)
+    return conditional, barrier
+
+
+def _identity(x):
+    return x
+
+
+@functools.lru_cache(maxsize=4096)
+def _unpacker(packing: Packing) -> Callable:
+    """`unpack(., packing)` as one function per layout (see `_materialized`)."""
+    return functools.partial(unpack, packing=packing)
 
 
 def materialize(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -259,7 +290,7 @@ def materialize(tree: Any, axes: tuple[str, ...]) -> Any:
     ]
     if not idx:
         return tree
-    kept = _materialized(lambda xs: xs, [leaves[i] for i in idx], axes)
+    kept = _materialized(_identity, [leaves[i] for i in idx], axes)
     for i, x in zip(idx, kept, strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
@@ -276,7 +307,7 @@ def copy_out(gathered: jax.Array, packing: Packing, axes: tuple[str, ...]) -> li
     their own and the flat buffer dies right after this copy.
     """
     with jax.named_scope("copy_out"):  # funshard/<unit>/all_gather/copy_out in profiles
-        return _materialized(lambda g: unpack(g, packing), gathered, axes)
+        return _materialized(_unpacker(packing), gathered, axes)
 
 
 def regather_group(
