@@ -526,6 +526,31 @@ def own_mesh(fully_shard) -> nn.Module:
     return fully_shard(model, mesh=dp)
 
 
+def group_methods(model: nn.Module, record: dict, prefix: str) -> None:
+    """FSDPModule's methods on a block of two groups: `unshard(async_op=True)` and
+    `reshard` (what the block holds after each), and gradient accumulation without sync
+    (`set_requires_gradient_sync(False)` for one microbatch, then a synchronised one)."""
+
+    def held(block: nn.Module) -> np.ndarray:
+        return np.asarray([f"{type(p).__name__} {tuple(p.shape)}" for p in block.parameters()])
+
+    block = model.blocks[0]
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    record[f"{prefix}/unsharded"] = held(block)
+    block.reshard()
+    record[f"{prefix}/resharded"] = held(block)
+    rank = dist.get_rank()
+    model.set_requires_gradient_sync(False)
+    for step in (10, 11):
+        if step == 11:
+            model.set_requires_gradient_sync(True)
+        x, y = batch(step, rank)
+        (model(x) - y).pow(2).mean().backward()
+    record[f"{prefix}/accumulated_norm"] = np.asarray(grad_norm(model))
+    model.zero_grad()
+
+
 def frontend_tools(model: nn.Module, record: dict, prefix: str) -> None:
     """torch_frontend's own full state dict and clipping over a state's several groups."""
     import torch_frontend as tf
@@ -554,6 +579,7 @@ def groups_and_spmd(mesh, fully_shard, dp_rank: int, record: dict, impl: str) ->
     model = own_mesh(fully_shard)
     train_global(model, record, "own_mesh", rank)
     groups(model, record, "own_mesh")
+    group_methods(model, record, "own_mesh")
     if impl == "frontend":
         frontend_tools(model, record, "own_mesh")
     model = spmd(mesh, fully_shard, DataParallelMeshDims(shard="dp"))

@@ -235,6 +235,22 @@ def test_one_group_accessor_raises_as_fsdp2s_with_several(ranks, case):
     assert "Use `_fsdp_param_groups` (plural)" in message
 
 
+def test_methods_cover_every_group(ranks):
+    """`unshard(async_op=True)` gathers both groups of the block and `reshard` frees both,
+    as FSDP2's; accumulating without sync gives FSDP2's norm (the comparison above)."""
+    record = ranks["frontend"][0]
+    assert list(record["own_mesh/unsharded"]) == [
+        "Parameter (8,)",
+        "Parameter (8,)",
+        "Parameter (16, 8)",
+        "Parameter (16,)",
+        "Parameter (8, 16)",
+        "Parameter (8,)",
+    ]
+    assert all(str(h).startswith("DTensor ") for h in record["own_mesh/resharded"])
+    assert record["own_mesh/accumulated_norm"] > 0
+
+
 def test_spmd_has_one_group_and_the_accessor_returns_it(ranks):
     for impl in ("fsdp2", "frontend"):
         assert int(ranks[impl][0]["spmd/groups"]) == 1

@@ -589,8 +589,9 @@ class _GroupMesh:
             _check_full_mesh_param(param, fqn, self.full_mesh, self.spec)
 
 
-def _group_mesh(device_mesh: DeviceMesh, info: Any = None, **spec: Any) -> _GroupMesh:
-    jax_mesh, device_mesh = _distributed.both_meshes(device_mesh)
+def _group_mesh(mesh: Any, info: Any = None, **spec: Any) -> _GroupMesh:
+    """A group's mesh from a `fully_shard(mesh=...)` value (None, jax or torch mesh)."""
+    jax_mesh, device_mesh = _distributed.both_meshes(mesh)
     layout = _distributed.layout_of(jax_mesh)
     return _GroupMesh(device_mesh, layout, ShardSpec(device_mesh, **spec), info)
 
@@ -598,9 +599,7 @@ def _group_mesh(device_mesh: DeviceMesh, info: Any = None, **spec: Any) -> _Grou
 def _default_mesh(mesh, dp_mesh_dims, reshard_after_forward) -> _GroupMesh:
     """The mesh of the parameters `shard_placement_fn` does not place elsewhere."""
     if dp_mesh_dims is None:
-        jax_mesh, device_mesh = _distributed.both_meshes(mesh)
-        layout = _distributed.layout_of(jax_mesh)
-        return _GroupMesh(device_mesh, layout, ShardSpec(device_mesh))
+        return _group_mesh(mesh)
     shard, replicate = _named_dims(mesh, dp_mesh_dims, reshard_after_forward)
     names = mesh.mesh_dim_names
     dp_mesh = mesh[shard] if replicate is None else _hsdp_mesh(mesh, replicate, shard)
