@@ -282,6 +282,36 @@ def widen_cpu_pool() -> None:
     registration.factory = make_cpu_client
 
 
+def compiled_count(fn: Any) -> int | None:
+    """How many programs the jitted `fn` keeps compiled; None where JAX does not say.
+
+    Relies on the `_cache_size()` method of `jax.jit`'s functions (the size of their
+    dispatch cache). Guarded by tests/test_comm_eager.py.
+    """
+    size = getattr(fn, "_cache_size", None)
+    return size() if callable(size) else None
+
+
+def drop_lowered_modules() -> None:
+    """Empties JAX's cache of lowered modules (StableHLO and its MLIR objects).
+
+    A jitted function keeps each compiled program in its own dispatch cache and runs it
+    from there; the program's lowered module stays in this cache only for a second
+    lowering of the same trace, which a function called with shapes it has compiled
+    never asks for. A later lowering of such a trace (`.lower()` twice) lowers again;
+    results are unchanged. Relies on
+    `jax._src.interpreters.pxla._cached_lowering_to_hlo` and its `cache_clear()`; a JAX
+    without them is left as it is. Guarded by tests/test_comm_eager.py.
+    """
+    try:
+        from jax._src.interpreters import pxla
+    except ImportError:  # pragma: no cover - every supported JAX has it
+        return
+    clear = getattr(getattr(pxla, "_cached_lowering_to_hlo", None), "cache_clear", None)
+    if callable(clear):
+        clear()
+
+
 def coordination_client() -> Any:
     """The coordination service's client (its key-value store), or None if not started.
 

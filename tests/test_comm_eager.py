@@ -186,6 +186,33 @@ def test_eager_reduce_scatter_rows_sums_each_devices_row(mesh_name, all_reduce, 
             np.testing.assert_array_equal(np.asarray(shard.data), want)  # small integers
 
 
+def test_eager_collectives_keep_their_programs_but_no_lowered_modules():
+    # After a call that compiled, JAX's cache of lowered modules is emptied (memory held
+    # for a second lowering that never comes); the next call with the same shapes runs
+    # the kept program: nothing is lowered again, and the numbers are numpy's.
+    from jax._src.interpreters import pxla
+
+    lowered = pxla._cached_lowering_to_hlo
+    mesh = mesh_for("4")
+    n = mesh.shape["fsdp"]
+    rng = np.random.default_rng(7)
+    jax.jit(lambda x: x * 3).lower(jnp.ones(13))  # an unrelated module in the cache
+    for _ in range(2):
+        shards = [_random(rng, (3, 7), np.float32) for _ in range(n)]
+        data = comm.global_array([shards[_shard_index(mesh, i)] for i in range(n)], mesh, ("fsdp",))
+        flats = [_random(rng, (n * 11,), np.float32) for _ in range(n)]
+        misses = lowered.cache_info().misses
+        (full,) = comm.eager_all_gather([data], mesh, ("fsdp",), rows=[3 * n - 1])
+        (out,) = comm.eager_reduce_scatter_rows([_rows_apart(mesh, flats)], mesh, ("fsdp",))
+        assert lowered.cache_info().currsize == 0
+        np.testing.assert_array_equal(np.asarray(full), np.concatenate(shards)[: 3 * n - 1])
+        for shard in out.addressable_shards:
+            p = _positions(mesh)[shard.device]
+            want = _block(_summed(mesh, flats, p, True), 0, _shard_index(mesh, p), 11)
+            np.testing.assert_array_equal(np.asarray(shard.data), want)
+    assert lowered.cache_info().misses == misses  # the second round lowered nothing
+
+
 def test_eager_reduce_scatter_rows_needs_one_row_per_device():
     mesh = mesh_for("4")
     rows = _rows_apart(mesh, [np.zeros(8, np.float32)] * 4)
