@@ -561,7 +561,8 @@ def test_a_unit_under_a_device_dependent_cond_is_refused_on_a_tensor_mesh():
 @pytest.mark.slow
 def test_compositions_on_a_tensor_mesh_are_plain_jax():
     """jax.checkpoint around the block, a psum-normalised loss, a frozen integer leaf split
-    over `tensor`, and a NaN in the batch: plain JAX's numbers (NaN where it has NaN)."""
+    over `tensor`, vmap over whole steps, and a NaN in the batch: plain JAX's numbers
+    (NaN where it has NaN)."""
     params, x = gpt_params(), _batch()
     want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
     mesh = _mesh(fsdp=4, tensor=2)
@@ -580,6 +581,14 @@ def test_compositions_on_a_tensor_mesh_are_plain_jax():
         got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, x)
         np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6, err_msg=loss.__name__)
         _assert_close(fs.unshard(grads), want)
+
+    step = fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor"))
+    batches = jnp.stack([_batch(seed=1), _batch(seed=2)])
+    losses, grads = jax.jit(jax.vmap(step, in_axes=(None, 0)))(state, batches)
+    for k in range(2):
+        one_loss, one = jax.value_and_grad(gpt_loss)(params, batches[k])
+        np.testing.assert_allclose(losses[k], one_loss, rtol=1e-6, err_msg=f"vmap {k}")
+        _assert_close(fs.unshard(jax.tree.map(lambda g, k=k: g[k], grads)), one)
 
     ids = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
     spec = {**GPT_SPEC, "ids": P(None, "tensor")}
