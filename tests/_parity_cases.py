@@ -3901,7 +3901,8 @@ def _shared_temp_dir() -> Iterator[str]:
     ci=True,
     file=TWO_D,
     note="upstream skips it on Linux (pytorch/pytorch#125644); here it runs, on gloo;"
-    " SDPA's math backend on the CPU, its causal mask replicated (_math_attention)",
+    " SDPA's math backend on the CPU, its causal mask replicated (_math_attention); the"
+    " subtests that differ in reuse_model_optim only share their checkpoint-free baseline",
 )
 def train_parity_2d_transformer_checkpoint_resume(t: T, impl: Impl):
     import torch.distributed.checkpoint as dcp
@@ -3925,19 +3926,25 @@ def train_parity_2d_transformer_checkpoint_resume(t: T, impl: Impl):
         return model
 
     global_mesh = _dp_tp_mesh(t)
+    baselines: dict[tuple, tuple] = {}
 
     @_math_attention()
     def body(use_seq_parallel, reuse_model_optim, optimizer_class, foreach):
-        # The baseline: two steps without a checkpoint.
         seed = 42
-        torch.manual_seed(seed)
         model_args = U.ModelArgs(dropout_p=0.0)
-        model_no_cp = parallelize(U.Transformer(model_args), global_mesh, use_seq_parallel)
-        optim_no_cp = optimizer_class(model_no_cp.parameters(), lr=1e-2, foreach=foreach)
-        torch.manual_seed(42 + global_mesh["dp"].get_local_rank() + 1)
-        inp = torch.randint(0, model_args.vocab_size, (3, 16))
-        loss_no_cp1 = train_step(model_no_cp, optim_no_cp, inp)
-        loss_no_cp2 = train_step(model_no_cp, optim_no_cp, inp)
+        # The baseline: two steps without a checkpoint. Upstream trains it again in each
+        # subtest; it does not depend on reuse_model_optim, so both of those share one
+        # (every draw below starts from its own seed, as upstream's).
+        key = (use_seq_parallel, optimizer_class, foreach)
+        if key not in baselines:
+            torch.manual_seed(seed)
+            model_no_cp = parallelize(U.Transformer(model_args), global_mesh, use_seq_parallel)
+            optim_no_cp = optimizer_class(model_no_cp.parameters(), lr=1e-2, foreach=foreach)
+            torch.manual_seed(42 + global_mesh["dp"].get_local_rank() + 1)
+            inp = torch.randint(0, model_args.vocab_size, (3, 16))
+            losses = [train_step(model_no_cp, optim_no_cp, inp).detach() for _ in range(2)]
+            baselines[key] = (inp, *losses)
+        inp, loss_no_cp1, loss_no_cp2 = baselines[key]
         # One step, a checkpoint, zeroed or new model and optimizer, the load, a step.
         torch.manual_seed(seed)
         model_cp = parallelize(U.Transformer(model_args), global_mesh, use_seq_parallel)
