@@ -73,6 +73,7 @@ from funshard.comm._lowering import materialize as materialize
 from funshard.comm._lowering import packing_of as packing_of
 from funshard.comm._lowering import reduce_scatter_blocks as reduce_scatter_blocks
 from funshard.comm._lowering import reduce_scatter_by_permutes as reduce_scatter_by_permutes
+from funshard.comm._lowering import tie_to as tie_to
 from funshard.comm._lowering import vary as vary
 from funshard.comm._mesh import REPLICATE_AXIS as REPLICATE_AXIS
 from funshard.comm._mesh import SHARD_AXIS as SHARD_AXIS

@@ -7,40 +7,143 @@ funshard is, with `jax.lax`: what a Megatron block or a GShard MoE layer needs a
 more. The backward collectives follow from JAX's own typing of values inside
 `jax.shard_map`: an activation replicated over `tensor` that meets a column-split kernel
 gets its cotangent summed over `tensor` (Megatron's "f"), a `psum` transposes to
-nothing more (Megatron's "g").
+nothing more (Megatron's "g"). With `sequence_axis=`, the two linears are Megatron's
+sequence parallelism: the activations between them (residual stream, norms) are split
+over `tensor` along the sequence, `column_parallel` all-gathers them and `row_parallel`
+reduce-scatters (`jax.lax.psum_scatter`) instead of summing, each the other's transpose.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from funshard import errors
+from funshard import comm, errors
+from funshard._jax_compat import varying_axes
 
 TENSOR_AXIS = "tensor"
 EXPERT_AXIS = "expert"
 
 
-def column_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+def _sequence_dim_error(fn: str, sequence_axis: object, ndim: int) -> str:
+    return (
+        f"{fn}: sequence_axis={sequence_axis!r} is not a dim of the activations' leading "
+        f"dims (x has {ndim} dims; the last is the features the kernel contracts); pass the "
+        "index of the sequence dim, e.g. sequence_axis=1 for (batch, seq, features)."
+    )
+
+
+def _check_sequence_axis(fn: str, x: jax.Array, sequence_axis: int) -> int:
+    """`sequence_axis` as a non-negative dim of `x`'s leading (non-feature) dims."""
+    ndim = x.ndim
+    if isinstance(sequence_axis, bool) or not isinstance(sequence_axis, int):
+        raise errors.ShardingTypeError(_sequence_dim_error(fn, sequence_axis, ndim))
+    if not -ndim <= sequence_axis < ndim - 1 or sequence_axis == -1:
+        raise errors.ShardingValueError(_sequence_dim_error(fn, sequence_axis, ndim))
+    return sequence_axis % ndim
+
+
+def _replicated_input_error(axis: str, dim: int) -> str:
+    return (
+        f"column_parallel: with sequence_axis={dim}, x must be this device's part of the "
+        f"sequence, split over {axis!r} (a row_parallel(..., sequence_axis={dim}) output, "
+        f"or a slice of an activation replicated over {axis!r}); this x is the same on "
+        f"every device of {axis!r}. Drop sequence_axis, or slice x first."
+    )
+
+
+def _gather_sequence(x: jax.Array, axis: str, dim: int) -> jax.Array:
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gathered_matmul(x: jax.Array, kernel: jax.Array, axis: str, dim: int) -> jax.Array:
+    return _gather_sequence(x, axis, dim) @ kernel
+
+
+def _gathered_matmul_fwd(x, kernel, axis, dim):
+    # Megatron-SP keeps the sequence-split input for the backward pass, not its
+    # all-gathered copy (t times larger), and gathers it again there.
+    return _gathered_matmul(x, kernel, axis, dim), (x, kernel)
+
+
+def _gathered_matmul_bwd(axis, dim, residuals, ct):
+    x, kernel = residuals
+    # Tied to the cotangent, so that XLA cannot merge the re-gather with the forward one.
+    full = _gather_sequence(comm.tie_to(x, ct), axis, dim)
+    ct_x = jax.lax.psum_scatter(ct @ kernel.T, axis, scatter_dimension=dim, tiled=True)
+    lead = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))
+    ct_kernel = jnp.einsum(f"{lead}i,{lead}o->io", full, ct)
+    return ct_x.astype(x.dtype), ct_kernel.astype(kernel.dtype)
+
+
+_gathered_matmul.defvjp(_gathered_matmul_fwd, _gathered_matmul_bwd)
+
+
+def column_parallel(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    sequence_axis: int | None = None,
+    axis: str = TENSOR_AXIS,
+) -> jax.Array:
     """`x @ kernel + bias` with `kernel` split over a model axis on its last dim.
 
     Args:
-      x: activations replicated over the model axis, `(..., d_in)`.
+      x: activations replicated over the model axis, `(..., d_in)`; with
+        `sequence_axis`, this device's part of the sequence, split over `axis` along
+        that dim (Megatron's sequence parallelism).
       kernel: this device's columns, `(d_in, d_out / t)` (a leaf sharded with
         `model_spec=P(None, "tensor")`, gathered by `fs.unshard` or a unit).
       bias: this device's part of the bias, `(d_out / t,)`, or None.
+      sequence_axis: None (the default): `x` is whole on every device of `axis`. An
+        int: the dim of `x` split over `axis`; `x` is all-gathered along it over `axis`
+        before the matmul (its gradient a reduce-scatter), and the backward pass
+        gathers it again instead of keeping the gathered copy.
+      axis: the model axis `kernel` (and, with `sequence_axis`, `x`) is split over;
+        used only with `sequence_axis`.
 
     Returns:
-      This device's columns of the output, `(..., d_out / t)`, split over the model axis
-      as the kernel is. No communication forward; backward, the gradient of `x` is
-      summed over the model axis by JAX itself.
+      This device's columns of the output, `(..., d_out / t)`, over the whole sequence,
+      split over the model axis as the kernel is. Without `sequence_axis` no
+      communication forward; backward, the gradient of `x` is summed over the model
+      axis by JAX itself.
+
+    Raises:
+      TypeError: `sequence_axis` is not an int.
+      ValueError: `sequence_axis` is not one of `x`'s leading dims, or `x` does not
+        vary over `axis` (it is not split).
     """
-    y = x @ kernel
+    if sequence_axis is not None:
+        dim = _check_sequence_axis("column_parallel", x, sequence_axis)
+        if axis not in varying_axes(x):
+            raise errors.ShardingValueError(_replicated_input_error(axis, dim))
+        # One type for both, so that the backward rule's gradients have their inputs'.
+        both = sorted(varying_axes(x) | varying_axes(kernel))
+        y = _gathered_matmul(comm.vary(x, both), comm.vary(kernel, both), axis, dim)
+    else:
+        y = x @ kernel
     return y if bias is None else y + bias
 
 
+def _sequence_length_error(length: int, size: int, axis: str, dim: int) -> str:
+    return (
+        f"row_parallel: sequence_axis={dim} has length {length}, which the {size} devices "
+        f"of {axis!r} cannot split evenly; use a sequence length that {size} divides "
+        "(pad the sequence), or drop sequence_axis."
+    )
+
+
 def row_parallel(
-    x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, axis: str = TENSOR_AXIS
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    axis: str = TENSOR_AXIS,
+    sequence_axis: int | None = None,
 ) -> jax.Array:
     """`x @ kernel + bias` with `kernel` split over `axis` on its first dim.
 
@@ -50,12 +153,30 @@ def row_parallel(
       kernel: this device's rows, `(d_in / t, d_out)` (`model_spec=P("tensor", None)`).
       bias: the whole bias, `(d_out,)` (replicated over `axis`), or None.
       axis: the model axis (or axes) `kernel` is split over.
+      sequence_axis: None (the default): the partial products are summed with one
+        `jax.lax.psum` over `axis`. An int: they are reduce-scattered along that dim
+        (`jax.lax.psum_scatter`), so each device of `axis` gets its own part of the
+        sequence, summed (Megatron's sequence parallelism; its gradient an all-gather).
 
     Returns:
-      The full output, `(..., d_out)`, equal on every device of `axis`: the partial
-      products are summed with one `jax.lax.psum` over `axis`.
+      Without `sequence_axis`, the full output, `(..., d_out)`, equal on every device
+      of `axis`. With it, this device's `1/t` of the sequence dim of that output, split
+      over `axis` (device `i` holds the `i`-th block).
+
+    Raises:
+      TypeError: `sequence_axis` is not an int.
+      ValueError: `sequence_axis` is not one of `x`'s leading dims, or the size of
+        `axis` does not divide its length.
     """
-    y = jax.lax.psum(x @ kernel, axis)
+    y = x @ kernel
+    if sequence_axis is None:
+        y = jax.lax.psum(y, axis)
+    else:
+        dim = _check_sequence_axis("row_parallel", x, sequence_axis)
+        size = jax.lax.axis_size(axis)
+        if y.shape[dim] % size:
+            raise errors.ShardingValueError(_sequence_length_error(y.shape[dim], size, axis, dim))
+        y = jax.lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True)
     return y if bias is None else y + bias
 
 
