@@ -16,7 +16,8 @@ train. Each rank writes `rank{r}.npz`.
 First, in the same job, the parameter-group cases (`groups_and_spmd`): torchtitan's MoE
 sharding (experts on a sparse `(efsdp, ep)` mesh through `ShardPlacementResult`, two
 groups per block), an HSDP group beside an FSDP one, and `dp_mesh_dims` on the full
-`(dp, tp)` mesh (FSDP and HSDP), with the same records, plus the mistakes of both APIs.
+`(dp, tp)` mesh (FSDP, HSDP, both dims flattened), with the same records, plus the
+mistakes of both APIs.
 """
 
 from __future__ import annotations
@@ -340,7 +341,7 @@ def frontend_group_refusals(mesh, record: dict) -> None:
     info = FSDPMeshInfo(mesh["dp"], shard_mesh_dim=0)
     cases = {
         "dims_ddp": DataParallelMeshDims(replicate="dp"),
-        "dims_flattened": DataParallelMeshDims(shard=("dp", "tp")),
+        "dims_unordered": DataParallelMeshDims(shard=("tp", "dp")),
     }
     for name, dims in cases.items():
         _raised(record, name, lambda d=dims: spmd(mesh, tf.fully_shard, d))
@@ -588,6 +589,9 @@ def groups_and_spmd(mesh, fully_shard, dp_rank: int, record: dict, impl: str) ->
     # HSDP on the full mesh: replicas over dp, shards over tp; each rank its own batch.
     model = spmd(mesh, fully_shard, DataParallelMeshDims(shard="tp", replicate="dp"), tp=False)
     train_global(model, record, "spmd_hsdp", rank, mesh, [Shard(0), Shard(0)])
+    # Both dims flattened into one shard dim of 4 ranks.
+    model = spmd(mesh, fully_shard, DataParallelMeshDims(shard=("dp", "tp")), tp=False)
+    train_global(model, record, "spmd_flat", rank, mesh, [Shard(0), Shard(0)])
     group_mistakes(mesh, fully_shard, record)
 
 

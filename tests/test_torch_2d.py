@@ -54,10 +54,10 @@ def _dp_rank(rank: int) -> int:
     return rank // TP  # init_device_mesh's (dp, tp) grid, row-major
 
 
-# Cases whose dense group reduce-scatters over all 4 ranks: the 4-term sums run in
+# Cases with a group that reduce-scatters over all 4 ranks: the 4-term sums run in
 # another order than gloo's, so they equal FSDP2's to the last bit or two (measured:
-# 4.3e-7 relative at most), and are compared with a tolerance (`test_parameter_groups_...`).
-FOUR_RANK_SUMS = ("moe_reshard/", "moe_keep/", "own_mesh/")
+# 8e-7 relative at most), and are compared with a tolerance (`test_four_rank_...`).
+FOUR_RANK_SUMS = ("moe_reshard/", "moe_keep/", "own_mesh/", "spmd_flat/")
 
 
 def _common(record: dict) -> dict:
@@ -191,10 +191,11 @@ def test_shard_placement_fn_on_tp_parameters_dim_1(ranks):
     }
 
 
-@pytest.mark.parametrize("case", ["moe_reshard", "moe_keep", "own_mesh"])
-def test_parameter_groups_on_their_own_meshes_equal_fsdp2(ranks, case):
-    """`ShardPlacementResult` on another mesh: losses, grad norms, full state dicts equal
-    FSDP2's (to 1e-6, see FOUR_RANK_SUMS); placements, groups and their members exactly."""
+@pytest.mark.parametrize("case", [c.rstrip("/") for c in FOUR_RANK_SUMS])
+def test_four_rank_cases_equal_fsdp2(ranks, case):
+    """`ShardPlacementResult` on another mesh, and `dp_mesh_dims` flattening both dims:
+    losses, grad norms, full state dicts equal FSDP2's (to 1e-6, see FOUR_RANK_SUMS);
+    placements, groups and their members exactly."""
     for rank in range(WORLD):
         want, got = ranks["fsdp2"][rank], ranks["frontend"][rank]
         keys = [k for k in want if k.startswith(f"{case}/")]
@@ -280,7 +281,8 @@ def test_frontend_tools_take_several_groups(ranks):
 
 
 def test_dp_mesh_dims_placements_are_fsdp2s(ranks):
-    """On the full (dp, tp) mesh: the 2-D recipe's placements; HSDP: Replicate() on dp."""
+    """On the full (dp, tp) mesh: the 2-D recipe's placements; HSDP: Replicate() on dp;
+    flattened: a 1-D view of both dims."""
     record = ranks["frontend"][0]
     got = {k: str(record[f"spmd/placement/blocks.0.{k}"]) for k in ("in_proj.weight", "norm.bias")}
     two_d = "('dp', 'tp') "
@@ -292,9 +294,13 @@ def test_dp_mesh_dims_placements_are_fsdp2s(ranks):
         two_d + "(Shard(dim=0), Shard(dim=1))"
     )
     assert str(record["spmd_hsdp/placement/head.weight"]) == two_d + "(Replicate(), Shard(dim=0))"
+    # Both dims flattened: FSDP2's one-dim view of them.
+    assert str(record["spmd_flat/placement/head.weight"]) == "('dp_tp',) (Shard(dim=0),)"
 
 
-@pytest.mark.parametrize(("case", "data_ranks"), [("spmd", DP), ("spmd_hsdp", WORLD)])
+@pytest.mark.parametrize(
+    ("case", "data_ranks"), [("spmd", DP), ("spmd_hsdp", WORLD), ("spmd_flat", WORLD)]
+)
 def test_dp_mesh_dims_fsdp2_trains_as_plain_torch(ranks, case, data_ranks):
     """The control: the loss is the global batch's mean on every rank, and FSDP2 still
     divides the gradients summed over the data-parallel ranks by their number: plain SGD
@@ -329,7 +335,7 @@ def test_group_and_dp_mesh_dims_mistakes_raise_fsdp2s_type(ranks, name):
     ("name", "words"),
     [
         ("dims_ddp", "name a shard dim"),
-        ("dims_flattened", "name one shard dim"),
+        ("dims_unordered", "shard dims that are not consecutive, in order"),
         ("dims_with_result", "ShardPlacementResult with dp_mesh_dims (parameter 'norm.weight')"),
         ("result_not_info", "must be an FSDPMeshInfo"),
     ],

@@ -602,26 +602,49 @@ def _default_mesh(mesh, dp_mesh_dims, reshard_after_forward) -> _GroupMesh:
         return _group_mesh(mesh)
     shard, replicate = _named_dims(mesh, dp_mesh_dims, reshard_after_forward)
     names = mesh.mesh_dim_names
-    dp_mesh = mesh[shard] if replicate is None else _hsdp_mesh(mesh, replicate, shard)
-    dp_dims = {names.index(shard)} | ({names.index(replicate)} if replicate else set())
-    made = _group_mesh(dp_mesh, dp_shard_dim=names.index(shard), dp_dims=frozenset(dp_dims))
+    dp_mesh = _dp_mesh(mesh, shard, replicate)
+    shard_dims = tuple(names.index(n) for n in shard)
+    dp_dims = frozenset((*shard_dims, *(names.index(n) for n in replicate)))
+    flat = _flat_mesh(mesh, shard, replicate) if len(shard) > 1 else None
+    made = _group_mesh(dp_mesh, dp_shard_dims=shard_dims, dp_dims=dp_dims, flat_mesh=flat)
     return dataclasses.replace(made, full_mesh=mesh)
 
 
+def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    # FSDP2's: several dims of one role flattened into one 1-D mesh.
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+
 @functools.cache
-def _hsdp_mesh(mesh: DeviceMesh, replicate: str, shard: str) -> DeviceMesh:
-    # FSDP2's HSDP mesh of `dp_mesh_dims`: (replicate, shard), made once per mesh.
-    return DeviceMesh._concatenate([mesh[replicate], mesh[shard]])
+def _dp_mesh(mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...]) -> DeviceMesh:
+    """FSDP2's data-parallel mesh of `dp_mesh_dims`: (shard), or (replicate, shard) for HSDP."""
+    if not replicate:
+        return _one_dim(mesh, shard)
+    return DeviceMesh._concatenate([_one_dim(mesh, replicate), _one_dim(mesh, shard)])
 
 
-def _named_dims(mesh, dims, reshard_after_forward) -> tuple[str, str | None]:
-    """`dp_mesh_dims`' (shard dim, replicate dim or None), checked as FSDP2 checks them.
+@functools.cache
+def _flat_mesh(mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...]) -> DeviceMesh:
+    """The sharded DTensors' mesh with several shard dims, as FSDP2 makes it: the
+    data-parallel mesh where the first shard dim was, the other dims as they are."""
+    names = mesh.mesh_dim_names or ()
+    parts = []
+    for name in names:
+        if name == shard[0]:
+            parts.append(_dp_mesh(mesh, shard, replicate))
+        elif name not in shard and name not in replicate:
+            parts.append(mesh[name])
+    return DeviceMesh._concatenate(parts)
+
+
+def _named_dims(mesh, dims, reshard_after_forward) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`dp_mesh_dims`' (shard dims, replicate dims), checked as FSDP2 checks them.
 
     Raises:
       TypeError: `dims` is not a `DataParallelMeshDims`, or `mesh` not a torch mesh.
       ValueError: the mesh has no dim names, or lacks a named dim (FSDP2's).
       NotImplementedError: an int `reshard_after_forward` (FSDP2's), no shard dim
-        (DDP), or several names for one role.
+        (DDP), or shard dims that are not consecutive in the mesh.
     """
     dims_type = _data_parallel_mesh_dims()
     if dims_type is None or not isinstance(dims, dims_type):
@@ -643,15 +666,17 @@ def _named_dims(mesh, dims, reshard_after_forward) -> tuple[str, str | None]:
                 "name a shard dim (DataParallelMeshDims(shard=...)), or use DDP.",
             )
         )
-    if len(dims.shard_names) > 1 or len(dims.replicate_names) > 1:
+    at = [mesh.mesh_dim_names.index(n) for n in dims.shard_names]
+    if at != list(range(at[0], at[0] + len(at))):
+        # FSDP2 assumes them consecutive (its flattened view replaces a run of dims).
         raise errors.UnsupportedError(
             _not_supported_yet(
-                f"{dims} (several dims flattened into one role)",
-                "name one shard dim and at most one replicate dim; to shard over "
-                "several, make them one dim of the mesh (init_device_mesh).",
+                f"{dims}: shard dims that are not consecutive, in order, in the mesh "
+                f"{mesh.mesh_dim_names}",
+                "name shard dims that follow each other in the mesh.",
             )
         )
-    return dims.shard_names[0], (dims.replicate_names or (None,))[0]
+    return dims.shard_names, dims.replicate_names
 
 
 def _data_parallel_mesh_dims() -> type | None:
@@ -676,7 +701,7 @@ def _check_full_mesh_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh, spec
         raise errors.ShardingValueError(_full_mesh_other(fqn, param.device_mesh, mesh))
     for i in sorted(spec.dp_dims):
         if not isinstance(param.placements[i], Replicate):
-            role = "shard" if i == spec.dp_shard_dim else "replicate"
+            role = "shard" if i in spec.dp_shard_dims else "replicate"
             raise errors.ShardingValueError(_full_mesh_split(fqn, role, names[i], i, param))
 
 
@@ -970,8 +995,8 @@ def fully_shard(
         gradients not reduced (as in FSDP2).
       dp_mesh_dims: FSDP2's `DataParallelMeshDims(shard=..., replicate=...)`: `mesh` is
         then the full named mesh, the parameters DTensors on it with `Replicate()` on
-        those dims, which fully_shard shards (one shard dim, at most one replicate
-        dim).
+        those dims, which fully_shard shards (a tuple of names flattens several, as
+        FSDP2's).
 
     Returns:
       `module`, its class swapped to `FSDP<Cls>` (a subclass of `FSDPModule`).
@@ -984,8 +1009,8 @@ def fully_shard(
         `dp_mesh_dims`, a parameter that is not a DTensor on `mesh` replicated over
         its dims, or a dim not in it; two `FSDPMeshInfo` objects for one process group.
       NotImplementedError: an argument not supported yet (`CPUOffloadPolicy` on a GPU
-        mesh, `dp_mesh_dims` without a shard dim or with several dims in one role, or
-        with a `ShardPlacementResult`; an int `reshard_after_forward` with
+        mesh, `dp_mesh_dims` without a shard dim or with shard dims not consecutive in
+        the mesh, or with a `ShardPlacementResult`; an int `reshard_after_forward` with
         `dp_mesh_dims`, as FSDP2).
       RuntimeError: `CPUOffloadPolicy(pin_memory=True)` without an accelerator (as
         FSDP2); a tensor-parallel parameter whose mesh is not another dim of the

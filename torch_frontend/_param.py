@@ -80,24 +80,28 @@ class ShardSpec:
       tp_spec: a tensor-parallel parameter's own DTensor spec (None: a plain one). Its
         shard is then a DTensor on the data-parallel and tensor-parallel dims together,
         with FSDP2's placements.
-      dp_shard_dim: with `dp_mesh_dims`, the index of its shard dim in the full mesh
+      dp_shard_dims: with `dp_mesh_dims`, the indices of its shard dims in the full mesh
         that `tp_spec` is on (the parameter is already a DTensor there, `Replicate()` on
-        the data-parallel dims); None otherwise.
+        the data-parallel dims); empty otherwise.
       dp_dims: with `dp_mesh_dims`, the indices of all its data-parallel dims.
+      flat_mesh: with several shard dims (flattened into one), FSDP2's mesh of the
+        sharded DTensor: `device_mesh` in their place, the replicate dims dropped.
     """
 
     device_mesh: DeviceMesh
     tp_spec: DTensorSpec | None = None
-    dp_shard_dim: int | None = None
+    dp_shard_dims: tuple[int, ...] = ()
     dp_dims: frozenset[int] = frozenset()
+    flat_mesh: DeviceMesh | None = None
 
     @property
     def mesh(self) -> DeviceMesh:
         """The mesh of the sharded DTensor."""
         if self.tp_spec is None:
             return self.device_mesh
-        if self.dp_shard_dim is not None:
-            return self.tp_spec.mesh  # the full mesh, as the parameter was
+        if self.dp_shard_dims:
+            # The full mesh, as the parameter was (or FSDP2's flattened view of it).
+            return self.flat_mesh or self.tp_spec.mesh
         return spmd_mesh(self.device_mesh, self.tp_spec.mesh)
 
     def placements(self, dim: int) -> tuple[Placement, ...]:
@@ -112,22 +116,35 @@ class ShardSpec:
         replicas = (Replicate(),) * (self.device_mesh.ndim - 1)
         if self.tp_spec is None:
             return (*replicas, Shard(dim))
-        if self.dp_shard_dim is not None:
-            return self._full_mesh_placements(dim, self.dp_shard_dim)
+        if self.dp_shard_dims:
+            return self._full_mesh_placements(dim)
         split = self.tp_spec.num_shards_map[dim]
         fsdp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
         return (*replicas, fsdp, *self.tp_spec.placements)
 
-    def _full_mesh_placements(self, dim: int, at: int) -> tuple[Placement, ...]:
+    def _full_mesh_placements(self, dim: int) -> tuple[Placement, ...]:
         assert self.tp_spec is not None, "dp_mesh_dims' parameters are DTensors"
-        mesh, placements = self.tp_spec.mesh, list(self.tp_spec.placements)
-        split = 1
-        for j in range(at + 1, mesh.ndim):
-            p = placements[j]
-            if isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
-                split *= mesh.size(j)
-        placements[at] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
-        return tuple(placements)
+        mesh, given = self.tp_spec.mesh, self.tp_spec.placements
+        placements = list(given)
+        for at in self.dp_shard_dims:
+            split = 1
+            for j in range(at + 1, mesh.ndim):
+                p = given[j]
+                if isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
+                    split *= mesh.size(j)
+            placements[at] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+        if self.flat_mesh is None:
+            return tuple(placements)
+        # FSDP2's flattened view: the shard dims become one (after Replicate() for HSDP)
+        # where the first of them was; the replicate dims go.
+        first, hsdp = self.dp_shard_dims[0], self.device_mesh.ndim > 1
+        flat: list[Placement] = []
+        for i, placement in enumerate(placements):
+            if i == first:
+                flat.extend([Replicate(), placement] if hsdp else [placement])
+            elif i not in self.dp_dims:
+                flat.append(placement)
+        return tuple(flat)
 
     def tp_spec_in(self, dtype: torch.dtype) -> DTensorSpec:
         """The tensor-parallel spec of the unsharded parameter gathered in `dtype`."""
