@@ -34,6 +34,7 @@ from funshard._custom_vjp import filter_custom_vjp
 from funshard.core import _context, _tree
 from funshard.core._options import check_reshard_after_forward as check_reshard_after_forward
 from funshard.core._policy import MixedPrecisionPolicy, param_dtype_for
+from funshard.core._residuals import recompute_elementwise
 from funshard.core._sharded import Sharded, is_sharded
 
 # A child of "funshard": silent unless the application configures logging (docs/concepts.md).
@@ -377,6 +378,9 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
     )
     layer_fn, consts, carry = _layer_closure(run_layer, layer_types, carry)
 
+    # The loop's residuals, as a fused program of units would keep them (see _residuals).
+    saving_fn = recompute_elementwise(lambda g, o, h, k: layer_fn(g, o, h, *k))
+
     def known(gathered, consts) -> tuple:
         # The residuals saved once, not per layer: the gathered parameters (re-gathered
         # in backward unless kept) and the closed-over values.
@@ -396,9 +400,7 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
             upcoming = prefetch(
                 datas, i + 1 < layers, jnp.minimum(i + 1, layers - 1), dependency_of(h), current
             )
-            (h, y), vjp_fn = jax.vjp(
-                lambda g, o, h, k: layer_fn(g, o, h, *k), current, others_i, h, consts
-            )
+            (h, y), vjp_fn = jax.vjp(saving_fn, current, others_i, h, consts)
             kept = record.drop_gathered(vjp_fn, known(current, consts))
             return (h, upcoming, consts), (kept, y)
 
