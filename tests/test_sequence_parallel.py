@@ -101,9 +101,10 @@ def test_tensor_collectives_are_gathers_and_scatters_of_the_sequence():
     scatters = [c for c in over_tensor if c["kind"] == "reduce-scatter"]
     assert {c["elements"] for c in gathers} == {full_act}  # an all-gather's result
     assert {c["elements"] for c in scatters} == {local_act}  # a reduce-scatter's result
-    # The 2 gathered inputs (q, k and v share one) forward, the row-parallel outputs'
-    # cotangents backward; XLA may or may not merge the backward pass's re-gathers.
-    assert len(gathers) >= 4
+    # Forward, the 2 gathered inputs (XLA merges q's, k's and v's identical gathers);
+    # backward, the 4 column-parallel inputs gathered again (each tied to its own
+    # cotangent) and the cotangents of the 2 row-parallel outputs.
+    assert len(gathers) == 8
     # The 2 row-parallel sums forward; backward, the gradients of the 4 column-parallel
     # inputs (q, k and v each its own: separate kernels).
     assert len(scatters) == 6
