@@ -146,10 +146,52 @@ def test_the_benchmarks_memory_sampler_sees_an_anonymous_peak():
     block = np.ones(64 * 2**20, np.uint8)  # 64 MiB, every page touched
     # Wait until the sampler's thread has seen the block, however loaded the machine.
     deadline = time.monotonic() + 30
-    while sampler.peaks["RssAnon"] < before + 60 * 2**20 and time.monotonic() < deadline:
+    while (
+        min(sampler.peaks["RssAnon"], sampler.peaks["Anonymous"]) < before + 60 * 2**20
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.001)
     del block
     peaks = sampler.stop()
-    # The block raised the anonymous peak by its size; the file-backed part is code.
+    # The block raised the anonymous peak by its size, as /proc/self/status and
+    # /proc/self/smaps_rollup both count it; the file-backed part is code.
     assert peaks["peak_anon"] >= before + 60 * 2**20, (before, peaks)
+    assert peaks["peak_rollup_anon"] >= before + 60 * 2**20, (before, peaks)
     assert 0 < peaks["peak_file"] < measure.peak_resident_bytes()
+
+
+def test_bench_torch_rss_separates_what_fsdp_controls_from_start_up(tmp_path):
+    result = tmp_path / "result.json"
+    code, out = run_bounded(
+        [
+            sys.executable,
+            str(BENCH),
+            "--quick",
+            "--only",
+            "frontend-True,fsdp2-True",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--profile-steps",
+            "0",
+            "--rss",
+            "--out-json",
+            str(result),
+        ],
+        tmp_path,
+        3 * JOB_TIMEOUT_S,  # three torchrun jobs: the interleaved one, then one each alone
+    )
+    assert code == 0, out[-6000:]
+    alone = json.loads(result.read_text())["alone"]
+    assert set(alone) == {"frontend-True", "fsdp2-True"}
+    for key, (job,) in alone.items():
+        # What FSDP controls is the peak above the process after imports, process group
+        # and plain model (each the larger rank's); that process holds at least what the
+        # imports left.
+        assert 0 < job["delta"] < job["peak"] and 0 < job["delta_anon"] < job["peak_anon"], key
+        assert job["base"] >= job["imports_rss"] > 0, key
+        assert job["imports_rss"] >= job["imports_anon"] + job["imports_file"] - 2**20, key
+        assert job["shard_anon"] > 0 and job["shard_file"] > 0, key
+    # The FSDP2 job never imports JAX: jaxlib's code pages are the frontend's alone.
+    assert alone["fsdp2-True"][0]["imports_file"] < alone["frontend-True"][0]["imports_file"]

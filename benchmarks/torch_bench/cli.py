@@ -75,8 +75,17 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rss",
         action="store_true",
-        help="also run torch_frontend and FSDP2 (reshard=True) alone, one job "
-        "each, and report each process's peak resident memory",
+        help="also run torch_frontend and FSDP2 (reshard=True) alone, "
+        "--rss-repeats jobs each in alternating order, and report resident memory: "
+        "what FSDP controls (peak above the process after start-up and the plain "
+        "model), the whole process's peaks, and the start-up cost",
+    )
+    p.add_argument(
+        "--rss-repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --rss: jobs per implementation (default 1)",
     )
     for name in MODEL_FLAGS:
         p.add_argument(f"--{name}", type=int, default=None, help="model / global batch")
@@ -170,6 +179,9 @@ def _print_isolated(stepped: dict | None, alone: dict | None, compiled: dict | N
         report.print_table(
             "each implementation alone, reshard=True: resident memory per rank",
             *isolated.rss_table(alone),
+        )
+        report.print_table(
+            "each implementation alone: start-up cost per rank", *isolated.startup_table(alone)
         )
     if compiled:
         report.print_table(

@@ -17,14 +17,24 @@ from .report import MIB
 
 ALONE = ("frontend-True", "fsdp2-True")
 RSS_NOTE = (
-    "One job per implementation, each building only that variant (the FSDP2 job "
-    "never imports JAX) and running the same steps: `start` is a rank's resident "
-    "memory right after start-up (process group, and JAX's runtime for the "
-    "frontend), `peak` its peak resident memory (VmHWM) over start-up, building "
-    "and the steps; the larger rank's. `anon` and `file` are the peaks of its two "
-    "parts, sampled every 5 ms: anonymous memory is the process's own; "
-    "file-backed memory is shared libraries' code pages (torch's, and jaxlib's "
-    "for the frontend), shared by every rank and reclaimable by the kernel."
+    "Jobs of one implementation each, `--rss-repeats` per implementation in "
+    "alternating order (the FSDP2 jobs never import JAX), each building only that "
+    "variant and running the same steps; each figure is the larger rank's, the "
+    "table the median over the jobs. `base` is a rank's resident memory after its "
+    "imports (torch.distributed.fsdp, or torch_frontend and so JAX), the process "
+    "group (and JAX's runtime) and the plain model: what FSDP does not control. "
+    "`peak` is the peak resident memory (VmHWM) over start-up, sharding and the "
+    "steps, `anon peak` the peak of anonymous memory (`/proc/self/smaps_rollup`, "
+    "sampled every 5 ms), `file peak` of file-backed memory (shared libraries' code "
+    "pages, shared by every rank and reclaimable by the kernel). `peak - base` and "
+    "`anon peak - base` are what FSDP controls; `file peak - base` is the code "
+    "paged in after start-up (for the frontend, XLA's compiler at the first step)."
+)
+STARTUP_NOTE = (
+    "The fixed start-up cost, from the same jobs: a rank's resident memory after "
+    "its imports, and after the first fully_shard call (the process group, JAX's "
+    "runtime for the frontend, the plain model and one block's sharding), each "
+    "split into anonymous and file-backed memory."
 )
 COMPILE_NOTE = (
     "One job per implementation, each building only that variant with "
@@ -70,16 +80,50 @@ def each_alone(
     return out
 
 
+def _memory_summary(ranks: list[dict]) -> dict:
+    """One job's memory figures in bytes, each the larger rank's.
+
+    `start`, `peak`, `peak_anon`, `peak_file`: as before (whole process). From the
+    phases: `imports_*` (after the imports), `shard_*` (after the first fully_shard,
+    split into `anon` and `file`), `base` / `base_anon` (after imports, the process
+    group and the plain model: what FSDP does not control), and what FSDP controls:
+    `delta` = peak - base, `delta_anon` = peak anonymous (smaps_rollup) - base_anon,
+    `delta_file` = peak file-backed - the file-backed part of base.
+    """
+
+    def one(r: dict) -> dict:
+        p = r["rss_process"]
+        ph = p["phases"]
+        return {
+            "start": p["start"],
+            "peak": p["peak"],
+            "peak_anon": p["peak_rollup_anon"],
+            "peak_file": p["peak_file"],
+            **{f"imports_{k}": ph["imports"][k] for k in ("rss", "anon", "file")},
+            **{f"shard_{k}": ph["first_shard"][k] for k in ("rss", "anon", "file")},
+            "base": ph["model"]["rss"],
+            "base_anon": ph["model"]["anon"],
+            "delta": p["peak"] - ph["model"]["rss"],
+            "delta_anon": p["peak_rollup_anon"] - ph["model"]["anon"],
+            "delta_file": p["peak_file"] - ph["model"]["file"],
+        }
+
+    per_rank = [one(r) for r in ranks]
+    return {f: max(r[f] for r in per_rank) for f in per_rank[0]}
+
+
 def process_memory(args: argparse.Namespace) -> dict | None:
-    """{variant key: {"start", "peak"} bytes (the larger rank's)}, one job each."""
-    return each_alone(
-        args,
-        lambda ranks: {
-            f: max(r["rss_process"][f] for r in ranks)
-            for f in ("start", "peak", "peak_anon", "peak_file")
-        },
-        sample_memory=True,
-    )
+    """{variant key: [each job's `_memory_summary`]}: `--rss-repeats` jobs per key of
+    ALONE, interleaved (frontend, FSDP2, FSDP2, frontend, ...), so that a drift in the
+    machine's load or page cache hits both alike. None as soon as a job failed."""
+    out: dict[str, list[dict]] = {key: [] for key in ALONE}
+    for repeat in range(args.rss_repeats):
+        for key in ALONE if repeat % 2 == 0 else ALONE[::-1]:
+            ranks = measure(args, key, sample_memory=True)
+            if ranks is None:
+                return None
+            out[key].append(_memory_summary(ranks))
+    return out
 
 
 def compile_runs(args: argparse.Namespace) -> dict | None:
@@ -139,27 +183,66 @@ def step_alone_table(times: dict) -> Table:
     return ["alone", "each job, ms", "median ms", "pairs / FSDP2", "medians / FSDP2"], rows
 
 
+def _median(jobs: list[dict], field: str) -> float:
+    return statistics.median(j[field] for j in jobs)
+
+
 def rss_table(alone: dict) -> Table:
-    """The header and rows of `process_memory`'s result, against FSDP2's peaks."""
+    """The header and rows of `process_memory`'s result (medians over the jobs), the
+    frontend against FSDP2: what FSDP controls, then the whole process."""
     peer = alone["fsdp2-True"]
+    rows = []
+    for key, jobs in alone.items():
+        row = [key, str(len(jobs))]
+        for field, ratio in (
+            ("delta", True),
+            ("delta_anon", True),
+            ("delta_file", False),
+            ("base", False),
+            ("peak", True),
+            ("peak_anon", True),
+            ("peak_file", False),
+        ):
+            value = _median(jobs, field)
+            row.append(f"{value / MIB:,.1f}")
+            if ratio:
+                row.append(f"{value / _median(peer, field):.2f}")
+        rows.append(row)
+    return [
+        "alone",
+        "jobs",
+        "peak - base MiB",
+        "/ FSDP2",
+        "anon peak - base MiB",
+        "/ FSDP2",
+        "file peak - base MiB",
+        "base MiB",
+        "peak MiB",
+        "/ FSDP2",
+        "anon peak MiB",
+        "/ FSDP2",
+        "file peak MiB",
+    ], rows
+
+
+def startup_table(alone: dict) -> Table:
+    """The fixed start-up cost (medians over the jobs): resident memory after the
+    imports and after the first fully_shard, each split into anonymous and file-backed."""
     rows = [
-        [
-            key,
-            f"{v['start'] / MIB:,.0f}",
-            f"{v['peak'] / MIB:,.0f}",
-            f"{v['peak'] / peer['peak']:.2f}",
-            f"{v['peak_anon'] / MIB:,.0f}",
-            f"{v['peak_anon'] / peer['peak_anon']:.2f}",
-            f"{v['peak_file'] / MIB:,.0f}",
+        [key]
+        + [
+            f"{_median(jobs, f'{phase}_{part}') / MIB:,.1f}"
+            for phase in ("imports", "shard")
+            for part in ("rss", "anon", "file")
         ]
-        for key, v in alone.items()
+        for key, jobs in alone.items()
     ]
     return [
         "alone",
-        "start MiB",
-        "peak MiB",
-        "peak / FSDP2",
-        "anon peak MiB",
-        "anon / FSDP2",
-        "file peak MiB",
+        "imports MiB",
+        "anon",
+        "file",
+        "first fully_shard MiB",
+        "anon",
+        "file",
     ], rows

@@ -54,6 +54,27 @@ def peak_resident_bytes() -> int:
     return 1024 * _status_kib("VmHWM")
 
 
+def rollup_anonymous_bytes() -> int:
+    """Anonymous memory of this process, from `/proc/self/smaps_rollup` (`Anonymous:`).
+
+    The kernel adds up every mapping's anonymous pages at the read, where `RssAnon` is a
+    counter it updates lazily per thread; the two agree to a few pages.
+    """
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return 1024 * int(line.split()[1])
+    return 0
+
+
+def resident_parts() -> dict:
+    """This process's resident memory now: {"rss", "anon", "file"} in bytes."""
+    return {
+        "rss": resident_bytes(),
+        "anon": rollup_anonymous_bytes(),
+        "file": 1024 * _status_kib("RssFile"),
+    }
+
+
 class ResidentSampler:
     """The peaks of this process's anonymous and file-backed resident memory.
 
@@ -61,11 +82,12 @@ class ResidentSampler:
     anonymous memory (`RssAnon`: heaps, tensors, Python objects) is this process's own,
     file-backed memory (`RssFile`: the code pages of torch's and jaxlib's shared
     libraries) is shared with every other process mapping the same files, and the kernel
-    can drop it under pressure. A thread reads both every `period_s` seconds.
+    can drop it under pressure. A thread reads both every `period_s` seconds, and the
+    anonymous part again from `/proc/self/smaps_rollup` (`Anonymous`).
     """
 
     def __init__(self, period_s: float = 0.005):
-        self.peaks = {"RssAnon": 0, "RssFile": 0}
+        self.peaks = {"RssAnon": 0, "RssFile": 0, "Anonymous": 0}
         self._period_s = period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -73,16 +95,21 @@ class ResidentSampler:
 
     def _run(self) -> None:
         while True:
-            for field in self.peaks:
+            for field in ("RssAnon", "RssFile"):
                 self.peaks[field] = max(self.peaks[field], 1024 * _status_kib(field))
+            self.peaks["Anonymous"] = max(self.peaks["Anonymous"], rollup_anonymous_bytes())
             if self._stop.wait(self._period_s):
                 return
 
     def stop(self) -> dict:
-        """Ends sampling; {"peak_anon", "peak_file"} in bytes."""
+        """Ends sampling; {"peak_anon", "peak_file", "peak_rollup_anon"} in bytes."""
         self._stop.set()
         self._thread.join()
-        return {"peak_anon": self.peaks["RssAnon"], "peak_file": self.peaks["RssFile"]}
+        return {
+            "peak_anon": self.peaks["RssAnon"],
+            "peak_file": self.peaks["RssFile"],
+            "peak_rollup_anon": self.peaks["Anonymous"],
+        }
 
 
 def reset_peak() -> bool:

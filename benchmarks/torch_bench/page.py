@@ -122,6 +122,8 @@ def isolated_sections(stepped: dict | None, alone: dict | None, compiled: dict |
     if alone:
         title = "## Each implementation alone (peak resident memory)"
         text += _section(title, isolated.RSS_NOTE, isolated.rss_table(alone))
+        title = "## Each implementation alone (start-up cost)"
+        text += _section(title, isolated.STARTUP_NOTE, isolated.startup_table(alone))
     if compiled:
         title = "## block.compile() per block (first step)"
         text += _section(title, isolated.COMPILE_NOTE, isolated.compile_table(compiled))

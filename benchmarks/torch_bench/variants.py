@@ -75,16 +75,30 @@ def _torch_variant(name, peer, note, model, threads=None, whole_batch=False, sco
     )
 
 
-def frontend(cfg: gpt.Config, reshard: bool, compile_blocks: bool = False) -> Variant:
+def no_mark(phase: str) -> None:
+    """The default `mark`: records nothing."""
+
+
+def frontend(
+    cfg: gpt.Config,
+    reshard: bool,
+    compile_blocks: bool = False,
+    mark: Callable[[str], None] = no_mark,
+) -> Variant:
     """torch_frontend: fully_shard per block (reshard_after_forward=reshard), then the root.
 
     With `compile_blocks`, each block is `block.compile()`d (Inductor) after fully_shard.
+    `mark("model")` runs once the plain model is built, `mark("first_shard")` after the
+    first `fully_shard` call.
     """
     from torch_frontend import fully_shard
 
     model = gpt.build(cfg)
-    for block in model.blocks:
+    mark("model")
+    for i, block in enumerate(model.blocks):
         fully_shard(block, reshard_after_forward=reshard)
+        if i == 0:
+            mark("first_shard")
         if compile_blocks:
             block.compile()
     fully_shard(model)
@@ -96,13 +110,22 @@ def frontend(cfg: gpt.Config, reshard: bool, compile_blocks: bool = False) -> Va
     )
 
 
-def fsdp2(cfg: gpt.Config, reshard: bool, mesh, compile_blocks: bool = False) -> Variant:
-    """PyTorch FSDP2 on gloo, sharded exactly as `frontend`."""
+def fsdp2(
+    cfg: gpt.Config,
+    reshard: bool,
+    mesh,
+    compile_blocks: bool = False,
+    mark: Callable[[str], None] = no_mark,
+) -> Variant:
+    """PyTorch FSDP2 on gloo, sharded exactly as `frontend` (and `mark`ed as there)."""
     from torch.distributed.fsdp import fully_shard
 
     model = gpt.build(cfg)
-    for block in model.blocks:
+    mark("model")
+    for i, block in enumerate(model.blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        if i == 0:
+            mark("first_shard")
         if compile_blocks:
             block.compile()
     fully_shard(model, mesh=mesh)

@@ -75,14 +75,21 @@ def log(rank: int, text: str) -> None:
 
 
 def build_all(
-    cfg: gpt.Config, rank: int, world: int, mesh, only: str = "", compile_blocks: bool = False
+    cfg: gpt.Config,
+    rank: int,
+    world: int,
+    mesh,
+    only: str = "",
+    compile_blocks: bool = False,
+    mark=variants.no_mark,
 ) -> list[variants.Variant]:
+    """Every variant `only` names; `mark` sees the first two (reshard=True) built."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch_mesh = init_device_mesh("cpu", (world,))
     builders = {
-        "frontend-True": lambda: variants.frontend(cfg, True, compile_blocks),
-        "fsdp2-True": lambda: variants.fsdp2(cfg, True, torch_mesh, compile_blocks),
+        "frontend-True": lambda: variants.frontend(cfg, True, compile_blocks, mark),
+        "fsdp2-True": lambda: variants.fsdp2(cfg, True, torch_mesh, compile_blocks, mark),
         "frontend-False": lambda: variants.frontend(cfg, False),
         "fsdp2-False": lambda: variants.fsdp2(cfg, False, torch_mesh),
         "ddp": lambda: variants.ddp(cfg),
@@ -184,22 +191,34 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
+    # Resident memory at each phase of start-up (imports, process group, the plain model,
+    # the first fully_shard), the first time it is reached.
+    phases: dict[str, dict] = {}
+
+    def mark(phase: str) -> None:
+        phases.setdefault(phase, measure.resident_parts())
+
+    sampler = measure.ResidentSampler() if args.sample_memory else None
     started = time.perf_counter()
     if args.only and all(k.split("-")[0] in TORCH_ONLY for k in args.only.split(",")):
         # torch's variants alone: a process as a plain FSDP2 script has it, no JAX.
+        import torch.distributed.fsdp as _fsdp  # noqa: F401  (what an FSDP2 script imports)
+
+        mark("imports")
         dist.init_process_group("gloo")
         mesh = None
     else:
         import torch_frontend
 
+        mark("imports")
         mesh = torch_frontend.init_distributed()  # JAX's runtime and torch's gloo group
+    mark("init")
     rss_start = measure.resident_bytes()
-    sampler = measure.ResidentSampler() if args.sample_memory else None
     world = dist.get_world_size()
     if cfg.batch % world:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {world} ranks")
     log(rank, f"{world} ranks; model {cfg}; {cfg.params():,} parameters")
-    vs = build_all(cfg, rank, world, mesh, args.only, args.compile)
+    vs = build_all(cfg, rank, world, mesh, args.only, args.compile, mark)
     build_s = time.perf_counter() - started
     timing = run_rounds(vs, cfg, rank, world, args.warmup + args.steps, args.warmup)
     # The whole process's peak so far (start-up, build, timed steps), before the memory
@@ -207,6 +226,7 @@ def main(argv=None) -> int:
     rss_process = {
         "start": rss_start,
         "peak": measure.peak_resident_bytes(),
+        "phases": phases,
         **(sampler.stop() if sampler is not None else {}),
     }
     memory = memory_pass(vs, cfg, rank, world)
