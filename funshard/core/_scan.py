@@ -7,9 +7,11 @@ such a stack: a `custom_vjp` whose forward is a `lax.scan` carrying a double buf
 (this layer's gathered parameters, and the next layer's, issued before this layer
 computes), and whose backward is a reverse `lax.scan` that re-gathers each layer
 (prefetching the previous one) and reduce-scatters its gradient as soon as the layer is
-done. Only the gathered parameters are dropped from the saved residuals, exactly as in
-`fully_shard`: activations are saved, nothing is recomputed. The loop itself is unit
-machinery and lives in `funshard.core._unit` (`call_scanned`).
+done. The gathered parameters are dropped from the saved residuals, as in `fully_shard`;
+of the activations, each layer saves what a fused loop of units keeps (matmul outputs and
+other non-elementwise values) and recomputes only elementwise ones in the backward loop
+(`funshard.core._residuals`). The loop itself is unit machinery and lives in
+`funshard.core._unit` (`call_scanned`).
 
 Two calling conventions share that loop. `scan(fn, stacked, carry)` with
 `fn(layer, carry) -> carry` is funshard's own; `lax_scan(f, init, xs)` with
