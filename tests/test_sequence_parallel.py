@@ -167,3 +167,21 @@ def test_column_parallel_refuses_an_unsplit_sequence():
     )
     with pytest.raises(errors.ShardingValueError, match="same on every device of 'tensor'"):
         fn(x, w)
+
+
+def test_a_unit_takes_a_sequence_split_input():
+    """A `fs.fully_shard` unit whose input is this rank's block of the sequence, holding
+    leaves replicated over `tensor` (the LayerNorm gains): its gathers wait for that
+    input, and its gradients are typed as its leaves are (plain JAX's numbers)."""
+    mesh = _mesh(fsdp=4, tensor=2)
+    params, x = gpt_params(), _batch(8)
+    want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
+    state = fs.shard(params, mesh, model_spec=GPT_SPEC)
+    unit = fs.fully_shard(sp_block, reshard_after_forward=True)
+
+    def loss(s, b):
+        return jax.lax.pmean(jnp.mean(unit(s, _local_sequence(b)) ** 2), "tensor")
+
+    got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, x)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)

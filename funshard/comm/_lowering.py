@@ -99,6 +99,15 @@ def tie_all(buffers: Sequence[jax.Array], dependency: jax.Array | None) -> list[
     if jnp.issubdtype(d.dtype, jnp.complexfloating):
         d = jnp.real(d)
     d = d.astype(jnp.float32)
+    # The tie must not type the buffers as varying over more axes than they do: a
+    # unit's input split over a model axis (sequence parallelism) would make the
+    # gathered parameters, and so their gradients, vary over it. One element reduced
+    # over those axes still waits for the input.
+    extra = _jax_compat.varying_axes(d) - frozenset().union(
+        *(_jax_compat.varying_axes(b) for b in buffers)
+    )
+    if extra:
+        d = jax.lax.pmax(d, tuple(sorted(extra)))
     always = (d == d) | (d != d)
     return [jnp.where(always, b, jnp.zeros_like(b)) if b.size else b for b in buffers]
 
