@@ -240,13 +240,13 @@ def anchored_unit(block, tensor: str):
     """`fs.fully_shard(block)` for a block whose input is split over `tensor` (sequence
     parallelism), given a first operand that does not vary over `tensor`.
 
-    A unit ties its forward gather to one of its inputs (so that XLA cannot hoist the
-    gather out of place), and today that tie types the gathered parameters as varying
-    over every axis the input varies over: with a sequence-split input, the gradient of a
-    leaf replicated over `tensor` then comes back typed as varying over it and JAX
-    refuses the step. The unit picks its first input among equals, so a two-element
-    all-gather over `tensor` of the block's input (replicated over `tensor` by type)
-    goes first; the tie waits on the block's input as before.
+    The committed table was measured this way, when a unit's tie (its gather waits for
+    its first input) typed the gathered parameters as varying over every axis that input
+    varies over, and JAX refused the step. A unit now reduces one element of such an
+    input over `tensor` itself (a scalar all-reduce per gather), so a plain
+    `fs.fully_shard(block)` works too; this anchor (a two-element all-gather over
+    `tensor` of the block's input, replicated by type, picked first among equals) is
+    kept so that the code is what was measured.
     """
     inner = fs.fully_shard(lambda p, anchor, x: block(p, x), reshard_after_forward=True)
 
