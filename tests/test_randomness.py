@@ -244,3 +244,34 @@ def test_rows_from_counters_equal_the_global_draw_sliced(bit_width, axis):
         np.testing.assert_array_equal(
             np.asarray(rows), np.asarray(jax.lax.slice_in_dim(full, start, start + size, axis=axis))
         )
+
+
+@pytest.mark.parametrize("layout", [("8", 1), ("2x4", 2)])
+def test_draws_inside_a_scanned_stack_are_plain_jax(layout):
+    """Dropout in every layer of `fs.scan` (whose backward loop recomputes the layer's
+    elementwise values): the masks and gradients of plain JAX's `lax.scan`."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    stack = {"w": jnp.stack([jax.random.normal(k, (WIDTH, WIDTH)) / 3.0 for k in keys])}
+    head = jax.random.normal(jax.random.key(4), (WIDTH, 1))
+
+    def layer(key):
+        def run(p, h):
+            return _dropout(jnp.tanh(h @ p["w"]), jax.random.fold_in(key, 1))[0]
+
+        return run
+
+    def plain(params, b, key):
+        h, _ = jax.lax.scan(lambda h, p: (layer(key)(p, h), None), b["x"], params["stack"])
+        return jnp.mean((h @ params["head"] - b["y"]) ** 2)
+
+    def sharded(s, b, key):
+        h = fs.scan(layer(key), s["stack"], b["x"])
+        return jnp.mean((h @ fs.unshard(s["head"]) - b["y"]) ** 2)
+
+    params, batch, key = {"stack": stack, "head": head}, _batch(), jax.random.key(9)
+    ref, ref_grads = jax.value_and_grad(plain)(params, batch, key)
+    mesh = mesh_for(layout[0])
+    state = {"stack": fs.shard(stack, mesh, stacked=True), "head": fs.shard(head, mesh)}
+    got, grads = jax.jit(fs.value_and_grad(sharded, microbatches=layout[1]))(state, batch, key)
+    np.testing.assert_allclose(got, ref, atol=1e-6)
+    assert_tree_close(fs.unshard(grads), ref_grads, atol=1e-6)
