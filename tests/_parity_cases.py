@@ -58,8 +58,9 @@ Upstream tests left out, and why:
   accelerator), the CPU-offload state-dict test (pinned memory / non-CPU devices);
 - meshes of 8 ranks: `TestFullyShardHSDP3DTraining::test_3d_mlp_with_nd_mesh` (2x2x2
   dp_replicate x dp_shard x tp), and `test_shard_placement_fn_tp_ep` (GPUs only upstream;
-  expert parallelism with a `ShardPlacementResult` on a second mesh, which torch_frontend
-  refuses); the jobs here have 2 or 4 processes;
+  expert parallelism with a `ShardPlacementResult` on a second mesh; torch_frontend's
+  parameter groups per mesh are compared with FSDP2 on 4 ranks in
+  `tests/test_torch_2d.py` instead); the jobs here have 2 or 4 processes;
 - newer than the installed torch 2.13: `test_fully_shard_grad_dtype.py`
   (`MixedPrecisionPolicy(grad_dtype=...)`);
 - world size 1 (`TestFullyShardWorldSize1`): these jobs have 2 or 4 processes
