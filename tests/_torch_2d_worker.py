@@ -191,6 +191,15 @@ def placements(model: nn.Module) -> dict[str, str]:
     }
 
 
+def _record_run(record: dict, prefix: str, model, losses: list, norms: list) -> None:
+    """A run's losses, grad norms, full state dict and placements, under `prefix`."""
+    record[f"{prefix}/loss"], record[f"{prefix}/norm"] = np.asarray(losses), np.asarray(norms)
+    for key, value in full_state(model).items():
+        record[f"{prefix}/full/{key}"] = value
+    for key, value in placements(model).items():
+        record[f"{prefix}/placement/{key}"] = np.asarray(value)
+
+
 def train(model: nn.Module, dp_rank: int, record: dict, prefix: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
@@ -202,11 +211,7 @@ def train(model: nn.Module, dp_rank: int, record: dict, prefix: str) -> None:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    record[f"{prefix}/loss"], record[f"{prefix}/norm"] = np.asarray(losses), np.asarray(norms)
-    for key, value in full_state(model).items():
-        record[f"{prefix}/full/{key}"] = value
-    for key, value in placements(model).items():
-        record[f"{prefix}/placement/{key}"] = np.asarray(value)
+    _record_run(record, prefix, model, losses, norms)
     group = model.blocks[0]._get_fsdp_state()._fsdp_param_group
     if hasattr(group, "layout"):  # torch_frontend's: where its gathers run, and what
         processes = [d.process_index for d in group.layout.mesh.devices.flat]
@@ -468,11 +473,7 @@ def train_global(
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    record[f"{prefix}/loss"], record[f"{prefix}/norm"] = np.asarray(losses), np.asarray(norms)
-    for key, value in full_state(model).items():
-        record[f"{prefix}/full/{key}"] = value
-    for key, value in placements(model).items():
-        record[f"{prefix}/placement/{key}"] = np.asarray(value)
+    _record_run(record, prefix, model, losses, norms)
 
 
 # The full-mesh placements of `dp_mesh_dims`' parameters (Replicate on dp): in_proj

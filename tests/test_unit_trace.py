@@ -17,6 +17,18 @@ def _block(p, h):
     return h + jnp.tanh(h @ p["w"] + p["b"])
 
 
+def _deep_loss(block):
+    """The mean square of `block` applied layer after layer."""
+
+    def loss(params, batch):
+        h = batch
+        for p in params:
+            h = block(p, h)
+        return jnp.mean(h**2)
+
+    return loss
+
+
 def _step_for(layers: int):
     mesh = mesh_for("8")
     rng = np.random.default_rng(0)
@@ -28,16 +40,8 @@ def _step_for(layers: int):
         for _ in range(layers)
     ]
     state = fs.shard(params, mesh)
-    unit = fs.fully_shard(_block)
-
-    def loss_fn(state, batch):
-        h = batch
-        for p in state:
-            h = unit(p, h)
-        return jnp.mean(h**2)
-
     batch = rng.normal(size=(16, WIDTH)).astype(np.float32)
-    return jax.jit(fs.value_and_grad(loss_fn)), state, batch
+    return jax.jit(fs.value_and_grad(_deep_loss(fs.fully_shard(_block)))), state, batch
 
 
 @pytest.fixture
@@ -69,15 +73,7 @@ def test_identical_units_trace_the_copy_out_once(unpack_calls):
         step, state, batch = _step_for(layers)
         loss, grads = step(state, batch)
         counts[layers] = len(unpack_calls)
-        full = fs.unshard(state)
-
-        def plain(params, batch):
-            h = batch
-            for p in params:
-                h = _block(p, h)
-            return jnp.mean(h**2)
-
-        want_loss, want_grads = jax.value_and_grad(plain)(full, batch)
+        want_loss, want_grads = jax.value_and_grad(_deep_loss(_block))(fs.unshard(state), batch)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
         for got, want in zip(
             jax.tree.leaves(fs.unshard(grads)), jax.tree.leaves(want_grads), strict=True
