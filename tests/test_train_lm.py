@@ -489,6 +489,31 @@ def test_a_held_run_folder_is_refused_naming_the_holder(tmp_path, capsys, no_jax
     assert no_jax == [8]
 
 
+@pytest.fixture
+def python_signal_handlers():
+    """SIGINT and SIGTERM as a Python process starts with them, whatever this one inherited.
+
+    A suite started in the background by a shell without job control (`cmd &`) inherits
+    SIGINT ignored, and StopSignals leaves ignored signals ignored (by design), so these
+    tests set the usual handlers first and put the inherited ones back after.
+    """
+    usual = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    inherited = {s: signal.signal(s, h) for s, h in usual.items()}
+    yield
+    for s, h in inherited.items():
+        signal.signal(s, h)
+
+
+def test_a_signal_the_process_ignores_stays_ignored(python_signal_handlers):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with train_lm.StopSignals() as stop:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+@pytest.mark.usefixtures("python_signal_handlers")
 def test_main_restores_the_signal_handlers_however_it_ends(tmp_path, monkeypatch):
     before = {s: train_lm.signal.getsignal(s) for s in train_lm.StopSignals.SIGNALS}
     during = []
@@ -508,6 +533,7 @@ def test_main_restores_the_signal_handlers_however_it_ends(tmp_path, monkeypatch
     assert {s: train_lm.signal.getsignal(s) for s in before} == before
 
 
+@pytest.mark.usefixtures("python_signal_handlers")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_only_asks_the_loop_to_stop(signum):
     previous = train_lm.signal.getsignal(signum)
