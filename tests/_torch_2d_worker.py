@@ -61,10 +61,13 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, hidden: int, layers: int = 2):
+    """An input layer, `layers` blocks (`Block(hidden)`, or `make_block()`), a head."""
+
+    def __init__(self, hidden: int = 0, layers: int = 2, make_block=None):
         super().__init__()
         self.inp = nn.Linear(5, DIM)
-        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
+        make_block = make_block or (lambda: Block(hidden))
+        self.blocks = nn.ModuleList(make_block() for _ in range(layers))
         self.head = nn.Linear(DIM, 3)
 
     def forward(self, x):
@@ -395,20 +398,6 @@ class MoE(nn.Module):
         return x + torch.relu(torch.einsum("bd,edh->beh", self.norm(x), local)).mean(1)
 
 
-class MoEModel(nn.Module):
-    def __init__(self, layers: int = 2):
-        super().__init__()
-        self.inp = nn.Linear(5, DIM)
-        self.blocks = nn.ModuleList(MoE() for _ in range(layers))
-        self.head = nn.Linear(DIM, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
 def expert_parallel(fully_shard, reshard: bool) -> nn.Module:
     """torchtitan's MoE sharding: dense parameters over all 4 ranks (`dp`), the experts
     split over `ep` and FSDP-sharded on dim 1 over `efsdp` of a sparse `(efsdp, ep)`
@@ -424,7 +413,7 @@ def expert_parallel(fully_shard, reshard: bool) -> nn.Module:
     sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
     info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0)
     torch.manual_seed(3)
-    model = MoEModel()
+    model = Model(make_block=MoE)
     for block in model.blocks:
         stack = distribute_tensor(block.experts.detach(), sparse["ep"], [Shard(0)])
         block.experts = nn.Parameter(stack)
