@@ -236,27 +236,6 @@ def _mesh(devices, **axes) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
 
 
-def anchored_unit(block, tensor: str):
-    """`fs.fully_shard(block)` for a block whose input is split over `tensor` (sequence
-    parallelism), given a first operand that does not vary over `tensor`.
-
-    The committed table was measured this way, when a unit's tie (its gather waits for
-    its first input) typed the gathered parameters as varying over every axis that input
-    varies over, and JAX refused the step. A unit now reduces one element of such an
-    input over `tensor` itself (a scalar all-reduce per gather), so a plain
-    `fs.fully_shard(block)` works too; this anchor (a two-element all-gather over
-    `tensor` of the block's input, replicated by type, picked first among equals) is
-    kept so that the code is what was measured.
-    """
-    inner = fs.fully_shard(lambda p, anchor, x: block(p, x), reshard_after_forward=True)
-
-    def unit(p, x):
-        anchor = jax.lax.all_gather(x.reshape(-1)[:1], tensor, tiled=True, to="invarying")
-        return inner(p, anchor, x)
-
-    return unit
-
-
 def funshard_variant(cfg, params, tokens, opt, devices, tensor: int, sequence_parallel=False):
     """(variant, mesh): funshard on fsdp=8 (`tensor=1`) or fsdp=8/tensor x tensor,
     with Megatron's sequence parallelism if `sequence_parallel`."""
@@ -264,11 +243,7 @@ def funshard_variant(cfg, params, tokens, opt, devices, tensor: int, sequence_pa
     mesh = _mesh(devices, **axes)
     name = TENSOR if tensor > 1 else None
     state = fs.shard(params, mesh, model_spec=model_spec(cfg) if name else None)
-    block = make_block(cfg, name, sequence_parallel)
-    if sequence_parallel:
-        unit = anchored_unit(block, name)
-    else:
-        unit = fs.fully_shard(block, reshard_after_forward=True)
+    unit = fs.fully_shard(make_block(cfg, name, sequence_parallel), reshard_after_forward=True)
 
     def loss(state, tokens):  # per device: its rows, its model blocks
         root = fs.unshard({k: v for k, v in state.items() if k != "blocks"})

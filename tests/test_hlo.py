@@ -9,6 +9,7 @@ import pytest
 from _hlo import collectives, compiled, count_by_kind
 from _models import HEADS, block_apply
 from conftest import mesh_for
+from jax.ad_checkpoint import checkpoint_name
 
 import funshard as fs
 
@@ -119,10 +120,18 @@ def test_only_a_few_units_are_ever_gathered_at_once():
     Transformer blocks use their small leaves (LayerNorm gains, biases) in elementwise
     ops whose results the backward pass needs: if XLA may read those leaves straight out
     of the gathered flat buffer, every block's buffer stays alive until the backward
-    pass (10 units here instead of 3.4)."""
-    plain, exe, unit_bytes = _block_stack(blocks=6, width=64, ff=256, seq=16)
-    extra = exe.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
-    assert extra <= 4 * unit_bytes, extra / unit_bytes
+    pass (10 units here instead of 3.4).
+
+    A unit's backward residuals are what plain JAX's fused program keeps: saving every
+    value of its `jax.vjp` (the GELU's internals, the LayerNorm's centred values, ...)
+    held 3.4 units' worth more (3.6 on the wider stack)."""
+    for blocks, width, ff, seq in ((6, 64, 256, 16), (4, 128, 512, 64)):
+        plain, exe, unit_bytes = _block_stack(blocks, width, ff, seq)
+        temps = (
+            exe.memory_analysis().temp_size_in_bytes,
+            plain.memory_analysis().temp_size_in_bytes,
+        )
+        assert temps[0] - temps[1] <= 2.5 * unit_bytes, ((temps[0] - temps[1]) / unit_bytes, width)
 
 
 def test_unit_boundaries_stop_recomputation_chains():
@@ -183,6 +192,36 @@ def test_activation_checkpointing_is_a_separate_choice(programs):
 
     exe, _ = compiled(fs.value_and_grad(loss), state, batch)
     assert exe.cost_analysis()["flops"] > 1.1 * programs[True][0].cost_analysis()["flops"]
+
+
+@pytest.mark.parametrize("saved", [(), ("first",)])
+def test_a_checkpoint_inside_a_scanned_layer_is_the_users_choice(saved):
+    """`fs.scan` saves a layer's non-elementwise values; a layer the user wrapped in
+    `jax.checkpoint` recomputes what the user's policy says instead (under an outer policy
+    JAX would save the inner matmul outputs, and the checkpoint would recompute nothing)."""
+    state, batch = _deep_mlp()
+    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *fs.unshard(state))
+    stack = fs.shard(layers, mesh_for("8"), stacked=True)
+
+    def layer(p, h):
+        first = checkpoint_name(jnp.tanh(h @ p["w"] + p["b"]), "first")
+        return jnp.tanh(first @ p["w"])
+
+    def step(layer):
+        def loss(stack, batch):
+            h, y = batch
+            return jnp.mean((fs.scan(layer, stack, h) - y) ** 2)
+
+        return fs.value_and_grad(loss)
+
+    policy = jax.checkpoint_policies.save_only_these_names(*saved)
+    flops = {
+        name: compiled(step(fn), stack, batch)[0].cost_analysis()["flops"]
+        for name, fn in (("plain", layer), ("checkpoint", jax.checkpoint(layer, policy=policy)))
+    }
+    # 2 matmuls per layer forward and 4 backward; the checkpoint recomputes the second
+    # (7/6), or both (8/6) where nothing is saved.
+    assert flops["checkpoint"] > (1.1 if saved else 1.25) * flops["plain"], flops
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])

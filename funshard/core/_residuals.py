@@ -1,21 +1,24 @@
-"""What a scanned layer saves for its backward pass: every value but elementwise ones.
+"""What a unit or scanned layer saves for its backward pass: every value but elementwise ones.
 
-In a Python loop of units, the whole step is one XLA computation, and XLA's fusion
-recomputes cheap elementwise values (GELU's tanh, a ReLU mask, a cast or transpose of a
-gathered weight) inside the backward kernels that read them, keeping only their inputs
-alive. A `lax.scan` hides that from XLA: each residual of the layer's `jax.vjp` leaves
-the loop body as a stacked output, so every intermediate of every layer is stored (six
-hidden-sized stacks for a GELU MLP). `recompute_elementwise` makes the scanned layer
-save what the loop's fused program keeps: the outputs of matmuls, convolutions,
+In plain JAX, a whole step is one XLA computation, and XLA's fusion recomputes cheap
+elementwise values (GELU's tanh, a ReLU mask, a cast or transpose of a gathered weight)
+inside the backward kernels that read them, keeping only their inputs alive. A unit's
+custom_vjp and a `lax.scan` hide that from XLA: each residual of the layer's `jax.vjp`
+leaves the unit's forward (or, stacked, the loop body) as an output, so every
+intermediate is stored (six hidden-sized arrays for a GELU MLP). `recompute_elementwise`
+makes the unit save what the fused program keeps: the outputs of matmuls, convolutions,
 reductions, collectives and any other op that is not a cheap elementwise or layout op;
 those are recomputed from the saved values in the backward pass, as XLA's fusion would.
+A function that calls `jax.checkpoint` itself keeps the user's choice.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
+import jax.extend as jex
 
 # Primitives whose outputs are recomputed rather than saved: one read of their inputs,
 # no reduction, no contraction. `custom_jvp_call` is how jax.nn's activations (relu,
@@ -39,8 +42,41 @@ def _saveable(prim, *_, **__) -> bool:
     return prim.name not in _ELEMENTWISE
 
 
+# `jax.checkpoint`'s primitive, under the names JAX has given it.
+_CHECKPOINT = frozenset({"checkpoint", "remat", "remat2"})
+
+
+def _checkpoints(jaxpr) -> bool:
+    """Whether `jaxpr`, or any jaxpr inside it, calls `jax.checkpoint`."""
+    return any(
+        eqn.primitive.name in _CHECKPOINT
+        or any(
+            _checkpoints(getattr(sub, "jaxpr", sub))
+            for sub in jex.core.jaxprs_in_params(eqn.params)
+        )
+        for eqn in jaxpr.eqns
+    )
+
+
 def recompute_elementwise(fn: Callable) -> Callable:
-    """`fn` under `jax.checkpoint`, saving every value but elementwise and layout ones."""
-    # prevent_cse=False: inside a scan body CSE cannot merge the recomputation with the
-    # forward (they run in different loops), and the barriers would only cost time.
-    return jax.checkpoint(fn, policy=_saveable, prevent_cse=False)
+    """`fn` under `jax.checkpoint`, saving every value but elementwise and layout ones.
+
+    Where `fn` calls `jax.checkpoint` itself, `fn` runs as it is: an outer policy would
+    override the user's (JAX lets the outer `jax.checkpoint` save values the inner one
+    recomputes), and the user's choice of what to recompute comes first.
+    """
+
+    @functools.wraps(fn)
+    def saving(*args):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        if _checkpoints(closed.jaxpr):
+            return fn(*args)
+        # prevent_cse=False: inside a scan body CSE cannot merge the recomputation with
+        # the forward (they run in different loops), and the barriers would only cost
+        # time. The traced jaxpr is evaluated, not `fn` traced again.
+        out = jax.checkpoint(jex.core.jaxpr_as_fun(closed), policy=_saveable, prevent_cse=False)(
+            *jax.tree.leaves(args)
+        )
+        return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+    return saving

@@ -262,6 +262,7 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
         operand_arrays, {i for i, x in enumerate(operand_arrays) if id(x) in in_sharded}
     )
 
+    @recompute_elementwise
     def run(fulls, operand_arrays):
         others, call_args = rebuild_operands(operand_arrays)
         # Replicated (unsharded) parameters of the unit compute in param_dtype too.
