@@ -83,13 +83,30 @@ def port_pairs(count: int) -> list[int]:
     return ports
 
 
+def cache_env() -> dict[str, str]:
+    """The variables that point a started process's JAX at the test session's persistent
+    compilation cache (made by tests/conftest.py), caching every program; none outside a
+    test session."""
+    cache = os.environ.get("FUNSHARD_TEST_COMPILATION_CACHE")
+    if not cache:
+        return {}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": cache,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
 def clean_env(**extra: str) -> dict:
     """This environment without launcher variables or the tests' simulated devices.
 
     A started process asks for its own CPU device count (a forced one would conflict),
     runs JAX on the CPU with one OpenMP thread, and imports the repository's packages.
+    It caches what it compiles in the test session's persistent compilation cache
+    (tests/conftest.py), as do all the processes of the session: `extra` may name
+    another `JAX_COMPILATION_CACHE_DIR`.
     """
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS} | cache_env()
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env.update(
         XLA_FLAGS=" ".join(flags),

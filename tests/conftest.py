@@ -1,6 +1,8 @@
 """Test setup: 8 simulated CPU devices, requested before JAX initialises its backend."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -28,3 +30,26 @@ def mesh_for(name: str):
     """The mesh called `name` in MESHES, on the first devices."""
     count, replicate = MESHES[name]
     return fs.make_mesh(replicate, devices=jax.devices()[:count])
+
+
+# The processes the tests start (tests/_launch.py's `clean_env`) share one persistent
+# compilation cache per test session: most of them are examples and jobs that compile the
+# same programs as an earlier one (a run and its resume, the ranks of a job), and a
+# `train_lm.py --tiny` run spends more time compiling its ~120 programs (model init,
+# checkpoint slices, the step) than training. The test processes themselves do not use it.
+CACHE_VAR = "FUNSHARD_TEST_COMPILATION_CACHE"
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller made the folder
+        return
+    if CACHE_VAR not in os.environ:
+        os.environ[CACHE_VAR] = tempfile.mkdtemp(prefix="funshard-tests-jax-cache-")
+        config.funshard_cache_dir = os.environ[CACHE_VAR]
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "funshard_cache_dir", None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+        del os.environ[CACHE_VAR]

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _launch import run
+from _launch import cache_env, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -44,7 +44,7 @@ BATCH = 24  # divides over 8 devices and over 3
 
 def run_example(script: str, *args: str, cwd: Path) -> str:
     """Runs `examples/<script>` with `args`; returns its output, failing with it on error."""
-    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8", **cache_env()}
     proc = run(
         [sys.executable, str(EXAMPLES / script), *args],
         cwd=cwd,
