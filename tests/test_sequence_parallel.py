@@ -185,3 +185,70 @@ def test_a_unit_takes_a_sequence_split_input():
     got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, x)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     _assert_close(fs.unshard(grads), want)
+
+
+def _in_cond(block):
+    # A data-dependent predicate made equal on every device (a varying one is an error,
+    # tests/test_control_flow.py); the false branch runs the block too.
+    def run(p, x):
+        finite = jnp.all(jnp.isfinite(x)).astype(jnp.int32)
+        same = jax.lax.pmin(finite, ("fsdp", "tensor")) > 0
+        return jax.lax.cond(same, block, lambda p, x: 0.0 * block(p, x), p, x)
+
+    return run
+
+
+def _vmapped(block):
+    # Each row on its own: the sequence collectives run under vmap over the batch.
+    return lambda p, x: jax.vmap(lambda row: block(p, row[None])[0])(x)
+
+
+SP_WRAPPERS = {
+    "checkpoint": jax.checkpoint,
+    "checkpoint_dots": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable),
+    "cond": _in_cond,
+    "vmap": _vmapped,
+}
+
+
+@pytest.mark.parametrize("unit", [False, True], ids=["unshard", "fully_shard"])
+@pytest.mark.parametrize("wrapper", sorted(SP_WRAPPERS))
+def test_sequence_parallel_under_transforms_is_plain_jax(wrapper, unit):
+    """The sequence-parallel block under jax.checkpoint (with and without a policy), in a
+    `lax.cond`, and vmapped over rows: the one-device model's loss and gradients."""
+    block = SP_WRAPPERS[wrapper](sp_block)
+
+    def loss(p, x):
+        return jax.lax.pmean(jnp.mean(block(p, _local_sequence(x)) ** 2), "tensor")
+
+    mesh = _mesh(fsdp=4, tensor=2)
+    params, x = gpt_params(), _batch(8)
+    want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
+    state = fs.shard(params, mesh, model_spec=GPT_SPEC)
+    got_loss, grads = _step(loss, unit)(state, x)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
+
+
+@pytest.mark.parametrize("unit", [False, True], ids=["unshard", "fully_shard"])
+def test_a_nan_in_the_input_is_plain_jaxs(unit):
+    """A NaN in one token of the input, zeroed after the block: loss and gradients (NaN
+    where plain JAX's are) equal the one-device model's. The sequence's gathers and
+    reduce-scatters spread it to no other row or token than plain JAX does."""
+    mesh = _mesh(fsdp=4, tensor=2)
+    params, x = gpt_params(), _batch(8)
+    x = x.at[5, 3, 0].set(jnp.nan)
+
+    def robust(h):
+        return jnp.where(jnp.isnan(h), 0.0, h)
+
+    def loss(p, x):
+        return jax.lax.pmean(jnp.mean(robust(sp_block(p, _local_sequence(x))) ** 2), "tensor")
+
+    want_loss, want = jax.value_and_grad(lambda p, x: jnp.mean(robust(gpt_block(p, x)) ** 2))(
+        params, x
+    )
+    state = fs.shard(params, mesh, model_spec=GPT_SPEC)
+    got_loss, grads = _step(loss, unit)(state, x)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
