@@ -69,15 +69,21 @@ def _step(loss, unit=False):
     return jax.jit(fs.value_and_grad(lambda s, b: loss(fs.unshard(s), b)))
 
 
+def _assert_one_device(loss, unit, reference=gpt_loss, x=None):
+    """`loss` per device on fsdp=4 x tensor=2 gives `reference`'s loss and gradients on
+    one device (the GPT block's parameters, batch `x`)."""
+    mesh = _mesh(fsdp=4, tensor=2)
+    params, x = gpt_params(), _batch(8) if x is None else x
+    want_loss, want = jax.value_and_grad(reference)(params, x)
+    state = fs.shard(params, mesh, model_spec=GPT_SPEC)
+    got_loss, grads = _step(loss, unit)(state, x)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
+
+
 @pytest.mark.parametrize("unit", [False, True], ids=["unshard", "fully_shard"])
 def test_sequence_parallel_block_matches_one_device(unit):
-    mesh = _mesh(fsdp=4, tensor=2)
-    params, x = gpt_params(), _batch(8)
-    want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
-    state = fs.shard(params, mesh, model_spec=GPT_SPEC)
-    loss, grads = _step(sp_loss, unit)(state, x)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-    _assert_close(fs.unshard(grads), want)
+    _assert_one_device(sp_loss, unit)
 
 
 def test_tensor_collectives_are_gathers_and_scatters_of_the_sequence():
@@ -221,13 +227,7 @@ def test_sequence_parallel_under_transforms_is_plain_jax(wrapper, unit):
     def loss(p, x):
         return jax.lax.pmean(jnp.mean(block(p, _local_sequence(x)) ** 2), "tensor")
 
-    mesh = _mesh(fsdp=4, tensor=2)
-    params, x = gpt_params(), _batch(8)
-    want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
-    state = fs.shard(params, mesh, model_spec=GPT_SPEC)
-    got_loss, grads = _step(loss, unit)(state, x)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
-    _assert_close(fs.unshard(grads), want)
+    _assert_one_device(loss, unit)
 
 
 @pytest.mark.parametrize("unit", [False, True], ids=["unshard", "fully_shard"])
@@ -235,9 +235,6 @@ def test_a_nan_in_the_input_is_plain_jaxs(unit):
     """A NaN in one token of the input, zeroed after the block: loss and gradients (NaN
     where plain JAX's are) equal the one-device model's. The sequence's gathers and
     reduce-scatters spread it to no other row or token than plain JAX does."""
-    mesh = _mesh(fsdp=4, tensor=2)
-    params, x = gpt_params(), _batch(8)
-    x = x.at[5, 3, 0].set(jnp.nan)
 
     def robust(h):
         return jnp.where(jnp.isnan(h), 0.0, h)
@@ -245,10 +242,7 @@ def test_a_nan_in_the_input_is_plain_jaxs(unit):
     def loss(p, x):
         return jax.lax.pmean(jnp.mean(robust(sp_block(p, _local_sequence(x))) ** 2), "tensor")
 
-    want_loss, want = jax.value_and_grad(lambda p, x: jnp.mean(robust(gpt_block(p, x)) ** 2))(
-        params, x
-    )
-    state = fs.shard(params, mesh, model_spec=GPT_SPEC)
-    got_loss, grads = _step(loss, unit)(state, x)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
-    _assert_close(fs.unshard(grads), want)
+    def reference(p, x):
+        return jnp.mean(robust(gpt_block(p, x)) ** 2)
+
+    _assert_one_device(loss, unit, reference, _batch(8).at[5, 3, 0].set(jnp.nan))
