@@ -41,8 +41,9 @@ def _groups(mesh, axes) -> str:
 
 
 def _collectives(step, *args):
-    _, text = _hlo.compiled(step, *args)
-    return _hlo.collectives(text)
+    """The collectives of the jitted `step` on `args`: the program it just ran (its own
+    lowering hits jit's cache; wrapping it in another jit would compile it again)."""
+    return _hlo.collectives(step.lower(*args).compile().as_text())
 
 
 # ---- a Megatron-style GPT block ---------------------------------------------------------
@@ -107,6 +108,11 @@ def gpt_loss(p, x, tensor=None):
     return jnp.mean(gpt_block(p, x, tensor) ** 2)
 
 
+# The sharded step most tests run: one jitted function, so tests on the same mesh, shapes
+# and dtypes share one compile.
+gpt_step = jax.jit(fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor")))
+
+
 def _batch(n=16, seed=7):
     return jax.random.normal(jax.random.key(seed), (n, SEQ, D))
 
@@ -129,7 +135,7 @@ def test_gpt_block_matches_one_device_and_gathers_over_data_axes_only(axes):
     params, x = gpt_params(), _batch()
     want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
     state = fs.shard(params, mesh, model_spec=GPT_SPEC)
-    step = jax.jit(fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor")))
+    step = gpt_step
     loss, grads = step(state, x)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     _assert_close(fs.unshard(grads), want)
@@ -170,10 +176,12 @@ def test_gpt_block_compositions_on_fsdp4_tensor2():
         return jnp.mean(block(s, b) ** 2)
 
     want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
+    plain = None
     for options in ({}, {"microbatches": 2}, {"microbatches": 2, "sync_every_microbatch": False}):
         got_loss, grads = jax.jit(fs.value_and_grad(loss, **options))(state, x)
         np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6, err_msg=str(options))
         _assert_close(fs.unshard(grads), want)
+        plain = grads if not options else plain
 
     frozen = {n: n != "wq" for n in params}
     _, grads = jax.jit(fs.value_and_grad(loss, trainable=frozen))(state, x)
@@ -184,8 +192,7 @@ def test_gpt_block_compositions_on_fsdp4_tensor2():
 
     opt = optax.adamw(1e-2)
     opt_state = fs.init_optimizer(opt, state)
-    _, grads = jax.jit(fs.value_and_grad(loss))(state, x)
-    updates, _ = opt.update(grads, opt_state, state)
+    updates, _ = opt.update(plain, opt_state, state)  # the step's gradients, no options
     new = fs.unshard(optax.apply_updates(state, updates))
     ref_updates, _ = opt.update(want, opt.init(params), params)
     _assert_close(new, optax.apply_updates(params, ref_updates))
@@ -205,9 +212,7 @@ def test_whole_matrix_optimizers_see_each_model_blocks_logical_rows(name):
     assert state["b_in"].padded_shape == (24,)  # blocks of 9 padded to 12
     opt = fs.shard_optimizer(base)
     opt_state = fs.init_optimizer(opt, state)
-    _, grads = jax.jit(fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor")))(
-        state, x
-    )
+    _, grads = gpt_step(state, x)
     updates, _ = jax.jit(opt.update)(grads, opt_state, state)
     _assert_close(fs.unshard(optax.apply_updates(state, updates)), want, rtol=1e-4, atol=1e-5)
     # The bare transform: refused where the padding probe finds its update reading the
@@ -269,7 +274,7 @@ def test_mixed_precision_gathers_model_blocks_in_param_dtype():
     params, x = gpt_params(2), _batch()
     policy = fs.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
     state = fs.shard(params, mesh, model_spec=GPT_SPEC, mp_policy=policy)
-    step = jax.jit(fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor")))
+    step = gpt_step
     loss, grads = step(state, x)
     low = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), params)
     want_loss, want = jax.value_and_grad(gpt_loss)(low, x)
@@ -601,8 +606,7 @@ def test_compositions_on_a_tensor_mesh_are_plain_jax():
 
     bad = x.at[0, 0, 0].set(jnp.nan)
     want_loss, want = jax.value_and_grad(gpt_loss)(params, bad)
-    step = fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor"))
-    got_loss, grads = jax.jit(step)(state, bad)
+    got_loss, grads = gpt_step(state, bad)
     assert np.isnan(got_loss) and np.isnan(want_loss)
     got = fs.unshard(grads)
     assert {n: bool(np.isnan(got[n]).any()) for n in want} == {
