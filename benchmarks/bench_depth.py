@@ -6,6 +6,7 @@ Run from the repository root (8 simulated CPU devices):
     python benchmarks/bench_depth.py                         # MLP, 8/32/64/128 layers
     python benchmarks/bench_depth.py --model gpt --layers 8 32
     python benchmarks/bench_depth.py --forms loop scan --steps 5
+    python benchmarks/bench_depth.py --plot docs/img/depth.png  # and draw it
 
 Each form is one jitted training step of the same model (public API only): loss,
 gradients and an `optax.adamw` update, the parameters and optimizer state donated:
@@ -223,6 +224,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64, help="gpt only")
     parser.add_argument("--heads", type=int, default=4, help="gpt only")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per form")
+    parser.add_argument("--plot", default=None, help="also draw temp and compile s here (PNG)")
     args = parser.parse_args(argv)
     gpt = args.model == "gpt"
     args.width = args.width or (128 if gpt else 256)
@@ -243,6 +245,40 @@ def main(argv=None) -> None:
         results[depth] = measure(args, depth, mesh)
         print(table({depth: results[depth]}, args.forms).splitlines()[-1], flush=True)
     print(table(results, args.forms))
+    if args.plot:
+        plot(results, args, args.plot)
+
+
+def plot(results: dict[int, dict[str, dict]], args: argparse.Namespace, path: str) -> None:
+    """Temp MiB and compile seconds against the depth, one line per form (log-log)."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for ax, key, label in (
+        (axes[0], "temp_mib", "temp MiB per device"),
+        (axes[1], "compile_s", "compile s (trace included)"),
+    ):
+        for form in args.forms:
+            ax.plot(depths, [results[d][form][key] for d in depths], marker="o", label=form)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.set_xlabel("layers")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        f"{args.model}, width {args.width}, batch {args.batch}, jax {jax.__version__}, "
+        f"8 CPU devices"
+    )
+    fig.savefig(path, metadata={"Software": None})
 
 
 if __name__ == "__main__":
