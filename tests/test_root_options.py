@@ -103,8 +103,9 @@ def test_hsdp_all_reduce_once_after_the_last_microbatch():
         )
 
     # Per microbatch: the loop's body holds the all-reduce once and runs it 4 times.
-    trips, _, _ = _microbatch_loop(_scatter_count("2x4", microbatches=4))
-    every = replicate_reduce_elements(_scatter_count("2x4", microbatches=4))
+    per_microbatch = _scatter_count("2x4", microbatches=4)  # one compile, read twice
+    trips, _, _ = _microbatch_loop(per_microbatch)
+    every = replicate_reduce_elements(per_microbatch)
     once = replicate_reduce_elements(
         _scatter_count("2x4", microbatches=4, all_reduce_every_microbatch=False)
     )
