@@ -49,9 +49,13 @@ def test_shard_inside_the_loss_function_is_a_clear_error():
     msg = str(info.value)
     assert msg.startswith("shard: called inside a funshard step")
     assert "state = fs.shard(params, mesh)" in msg and "fs.reshard(full, like)" in msg
-    # fs.reshard is the in-step way, and fs.shard under a plain jit still works.
+    # fs.reshard is the in-step way (jitted: one compile, where eager compiles each op),
+    # and fs.shard under a plain jit still works.
     ok = fs.value_and_grad(lambda s, x: _plain_loss(fs.unshard(fs.reshard(fs.unshard(s), s)), x))
-    ok(state, jnp.ones((8, 4)))
+    loss, grads = jax.jit(ok)(state, jnp.ones((8, 4)))
+    want_loss, want = jax.value_and_grad(_plain_loss)(_params(), jnp.ones((8, 4)))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    _assert_close(fs.unshard(grads), want)
     jitted = jax.jit(lambda p: fs.shard(p, mesh))(_params())
     _assert_close(fs.unshard(jitted), _params())
 
