@@ -346,20 +346,26 @@ def _valuereference(make_opt, params, targets, batch):
     def value_fn(p):
         return loss(p, targets, batch)
 
-    for _ in range(STEPS):
+    def one_step(_, carry):  # a loop, not unrolled: L-BFGS's line search compiles once
+        params, opt_state = carry
         value, grads = jax.value_and_grad(value_fn)(params)
         updates, opt_state = opt.update(
             grads, opt_state, params, value=value, grad=grads, value_fn=value_fn
         )
-        params = optax.apply_updates(params, updates)
-    return params
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.lax.fori_loop(0, STEPS, one_step, (params, opt_state))[0]
+
+
+def _lbfgs():  # one function for both L-BFGS cases: they share one compiled reference
+    return optax.lbfgs()
 
 
 @pytest.mark.parametrize(
     "make_opt, wrap",
     [
-        (lambda: optax.lbfgs(), True),
-        (lambda: optax.lbfgs(), False),
+        (_lbfgs, True),
+        (_lbfgs, False),
         (lambda: optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau()), False),
         (lambda: optax.chain(_muon(), optax.contrib.reduce_on_plateau()), True),
     ],
