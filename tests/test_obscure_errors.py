@@ -395,7 +395,7 @@ def test_linen_sow_inside_a_unit_comes_out_as_plain_linen():
         out, sown = _Sowing().apply({"params": p}, x, mutable=["intermediates"])
         return jnp.mean(out**2), sown
 
-    (got, sown), grads = fs.value_and_grad(loss, has_aux=True)(params, X)
+    (got, sown), grads = jax.jit(fs.value_and_grad(loss, has_aux=True))(params, X)
     (want, want_sown), want_grads = jax.value_and_grad(plain, has_aux=True)(variables["params"], X)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     _assert_close(sown, want_sown)  # per-example values, gathered in batch order
@@ -434,9 +434,8 @@ def test_linen_scan_over_a_marked_class_is_a_clear_error_and_the_outer_unit_work
     ):
         fs.value_and_grad(lambda p, x: jnp.mean(marked_inner.apply({"params": p}, x)))(params, X)
     outer = fs.flax.fully_shard(_linen_stack(_Layer))()
-    loss, grads = fs.value_and_grad(lambda p, x: jnp.mean(outer.apply({"params": p}, x) ** 2))(
-        params, X
-    )
+    step = fs.value_and_grad(lambda p, x: jnp.mean(outer.apply({"params": p}, x) ** 2))
+    loss, grads = jax.jit(step)(params, X)
     want_loss, want = jax.value_and_grad(lambda p, x: jnp.mean(plain.apply({"params": p}, x) ** 2))(
         variables["params"], X
     )
@@ -482,7 +481,8 @@ def test_nnx_scan_stacked_blocks_marked_as_a_unit_is_a_clear_error_and_the_outer
     reference = _NStack(jax.random.key(0))
     outer = fs.flax.fully_shard(_NStack(jax.random.key(0)))  # the model alone is the unit
     graphdef, state = fs.flax.shard(outer, mesh)
-    loss, grads = fs.value_and_grad(lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2))(state, X)
+    step = fs.value_and_grad(lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2))
+    loss, grads = jax.jit(step)(state, X)
     ref_graph, ref_state = nnx.split(reference)
     want_loss, want = jax.value_and_grad(lambda s, x: jnp.mean(nnx.merge(ref_graph, s)(x) ** 2))(
         ref_state, X
