@@ -6,6 +6,8 @@ parameters; collectives are read from the compiled HLO and memory from
 `compiled.memory_analysis()`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +65,11 @@ def _batch(seq, n=16, seed=7):
 
 
 def _step(loss, unit=False):
+    return _jitted_step(loss, unit)
+
+
+@functools.cache  # one jitted step per loss: tests of the same program share its compile
+def _jitted_step(loss, unit):
     if unit:
         block = fs.fully_shard(loss, reshard_after_forward=True)
         return jax.jit(fs.value_and_grad(block))
