@@ -41,8 +41,9 @@ def fully_shard(
         and all-gathers them again for backward (less memory, one more all-gather).
         The unit's forward is not recomputed: it saves what plain JAX's fused program
         keeps for backward (matmul and other non-elementwise outputs) and recomputes
-        only elementwise values (a GELU's tanh, masks, casts) there; where `fn` calls
-        `jax.checkpoint` itself, that decides what is saved instead. False keeps
+        only elementwise values (a GELU's tanh, masks, casts) there (with an int k
+        below, every residual is saved); where `fn` calls `jax.checkpoint` itself,
+        that decides what is saved instead. False keeps
         the gathered parameters from forward to backward (no backward all-gather). An
         int k (FSDP2's hpZ) keeps 1/k of them on each device, so the backward
         all-gather runs within groups of k devices only; the parameters must be sharded

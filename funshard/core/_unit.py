@@ -262,8 +262,7 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
         operand_arrays, {i for i, x in enumerate(operand_arrays) if id(x) in in_sharded}
     )
 
-    @recompute_elementwise
-    def run(fulls, operand_arrays):
+    def traced(fulls, operand_arrays):
         others, call_args = rebuild_operands(operand_arrays)
         # Replicated (unsharded) parameters of the unit compute in param_dtype too.
         params = unit.parts.combine(fulls, cast_floating(others, unit.param_dtype))
@@ -271,6 +270,12 @@ def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | Non
             out = fn(params, *call_args)
         out_arrays, record.rebuild_out = _tree.split_arrays(out)
         return out_arrays
+
+    # The unit saves what plain JAX's fused program keeps (see _residuals). Not with hpZ:
+    # there it raised the temp above reshard_after_forward=False's on
+    # tests/test_reshard_policies.py's model (124.6 against 118.1 KB; 106.4 without),
+    # for a reason not yet read out of XLA's buffer assignment.
+    run = recompute_elementwise(traced) if keep_group is None else traced
 
     @filter_custom_vjp
     def call(datas, accumulators, operand_arrays):
