@@ -21,7 +21,7 @@ from _launch import Job, port_pairs
 pytestmark = [pytest.mark.torch, pytest.mark.multiprocess, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("_torch_2d_worker.py")
-JOB_TIMEOUT_S = 150
+JOB_TIMEOUT_S = 300  # a bound for hung jobs: both jobs start at once, 8 processes on 2 cores
 WORLD, DP, TP = 4, 2, 2
 
 
