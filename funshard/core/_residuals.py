@@ -20,6 +20,8 @@ from collections.abc import Callable
 import jax
 import jax.extend as jex
 
+from funshard.core._control_flow import sub_jaxprs
+
 # Primitives whose outputs are recomputed rather than saved: one read of their inputs,
 # no reduction, no contraction. `custom_jvp_call` is how jax.nn's activations (relu,
 # relu6, hard_tanh, ...) reach the policy. Names, not objects: no jax internal imported.
@@ -49,11 +51,7 @@ _CHECKPOINT = frozenset({"checkpoint", "remat", "remat2"})
 def _checkpoints(jaxpr) -> bool:
     """Whether `jaxpr`, or any jaxpr inside it, calls `jax.checkpoint`."""
     return any(
-        eqn.primitive.name in _CHECKPOINT
-        or any(
-            _checkpoints(getattr(sub, "jaxpr", sub))
-            for sub in jex.core.jaxprs_in_params(eqn.params)
-        )
+        eqn.primitive.name in _CHECKPOINT or any(_checkpoints(sub) for sub in sub_jaxprs(eqn))
         for eqn in jaxpr.eqns
     )
 
