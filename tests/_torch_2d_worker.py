@@ -347,12 +347,8 @@ def frontend_group_refusals(mesh, record: dict) -> None:
     import torch_frontend as tf
 
     info = FSDPMeshInfo(mesh["dp"], shard_mesh_dim=0)
-    cases = {
-        "dims_ddp": DataParallelMeshDims(replicate="dp"),
-        "dims_unordered": DataParallelMeshDims(shard=("tp", "dp")),
-    }
-    for name, dims in cases.items():
-        _raised(record, name, lambda d=dims: spmd(mesh, tf.fully_shard, d))
+    dims = DataParallelMeshDims(shard=("tp", "dp"))
+    _raised(record, "dims_unordered", lambda: spmd(mesh, tf.fully_shard, dims))
     _raised(
         record,
         "dims_with_result",
@@ -582,6 +578,12 @@ def groups_and_spmd(mesh, fully_shard, dp_rank: int, record: dict, impl: str) ->
     # Both dims flattened into one shard dim of 4 ranks.
     model = spmd(mesh, fully_shard, DataParallelMeshDims(shard=("dp", "tp")), tp=False)
     train_global(model, record, "spmd_flat", rank, mesh, [Shard(0), Shard(0)])
+    # FSDP2's DDP mode: replication only, over dp (TP over tp stays), and over both dims.
+    model = spmd(mesh, fully_shard, DataParallelMeshDims(replicate="dp"))
+    train_global(model, record, "spmd_ddp", dp_rank, mesh, [Shard(0), Replicate()])
+    groups(model, record, "spmd_ddp")
+    model = spmd(mesh, fully_shard, DataParallelMeshDims(replicate=("dp", "tp")), tp=False)
+    train_global(model, record, "spmd_ddp_flat", rank, mesh, [Shard(0), Shard(0)])
     group_mistakes(mesh, fully_shard, record)
 
 

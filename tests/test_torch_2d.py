@@ -57,7 +57,7 @@ def _dp_rank(rank: int) -> int:
 # Cases with a group that reduce-scatters over all 4 ranks: the 4-term sums run in
 # another order than gloo's, so they equal FSDP2's to the last bit or two (measured:
 # 8e-7 relative at most), and are compared with a tolerance (`test_four_rank_...`).
-FOUR_RANK_SUMS = ("moe_reshard/", "moe_keep/", "own_mesh/", "spmd_flat/")
+FOUR_RANK_SUMS = ("moe_reshard/", "moe_keep/", "own_mesh/", "spmd_flat/", "spmd_ddp_flat/")
 
 
 def _common(record: dict) -> dict:
@@ -296,10 +296,35 @@ def test_dp_mesh_dims_placements_are_fsdp2s(ranks):
     assert str(record["spmd_hsdp/placement/head.weight"]) == two_d + "(Replicate(), Shard(dim=0))"
     # Both dims flattened: FSDP2's one-dim view of them.
     assert str(record["spmd_flat/placement/head.weight"]) == "('dp_tp',) (Shard(dim=0),)"
+    # DDP (replication only): the parameters keep their own placements.
+    for key, want in {
+        "blocks.0.in_proj.weight": "(Replicate(), Shard(dim=0))",
+        "blocks.0.out_proj.weight": "(Replicate(), Shard(dim=1))",
+        "head.weight": "(Replicate(), Replicate())",
+    }.items():
+        assert str(record[f"spmd_ddp/placement/{key}"]) == two_d + want
+
+
+def test_dp_mesh_dims_ddp_all_reduces_over_the_replicas_only(ranks):
+    """DDP over dp: each rank's group spans its dp replicas (its tp rank's column of the
+    grid), and the model is one group, as FSDP2's."""
+    for rank in range(WORLD):
+        record = ranks["frontend"][rank]
+        tp = rank % TP
+        assert list(record["frontend/spmd_ddp/gather_processes/0"]) == [tp, tp + TP]
+    for impl in ("fsdp2", "frontend"):
+        assert int(ranks[impl][0]["spmd_ddp/groups"]) == 1
 
 
 @pytest.mark.parametrize(
-    ("case", "data_ranks"), [("spmd", DP), ("spmd_hsdp", WORLD), ("spmd_flat", WORLD)]
+    ("case", "data_ranks"),
+    [
+        ("spmd", DP),
+        ("spmd_hsdp", WORLD),
+        ("spmd_flat", WORLD),
+        ("spmd_ddp", DP),
+        ("spmd_ddp_flat", WORLD),
+    ],
 )
 def test_dp_mesh_dims_fsdp2_trains_as_plain_torch(ranks, case, data_ranks):
     """The control: the loss is the global batch's mean on every rank, and FSDP2 still
@@ -334,7 +359,6 @@ def test_group_and_dp_mesh_dims_mistakes_raise_fsdp2s_type(ranks, name):
 @pytest.mark.parametrize(
     ("name", "words"),
     [
-        ("dims_ddp", "name a shard dim"),
         ("dims_unordered", "shard dims that are not consecutive, in order"),
         ("dims_with_result", "ShardPlacementResult with dp_mesh_dims (parameter 'norm.weight')"),
         ("result_not_info", "must be an FSDPMeshInfo"),

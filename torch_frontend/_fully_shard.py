@@ -602,7 +602,7 @@ def _default_mesh(mesh, dp_mesh_dims, reshard_after_forward) -> _GroupMesh:
         return _group_mesh(mesh)
     shard, replicate = _named_dims(mesh, dp_mesh_dims, reshard_after_forward)
     names = mesh.mesh_dim_names
-    dp_mesh = _dp_mesh(mesh, shard, replicate)
+    dp_mesh = _dp_mesh(mesh, shard, replicate) if shard else _ddp_mesh(mesh, replicate)
     shard_dims = tuple(names.index(n) for n in shard)
     dp_dims = frozenset((*shard_dims, *(names.index(n) for n in replicate)))
     flat = _flat_mesh(mesh, shard, replicate) if len(shard) > 1 else None
@@ -621,6 +621,17 @@ def _dp_mesh(mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...
     if not replicate:
         return _one_dim(mesh, shard)
     return DeviceMesh._concatenate([_one_dim(mesh, replicate), _one_dim(mesh, shard)])
+
+
+@functools.cache
+def _ddp_mesh(mesh: DeviceMesh, replicate: tuple[str, ...]) -> DeviceMesh:
+    """FSDP2's DDP mode (`dp_mesh_dims` without a shard dim) as an HSDP mesh of one shard
+    per replica: `(replicate, 1)`. The frontend's groups all-gather and reduce-scatter over
+    the size-1 dim (a copy) and all-reduce over the replicas, which is DDP's arithmetic,
+    and the parameters keep their own placements (see `ShardSpec`)."""
+    dp = _one_dim(mesh, replicate)
+    name = dp.mesh_dim_names[0] if dp.mesh_dim_names else "replicate"
+    return dp._unflatten(0, (dp.size(), 1), (name, f"{name}_unsharded"))
 
 
 @functools.cache
@@ -643,8 +654,8 @@ def _named_dims(mesh, dims, reshard_after_forward) -> tuple[tuple[str, ...], tup
     Raises:
       TypeError: `dims` is not a `DataParallelMeshDims`, or `mesh` not a torch mesh.
       ValueError: the mesh has no dim names, or lacks a named dim (FSDP2's).
-      NotImplementedError: an int `reshard_after_forward` (FSDP2's), no shard dim
-        (DDP), or shard dims that are not consecutive in the mesh.
+      NotImplementedError: an int `reshard_after_forward` (FSDP2's), or shard dims that
+        are not consecutive in the mesh.
     """
     dims_type = _data_parallel_mesh_dims()
     if dims_type is None or not isinstance(dims, dims_type):
@@ -659,15 +670,8 @@ def _named_dims(mesh, dims, reshard_after_forward) -> tuple[tuple[str, ...], tup
             raise errors.ShardingValueError(_dim_not_in_mesh(name, mesh))
     if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
         raise errors.UnsupportedError(_dims_hpz(reshard_after_forward))
-    if not dims.shard_names:
-        raise errors.UnsupportedError(
-            _not_supported_yet(
-                f"{dims} (replication only, FSDP2's DDP mode)",
-                "name a shard dim (DataParallelMeshDims(shard=...)), or use DDP.",
-            )
-        )
     at = [mesh.mesh_dim_names.index(n) for n in dims.shard_names]
-    if at != list(range(at[0], at[0] + len(at))):
+    if at and at != list(range(at[0], at[0] + len(at))):
         # FSDP2 assumes them consecutive (its flattened view replaces a run of dims).
         raise errors.UnsupportedError(
             _not_supported_yet(
@@ -996,7 +1000,8 @@ def fully_shard(
       dp_mesh_dims: FSDP2's `DataParallelMeshDims(shard=..., replicate=...)`: `mesh` is
         then the full named mesh, the parameters DTensors on it with `Replicate()` on
         those dims, which fully_shard shards (a tuple of names flattens several, as
-        FSDP2's).
+        FSDP2's). With replicate dims only (FSDP2's DDP mode) the parameters keep
+        their placements and their gradients are all-reduced over those dims.
 
     Returns:
       `module`, its class swapped to `FSDP<Cls>` (a subclass of `FSDPModule`).

@@ -99,7 +99,7 @@ class ShardSpec:
         """The mesh of the sharded DTensor."""
         if self.tp_spec is None:
             return self.device_mesh
-        if self.dp_shard_dims:
+        if self.dp_dims:
             # The full mesh, as the parameter was (or FSDP2's flattened view of it).
             return self.flat_mesh or self.tp_spec.mesh
         return spmd_mesh(self.device_mesh, self.tp_spec.mesh)
@@ -111,12 +111,13 @@ class ShardSpec:
         data-parallel placement is `_StridedShard(dim, split_factor=TP shards on dim)`
         where TP already splits `dim`, followed by the TP placements. With
         `dp_mesh_dims` the parameter's own placements stay, but the shard dim's: that
-        counts only the TP splits of `dim` on the dims after it, as FSDP2's.
+        counts only the TP splits of `dim` on the dims after it, as FSDP2's (with no
+        shard dim, DDP, all of them stay).
         """
         replicas = (Replicate(),) * (self.device_mesh.ndim - 1)
         if self.tp_spec is None:
             return (*replicas, Shard(dim))
-        if self.dp_shard_dims:
+        if self.dp_dims:
             return self._full_mesh_placements(dim)
         split = self.tp_spec.num_shards_map[dim]
         fsdp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
