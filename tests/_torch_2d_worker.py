@@ -489,7 +489,7 @@ def spmd(mesh, fully_shard, dims, reshard=True, tp=True, on=None, split_dp=False
     return fully_shard(model, mesh=on, dp_mesh_dims=dims, reshard_after_forward=reshard)
 
 
-def own_mesh(fully_shard) -> nn.Module:
+def own_mesh(fully_shard, seed: int = 5) -> nn.Module:
     """Plain parameters on two meshes of the same 4 ranks: the blocks' linear layers
     HSDP over a `(replicate=2, shard=2)` mesh of their own (`ShardPlacementResult`), the
     rest FSDP over fully_shard's 4-rank mesh. (A second 1-D mesh of the same 4 ranks
@@ -507,10 +507,25 @@ def own_mesh(fully_shard) -> nn.Module:
     def placement(param):
         return ShardPlacementResult(None, info) if param.ndim == 2 else None
 
-    model = build(16, seed=5)
+    model = build(16, seed=seed)
     for block in model.blocks:
         fully_shard(block, mesh=dp, shard_placement_fn=placement)
     return fully_shard(model, mesh=dp)
+
+
+def groups_dcp(model: nn.Module, fully_shard, out: Path, record: dict) -> None:
+    """DCP: save the two-group model, load it into a fresh one (other initial values)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = out / "dcp_own_mesh"
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(path))
+    fresh = own_mesh(fully_shard, seed=13)
+    sd = get_model_state_dict(fresh)
+    dcp.load(sd, checkpoint_id=str(path))
+    set_model_state_dict(fresh, sd)
+    for key, value in full_state(fresh).items():
+        record[f"own_mesh/dcp/{key}"] = value
 
 
 def group_methods(model: nn.Module, record: dict, prefix: str) -> None:
@@ -552,7 +567,7 @@ def frontend_tools(model: nn.Module, record: dict, prefix: str) -> None:
         record[f"frontend/{prefix}/tf_full/{key}"] = value.detach().numpy().copy()
 
 
-def groups_and_spmd(mesh, fully_shard, dp_rank: int, record: dict, impl: str) -> None:
+def groups_and_spmd(mesh, fully_shard, dp_rank: int, record: dict, impl: str, out: Path) -> None:
     """The parameter-group cases: experts on a mesh of their own, and `dp_mesh_dims`."""
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import Replicate, Shard
@@ -566,6 +581,7 @@ def groups_and_spmd(mesh, fully_shard, dp_rank: int, record: dict, impl: str) ->
     model = own_mesh(fully_shard)
     train_global(model, record, "own_mesh", rank)
     groups(model, record, "own_mesh")
+    groups_dcp(model, fully_shard, out, record)
     group_methods(model, record, "own_mesh")
     if impl == "frontend":
         frontend_tools(model, record, "own_mesh")
@@ -625,7 +641,7 @@ def run(impl: str, out: Path, rank: int) -> dict[str, np.ndarray]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     record: dict[str, np.ndarray] = {}
-    groups_and_spmd(mesh, fully_shard, dp_rank, record, impl)
+    groups_and_spmd(mesh, fully_shard, dp_rank, record, impl, out)
     models = {}
     for name, (hidden, reshard, ac, dim1, seq) in CASES.items():
         models[name] = parallelize(build(hidden), mesh, fully_shard, reshard, ac, dim1, seq)

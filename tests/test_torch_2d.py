@@ -258,6 +258,19 @@ def test_spmd_has_one_group_and_the_accessor_returns_it(ranks):
         assert _error(ranks[impl][0], "spmd_one_group")[0] == ["nothing raised"]
 
 
+@pytest.mark.parametrize("impl", ["fsdp2", "frontend"])
+def test_dcp_round_trip_of_two_parameter_groups(ranks, impl):
+    """DCP saves a model whose blocks' linear layers are an HSDP group beside the FSDP
+    group, and loads it into a fresh one: the full state dict is the saved model's, bit
+    for bit (FSDP2: the control)."""
+    for rank in range(WORLD):
+        record = ranks[impl][rank]
+        loaded, saved = _full(record, "own_mesh/dcp/"), _full(record, "own_mesh/full/")
+        assert loaded and set(loaded) == set(saved)
+        for key, value in saved.items():
+            np.testing.assert_array_equal(loaded[key], value, err_msg=f"rank {rank}: {key}")
+
+
 def test_own_mesh_groups_train_as_plain_torch(ranks):
     """The control: an HSDP group beside the FSDP one is plain data parallelism over 4."""
     model = w.build(16, seed=5)
