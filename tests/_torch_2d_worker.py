@@ -326,13 +326,35 @@ def mistakes(mesh, fully_shard, record: dict) -> None:
 
 
 def frontend_refusals(model: nn.Module, out: Path, record: dict) -> None:
-    """torch_frontend's own state dicts, checkpoints and clipping refuse TP parameters."""
+    """torch_frontend's own checkpoints refuse TP parameters."""
     import torch_frontend as tf
 
-    _raised(record, "tf_full_state_dict", lambda: tf.full_state_dict(model))
-    _raised(record, "tf_load_full_state_dict", lambda: tf.load_full_state_dict(model, {}))
     _raised(record, "tf_save", lambda: tf.save(out / "tf_ckpt", model))
-    _raised(record, "tf_clip", lambda: tf.clip_grad_norm_(model.parameters(), 1.0))
+
+
+def frontend_tp_tools(
+    model: nn.Module, fresh: nn.Module, record: dict, prefix: str, mesh=None, layout=()
+) -> None:
+    """torch_frontend's full state dict, its load into `fresh` (a 2-D model of other
+    values) and clipping, on TP parameters: after one backward (`global_loss`'s with a
+    mesh), the norm torchtitan computes and the one `clip_grad_norm_` returns (max_norm
+    0.1: it clips), then the norm of the clipped gradients."""
+    import torch_frontend as tf
+
+    dp_rank = dist.get_rank() // 2  # init_device_mesh's (dp=2, tp=2) grid, row-major
+    global_loss(model, 0, dp_rank, mesh, layout).backward()
+    record[f"frontend/{prefix}/norm"] = np.asarray(grad_norm(model))
+    record[f"frontend/{prefix}/clip_norm"] = np.asarray(
+        tf.clip_grad_norm_(model.parameters(), 0.1).item()
+    )
+    record[f"frontend/{prefix}/clipped_norm"] = np.asarray(grad_norm(model))
+    model.zero_grad()
+    full = tf.full_state_dict(model)
+    for key, value in full.items():
+        record[f"frontend/{prefix}/tf_full/{key}"] = value.detach().numpy().copy()
+    tf.load_full_state_dict(fresh, full)
+    for key, value in full_state(fresh).items():
+        record[f"frontend/{prefix}/tf_loaded/{key}"] = value
 
 
 def frontend_group_refusals(mesh, record: dict) -> None:
@@ -441,18 +463,11 @@ def train_global(
     """As `train`, on `batch(step, data_rank)`. With a mesh, the input is a DTensor on it
     (placements `layout`) and the loss is the mean over the full output: every data rank's batch
     in rank order, as `full_tensor()` gathers them."""
-    from torch.distributed.tensor import DTensor
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
-        x, y = batch(step, data_rank)
-        if mesh is None:
-            out = model(x)
-        else:
-            out = model(DTensor.from_local(x, mesh, layout)).full_tensor()
-            y = torch.cat([batch(step, d)[1] for d in range(len(out) // len(y))])
-        loss = (out - y).pow(2).mean()
+        loss = global_loss(model, step, data_rank, mesh, layout)
         loss.backward()
         norms.append(grad_norm(model))
         opt.step()
@@ -461,12 +476,27 @@ def train_global(
     _record_run(record, prefix, model, losses, norms)
 
 
+def global_loss(model: nn.Module, step: int, data_rank: int, mesh=None, layout=()):
+    """`train_global`'s loss at `step` (see there)."""
+    from torch.distributed.tensor import DTensor
+
+    x, y = batch(step, data_rank)
+    if mesh is None:
+        out = model(x)
+    else:
+        out = model(DTensor.from_local(x, mesh, layout)).full_tensor()
+        y = torch.cat([batch(step, d)[1] for d in range(len(out) // len(y))])
+    return (out - y).pow(2).mean()
+
+
 # The full-mesh placements of `dp_mesh_dims`' parameters (Replicate on dp): in_proj
 # column-parallel, out_proj row-parallel, everything else replicated.
 SPMD_TP = {"in_proj.weight": 0, "in_proj.bias": 0, "out_proj.weight": 1}
 
 
-def spmd(mesh, fully_shard, dims, reshard=True, tp=True, on=None, split_dp=False) -> nn.Module:
+def spmd(
+    mesh, fully_shard, dims, reshard=True, tp=True, on=None, split_dp=False, seed=0
+) -> nn.Module:
     """`fully_shard(block, mesh=mesh, dp_mesh_dims=...)` on DTensors of the full mesh.
 
     `tp=False` replicates every parameter over tp too. The mistakes: `on` another mesh
@@ -474,7 +504,7 @@ def spmd(mesh, fully_shard, dims, reshard=True, tp=True, on=None, split_dp=False
     """
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    model = build(16)
+    model = build(16, seed)
     for name, param in list(model.named_parameters()):
         owner, _, attr = name.rpartition(".")
         dim = next((d for k, d in SPMD_TP.items() if name.endswith(k)), None) if tp else None
@@ -595,9 +625,13 @@ def groups_and_spmd(mesh, fully_shard, dp_rank: int, record: dict, impl: str, ou
     model = spmd(mesh, fully_shard, DataParallelMeshDims(shard=("dp", "tp")), tp=False)
     train_global(model, record, "spmd_flat", rank, mesh, [Shard(0), Shard(0)])
     # FSDP2's DDP mode: replication only, over dp (TP over tp stays), and over both dims.
-    model = spmd(mesh, fully_shard, DataParallelMeshDims(replicate="dp"))
+    dims = DataParallelMeshDims(replicate="dp")
+    model = spmd(mesh, fully_shard, dims)
     train_global(model, record, "spmd_ddp", dp_rank, mesh, [Shard(0), Replicate()])
     groups(model, record, "spmd_ddp")
+    if impl == "frontend":
+        fresh = spmd(mesh, fully_shard, dims, seed=7)
+        frontend_tp_tools(model, fresh, record, "spmd_ddp", mesh, [Shard(0), Replicate()])
     model = spmd(mesh, fully_shard, DataParallelMeshDims(replicate=("dp", "tp")), tp=False)
     train_global(model, record, "spmd_ddp_flat", rank, mesh, [Shard(0), Shard(0)])
     group_mistakes(mesh, fully_shard, record)
@@ -650,6 +684,10 @@ def run(impl: str, out: Path, rank: int) -> dict[str, np.ndarray]:
     if impl == "frontend":
         frontend_refusals(models["ac"], out, record)
         frontend_group_refusals(mesh, record)
+        for name in ("ac", "dim1", "seq"):
+            hidden, reshard, ac, dim1, seq = CASES[name]
+            fresh = parallelize(build(hidden, seed=7), mesh, fully_shard, reshard, ac, dim1, seq)
+            frontend_tp_tools(models[name], fresh, record, name)
     hidden = CASES["ac"][0]
     reload_1d(models["ac"], fully_shard, out, hidden, record)
     # DCP into a 2-D model: from the 2-D checkpoint above (2-D -> 2-D) and from a dp-only one.

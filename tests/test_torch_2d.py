@@ -171,14 +171,33 @@ def test_fsdp2_fails_as_recorded_for_these_mistakes(ranks):
     assert _error(ranks["fsdp2"][0], "parallelize_after")[0][0] == "ValueError"
 
 
-@pytest.mark.parametrize(
-    "name", ["tf_full_state_dict", "tf_load_full_state_dict", "tf_save", "tf_clip"]
-)
-def test_frontend_tools_refuse_tensor_parallel_parameters(ranks, name):
-    types, message = _error(ranks["frontend"][0], name)
+def test_frontend_checkpoint_refuses_tensor_parallel_parameters(ranks):
+    types, message = _error(ranks["frontend"][0], "tf_save")
     assert "NotImplementedError" in types
     assert "parameter 'blocks.0._checkpoint_wrapped_module.in_proj.weight'" in message
     assert "get_model_state_dict" in message
+
+
+@pytest.mark.parametrize("case", ["ac", "dim1", "seq", "spmd_ddp"])
+def test_frontend_tools_take_tensor_parallel_parameters(ranks, case):
+    """torch_frontend's full_state_dict equals get_model_state_dict's full tensors (TP
+    column- and row-parallel, uneven 17 on tp=2, FSDP on dim 1, sequence-parallel norms
+    split over dp and replicated over tp, DDP on the full mesh); load_full_state_dict
+    puts them into a model of other values; clip_grad_norm_ returns torchtitan's norm
+    of the same gradients and scales them to max_norm."""
+    for rank in range(WORLD):
+        record = ranks["frontend"][rank]
+        mine = _full(record, f"frontend/{case}/tf_full/")
+        saved = _full(record, f"{case}/full/")
+        assert mine and set(mine) == set(saved)
+        for key, value in mine.items():
+            np.testing.assert_array_equal(value, saved[key], err_msg=f"{rank}: {key}")
+            loaded = record[f"frontend/{case}/tf_loaded/{key}"]
+            np.testing.assert_array_equal(loaded, value, err_msg=f"{rank}: {key}")
+        norm = float(record[f"frontend/{case}/norm"])
+        assert norm > 0.1
+        np.testing.assert_allclose(record[f"frontend/{case}/clip_norm"], norm, rtol=1e-6)
+        np.testing.assert_allclose(record[f"frontend/{case}/clipped_norm"], 0.1, rtol=1e-5)
 
 
 def test_shard_placement_fn_on_tp_parameters_dim_1(ranks):

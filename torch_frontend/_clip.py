@@ -7,11 +7,14 @@ import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from funshard import errors
 from torch_frontend import _bridge
-from torch_frontend._param import managed, tensor_parallel_refused
+from torch_frontend._param import managed
 
 logger = logging.getLogger("torch_frontend")  # silent unless configured (see _group.py)
 
@@ -31,6 +34,32 @@ def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     if not norms:
         return torch.zeros((), dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def _split_dims(param: torch.Tensor) -> tuple[DeviceMesh, tuple[int, ...]]:
+    """A tensor-parallel shard's mesh and the dims whose ranks hold distinct blocks of it
+    (Shard placements; Replicate dims hold copies, counted once)."""
+    assert isinstance(param, DTensor), "a managed tensor-parallel parameter is a DTensor"
+    dims = tuple(i for i, p in enumerate(param.placements) if isinstance(p, (Shard, _StridedShard)))
+    return param.device_mesh, dims
+
+
+def _split_norms(
+    split: dict[tuple[DeviceMesh, tuple[int, ...]], list[torch.Tensor]], norm_type: float
+) -> list[torch.Tensor]:
+    """The norm of each set of tensor-parallel shards over all their blocks: this rank's
+    norm reduced by torch over each dim that splits them (sum of powers, or max)."""
+    norms = []
+    for (mesh, dims), grads in split.items():
+        norm = _local_norm(grads, norm_type).reshape(1).clone()
+        power = not math.isinf(norm_type)
+        if power:
+            norm = norm.pow(norm_type)
+        op = dist.ReduceOp.SUM if power else dist.ReduceOp.MAX
+        for dim in dims:
+            dist.all_reduce(norm, op=op, group=mesh.get_group(dim))
+        norms.append((norm.pow(1.0 / norm_type) if power else norm).reshape(()))
+    return norms
 
 
 def _gathered_norms(
@@ -77,9 +106,11 @@ def clip_grad_norm_(
 
     Each rank's local shards contribute their norm (padding is not part of a shard);
     one all-gather per mesh layout brings every rank's norm, over the shard axis only
-    (on an HSDP mesh the replicas hold identical reduced gradients). Parameters that
-    no `fully_shard` manages count once, as replicated. Every process must call it with
-    the same parameters.
+    (on an HSDP mesh the replicas hold identical reduced gradients). A tensor-parallel
+    parameter's norm is reduced by torch over the dims of its DTensor that split it
+    (data-parallel and TP; replicated dims count once), as torch's own does on DTensors.
+    Parameters that no `fully_shard` manages count once, as replicated. Every process
+    must call it with the same parameters.
 
     Args:
       parameters: the local shards (e.g. `model.parameters()`) or one tensor.
@@ -101,19 +132,22 @@ def clip_grad_norm_(
     if not (norm_type > 0):
         raise errors.ShardingValueError(_bad_norm_type(norm_type))
     partials: dict[_bridge.RankLayout, list[torch.Tensor]] = {}
+    split: dict[tuple[DeviceMesh, tuple[int, ...]], list[torch.Tensor]] = {}
     replicated: list[torch.Tensor] = []
     for param in params:
         owner = managed(param)
-        if owner is not None and owner.tensor_parallel:
-            raise errors.UnsupportedError(
-                tensor_parallel_refused("torch_frontend.clip_grad_norm_", owner)
-            )
         # Every managed layout gathers, with or without gradients: each process runs
-        # the same collectives.
-        grads = replicated if owner is None else partials.setdefault(owner.layout, [])
+        # the same collectives. A tensor-parallel shard's norm is reduced by torch over
+        # the dims of its DTensor that split it (data-parallel and TP alike).
+        if owner is None:
+            grads = replicated
+        elif owner.tensor_parallel:
+            grads = split.setdefault(_split_dims(owner.sharded_param), [])
+        else:
+            grads = partials.setdefault(owner.layout, [])
         if param.grad is not None:
             grads.append(_local(param.grad))
-    norms = _gathered_norms(partials, norm_type)
+    norms = _gathered_norms(partials, norm_type) + _split_norms(split, norm_type)
     if replicated:
         norms.append(_local_norm(replicated, norm_type))
     total = (
@@ -125,7 +159,7 @@ def clip_grad_norm_(
         raise RuntimeError(_nonfinite_norm(norm_type))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for grads in (*partials.values(), replicated):
+        for grads in (*partials.values(), *split.values(), replicated):
             for grad in grads:
                 grad.mul_(coef.to(grad.dtype))
     return total

@@ -597,7 +597,7 @@ def tensor_parallel_refused(what: str, param: FSDPParam) -> str:
         "tensor; it is not supported for tensor parallelism yet. Use torch's tools, "
         "which read the placements: torch.distributed.checkpoint.state_dict's "
         "get_model_state_dict / set_model_state_dict (StateDictOptions(full_state_dict="
-        "True) for full tensors), torch.distributed.checkpoint.save / load, and for the "
-        "gradient norm torchtitan's sum of torch.linalg.vector_norm(p.grad).full_tensor() "
-        "** 2 over the parameters (docs/torch.md, 2-D meshes)."
+        "True) for full tensors), torch.distributed.checkpoint.save / load, or "
+        "torch_frontend.full_state_dict / load_full_state_dict, which take tensor-parallel "
+        "parameters (docs/torch.md, 2-D meshes)."
     )

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import jax
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from funshard import comm, errors
 from torch_frontend import _bridge
@@ -36,9 +37,19 @@ class Managed:
     param: FSDPParam
     layout: _bridge.RankLayout
 
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape of the whole tensor (a tensor-parallel parameter's, TP included)."""
+        return self.param.global_shape if self.param.tensor_parallel else self.param.shape
+
     def chunk(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full tensor (`torch.chunk(full, world, dim)[rank]`)."""
+        """This rank's rows of a full tensor (`torch.chunk(full, world, dim)[rank]`), of
+        its TP block for a tensor-parallel parameter (cut locally, no collective)."""
         param, layout = self.param, self.layout
+        if param.tensor_parallel:
+            spec = param.spec.tp_spec_in(full.dtype)
+            full = distribute_tensor(full, spec.mesh, spec.placements, src_data_rank=None)
+            full = full.to_local()
         start, count = layout.chunk(param.rows)
         return full.narrow(param.dim, start, count)
 
@@ -78,16 +89,19 @@ def _adopt_assigned(group: FSDPParamGroup, module: nn.Module, _incompatible) -> 
                 param.reset_sharded_param()
 
 
-def managed_params(module: nn.Module, what: str) -> dict[int, Managed]:
+def managed_params(
+    module: nn.Module, what: str, tensor_parallel: bool = False
+) -> dict[int, Managed]:
     """`id` of each local shard managed at or below `module` -> its `Managed`.
 
     Args:
       module: the module.
       what: the public function asking, for the error's message.
+      tensor_parallel: whether the caller takes tensor-parallel parameters.
 
     Raises:
-      NotImplementedError: a managed parameter is tensor-parallel: these full tensors
-        and checkpoints gather over the data-parallel mesh only.
+      NotImplementedError: a managed parameter is tensor-parallel and the caller does
+        not take them (its checkpoints hold the data-parallel gather only).
     """
     managed: dict[int, Managed] = {}
     for sub in module.modules():
@@ -95,7 +109,7 @@ def managed_params(module: nn.Module, what: str) -> dict[int, Managed]:
         if state is not None:
             for group in state._fsdp_param_groups:  # each on its own mesh
                 for param in group.fsdp_params:
-                    if param.tensor_parallel:
+                    if param.tensor_parallel and not tensor_parallel:
                         raise errors.UnsupportedError(tensor_parallel_refused(what, param))
                     managed[id(param.sharded_param)] = Managed(param, group.layout)
     return managed
@@ -104,6 +118,8 @@ def managed_params(module: nn.Module, what: str) -> dict[int, Managed]:
 def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
     """The full, unpadded tensor of each entry (one all-gather per layout), by shard id.
 
+    A tensor-parallel parameter's gather gives its TP block, which torch's DTensor then
+    gathers over the TP dims (`full_tensor`, as `get_model_state_dict` does).
     Every process must call it with the same entries in the same order.
     """
     by_layout: dict[_bridge.RankLayout, list[FSDPParam]] = {}
@@ -129,8 +145,26 @@ def gather_full(entries: list[Managed]) -> dict[int, torch.Tensor]:
     for params, future in pending:
         for param, full in zip(params, _bridge.finish_all_gather(future), strict=True):
             # JAX's buffer is read-only: the caller gets its own copy.
-            fulls[id(param.sharded_param)] = _bridge.from_words(full, param.dtype).clone()
+            full = _bridge.from_words(full, param.dtype).clone()
+            if param.tensor_parallel:
+                full = _tensor_parallel_full(param, full)
+            fulls[id(param.sharded_param)] = full
     return fulls
+
+
+def _tensor_parallel_full(param: FSDPParam, block: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a tensor-parallel parameter from its gathered TP block."""
+    spec = param.spec.tp_spec_in(block.dtype)
+    assert spec.tensor_meta is not None, "a tensor-parallel spec has its tensor's meta"
+    dtensor = DTensor.from_local(
+        block,
+        spec.mesh,
+        spec.placements,
+        run_check=False,
+        shape=spec.tensor_meta.shape,
+        stride=spec.tensor_meta.stride,
+    )
+    return dtensor.full_tensor()
 
 
 def _log_full_gather(layout: _bridge.RankLayout, params: list[FSDPParam]) -> None:
@@ -159,7 +193,8 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
     """The module's state dict with full, unpadded tensors, as an unsharded copy holds them.
 
     Every managed parameter is all-gathered (one collective per mesh layout, over the
-    shard axis only on an HSDP mesh); buffers and unmanaged parameters are copied.
+    shard axis only on an HSDP mesh); a tensor-parallel one is then gathered over its
+    TP dims by torch's DTensor; buffers and unmanaged parameters are copied.
     Every process must call it (it runs collectives): the ranks first check through
     JAX's coordination service that they all gather the same parameters. The result is
     what `nn.Module.load_state_dict` of the unsharded model accepts.
@@ -178,7 +213,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
         (FUNSHARD_DEPARTURE_TIMEOUT, 30 by default).
     """
     local = module.state_dict(keep_vars=True)
-    managed = managed_params(module, "torch_frontend.full_state_dict")
+    managed = managed_params(module, "torch_frontend.full_state_dict", tensor_parallel=True)
     fulls = gather_full([managed[id(t)] for t in local.values() if id(t) in managed])
     if rank0_only and jax.process_index() != 0:
         return {}
@@ -207,7 +242,8 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     """Loads full (unsharded) tensors: each rank copies its chunk into its shards in place.
 
     The inverse of `full_state_dict`, on any world size: the state dict of an unsharded
-    copy of the model loads as it is. No collectives run; the shards keep their
+    copy of the model loads as it is (a tensor-parallel parameter takes its whole tensor
+    and keeps this rank's TP block of it). No collectives run; the shards keep their
     identity (an optimizer built over them stays valid).
 
     Args:
@@ -219,9 +255,9 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
         full shape; the message names every such key.
     """
     local = module.state_dict(keep_vars=True)
-    managed = managed_params(module, "torch_frontend.load_full_state_dict")
+    managed = managed_params(module, "torch_frontend.load_full_state_dict", tensor_parallel=True)
     expected = {
-        key: managed[id(t)].param.shape if id(t) in managed else tuple(t.shape)
+        key: managed[id(t)].full_shape if id(t) in managed else tuple(t.shape)
         for key, t in local.items()
     }
     problems = _problems(expected, state_dict)
