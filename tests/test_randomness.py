@@ -8,6 +8,8 @@ everywhere is `jax.value_and_grad` of the same loss on the global batch with the
 key, unsharded (issue 42, section 2).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,38 +113,43 @@ def _block(p, h, key):
     return _dropout(jnp.tanh(h @ p["w"]), key)[0]
 
 
-@pytest.mark.slow  # the 8 cases: about 28 s of CPU together (one compile per case and side)
+def _layer_drop(p, b, key, *, written, block=_block):
+    """LayerDrop: one decision for the whole batch, from a scalar draw. With lax.cond the
+    skipped branch holds a unit's all-gather: the same predicate on every device."""
+    h = jnp.tanh(b["x"] @ p["w"])
+    for i in range(3):
+        k = jax.random.fold_in(key, i)
+        drop = jax.random.uniform(jax.random.fold_in(k, 99)) < 0.5
+        if written == "where":
+            h = jnp.where(drop, h, block(p["u"], h, k))
+        else:
+            h = jax.lax.cond(drop, lambda h: h, lambda h, k=k: block(p["u"], h, k), h)
+    return jnp.mean((h @ p["v"] - b["y"]) ** 2)
+
+
+@functools.cache
+def _layer_drop_reference(written):
+    # One compiled reference per way of writing it, shared by the layouts: the key is an
+    # argument, not a constant (eagerly, the cond's fresh lambdas compiled anew per seed).
+    return jax.jit(jax.value_and_grad(functools.partial(_layer_drop, written=written)))
+
+
+@pytest.mark.slow  # the 8 cases: one compiled step each, one compiled reference per `written`
 @pytest.mark.parametrize("layout", [("1", 1), ("8", 2), ("2x4", 1), ("2x4", 4)])
 @pytest.mark.parametrize("written", ["where", "cond"])
 def test_layer_drop_on_a_shared_scalar_draw_is_plain_jax(layout, written):
-    # LayerDrop: one decision for the whole batch, from a scalar draw. With lax.cond the
-    # skipped branch holds a unit's all-gather: the same predicate on every device.
     unit = fs.fully_shard(_block)
-
-    def loss(p, b, key, block=_block):
-        h = jnp.tanh(b["x"] @ p["w"])
-        for i in range(3):
-            k = jax.random.fold_in(key, i)
-            drop = jax.random.uniform(jax.random.fold_in(k, 99)) < 0.5
-            if written == "where":
-                h = jnp.where(drop, h, block(p["u"], h, k))
-            else:
-                h = jax.lax.cond(drop, lambda h: h, lambda h, k=k: block(p["u"], h, k), h)
-        return jnp.mean((h @ p["v"] - b["y"]) ** 2)
 
     def gathered(s):
         full = fs.unshard(s)
         return {**full, "u": s["u"]}
 
-    def sharded(p, b, key):
-        return loss(p, b, key, block=unit)
+    def sharded(s, b, k):
+        return _layer_drop(gathered(s), b, k, written=written, block=unit)
 
-    # One compiled step and one compiled reference for the three seeds (the key is an
-    # argument, not a constant): eagerly, the cond's fresh lambdas compiled anew per seed.
-    step = jax.jit(
-        fs.value_and_grad(lambda s, b, k: sharded(gathered(s), b, k), microbatches=layout[1])
-    )
-    reference = jax.jit(jax.value_and_grad(loss))
+    # One compiled step for the three seeds.
+    step = jax.jit(fs.value_and_grad(sharded, microbatches=layout[1]))
+    reference = _layer_drop_reference(written)
     for seed in range(3):
         params, batch, key = _params(), _batch(), jax.random.key(seed)
         ref, ref_grads = reference(params, batch, key)
@@ -151,24 +158,30 @@ def test_layer_drop_on_a_shared_scalar_draw_is_plain_jax(layout, written):
         assert_tree_close(fs.unshard(grads), ref_grads, atol=1e-6)
 
 
+def _units_loss(p, b, key, block=_block):
+    h = block(p["u"], b["x"], key)
+    h = jax.checkpoint(lambda h: _dropout(jnp.tanh(h), jax.random.fold_in(key, 1))[0])(h)
+
+    def body(h, i):
+        return _dropout(jnp.tanh(h), jax.random.fold_in(key, i))[0], None
+
+    h, _ = jax.lax.scan(body, h, jnp.arange(3))
+    return jnp.mean((h @ p["v"] - b["y"]) ** 2)
+
+
+@functools.cache
+def _units_reference(seed):
+    # Shared by the layouts: eagerly, the scan and checkpoint compile anew per call.
+    return jax.value_and_grad(_units_loss)(_params(), _batch(), jax.random.key(seed))
+
+
 @pytest.mark.parametrize("layout", [("8", 1), ("2x4", 2)])
 def test_draws_inside_units_checkpoint_and_scan_are_plain_jax(layout):
     unit = fs.fully_shard(_block)
-
-    def loss(p, b, key, block=_block):
-        h = block(p["u"], b["x"], key)
-        h = jax.checkpoint(lambda h: _dropout(jnp.tanh(h), jax.random.fold_in(key, 1))[0])(h)
-
-        def body(h, i):
-            return _dropout(jnp.tanh(h), jax.random.fold_in(key, i))[0], None
-
-        h, _ = jax.lax.scan(body, h, jnp.arange(3))
-        return jnp.mean((h @ p["v"] - b["y"]) ** 2)
-
     params, batch, key = _params(), _batch(), jax.random.key(1)
-    ref, ref_grads = jax.value_and_grad(loss)(params, batch, key)
+    ref, ref_grads = _units_reference(1)
     step = fs.value_and_grad(
-        lambda s, b, k: loss({**fs.unshard(s), "u": s["u"]}, b, k, block=unit),
+        lambda s, b, k: _units_loss({**fs.unshard(s), "u": s["u"]}, b, k, block=unit),
         microbatches=layout[1],
     )
     got, grads = jax.jit(step)(fs.shard(params, mesh_for(layout[0])), batch, key)
@@ -246,32 +259,46 @@ def test_rows_from_counters_equal_the_global_draw_sliced(bit_width, axis):
         )
 
 
+def _stack_params():
+    keys = jax.random.split(jax.random.key(3), 3)
+    stack = {"w": jnp.stack([jax.random.normal(k, (WIDTH, WIDTH)) / 3.0 for k in keys])}
+    return {"stack": stack, "head": jax.random.normal(jax.random.key(4), (WIDTH, 1))}
+
+
+def _stack_layer(key):
+    def run(p, h):
+        return _dropout(jnp.tanh(h @ p["w"]), jax.random.fold_in(key, 1))[0]
+
+    return run
+
+
+def _stack_plain(params, b, key):
+    h, _ = jax.lax.scan(lambda h, p: (_stack_layer(key)(p, h), None), b["x"], params["stack"])
+    return jnp.mean((h @ params["head"] - b["y"]) ** 2)
+
+
+@functools.cache
+def _stack_reference(seed):
+    # Shared by the layouts: eagerly, the scan compiles anew per call.
+    return jax.value_and_grad(_stack_plain)(_stack_params(), _batch(), jax.random.key(seed))
+
+
 @pytest.mark.parametrize("layout", [("8", 1), ("2x4", 2)])
 def test_draws_inside_a_scanned_stack_are_plain_jax(layout):
     """Dropout in every layer of `fs.scan` (whose backward loop recomputes the layer's
     elementwise values): the masks and gradients of plain JAX's `lax.scan`."""
-    keys = jax.random.split(jax.random.key(3), 3)
-    stack = {"w": jnp.stack([jax.random.normal(k, (WIDTH, WIDTH)) / 3.0 for k in keys])}
-    head = jax.random.normal(jax.random.key(4), (WIDTH, 1))
-
-    def layer(key):
-        def run(p, h):
-            return _dropout(jnp.tanh(h @ p["w"]), jax.random.fold_in(key, 1))[0]
-
-        return run
-
-    def plain(params, b, key):
-        h, _ = jax.lax.scan(lambda h, p: (layer(key)(p, h), None), b["x"], params["stack"])
-        return jnp.mean((h @ params["head"] - b["y"]) ** 2)
 
     def sharded(s, b, key):
-        h = fs.scan(layer(key), s["stack"], b["x"])
+        h = fs.scan(_stack_layer(key), s["stack"], b["x"])
         return jnp.mean((h @ fs.unshard(s["head"]) - b["y"]) ** 2)
 
-    params, batch, key = {"stack": stack, "head": head}, _batch(), jax.random.key(9)
-    ref, ref_grads = jax.value_and_grad(plain)(params, batch, key)
+    params, batch, key = _stack_params(), _batch(), jax.random.key(9)
+    ref, ref_grads = _stack_reference(9)
     mesh = mesh_for(layout[0])
-    state = {"stack": fs.shard(stack, mesh, stacked=True), "head": fs.shard(head, mesh)}
+    state = {
+        "stack": fs.shard(params["stack"], mesh, stacked=True),
+        "head": fs.shard(params["head"], mesh),
+    }
     got, grads = jax.jit(fs.value_and_grad(sharded, microbatches=layout[1]))(state, batch, key)
     np.testing.assert_allclose(got, ref, atol=1e-6)
     assert_tree_close(fs.unshard(grads), ref_grads, atol=1e-6)
