@@ -63,17 +63,39 @@ def test_stacked_shard_layout():
     np.testing.assert_array_equal(back["w"], _stack(_layers())["w"])
 
 
+# The references and the loop of units below do not depend on the case's reshard (or
+# scan style, or mesh): each is computed once and shared by the cases (eagerly, a
+# lax.scan compiles anew per call).
+@functools.cache
+def _scan_reference():
+    return jax.value_and_grad(
+        lambda ps, h: jnp.mean(jax.lax.scan(lambda c, p: (_layer(p, c), None), h, ps)[0] ** 2)
+    )(_stack(_layers()), _x())
+
+
+@functools.cache
+def _compiled_step(make_loss, reshard, mesh_name):
+    """(executable, HLO text) of the step of `make_loss(reshard)` on the stacked layers on
+    `mesh_name` and `_x()`: one compile shared by the test that runs it and the one that
+    reads its HLO."""
+    state = fs.shard(_stack(_layers()), mesh_for(mesh_name), stacked=True)
+    return compiled(fs.value_and_grad(make_loss(reshard)), state, _x())
+
+
+@functools.cache
+def _loop_of_units(mesh_name):
+    step = jax.jit(fs.value_and_grad(_loop_loss))
+    return step(fs.shard(_layers(), mesh_for(mesh_name)), _x())
+
+
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 @pytest.mark.parametrize("reshard", [True, False])
 def test_scan_matches_python_loop_and_reference(mesh_name, reshard):
     mesh = mesh_for(mesh_name)
-    layers = _layers()
-    stacked_state = fs.shard(_stack(layers), mesh, stacked=True)
-    loss, grads = jax.jit(fs.value_and_grad(_scan_loss(reshard)))(stacked_state, _x())
-    loop_loss, loop_grads = jax.jit(fs.value_and_grad(_loop_loss))(fs.shard(layers, mesh), _x())
-    ref_loss, ref_grads = jax.value_and_grad(
-        lambda ps, h: jnp.mean(jax.lax.scan(lambda c, p: (_layer(p, c), None), h, ps)[0] ** 2)
-    )(_stack(layers), _x())
+    stacked_state = fs.shard(_stack(_layers()), mesh, stacked=True)
+    loss, grads = _compiled_step(_scan_loss, reshard, mesh_name)[0](stacked_state, _x())
+    loop_loss, loop_grads = _loop_of_units(mesh_name)
+    ref_loss, ref_grads = _scan_reference()
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(loop_loss, ref_loss, rtol=1e-6)
     got = fs.unshard(grads)
@@ -94,8 +116,7 @@ def test_scan_outside_a_step_evaluates():
 
 
 def test_gathers_and_reduce_scatters_run_inside_the_loop():
-    state = fs.shard(_stack(_layers()), mesh_for("8"), stacked=True)
-    text = compiled(fs.value_and_grad(_scan_loss(True)), state, _x())[1]
+    text = _compiled_step(_scan_loss, True, "8")[1]
     comps = computations(text)
     entry = count_by_kind(comps["ENTRY"])
     total = count_by_kind(text)
@@ -217,15 +238,20 @@ def _lax_scan_loss(reshard):
     return lambda state, h: _model_loss(scan, state, h)
 
 
+@functools.cache
+def _model_reference():
+    # Shared by the cases (see _scan_reference).
+    return jax.value_and_grad(lambda ps, h: _model_loss(jax.lax.scan, ps, h))(
+        _stack(_layers()), _x()
+    )
+
+
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 @pytest.mark.parametrize("reshard", [True, False])
 def test_lax_scan_matches_jax_lax_scan(mesh_name, reshard):
-    stack = _stack(_layers())
-    state = fs.shard(stack, mesh_for(mesh_name), stacked=True)
-    loss, grads = jax.jit(fs.value_and_grad(_lax_scan_loss(reshard)))(state, _x())
-    ref_loss, ref_grads = jax.value_and_grad(lambda ps, h: _model_loss(jax.lax.scan, ps, h))(
-        stack, _x()
-    )
+    state = fs.shard(_stack(_layers()), mesh_for(mesh_name), stacked=True)
+    loss, grads = _compiled_step(_lax_scan_loss, reshard, mesh_name)[0](state, _x())
+    ref_loss, ref_grads = _model_reference()
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     got = fs.unshard(grads)
     assert jax.tree.structure(got) == jax.tree.structure(ref_grads)
@@ -263,8 +289,7 @@ def test_lax_scan_takes_the_stacked_state_as_xs_and_no_per_layer_output():
 
 
 def test_lax_scan_gathers_each_layer_once_inside_the_loop():
-    state = fs.shard(_stack(_layers()), mesh_for("8"), stacked=True)
-    text = compiled(fs.value_and_grad(_lax_scan_loss(True)), state, _x())[1]
+    text = _compiled_step(_lax_scan_loss, True, "8")[1]
     comps = computations(text)
     entry, total = count_by_kind(comps["ENTRY"]), count_by_kind(text)
     # As for fs.scan: the first layer's gather (forward) and the last layer's (backward)
@@ -399,14 +424,18 @@ def test_jax_lax_scan_over_a_stack_names_fs_lax_scan():
         jax.jit(fs.value_and_grad(lambda p, h: jnp.mean(_layer(p, h))))(one_layer, x)
     assert "fs.unshard(p['w'])" in str(info.value) and "lax_scan" not in str(info.value)
 
-    got, grads = jax.jit(fs.value_and_grad(loss(fs.lax_scan)))(state, x)
+    # One compile of the fs.lax_scan step: run here, its temp compared below.
+    lax_scan_exe = compiled(fs.value_and_grad(loss(fs.lax_scan)), state, x)[0]
+    got, grads = lax_scan_exe(state, x)
     want, want_grads = jax.value_and_grad(loss(jax.lax.scan))(stack, x)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     np.testing.assert_allclose(fs.unshard(grads)["w"], want_grads["w"], atol=1e-6, rtol=1e-5)
     whole = lambda s, h: loss(jax.lax.scan)(fs.unshard(s), h)  # noqa: E731
     temp = {
-        name: compiled(fs.value_and_grad(f), state, x)[0].memory_analysis().temp_size_in_bytes
-        for name, f in (("lax_scan", loss(fs.lax_scan)), ("unshard", whole))
+        "lax_scan": lax_scan_exe.memory_analysis().temp_size_in_bytes,
+        "unshard": compiled(fs.value_and_grad(whole), state, x)[0]
+        .memory_analysis()
+        .temp_size_in_bytes,
     }
     assert temp["lax_scan"] < temp["unshard"], temp
 
@@ -550,6 +579,15 @@ def _closure_loss(scan, params, h, scan_style):
     return jnp.mean(out**2)
 
 
+@functools.cache
+def _closure_reference(scan_style):
+    # Shared by the meshes and reshard values (see _scan_reference).
+    plain = jax.lax.scan if scan_style == "fs.lax_scan" else _plain_scan
+    return jax.value_and_grad(lambda p, h: _closure_loss(plain, p, h, scan_style))(
+        _with_context(), _x()
+    )
+
+
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 @pytest.mark.parametrize("reshard", [True, False])
 @pytest.mark.parametrize("scan_style", ["fs.scan", "fs.lax_scan"])
@@ -563,12 +601,9 @@ def test_layers_closing_over_differentiated_values_match_plain_jax(mesh_name, re
         outside = fs.unshard({"mix": state["mix"], "enc": state["enc"]})
         return _closure_loss(scan, {**outside, "blocks": state["blocks"]}, h, scan_style)
 
-    plain = jax.lax.scan if scan_style == "fs.lax_scan" else _plain_scan
     state = _shard_with_context(params, mesh_for(mesh_name))
     value, grads = jax.jit(fs.value_and_grad(loss))(state, _x())
-    ref_value, ref_grads = jax.value_and_grad(lambda p, h: _closure_loss(plain, p, h, scan_style))(
-        params, _x()
-    )
+    ref_value, ref_grads = _closure_reference(scan_style)
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     got = fs.unshard(grads)
     for path, want in jax.tree_util.tree_leaves_with_path(ref_grads):
@@ -600,6 +635,14 @@ def _statistic_loss(scan, params, h, loop):
     return jnp.mean(h**2) + 0.1 * total + 0.2 * decayed
 
 
+@functools.cache
+def _statistic_reference(loop):
+    # Shared by the meshes (see _scan_reference).
+    return jax.value_and_grad(lambda p, h: _statistic_loss(jax.lax.scan, p, h, loop))(
+        _with_context(), _x()
+    )
+
+
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 @pytest.mark.parametrize("loop", ["jax.lax.scan", "lax.fori_loop"])
 def test_carries_started_from_constants_match_plain_jax(mesh_name, loop):
@@ -610,9 +653,7 @@ def test_carries_started_from_constants_match_plain_jax(mesh_name, loop):
         return _statistic_loss(fs.lax_scan, {**state, "start": state["start"]}, h, loop)
 
     value, grads = jax.jit(fs.value_and_grad(loss))(state, _x())
-    ref_value, ref_grads = jax.value_and_grad(
-        lambda p, h: _statistic_loss(jax.lax.scan, p, h, loop)
-    )(params, _x())
+    ref_value, ref_grads = _statistic_reference(loop)
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     got = fs.unshard(grads)
     for name in ("w", "b", "gain"):
