@@ -27,17 +27,13 @@ def batches(steps: int = 3) -> list:
 @jax.jit(static_argnums=0)
 def reference(make_opt, params, targets, batches):
     """Plain optax on the unsharded parameters, one device (jitted: op by op, adafactor's
-    many small operations would each compile; one step in a scan: compiled once, not once
-    per batch)."""
+    many small operations would each compile)."""
     opt = make_opt()
-
-    def one_step(carry, batch):
-        params, opt_state = carry
+    opt_state = opt.init(params)
+    for batch in batches:
         grads = jax.grad(loss)(params, targets, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), None
-
-    (params, _), _ = jax.lax.scan(one_step, (params, opt.init(params)), jnp.stack(batches))
+        params = optax.apply_updates(params, updates)
     return params
 
 
