@@ -5,16 +5,6 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite compiles thousands of small programs and runs each a few times: XLA's CPU
-# backend at -O0 (LLVM's codegen unoptimised; the HLO passes, and so every collective,
-# buffer and memory figure the tests read, are the same) spends 12-39% less CPU on the
-# files measured. The processes the tests start inherit it. Benchmarks keep XLA's default.
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["XLA_FLAGS"] = " ".join(
-        filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"])
-    )
 
 import jax
 

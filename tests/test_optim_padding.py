@@ -385,12 +385,8 @@ def test_extra_arguments_train_as_optax(make_opt, wrap):
         state, opt_state = step(state, opt_state)
     expected = _valuereference(make_opt, params, targets, batch)
     got = fs.unshard(state)
-    # L-BFGS's line search carries the rounding of two programs (sharded and padded, and
-    # plain optax) through its steps: 2.7e-6 at most with the tests' -O0 CPU codegen
-    # (tests/conftest.py), under 2e-6 at XLA's default; a wrong cut is off by 1e-4 or more.
-    atol = 5e-6 if make_opt is _lbfgs else TOLERANCE
     for k in shapes:
-        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=atol, err_msg=k)
+        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=TOLERANCE, err_msg=k)
 
 
 def _probes_run(monkeypatch):
