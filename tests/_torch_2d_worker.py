@@ -583,6 +583,30 @@ def group_methods(model: nn.Module, record: dict, prefix: str) -> None:
     model.zero_grad()
 
 
+def stock_tools(
+    model: nn.Module, fresh: nn.Module, out: Path, record: dict, prefix: str, dp_rank: int
+) -> None:
+    """PyTorch's own tools on a trained model: `torch.nn.utils.clip_grad_norm_` on the
+    next step's gradients (the norm it returns, the norm after), then DCP into `fresh`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = next(iter(model.parameters())).device_mesh
+    global_loss(model, STEPS, dp_rank, mesh, [Shard(0), Replicate()]).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    record[f"{prefix}/stock/clip_norm"] = np.asarray(float(norm))
+    record[f"{prefix}/stock/clipped_norm"] = np.asarray(grad_norm(model))
+    path = out / f"dcp_{prefix}"
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(path))
+    sd = get_model_state_dict(fresh)
+    dcp.load(sd, checkpoint_id=str(path))
+    set_model_state_dict(fresh, sd)
+    for key, value in full_state(fresh).items():
+        record[f"{prefix}/stock/dcp/{key}"] = value
+
+
 def frontend_tools(model: nn.Module, record: dict, prefix: str) -> None:
     """torch_frontend's own full state dict and clipping over a state's several groups."""
     import torch_frontend as tf
@@ -632,6 +656,7 @@ def groups_and_spmd(mesh, fully_shard, dp_rank: int, record: dict, impl: str, ou
     if impl == "frontend":
         fresh = spmd(mesh, fully_shard, dims, seed=7)
         frontend_tp_tools(model, fresh, record, "spmd_ddp", mesh, [Shard(0), Replicate()])
+    stock_tools(model, spmd(mesh, fully_shard, dims, seed=11), out, record, "spmd_ddp", dp_rank)
     model = spmd(mesh, fully_shard, DataParallelMeshDims(replicate=("dp", "tp")), tp=False)
     train_global(model, record, "spmd_ddp_flat", rank, mesh, [Shard(0), Shard(0)])
     group_mistakes(mesh, fully_shard, record)

@@ -348,6 +348,30 @@ def test_dp_mesh_dims_ddp_all_reduces_over_the_replicas_only(ranks):
         assert int(ranks[impl][0]["spmd_ddp/groups"]) == 1
 
 
+def test_stock_tools_in_ddp_mode_equal_fsdp2_and_plain_torch(ranks):
+    """FSDP2's DDP mode (`replicate="dp"`, TP over tp): `torch.nn.utils.clip_grad_norm_`
+    returns the norm of plain torch's gradient on the global batch, over dp (FSDP2 averages
+    the replicas' gradients of the global loss) and clips it to `max_norm`; DCP loads the
+    model into a fresh one exactly. The frontend's numbers are FSDP2's, bit for bit
+    (`test_frontend_equals_fsdp2_on_every_rank` compares every key)."""
+    model = w.build(16)
+    _plain_torch_losses(model, DP, lr=w.LR / DP)
+    x, y = (torch.cat(t) for t in zip(*(w.batch(w.STEPS, d) for d in range(DP)), strict=True))
+    (model(x) - y).pow(2).mean().backward()
+    grads = [p.grad.detach() for p in model.parameters()]
+    want = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) / DP
+    assert want > 0.1  # so the gradients are clipped
+    for impl in ("fsdp2", "frontend"):
+        for rank in range(WORLD):
+            record = ranks[impl][rank]
+            np.testing.assert_allclose(record["spmd_ddp/stock/clip_norm"], want, rtol=1e-5)
+            np.testing.assert_allclose(record["spmd_ddp/stock/clipped_norm"], 0.1, rtol=1e-5)
+            loaded, saved = _full(record, "spmd_ddp/stock/dcp/"), _full(record, "spmd_ddp/full/")
+            assert loaded and set(loaded) == set(saved)
+            for key, value in saved.items():
+                np.testing.assert_array_equal(loaded[key], value, err_msg=f"{impl} {rank}: {key}")
+
+
 @pytest.mark.parametrize(
     ("case", "data_ranks"),
     [
