@@ -5,6 +5,7 @@ global-batch mean loss, with the full parameters); every structural claim (which
 collectives, over which devices, how many elements) is read from the compiled HLO.
 """
 
+import functools
 import math
 
 import jax
@@ -65,6 +66,11 @@ GPT_SPEC = {
 
 
 def gpt_params(seed=0):
+    return _gpt_params(seed)
+
+
+@jax.jit  # one program for every seed, not a compile per eager op and leaf shape
+def _gpt_params(seed):
     k = jax.random.split(jax.random.key(seed), 10)
     inner = HEADS * HEAD_DIM
     return {
@@ -114,7 +120,23 @@ gpt_step = jax.jit(fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "te
 
 
 def _batch(n=16, seed=7):
+    return _batch_of(n, seed)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _batch_of(n, seed):
     return jax.random.normal(jax.random.key(seed), (n, SEQ, D))
+
+
+# The one-device references, jitted: one program each instead of a compile per eager op.
+gpt_value_and_grad = jax.jit(jax.value_and_grad(gpt_loss))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _optax_step(opt, grads, params):
+    """Plain optax's first step from `opt.init(params)`: the updated parameters."""
+    updates, _ = opt.update(grads, opt.init(params), params)
+    return optax.apply_updates(params, updates)
 
 
 def _assert_close(got, want, rtol=2e-5, atol=2e-6):
@@ -133,7 +155,7 @@ GPT_MESHES = {
 def test_gpt_block_matches_one_device_and_gathers_over_data_axes_only(axes):
     mesh = _mesh(**axes)
     params, x = gpt_params(), _batch()
-    want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
+    want_loss, want = gpt_value_and_grad(params, x)
     state = fs.shard(params, mesh, model_spec=GPT_SPEC)
     step = gpt_step
     loss, grads = step(state, x)
@@ -175,7 +197,7 @@ def test_gpt_block_compositions_on_fsdp4_tensor2():
     def loss(s, b):
         return jnp.mean(block(s, b) ** 2)
 
-    want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
+    want_loss, want = gpt_value_and_grad(params, x)
     plain = None
     for options in ({}, {"microbatches": 2}, {"microbatches": 2, "sync_every_microbatch": False}):
         got_loss, grads = jax.jit(fs.value_and_grad(loss, **options))(state, x)
@@ -194,8 +216,7 @@ def test_gpt_block_compositions_on_fsdp4_tensor2():
     opt_state = fs.init_optimizer(opt, state)
     updates, _ = opt.update(plain, opt_state, state)  # the step's gradients, no options
     new = fs.unshard(optax.apply_updates(state, updates))
-    ref_updates, _ = opt.update(want, opt.init(params), params)
-    _assert_close(new, optax.apply_updates(params, ref_updates))
+    _assert_close(new, _optax_step(opt, want, params))
 
 
 @pytest.mark.slow
@@ -205,9 +226,7 @@ def test_whole_matrix_optimizers_see_each_model_blocks_logical_rows(name):
     b_in, w_out) and gives plain optax's update."""
     base = {"adafactor": optax.adafactor(1e-2), "muon": optax.contrib.muon(1e-2)}[name]
     params, x = gpt_params(), _batch()
-    want_grads = jax.grad(gpt_loss)(params, x)
-    updates, _ = base.update(want_grads, base.init(params), params)
-    want = optax.apply_updates(params, updates)
+    want = _optax_step(base, gpt_value_and_grad(params, x)[1], params)
     state = fs.shard(params, _mesh(fsdp=4, tensor=2), model_spec=GPT_SPEC)
     assert state["b_in"].padded_shape == (24,)  # blocks of 9 padded to 12
     opt = fs.shard_optimizer(base)
@@ -231,9 +250,14 @@ def test_whole_matrix_optimizers_see_each_model_blocks_logical_rows(name):
 @pytest.mark.slow
 def test_vocabulary_parallel_head_gathered_by_gather_columns():
     """Logits split over `tensor` (a column-parallel head), gathered whole for the loss."""
-    params = {**gpt_params(6), "head": jax.random.normal(jax.random.key(9), (D, 10)) / 4}
+    head, labels = jax.jit(
+        lambda: (
+            jax.random.normal(jax.random.key(9), (D, 10)) / 4,
+            jax.random.randint(jax.random.key(8), (16, SEQ), 0, 10),
+        )
+    )()
+    params, x = {**gpt_params(6), "head": head}, _batch()
     spec = {**GPT_SPEC, "head": P(None, "tensor")}
-    x, labels = _batch(), jax.random.randint(jax.random.key(8), (16, SEQ), 0, 10)
 
     def loss(p, x, labels, tensor=None):
         logits = fs.column_parallel(gpt_block(p, x, tensor), p["head"])
@@ -242,7 +266,7 @@ def test_vocabulary_parallel_head_gathered_by_gather_columns():
         logp = jax.nn.log_softmax(logits)
         return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
-    want_loss, want = jax.value_and_grad(loss)(params, x, labels)
+    want_loss, want = jax.jit(jax.value_and_grad(loss))(params, x, labels)
     state = fs.shard(params, _mesh(fsdp=4, tensor=2), model_spec=spec)
     step = fs.value_and_grad(lambda s, b: loss(fs.unshard(s), b[0], b[1], "tensor"))
     got_loss, grads = jax.jit(step)(state, (x, labels))
@@ -260,7 +284,7 @@ def test_dropout_draws_per_data_parallel_slice_not_per_tensor_rank():
         return jnp.mean(gpt_block(p, x, tensor) ** 2)
 
     params, x, key = gpt_params(5), _batch(), jax.random.key(3)
-    want_loss, want = jax.value_and_grad(loss)(params, x, key)
+    want_loss, want = jax.jit(jax.value_and_grad(loss))(params, x, key)
     state = fs.shard(params, _mesh(fsdp=4, tensor=2), model_spec=GPT_SPEC)
     step = fs.value_and_grad(lambda s, b, k: loss(fs.unshard(s), b, k, "tensor"))
     got_loss, grads = jax.jit(step)(state, x, key)
@@ -276,8 +300,9 @@ def test_mixed_precision_gathers_model_blocks_in_param_dtype():
     state = fs.shard(params, mesh, model_spec=GPT_SPEC, mp_policy=policy)
     step = gpt_step
     loss, grads = step(state, x)
-    low = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), params)
-    want_loss, want = jax.value_and_grad(gpt_loss)(low, x)
+    # Rounded to bf16 in numpy (ml_dtypes): inside a jit XLA may drop the round trip.
+    low = jax.tree.map(lambda a: np.asarray(a).astype(jnp.bfloat16).astype(np.float32), params)
+    want_loss, want = gpt_value_and_grad(low, x)
     np.testing.assert_allclose(loss, want_loss, rtol=2e-2)
     _assert_close(fs.unshard(grads), want, rtol=5e-2, atol=5e-3)
     found = _collectives(step, state, x)
@@ -291,7 +316,9 @@ def test_scanned_stack_on_an_explicit_mesh():
     """`jax.make_mesh`'s own (Explicit) mesh and `fs.lax_scan` over a stack of blocks
     sharded with `stacked=True`: each layer's model block gathered in the loop."""
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
-    stack = jax.tree.map(lambda *a: jnp.stack(a), gpt_params(1), gpt_params(2))
+    stack = jax.jit(lambda *p: jax.tree.map(lambda *a: jnp.stack(a), *p))(
+        gpt_params(1), gpt_params(2)
+    )
     spec = {k: None if v is None else P(None, *v) for k, v in GPT_SPEC.items()}
     state = fs.shard(stack, mesh, model_spec=spec, stacked=True)
     x = _batch()
@@ -304,7 +331,7 @@ def test_scanned_stack_on_an_explicit_mesh():
         h, _ = fs.lax_scan(lambda h, layer: (gpt_block(layer, h, "tensor"), None), b, s)
         return jnp.mean(h**2)
 
-    want_loss, want = jax.value_and_grad(reference)(stack, x)
+    want_loss, want = jax.jit(jax.value_and_grad(reference))(stack, x)
     got_loss, grads = jax.jit(fs.value_and_grad(loss))(state, x)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     _assert_close(fs.unshard(grads), want)
@@ -315,6 +342,7 @@ def test_scanned_stack_on_an_explicit_mesh():
 EXPERTS, TOP_K, EXPERT_FF = 4, 2, 8
 
 
+@jax.jit
 def moe_params(seed=0):
     k = jax.random.split(jax.random.key(seed), 4)
     return {
@@ -358,7 +386,7 @@ MOE_MESHES = {
 def test_moe_matches_one_device_with_expert_leaves_on_their_own_data_axes(axes, tensor):
     mesh = _mesh(**axes)
     params, x = moe_params(), _batch()
-    want_loss, want = jax.value_and_grad(moe_reference)(params, x)
+    want_loss, want = jax.jit(jax.value_and_grad(moe_reference))(params, x)
     expert = ("expert", None, tensor) if tensor else ("expert",)
     spec = {"ln": None, "router": None, "w_in": P(*expert), "w_out": P("expert", tensor)}
     # Each device of `expert` holds one expert: FSDP shards the stack on dim 1, as
@@ -438,8 +466,8 @@ def test_shard_unshard_and_linear_gradient_on_any_mesh(axes, rows, cols, which, 
     tensor = axes.get("tensor", 1)
     shape = [rows * tensor, cols * tensor]
     rng = np.random.default_rng(seed)
-    w = jnp.asarray(rng.normal(size=shape), jnp.float32)
-    c = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    w = jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    c = rng.normal(size=shape).astype(np.float32)  # numpy: c / 8 is exact either way
     spec = None if which is None or "tensor" not in axes else P(*([None] * which), "tensor")
     block = [shape[0], shape[1]]
     if spec is not None:
@@ -465,7 +493,7 @@ def test_shard_unshard_and_linear_gradient_on_any_mesh(axes, rows, cols, which, 
         return jax.lax.psum(jnp.sum(p * coefficient), "tensor") / 8
 
     world = math.prod(size for a, size in axes.items() if a != "tensor")
-    grads = jax.jit(fs.grad(loss))(state, jnp.broadcast_to(c, (world, *shape)))
+    grads = jax.jit(fs.grad(loss))(state, jnp.asarray(np.broadcast_to(c, (world, *shape))))
     np.testing.assert_allclose(fs.unshard(grads)["w"], c / 8, rtol=1e-6, atol=1e-7)
 
 
@@ -569,7 +597,7 @@ def test_compositions_on_a_tensor_mesh_are_plain_jax():
     over `tensor`, vmap over whole steps, and a NaN in the batch: plain JAX's numbers
     (NaN where it has NaN)."""
     params, x = gpt_params(), _batch()
-    want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
+    want_loss, want = gpt_value_and_grad(params, x)
     mesh = _mesh(fsdp=4, tensor=2)
     state = fs.shard(params, mesh, model_spec=GPT_SPEC)
 
@@ -588,14 +616,14 @@ def test_compositions_on_a_tensor_mesh_are_plain_jax():
         _assert_close(fs.unshard(grads), want)
 
     step = fs.value_and_grad(lambda s, b: gpt_loss(fs.unshard(s), b, "tensor"))
-    batches = jnp.stack([_batch(seed=1), _batch(seed=2)])
+    batches = jax.jit(lambda: jnp.stack([_batch(seed=1), _batch(seed=2)]))()
     losses, grads = jax.jit(jax.vmap(step, in_axes=(None, 0)))(state, batches)
     for k in range(2):
-        one_loss, one = jax.value_and_grad(gpt_loss)(params, batches[k])
+        one_loss, one = gpt_value_and_grad(params, batches[k])
         np.testing.assert_allclose(losses[k], one_loss, rtol=1e-6, err_msg=f"vmap {k}")
         _assert_close(fs.unshard(jax.tree.map(lambda g, k=k: g[k], grads)), one)
 
-    ids = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
+    ids = jnp.asarray(np.arange(16, dtype=np.int32).reshape(4, 4))
     spec = {**GPT_SPEC, "ids": P(None, "tensor")}
     with_ids = fs.shard({**params, "ids": ids}, mesh, model_spec=spec)
     trainable = {name: name != "ids" for name in with_ids}
@@ -604,8 +632,8 @@ def test_compositions_on_a_tensor_mesh_are_plain_jax():
     _assert_close({n: fs.unshard(grads)[n] for n in params}, want)
     np.testing.assert_array_equal(fs.unshard(with_ids)["ids"], ids)
 
-    bad = x.at[0, 0, 0].set(jnp.nan)
-    want_loss, want = jax.value_and_grad(gpt_loss)(params, bad)
+    bad = jax.jit(lambda x: x.at[0, 0, 0].set(jnp.nan))(x)
+    want_loss, want = gpt_value_and_grad(params, bad)
     got_loss, grads = gpt_step(state, bad)
     assert np.isnan(got_loss) and np.isnan(want_loss)
     got = fs.unshard(grads)
