@@ -18,6 +18,12 @@ pytestmark = pytest.mark.slow
 
 UNITS = 3  # mlp_params has three layers, one fully_shard unit each
 
+# Parameters and the one-device reference, jitted: one program each instead of a compile
+# per eager op.
+_mlp_params = jax.jit(mlp_params, static_argnames="sizes")
+_mlp_reference = jax.jit(jax.value_and_grad(mlp_loss))
+_mlp_batch = jax.jit(mlp_batch, static_argnums=0)
+
 
 ACCUMULATION = [
     dict(microbatches=2),
@@ -31,19 +37,19 @@ ACCUMULATION = [
 @pytest.mark.parametrize("options", ACCUMULATION)
 @pytest.mark.parametrize("reshard", [True, False])
 def test_accumulated_gradients_equal_full_batch(mesh_name, options, reshard):
-    params = mlp_params(jax.random.key(0))
+    params = _mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for(mesh_name))
     step = fs.value_and_grad(mlp_sharded_loss(True, reshard), **options)
-    loss, grads = jax.jit(step)(state, mlp_batch(32))
-    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, mlp_batch(32))
+    loss, grads = jax.jit(step)(state, _mlp_batch(32))
+    ref_loss, ref_grads = _mlp_reference(params, _mlp_batch(32))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_tree_close(fs.unshard(grads), ref_grads, atol=2e-5)
 
 
 def _scatter_count(mesh_name="8", rows=32, **options):
-    state = fs.shard(mlp_params(jax.random.key(0)), mesh_for(mesh_name))
+    state = fs.shard(_mlp_params(jax.random.key(0)), mesh_for(mesh_name))
     step = fs.value_and_grad(mlp_sharded_loss(True), **options)
-    return compiled(step, state, mlp_batch(rows))[1]
+    return compiled(step, state, _mlp_batch(rows))[1]
 
 
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([^}\n]*)")
@@ -114,12 +120,12 @@ def test_hsdp_all_reduce_once_after_the_last_microbatch():
 
 @pytest.mark.parametrize("units", [False, True])
 def test_frozen_leaves_get_zero_gradients_and_no_communication(units):
-    params = mlp_params(jax.random.key(0))
+    params = _mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("8"))
     trainable = {"layers": [False, True, {"w": True, "b": False}], "scale": True}
     step = fs.value_and_grad(mlp_sharded_loss(units), trainable=trainable)
-    _, grads = jax.jit(step)(state, mlp_batch(32))
-    _, ref = jax.value_and_grad(mlp_loss)(params, mlp_batch(32))
+    _, grads = jax.jit(step)(state, _mlp_batch(32))
+    _, ref = _mlp_reference(params, _mlp_batch(32))
     got = fs.unshard(grads)
     for name in ("w", "b"):
         np.testing.assert_array_equal(got["layers"][0][name], 0)
@@ -127,7 +133,7 @@ def test_frozen_leaves_get_zero_gradients_and_no_communication(units):
     assert_tree_close(got["layers"][1], ref["layers"][1], atol=2e-5)
     assert_tree_close(got["layers"][2]["w"], ref["layers"][2]["w"], atol=2e-5)
     assert_tree_close(got["scale"], ref["scale"], atol=2e-5)
-    text = compiled(step, state, mlp_batch(32))[1]
+    text = compiled(step, state, _mlp_batch(32))[1]
     scattered = sum(c["elements"] for c in collectives(text) if c["kind"] == "reduce-scatter")
     # Only the trainable leaves' local blocks are reduce-scattered: layer 1's w (4 rows
     # of 24 per device) and b (3 rows), layer 2's w (3 rows of 5).
@@ -135,25 +141,25 @@ def test_frozen_leaves_get_zero_gradients_and_no_communication(units):
 
 
 def test_frozen_everything_in_a_unit_means_no_reduce_scatter():
-    params = mlp_params(jax.random.key(0))
+    params = _mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("8"))
     trainable = {"layers": [False, False, False], "scale": True}
     text = compiled(
-        fs.value_and_grad(mlp_sharded_loss(True), trainable=trainable), state, mlp_batch(32)
+        fs.value_and_grad(mlp_sharded_loss(True), trainable=trainable), state, _mlp_batch(32)
     )[1]
     assert count_by_kind(text)["reduce-scatter"] == 0
 
 
 @pytest.mark.parametrize("factor", [1.0, 2.0])
 def test_gradient_divide_factor_scales_the_sum(factor):
-    params = mlp_params(jax.random.key(0))
+    params = _mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("2x4"))
     step = fs.value_and_grad(mlp_sharded_loss(True), gradient_divide_factor=factor)
-    loss, grads = jax.jit(step)(state, mlp_batch(32))
-    ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, mlp_batch(32))
+    loss, grads = jax.jit(step)(state, _mlp_batch(32))
+    ref_loss, ref_grads = _mlp_reference(params, _mlp_batch(32))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the loss is still the mean
     assert_tree_close(
-        fs.unshard(grads), jax.tree.map(lambda g: g * 8 / factor, ref_grads), atol=1e-4
+        fs.unshard(grads), jax.tree.map(lambda g: np.asarray(g) * 8 / factor, ref_grads), atol=1e-4
     )
 
 
@@ -171,9 +177,9 @@ def test_one_all_gather_for_a_unit_of_mixed_dtypes():
 
     step = fs.value_and_grad(loss, trainable={"w": True, "h": True, "i": False})
     value, grads = jax.jit(step)(state, jnp.ones((8, 16)))
-    ref_value, ref = jax.value_and_grad(
-        lambda p, x: jnp.mean(unit_fn({**p, "i": params["i"]}, x) ** 2)
-    )({"w": params["w"], "h": params["h"]}, jnp.ones((8, 16)))
+    ref_value, ref = jax.jit(
+        jax.value_and_grad(lambda p, i, x: jnp.mean(unit_fn({**p, "i": i}, x) ** 2))
+    )({"w": params["w"], "h": params["h"]}, params["i"], jnp.ones((8, 16)))
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     got = fs.unshard(grads)
     np.testing.assert_allclose(got["w"], ref["w"], rtol=1e-5)
