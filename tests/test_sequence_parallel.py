@@ -61,7 +61,17 @@ def plain_tp_loss(p, x):
 
 
 def _batch(seq, n=16, seed=7):
+    return _batch_of(seq, n, seed)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _batch_of(seq, n, seed):
     return jax.random.normal(jax.random.key(seed), (n, seq, 16))
+
+
+@functools.cache  # the one-device reference, jitted: one program, not one per eager op
+def _reference(loss):
+    return jax.jit(jax.value_and_grad(loss))
 
 
 def _step(loss, unit=False):
@@ -81,7 +91,7 @@ def _assert_one_device(loss, unit, reference=gpt_loss, x=None):
     one device (the GPT block's parameters, batch `x`)."""
     mesh = _mesh(fsdp=4, tensor=2)
     params, x = gpt_params(), _batch(8) if x is None else x
-    want_loss, want = jax.value_and_grad(reference)(params, x)
+    want_loss, want = _reference(reference)(params, x)
     state = fs.shard(params, mesh, model_spec=GPT_SPEC)
     got_loss, grads = _step(loss, unit)(state, x)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
@@ -164,14 +174,14 @@ BAD_CASES = {
     ("fn", "seq", "kwargs", "error", "match"), BAD_CASES.values(), ids=BAD_CASES.keys()
 )
 def test_bad_sequence_axis_says_how_to_fix(fn, seq, kwargs, error, match):
-    x, w = jnp.ones((2, seq, 4)), jnp.ones((4, 4))
+    x, w = jnp.asarray(np.ones((2, seq, 4), np.float32)), jnp.asarray(np.ones((4, 4), np.float32))
     with pytest.raises(error, match=match):
         _sp_fn(fn, **kwargs)(x, w)
 
 
 def test_column_parallel_refuses_an_unsplit_sequence():
     mesh = _mesh(tensor=2)
-    x, w = jnp.ones((2, 8, 4)), jnp.ones((4, 4))
+    x, w = jnp.asarray(np.ones((2, 8, 4), np.float32)), jnp.asarray(np.ones((4, 4), np.float32))
     fn = jax.shard_map(
         lambda x, w: fs.column_parallel(x, w, sequence_axis=1),
         mesh=mesh,
@@ -188,7 +198,7 @@ def test_a_unit_takes_a_sequence_split_input():
     input, and its gradients are typed as its leaves are (plain JAX's numbers)."""
     mesh = _mesh(fsdp=4, tensor=2)
     params, x = gpt_params(), _batch(8)
-    want_loss, want = jax.value_and_grad(gpt_loss)(params, x)
+    want_loss, want = _reference(gpt_loss)(params, x)
     state = fs.shard(params, mesh, model_spec=GPT_SPEC)
     unit = fs.fully_shard(sp_block, reshard_after_forward=True)
 
@@ -237,19 +247,22 @@ def test_sequence_parallel_under_transforms_is_plain_jax(wrapper, unit):
     _assert_one_device(loss, unit)
 
 
+def _robust(h):
+    return jnp.where(jnp.isnan(h), 0.0, h)
+
+
+def _robust_reference(p, x):  # module level: both cases share its jitted reference
+    return jnp.mean(_robust(gpt_block(p, x)) ** 2)
+
+
 @pytest.mark.parametrize("unit", [False, True], ids=["unshard", "fully_shard"])
 def test_a_nan_in_the_input_is_plain_jaxs(unit):
     """A NaN in one token of the input, zeroed after the block: loss and gradients (NaN
     where plain JAX's are) equal the one-device model's. The sequence's gathers and
     reduce-scatters spread it to no other row or token than plain JAX does."""
 
-    def robust(h):
-        return jnp.where(jnp.isnan(h), 0.0, h)
-
     def loss(p, x):
-        return jax.lax.pmean(jnp.mean(robust(sp_block(p, _local_sequence(x))) ** 2), "tensor")
+        return jax.lax.pmean(jnp.mean(_robust(sp_block(p, _local_sequence(x))) ** 2), "tensor")
 
-    def reference(p, x):
-        return jnp.mean(robust(gpt_block(p, x)) ** 2)
-
-    _assert_one_device(loss, unit, reference, _batch(8).at[5, 3, 0].set(jnp.nan))
+    x = jax.jit(lambda x: x.at[5, 3, 0].set(jnp.nan))(_batch(8))
+    _assert_one_device(loss, unit, _robust_reference, x)
