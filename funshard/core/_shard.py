@@ -188,7 +188,12 @@ def _place(x, layout: comm.Layout, traced: bool) -> jax.Array | jax.ShapeDtypeSt
         # which the compiler returns replicated.
         padded = comm.to_padded(_strong(jnp.asarray(x)), layout, _pad)
         return comm.constrain(padded, layout.sharding)
-    if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
+    if (
+        isinstance(x, jax.Array)
+        and x.is_fully_addressable
+        and jax.process_count() == 1
+        and not _in_host_memory(x)
+    ):
         if layout.model_axes:
             # Padded per model block by one program that keeps the input's split.
             return _pad_to_layout(x, layout)
@@ -196,7 +201,24 @@ def _place(x, layout: comm.Layout, traced: bool) -> jax.Array | jax.ShapeDtypeSt
     # Host arrays (and any array in a multi-process job, where device_put would compare
     # the value across processes): every process holds the full value and copies out
     # only the blocks of its own devices.
-    padded = comm.to_padded(np.asarray(x), layout, _pad)
+    return _from_host(x, layout)
+
+
+def _in_host_memory(x: jax.Array) -> bool:
+    """Whether `x` lives on CPU devices, whose buffers numpy reads in place.
+
+    Padded and sliced by numpy, such an array is placed without compiling anything;
+    on the device, the padding and device_put's slicing compile a program per leaf
+    shape and layout.
+    """
+    return all(getattr(d, "platform", None) == "cpu" for d in x.sharding.device_set)
+
+
+def _from_host(x, layout: comm.Layout) -> jax.Array:
+    """`x` padded and laid out as `layout.data` from a host copy, bit for bit."""
+    # A copy: the placed blocks must not alias the caller's buffers (XLA CPU may keep
+    # a numpy array's memory as the device buffer).
+    padded = comm.to_padded(np.array(x, copy=True), layout, _pad)
     return jax.make_array_from_callback(padded.shape, layout.sharding, lambda idx: padded[idx])
 
 
@@ -467,9 +489,22 @@ def reshard_leaf(full, like: Sharded, in_step: bool) -> Sharded:
         # jit's out_shardings gives every device the whole (empty) global block of a
         # size-0 array; device_put lays it out right.
         data = jax.device_put(np.zeros(like.padded_shape, like.dtype), like.sharding)
+    elif _concrete_in_host_memory(full):
+        data = _from_host(full, like.layout)
     else:
         data = _pad_to_layout(full, like)
     return dataclasses.replace(like, data=data)
+
+
+def _concrete_in_host_memory(x) -> bool:
+    if isinstance(x, (np.ndarray, np.generic)):
+        return True
+    return (
+        isinstance(x, jax.Array)
+        and not _is_traced(x)
+        and x.is_fully_addressable
+        and _in_host_memory(x)
+    )
 
 
 def _pad_to_layout(full, like: comm.Layout | Sharded) -> jax.Array:
