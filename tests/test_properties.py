@@ -353,3 +353,51 @@ def test_sharded_is_a_pytree_with_one_child(mesh_name):
         assert got.data.sharding.is_equivalent_to(want.data.sharding, want.data.ndim)
         np.testing.assert_array_equal(np.asarray(got.data), 2 * np.asarray(want.data))
     np.testing.assert_array_equal(np.asarray(fs.unshard(doubled)["w"]), 2 * params["w"])
+
+
+def _data_bits(tree):
+    return [
+        (_bits(x.data), x.data.sharding)
+        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, fs.Sharded))
+        if isinstance(x, fs.Sharded)
+    ]
+
+
+@settings(max_examples=20)
+@given(x=arrays().filter(lambda x: x.ndim >= 1), mesh_name=st.sampled_from(MESH_NAMES))
+def test_shard_on_the_device_equals_shard_on_the_host(x, mesh_name):
+    """Arrays on CPU devices are padded and sliced by numpy; on an accelerator by
+    compiled programs (forced here): the same bits and layout either way, for
+    fs.shard and for fs.reshard outside a step."""
+    from funshard.core import _shard
+
+    mesh = _mesh(mesh_name)
+    on_device = jax.device_put(x, jax.devices()[0])
+    host = fs.shard({"w": on_device}, mesh)
+    again_host = fs.reshard(fs.unshard(host), host) if x.size else host
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_shard, "_in_host_memory", lambda _: False)
+        m.setattr(_shard, "_concrete_in_host_memory", lambda _: False)
+        device = fs.shard({"w": on_device}, mesh)
+        again_device = fs.reshard(fs.unshard(device), device) if x.size else device
+    for got, want in ((device, host), (again_device, again_host), (again_host, host)):
+        for (g, gs), (w, ws) in zip(_data_bits(got), _data_bits(want), strict=True):
+            assert np.array_equal(g, w) and gs.is_equivalent_to(ws, g.ndim)
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape"), [(P(None, "tensor"), (7, 6)), (P("tensor"), (10, 3)), (P("tensor"), (6, 2))]
+)
+def test_model_split_shard_on_the_device_equals_shard_on_the_host(spec, shape, monkeypatch):
+    """The same for a leaf split over a model axis (padded per model block)."""
+    from funshard.core import _shard
+
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
+    x = _values(np.random.default_rng(3), shape, np.dtype(ml_dtypes.bfloat16))
+    placed = jax.device_put(x, NamedSharding(mesh, spec))
+    host = fs.shard({"w": placed}, mesh)
+    monkeypatch.setattr(_shard, "_in_host_memory", lambda _: False)
+    device = fs.shard({"w": placed}, mesh)
+    for (g, gs), (w, ws) in zip(_data_bits(device), _data_bits(host), strict=True):
+        assert np.array_equal(g, w) and gs.is_equivalent_to(ws, g.ndim)
+    assert host["w"].model_axis_names == ("tensor",)
