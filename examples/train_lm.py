@@ -743,6 +743,23 @@ def make_loss(graphdef):
     return loss_fn
 
 
+def init_model(settings: Settings) -> GPT:
+    """The model, its parameters drawn by one compiled program.
+
+    Drawn eagerly, each initializer compiles programs of its own (one per shape and
+    op): a second or two more at every start. The values are those of the same
+    `GPT(...)` traced under `jax.jit`, as plain JAX's reference computes them.
+    """
+    return nnx.jit(
+        lambda: GPT(
+            settings.model,
+            scan=settings.scan,
+            experts=settings.experts,
+            rngs=nnx.Rngs(settings.seed),
+        )
+    )()
+
+
 def make_mesh(settings: Settings):
     """JAX's own mesh over every device: ("fsdp",), with "replicate" in front for HSDP,
     and "expert" and "tensor" after it for expert and tensor parallelism.
@@ -1586,7 +1603,7 @@ def train(
     """
     cfg = settings.model
     mesh = make_mesh(settings)
-    model = GPT(cfg, scan=settings.scan, experts=settings.experts, rngs=nnx.Rngs(settings.seed))
+    model = init_model(settings)
     graphdef, state = shard_model(model, mesh, policy_for(settings.param_dtype), settings.scan)
     del model  # its arrays now live sharded in `state`
     optimizer = make_optimizer(settings)
