@@ -98,6 +98,14 @@ def block_loss(params, tokens):
     return lm_loss_from_logits(h @ params["head"], tokens)
 
 
+# Parameters and one-device references for tests that need only their values, jitted:
+# one program each (shared by every test of a process) instead of a compile per eager op.
+jitted_mlp_params = jax.jit(mlp_params, static_argnames="sizes")
+jitted_block_params = jax.jit(block_params, static_argnames=("d", "ff", "vocab"))
+mlp_reference = jax.jit(jax.value_and_grad(mlp_loss))
+block_reference = jax.jit(jax.value_and_grad(block_loss))
+
+
 def block_sharded_loss(units: bool, reshard_after_forward: bool = True):
     unit = fs.fully_shard(
         lambda p, h: block_apply(p, h, HEADS), reshard_after_forward=reshard_after_forward

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _hlo import collectives, compiled, computations, count_by_kind
-from _models import mlp_loss, mlp_params, mlp_sharded_loss
+from _models import jitted_mlp_params, mlp_reference, mlp_sharded_loss
 from _util import assert_tree_close, mlp_batch
 from conftest import mesh_for
 
@@ -18,11 +18,7 @@ pytestmark = pytest.mark.slow
 
 UNITS = 3  # mlp_params has three layers, one fully_shard unit each
 
-# Parameters and the one-device reference, jitted: one program each instead of a compile
-# per eager op.
-_mlp_params = jax.jit(mlp_params, static_argnames="sizes")
-_mlp_reference = jax.jit(jax.value_and_grad(mlp_loss))
-_mlp_batch = jax.jit(mlp_batch, static_argnums=0)
+_mlp_batch = jax.jit(mlp_batch, static_argnums=0)  # one program, not a compile per eager op
 
 
 ACCUMULATION = [
@@ -37,17 +33,17 @@ ACCUMULATION = [
 @pytest.mark.parametrize("options", ACCUMULATION)
 @pytest.mark.parametrize("reshard", [True, False])
 def test_accumulated_gradients_equal_full_batch(mesh_name, options, reshard):
-    params = _mlp_params(jax.random.key(0))
+    params = jitted_mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for(mesh_name))
     step = fs.value_and_grad(mlp_sharded_loss(True, reshard), **options)
     loss, grads = jax.jit(step)(state, _mlp_batch(32))
-    ref_loss, ref_grads = _mlp_reference(params, _mlp_batch(32))
+    ref_loss, ref_grads = mlp_reference(params, _mlp_batch(32))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_tree_close(fs.unshard(grads), ref_grads, atol=2e-5)
 
 
 def _scatter_count(mesh_name="8", rows=32, **options):
-    state = fs.shard(_mlp_params(jax.random.key(0)), mesh_for(mesh_name))
+    state = fs.shard(jitted_mlp_params(jax.random.key(0)), mesh_for(mesh_name))
     step = fs.value_and_grad(mlp_sharded_loss(True), **options)
     return compiled(step, state, _mlp_batch(rows))[1]
 
@@ -120,12 +116,12 @@ def test_hsdp_all_reduce_once_after_the_last_microbatch():
 
 @pytest.mark.parametrize("units", [False, True])
 def test_frozen_leaves_get_zero_gradients_and_no_communication(units):
-    params = _mlp_params(jax.random.key(0))
+    params = jitted_mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("8"))
     trainable = {"layers": [False, True, {"w": True, "b": False}], "scale": True}
     step = fs.value_and_grad(mlp_sharded_loss(units), trainable=trainable)
     _, grads = jax.jit(step)(state, _mlp_batch(32))
-    _, ref = _mlp_reference(params, _mlp_batch(32))
+    _, ref = mlp_reference(params, _mlp_batch(32))
     got = fs.unshard(grads)
     for name in ("w", "b"):
         np.testing.assert_array_equal(got["layers"][0][name], 0)
@@ -141,7 +137,7 @@ def test_frozen_leaves_get_zero_gradients_and_no_communication(units):
 
 
 def test_frozen_everything_in_a_unit_means_no_reduce_scatter():
-    params = _mlp_params(jax.random.key(0))
+    params = jitted_mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("8"))
     trainable = {"layers": [False, False, False], "scale": True}
     text = compiled(
@@ -152,11 +148,11 @@ def test_frozen_everything_in_a_unit_means_no_reduce_scatter():
 
 @pytest.mark.parametrize("factor", [1.0, 2.0])
 def test_gradient_divide_factor_scales_the_sum(factor):
-    params = _mlp_params(jax.random.key(0))
+    params = jitted_mlp_params(jax.random.key(0))
     state = fs.shard(params, mesh_for("2x4"))
     step = fs.value_and_grad(mlp_sharded_loss(True), gradient_divide_factor=factor)
     loss, grads = jax.jit(step)(state, _mlp_batch(32))
-    ref_loss, ref_grads = _mlp_reference(params, _mlp_batch(32))
+    ref_loss, ref_grads = mlp_reference(params, _mlp_batch(32))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the loss is still the mean
     assert_tree_close(
         fs.unshard(grads), jax.tree.map(lambda g: np.asarray(g) * 8 / factor, ref_grads), atol=1e-4

@@ -8,11 +8,12 @@ import numpy as np
 import optax
 import pytest
 from _models import (
-    block_loss,
-    block_params,
+    block_reference,
     block_sharded_loss,
+    jitted_block_params,
+    jitted_mlp_params,
     mlp_loss,
-    mlp_params,
+    mlp_reference,
     mlp_sharded_loss,
 )
 from _util import assert_tree_close, mlp_batch
@@ -26,14 +27,6 @@ MESH_NAMES = ["1", "2", "4", "8", "2x4"]
 UNIT_MODES = [(False, True), (True, True), (True, False)]  # (units, reshard_after_forward)
 
 
-# Parameters and the one-device references, jitted: one program each instead of a compile
-# per eager op.
-_mlp_params = jax.jit(mlp_params, static_argnames="sizes")
-_block_params = jax.jit(block_params, static_argnames=("d", "ff", "vocab"))
-_mlp_reference = jax.jit(jax.value_and_grad(mlp_loss))
-_block_reference = jax.jit(jax.value_and_grad(block_loss))
-
-
 @functools.cache
 def _tokens(rows=8, t=6, vocab=11):
     return jax.jit(lambda: jax.random.randint(jax.random.key(3), (rows, t), 0, vocab))()
@@ -42,11 +35,11 @@ def _tokens(rows=8, t=6, vocab=11):
 @pytest.mark.parametrize("mesh_name", MESH_NAMES)
 @pytest.mark.parametrize("units,reshard", UNIT_MODES)
 def test_mlp_grad_parity(mesh_name, units, reshard):
-    params = _mlp_params(jax.random.key(0))
+    params = jitted_mlp_params(jax.random.key(0))
     batch = mlp_batch()
     state = fs.shard(params, mesh_for(mesh_name))
     loss, grads = jax.jit(fs.value_and_grad(mlp_sharded_loss(units, reshard)))(state, batch)
-    ref_loss, ref_grads = _mlp_reference(params, batch)
+    ref_loss, ref_grads = mlp_reference(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert jax.tree.structure(grads) == jax.tree.structure(state)
     for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(state), strict=True):
@@ -57,17 +50,17 @@ def test_mlp_grad_parity(mesh_name, units, reshard):
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 @pytest.mark.parametrize("units,reshard", UNIT_MODES)
 def test_transformer_block_grad_parity(mesh_name, units, reshard):
-    params = _block_params(jax.random.key(1))
+    params = jitted_block_params(jax.random.key(1))
     tokens = _tokens()
     state = fs.shard(params, mesh_for(mesh_name))
     loss, grads = jax.jit(fs.value_and_grad(block_sharded_loss(units, reshard)))(state, tokens)
-    ref_loss, ref_grads = _block_reference(params, tokens)
+    ref_loss, ref_grads = block_reference(params, tokens)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert_tree_close(fs.unshard(grads), ref_grads)
 
 
 def test_has_aux_and_grad():
-    params = _mlp_params(jax.random.key(0))
+    params = jitted_mlp_params(jax.random.key(0))
     batch = mlp_batch()
     state = fs.shard(params, mesh_for("8"))
 
@@ -101,7 +94,7 @@ def test_replicated_extra_args_and_int_leaves():
 
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 def test_adamw_trajectory_matches_unsharded(mesh_name):
-    params = _mlp_params(jax.random.key(0))
+    params = jitted_mlp_params(jax.random.key(0))
     opt = optax.adamw(1e-2, weight_decay=0.1)
     state = fs.shard(params, mesh_for(mesh_name))
     opt_state = opt.init(state)
@@ -129,7 +122,7 @@ def test_adamw_trajectory_matches_unsharded(mesh_name):
 
 def test_optimizer_state_sharded_and_padding_stays_zero():
     # 13 rows over 8 devices: 2 rows each, 3 padding rows.
-    params = _mlp_params(jax.random.key(0))
+    params = jitted_mlp_params(jax.random.key(0))
     opt = optax.adamw(1e-1, weight_decay=0.5)
     state = fs.shard(params, mesh_for("8"))
     opt_state = opt.init(state)
@@ -155,7 +148,7 @@ def test_optimizer_scalars_placed_on_the_mesh_compile_the_step_once():
     step returns it replicated on the mesh, so the second step compiles another program.
     The workaround in docs/training.md places those scalars on the mesh up front."""
     mesh = mesh_for("8")
-    state = fs.shard(_mlp_params(jax.random.key(0)), mesh)
+    state = fs.shard(jitted_mlp_params(jax.random.key(0)), mesh)
     opt = optax.adamw(1e-2)
 
     def programs_for_two_steps(opt_state):
