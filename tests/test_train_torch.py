@@ -74,7 +74,12 @@ def test_train_torch_on_two_processes_checkpoints_and_resumes(tmp_path):
     assert (checkpoints / "step_000006").is_dir()
 
 
-def test_bench_torch_quick_runs_every_variant(tmp_path):
+@pytest.fixture(scope="module")
+def bench_quick(tmp_path_factory):
+    """One `bench_torch.py --quick --rss` run: every variant interleaved, then the frontend
+    and FSDP2 each alone for resident memory (three torchrun jobs). (result.json's facts,
+    the folder of result.md.)"""
+    tmp_path = tmp_path_factory.mktemp("bench_torch")
     result = tmp_path / "result.json"
     code, out = run_bounded(
         [
@@ -87,16 +92,21 @@ def test_bench_torch_quick_runs_every_variant(tmp_path):
             "1",
             "--profile-steps",
             "1",
+            "--rss",
             "--out-json",
             str(result),
             "--out-md",
             str(tmp_path / "result.md"),
         ],
         tmp_path,
-        JOB_TIMEOUT_S,
+        3 * JOB_TIMEOUT_S,  # three torchrun jobs: the interleaved one, then one each alone
     )
     assert code == 0, out[-6000:]
-    facts = json.loads(result.read_text())
+    return json.loads(result.read_text()), tmp_path
+
+
+def test_bench_torch_quick_runs_every_variant(bench_quick):
+    facts, tmp_path = bench_quick
     rows = {v["name"]: v for v in facts["variants"]}
     assert set(rows) == {
         "torch_frontend reshard=True",
@@ -160,30 +170,8 @@ def test_the_benchmarks_memory_sampler_sees_an_anonymous_peak():
     assert 0 < peaks["peak_file"] < measure.peak_resident_bytes()
 
 
-def test_bench_torch_rss_separates_what_fsdp_controls_from_start_up(tmp_path):
-    result = tmp_path / "result.json"
-    code, out = run_bounded(
-        [
-            sys.executable,
-            str(BENCH),
-            "--quick",
-            "--only",
-            "frontend-True,fsdp2-True",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--profile-steps",
-            "0",
-            "--rss",
-            "--out-json",
-            str(result),
-        ],
-        tmp_path,
-        3 * JOB_TIMEOUT_S,  # three torchrun jobs: the interleaved one, then one each alone
-    )
-    assert code == 0, out[-6000:]
-    alone = json.loads(result.read_text())["alone"]
+def test_bench_torch_rss_separates_what_fsdp_controls_from_start_up(bench_quick):
+    alone = bench_quick[0]["alone"]
     assert set(alone) == {"frontend-True", "fsdp2-True"}
     for key, (job,) in alone.items():
         # What FSDP controls is the peak above the process after imports, process group
