@@ -15,7 +15,10 @@ gradients and an `optax.adamw` update, the parameters and optimizer state donate
 - scan: the layers stacked (`fs.shard(..., stacked=True)`) and run by `fs.scan`;
 - automatic: plain `jax.jit` over the stacked layers in `jax.lax.scan`, every leaf
   `NamedSharding(P(None, "fsdp"))` (the layer's dim 0 split over the devices, where 8
-  divides it), the batch `P("fsdp")`: FSDP by annotation.
+  divides it), the batch `P("fsdp")`: FSDP by annotation;
+- unrolled (`--forms ... unrolled`): automatic sharding of the loop form, plain
+  `jax.jit` over the Python loop of layers, each leaf `P("fsdp")` where 8 divides its
+  dim 0: the compiler's own cost of an unrolled program, the loop's peer.
 
 Reported per form and depth: compile seconds (`lower(...).compile()`, trace included),
 temp MiB (`compiled.memory_analysis().temp_size_in_bytes`) and the median step time
@@ -49,6 +52,8 @@ import funshard as fs  # noqa: E402
 from examples.models.jax_gpt import make_block  # noqa: E402
 
 FORMS = ("loop", "scan", "automatic")
+# Not run unless asked for: automatic sharding of the loop form (see `build`).
+UNROLLED = "unrolled"
 
 
 def mlp_block(p, h):
@@ -158,16 +163,27 @@ def build(form: str, block: Callable, layers: list[dict], x: np.ndarray, mesh):
     def auto_loss(params, h):
         return loss_of(jax.lax.scan(lambda c, p: (block(p, c), None), h, params)[0])
 
-    def sharding(a):
-        split = a.ndim > 1 and a.shape[1] % mesh.size == 0
-        return NamedSharding(mesh, P(None, "fsdp") if split else P())
+    def unrolled_loss(params, h):
+        for p in params:
+            h = block(p, h)
+        return loss_of(h)
 
-    params = jax.device_put(stack(layers), jax.tree.map(sharding, stack(layers)))
+    # A stacked leaf is split on its layer's dim 0 (the stack's dim 1), a layer's leaf
+    # on its dim 0, where the device count divides it; the rest is replicated.
+    dim = 0 if form == "unrolled" else 1
+
+    def sharding(a):
+        split = a.ndim > dim and a.shape[dim] % mesh.size == 0
+        return NamedSharding(mesh, P(*[None] * dim, "fsdp") if split else P())
+
+    loss = unrolled_loss if form == "unrolled" else auto_loss
+    model_params = layers if form == "unrolled" else stack(layers)
+    params = jax.device_put(model_params, jax.tree.map(sharding, model_params))
     opt_state = opt.init(params)
     opt_state = jax.device_put(opt_state, jax.tree.map(sharding, opt_state))
     shardings = jax.tree.map(sharding, (params, opt_state))
     step = jax.jit(
-        train_step(jax.value_and_grad(auto_loss), opt),
+        train_step(jax.value_and_grad(loss), opt),
         in_shardings=(shardings, batch.sharding),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
@@ -218,7 +234,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 64, 128])
-    parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+    parser.add_argument("--forms", nargs="+", choices=(*FORMS, UNROLLED), default=list(FORMS))
     parser.add_argument("--width", type=int, default=None, help="256 (mlp), 128 (gpt)")
     parser.add_argument("--batch", type=int, default=None, help="global rows: 64 (mlp), 16 (gpt)")
     parser.add_argument("--seq", type=int, default=64, help="gpt only")
