@@ -20,7 +20,8 @@ gradients and an `optax.adamw` update, the parameters and optimizer state donate
   `jax.jit` over the Python loop of layers, each leaf `P("fsdp")` where 8 divides its
   dim 0: the compiler's own cost of an unrolled program, the loop's peer.
 
-Reported per form and depth: compile seconds (`lower(...).compile()`, trace included),
+Reported per form and depth: compile seconds (`trace(...).lower().compile()`, also
+split into trace, lower and XLA compile),
 temp MiB (`compiled.memory_analysis().temp_size_in_bytes`) and the median step time
 over `--steps` steps after one warm-up step, the forms interleaved step by step.
 """
@@ -198,10 +199,21 @@ def measure(args: argparse.Namespace, depth: int, mesh) -> dict[str, dict]:
     for form in args.forms:
         step, train_state, batch = build(form, block, layers, x, mesh)
         start = time.perf_counter()
-        compiled = step.lower(train_state, batch).compile()
-        seconds = time.perf_counter() - start
+        traced = step.trace(train_state, batch)
+        after_trace = time.perf_counter()
+        lowered = traced.lower()
+        after_lower = time.perf_counter()
+        compiled = lowered.compile()
+        end = time.perf_counter()
         temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
-        rows[form] = {"compile_s": seconds, "temp_mib": temp, "times": []}
+        rows[form] = {
+            "compile_s": end - start,
+            "trace_s": after_trace - start,
+            "lower_s": after_lower - after_trace,
+            "xla_s": end - after_lower,
+            "temp_mib": temp,
+            "times": [],
+        }
         train_state = jax.block_until_ready(compiled(train_state, batch)[0])  # warm-up
         runs[form] = [compiled, train_state, batch]
     for _ in range(args.steps):  # interleaved: other load hits every form alike
@@ -227,6 +239,19 @@ def table(results: dict[int, dict[str, dict]], forms) -> str:
             for f in forms
         )
         lines.append(f"| {depth} | {compile_s} | {temp} | {step} |")
+    return "\n".join(lines)
+
+
+def split_table(results: dict[int, dict[str, dict]], forms) -> str:
+    """The compile seconds of `table` split into tracing (Python: JAX's transforms and
+    funshard's), lowering to StableHLO, and XLA's compilation."""
+    lines = ["| layers | form | trace s | lower s | XLA compile s |", "|---|---|---|---|---|"]
+    for depth, rows in results.items():
+        for f in forms:
+            r = rows[f]
+            lines.append(
+                f"| {depth} | {f} | {r['trace_s']:.2f} | {r['lower_s']:.2f} | {r['xla_s']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -261,6 +286,7 @@ def main(argv=None) -> None:
         results[depth] = measure(args, depth, mesh)
         print(table({depth: results[depth]}, args.forms).splitlines()[-1], flush=True)
     print(table(results, args.forms))
+    print(split_table(results, args.forms))
     if args.plot:
         plot(results, args, args.plot)
 
