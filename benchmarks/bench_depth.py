@@ -20,10 +20,10 @@ gradients and an `optax.adamw` update, the parameters and optimizer state donate
   `jax.jit` over the Python loop of layers, each leaf `P("fsdp")` where 8 divides its
   dim 0: the compiler's own cost of an unrolled program, the loop's peer.
 
-Reported per form and depth: compile seconds (`trace(...).lower().compile()`, also
-split into trace, lower and XLA compile),
-temp MiB (`compiled.memory_analysis().temp_size_in_bytes`) and the median step time
-over `--steps` steps after one warm-up step, the forms interleaved step by step.
+Reported per form and depth: compile seconds (`trace(...).lower().compile()`, and the
+same split into trace, lower and XLA compile), temp MiB
+(`compiled.memory_analysis().temp_size_in_bytes`) and the median step time over
+`--steps` steps after one warm-up step, the forms interleaved step by step.
 """
 
 from __future__ import annotations
@@ -171,14 +171,14 @@ def build(form: str, block: Callable, layers: list[dict], x: np.ndarray, mesh):
 
     # A stacked leaf is split on its layer's dim 0 (the stack's dim 1), a layer's leaf
     # on its dim 0, where the device count divides it; the rest is replicated.
-    dim = 0 if form == "unrolled" else 1
+    dim = 0 if form == UNROLLED else 1
 
     def sharding(a):
         split = a.ndim > dim and a.shape[dim] % mesh.size == 0
         return NamedSharding(mesh, P(*[None] * dim, "fsdp") if split else P())
 
-    loss = unrolled_loss if form == "unrolled" else auto_loss
-    model_params = layers if form == "unrolled" else stack(layers)
+    loss = unrolled_loss if form == UNROLLED else auto_loss
+    model_params = layers if form == UNROLLED else stack(layers)
     params = jax.device_put(model_params, jax.tree.map(sharding, model_params))
     opt_state = opt.init(params)
     opt_state = jax.device_put(opt_state, jax.tree.map(sharding, opt_state))
