@@ -79,7 +79,11 @@ class CommContext:
         # with such a process, never holds up the interpreter's exit.
         self._thread = OrderedWorker("torch_frontend")
         self._count_step = comm.count_step
-        self._held: tuple[Future | None, Callable[[], None]] | None = None
+        # Started reduce-scatters, oldest first: (future, what writes their gradients).
+        self._held: list[tuple[Future | None, Callable[[], None]]] = []
+        # How many may be in flight at a group's post-backward (FSDP2's cap-K,
+        # `set_reduce_scatter_max_input_buffers`; resolved per iteration by the root).
+        self.reduce_scatter_max_input_buffers = 1
         self._finish_queued = False
         # torch's switch for checking that every rank issues the same collective
         # (its ProcessGroupWrapper): here each collective's signature is compared
@@ -126,27 +130,30 @@ class CommContext:
         return self.submit(fn, *args, **kwargs).result()
 
     def hold_reduce(self, pending: Future | None, finish: Callable[[], None]) -> None:
-        """Keeps a started reduce-scatter in flight, completing the one held before.
+        """Keeps a started reduce-scatter in flight, behind those held before.
 
-        As FSDP2's, at most one reduce-scatter is in flight: it overlaps the backward
-        of the next group, and the gradients it reads are freed once it completes.
-        A group's post-backward calls `finish_reduce` before it packs its own
-        gradients, so the two flat buffers are never alive together; this call then
-        finds nothing held (it still completes one, for callers that did not).
+        As FSDP2's, by default at most one reduce-scatter is in flight: it overlaps the
+        backward of the next group, and the gradients it reads are freed once it
+        completes. A group's post-backward calls `finish_reduce(keep=cap - 1)` before
+        it packs its own gradients (`reduce_scatter_max_input_buffers` is the cap), so
+        at most `cap` flat buffers are alive together; this call completes the oldest
+        beyond that, for callers that did not.
 
         Args:
           pending: the started reduce-scatter (None: nothing to wait for).
           finish: called by `finish_reduce` once `pending` is done (it reads the
             result and writes the gradients).
         """
-        self.finish_reduce()
-        self._held = (pending, finish)
+        self.finish_reduce(keep=max(0, self.reduce_scatter_max_input_buffers - 1))
+        self._held.append((pending, finish))
 
-    def finish_reduce(self) -> None:
-        """Completes the held reduce-scatter, if any, and writes its gradients."""
-        held, self._held = self._held, None
-        if held is not None:
-            held[1]()
+    def finish_reduce(self, keep: int = 0) -> None:
+        """Completes held reduce-scatters, oldest first, until `keep` remain in flight.
+
+        Each writes its gradients as it completes.
+        """
+        while len(self._held) > keep:
+            self._held.pop(0)[1]()
 
     def finish_after_backward(self) -> None:
         """Makes the running backward end with `finish_reduce` (queued once per backward).
@@ -164,12 +171,13 @@ class CommContext:
         self.finish_reduce()
 
     def drop_reduce(self) -> None:
-        """Waits for the held reduce-scatter, if any, and discards its result."""
+        """Waits for the held reduce-scatters, if any, and discards their results."""
         self._finish_queued = False
-        held, self._held = self._held, None
-        if held is not None and held[0] is not None:
-            with contextlib.suppress(Exception):
-                held[0].result()
+        held, self._held = self._held, []
+        for pending, _ in held:
+            if pending is not None:
+                with contextlib.suppress(Exception):
+                    pending.result()
 
 
 @dataclasses.dataclass(frozen=True)

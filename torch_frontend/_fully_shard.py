@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import warnings
 from collections.abc import Callable
@@ -217,6 +218,169 @@ class FSDPModule(_ModuleBase):
             raise errors.ShardingTypeError(
                 f"set_force_sum_reduction_for_comms: expected a bool, got {enable!r}."
             )
+        for group in self._fsdp_groups(recurse=False):
+            group.force_sum_reduction_for_comms = enable  # what an all-reduce hook sees
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """Calls `hook(reduce_output)` on this module's reduced gradients (FSDP2's hook).
+
+        `reduce_output` is this rank's flat gradient shard, one tensor per dtype (one
+        per module in practice): the reduce-scatter's output, with HSDP after the
+        all-reduce over the replicas, in the reduce dtype, with the padding rows. What
+        the hook writes in place is what the gradients receive; its return value is
+        ignored. As in FSDP2, fp32 and bf16 gradients are already divided (FSDP2
+        averages inside the collective there); other dtypes, and every dtype after
+        `set_force_sum_reduction_for_comms(True)`, are divided after the hook. It is
+        not called where HSDP skips the all-reduce (`set_requires_all_reduce(False)`).
+        The hook runs once the reduce-scatter completes, at the next module's
+        post-backward or at the end of the backward.
+
+        Args:
+          hook: a callable of one tensor.
+          stream: a CUDA stream to run the hook in (FSDP only, not HSDP).
+
+        Raises:
+          ValueError: the module's parameters are in several groups (per-parameter
+            meshes), or `stream` is given with HSDP.
+          TypeError: `hook` is not a callable of one positional argument.
+        """
+        groups = self._fsdp_groups(recurse=False)
+        if len(groups) > 1:
+            raise errors.ShardingValueError(
+                "set_all_reduce_hook is not supported with multiple param groups (from "
+                f"per-param mesh via shard_placement_fn). {type(self).__name__}'s "
+                "parameters are in several groups; set the hook on each group's module."
+            )
+        _check_one_argument(hook, "set_all_reduce_hook", "hook(reduce_output: torch.Tensor)")
+        for group in groups:
+            group.all_reduce_hook = hook
+            if stream is not None:
+                if group.layout.replicate_axes:
+                    raise errors.ShardingValueError(
+                        "stream cannot be set when using native HSDP "
+                        f"({type(self).__name__}'s mesh has a replicate dim): the hook "
+                        "runs after the all-reduce over the replicas."
+                    )
+                group.all_reduce_hook_stream = stream
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The root's next forward waits for `event` before it gathers, then drops it.
+
+        FSDP2 makes its all-gather streams wait for the event instead of the whole
+        current stream. The frontend launches its gathers from the host: on a device
+        the host waits for the event; a CPU event (FSDP2 accepts one) has nothing to
+        wait for. Set a new event each iteration.
+
+        Args:
+          event: recorded after the optimizer step.
+        """
+        self._get_fsdp_state()._state_ctx.post_optim_event = event
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """True: parameters that got no gradient on this rank are reduced as zeros.
+
+        Needed where ranks use different parameters of one module (a mixture of
+        experts whose router sends each rank's tokens to other experts, a multi-modal
+        model): every rank then reduce-scatters the same parameters, as FSDP2 does
+        (DDP's `find_unused_parameters`). Only parameters that require a gradient and
+        were gathered in the iteration count.
+
+        Args:
+          reduce_scatter_unused_params: whether to include them.
+          recurse: also set it on every FSDP module below this one.
+        """
+        for group in self._fsdp_groups(recurse):
+            group.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many gradient reduce-scatters (and their flat inputs) may be in flight.
+
+        1, the default, is FSDP2's: a module's post-backward first waits for the
+        reduce-scatter started before it. More lets the backward go on while earlier
+        ones run, holding their flat inputs meanwhile (memory for overlap). The
+        largest value among the root's modules applies, resolved at each root forward.
+
+        Args:
+          max_input_buffers: at least 1.
+          recurse: also set it on every FSDP module below this one.
+
+        Raises:
+          TypeError: not an int (a bool included).
+          ValueError: less than 1.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise errors.ShardingTypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__} "
+                f"(set_reduce_scatter_max_input_buffers on {type(self).__name__})."
+            )
+        if max_input_buffers < 1:
+            raise errors.ShardingValueError(
+                f"max_input_buffers must be a positive int, got {max_input_buffers} "
+                f"(set_reduce_scatter_max_input_buffers on {type(self).__name__}; 1 is "
+                "the default)."
+            )
+        for group in self._fsdp_groups(recurse):
+            group.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Accepted for FSDP2 compatibility: reduce-scatters already overlap gathers.
+
+        FSDP2 gives its reduce-scatters a process group of their own so that they do
+        not queue behind all-gathers on one communicator. The frontend's collectives
+        run through JAX, in one launch order shared by every rank; a reduce-scatter
+        runs on the collective thread while torch computes, whatever this says. The
+        setting is recorded and changes no collective.
+
+        Args:
+          enable: FSDP2's switch (True gives it its own group).
+          recurse: also set it on every FSDP module below this one.
+        """
+        for group in self._fsdp_groups(recurse):
+            group.separate_reduce_scatter_group = bool(enable)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility: JAX allocates the collectives' buffers.
+
+        FSDP2 then asks the process group for its staging buffers (NCCL's zero-copy
+        allocator; on gloo it allocates as usual). Here the collectives' buffers are
+        JAX's, so the setting is recorded and changes nothing.
+
+        Args:
+          enable: FSDP2's switch.
+        """
+        for group in self._fsdp_groups(recurse=False):
+            group.allocate_memory_from_process_group = bool(enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """FSDP2's NCCL symmetric-memory all-gather: accepted on CUDA, an error elsewhere.
+
+        On CUDA the frontend's gathers run on XLA's own NCCL communicators, which do
+        not use torch's symmetric memory: the call is accepted and changes nothing.
+        Without CUDA it raises, as FSDP2 does on CPU.
+
+        Args:
+          backend: "NCCL", the only backend FSDP2 supports.
+
+        Raises:
+          RuntimeError: the module's devices are not CUDA GPUs (or `backend` is not
+            "NCCL"), as FSDP2.
+        """
+        groups = self._fsdp_groups(recurse=False)
+        platforms = {g.layout.device.platform for g in groups}
+        if backend != "NCCL" or platforms - {"gpu", "cuda"}:
+            raise RuntimeError(
+                f"SymmetricMemory does not find allocation backend {backend} "
+                f"(set_symm_mem_for_comm on {type(self).__name__}: symmetric memory "
+                "needs NCCL on CUDA devices; FSDP2 raises this on CPU too)."
+            )
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Dispatches these modules' gathers right after this module's own (forward).
@@ -244,6 +408,22 @@ class FSDPModule(_ModuleBase):
         self._get_fsdp_state()._states_to_backward_prefetch = _states_of(
             modules, "set_modules_to_backward_prefetch"
         )
+
+
+def _check_one_argument(fn: Any, method: str, expected: str) -> None:
+    """Raises unless `fn` can be called with one positional argument."""
+    if not callable(fn):
+        raise errors.ShardingTypeError(f"{method}: expected a callable {expected}, got {fn!r}.")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        signature.bind(None)
+    except TypeError as exc:
+        raise errors.ShardingTypeError(
+            f"{method}: {fn!r} cannot be called as {expected}: {exc}."
+        ) from None
 
 
 def _deepcopy_message(module: nn.Module) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -83,6 +84,14 @@ class FSDPParamGroup:
         self.all_reduce_grads = True  # HSDP: all-reduce over the replicas (FSDP2's flag)
         self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
+        # FSDPModule's communication settings (see their setters in _fully_shard.py).
+        self.force_sum_reduction_for_comms = False
+        self.reduce_scatter_unused_params = False
+        self.reduce_scatter_max_input_buffers = 1
+        self.separate_reduce_scatter_group = False
+        self.allocate_memory_from_process_group = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: Any = None  # a CUDA stream, where torch has CUDA
         self._training_state = TrainingState.IDLE
         self._sharded_state = ShardedState.SHARDED
         self._all_gather_result: Future[Any] | None = None  # dispatched, not yet bound
@@ -331,8 +340,10 @@ class FSDPParamGroup:
             return
         with record_function(self._with_fqn("FSDP::post_backward_rs_wait")):
             # As FSDP2: the previous group's reduce-scatter ends (it had this group's
-            # backward to run in) and frees its flat input before this one's is allocated.
-            self.comm_ctx.finish_reduce()
+            # backward to run in) and frees its flat input before this one's is
+            # allocated, unless the cap (`set_reduce_scatter_max_input_buffers`) lets
+            # more stay in flight.
+            self.comm_ctx.finish_reduce(keep=self.comm_ctx.reduce_scatter_max_input_buffers - 1)
         with record_function(self._with_fqn("FSDP::post_backward_reduce")):
             self._reduce(with_grad, grads, posts, all_reduce)
 
@@ -343,6 +354,10 @@ class FSDPParamGroup:
         for param in self.fsdp_params:
             dtype = self.reduce_dtype(param)
             grad = param.take_unsharded_grad(dtype)
+            if grad is None and self.reduce_scatter_unused_params:
+                # This rank did not use it (another rank may have): zeros keep every
+                # rank's reduce-scatter the same (FSDP2's setting, DDP's unused params).
+                grad = param.zero_unsharded_grad(dtype)
             if all_reduce:
                 grad = param.with_partial_grad(grad, dtype, self.layout.rank)
             if grad is not None:
@@ -362,6 +377,8 @@ class FSDPParamGroup:
         def finish() -> None:  # once the reduce-scatter is done: write the gradients
             if pending is not None:
                 self._finish_blocks(pending, shapes, dims, blocks)
+            if self.all_reduce_hook is not None and (all_reduce or not self.layout.replicate_axes):
+                self._run_all_reduce_hook(blocks, posts)
             for param, block, post in zip(with_grad, blocks, posts, strict=True):
                 assert block is not None, "_finish_blocks fills every block"
                 if all_reduce:
@@ -371,6 +388,39 @@ class FSDPParamGroup:
 
         # The flat inputs stay referenced by `pending` (JAX reads them) until it completes.
         self.comm_ctx.hold_reduce(None if pending is None else pending[0], finish)
+
+    def _run_all_reduce_hook(self, blocks: list, posts: list) -> None:
+        """Calls the all-reduce hook on the reduced gradients, one flat tensor per dtype.
+
+        As FSDP2's `reduce_output`: this rank's blocks in parameter order, flat and
+        writable, after the HSDP all-reduce; in fp32 and bf16 already divided (FSDP2
+        averages in the collective there), else before the post-division. The hook's
+        in-place changes are what the gradients receive (`blocks` and `posts` are
+        updated in place).
+        """
+        hook = self.all_reduce_hook
+        assert hook is not None
+        in_op = not self.force_sum_reduction_for_comms
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, block in enumerate(blocks):
+            by_dtype.setdefault(block.dtype, []).append(i)
+        for dtype, members in by_dtype.items():
+            divided = in_op and dtype in (torch.float32, torch.bfloat16)
+            parts = [
+                blocks[i] / posts[i] if divided and posts[i] not in (None, 1) else blocks[i]
+                for i in members
+            ]
+            flat = torch.cat([p.reshape(-1) for p in parts])  # a new, writable tensor
+            if self.all_reduce_hook_stream is not None:
+                with torch.cuda.stream(self.all_reduce_hook_stream):
+                    hook(flat)
+                self.all_reduce_hook_stream.synchronize()
+            else:
+                hook(flat)
+            for i, part in zip(members, flat.split([b.numel() for b in parts]), strict=True):
+                blocks[i] = part.view(blocks[i].shape)
+                if divided:
+                    posts[i] = None
 
     def _start_reduce_scatter(
         self, grads: list[torch.Tensor], dims: list[int], all_reduce: bool

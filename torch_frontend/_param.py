@@ -476,6 +476,18 @@ class FSDPParam:
             self.unsharded_accumulated_grad = None
         return grad
 
+    def zero_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Zeros in place of a gradient this rank's backward did not produce.
+
+        None where the parameter was never gathered or does not require a gradient
+        (FSDP2's `reduce_scatter_unused_params` includes neither).
+        """
+        param = self._unsharded_param
+        if param is None or not param.requires_grad:
+            return None
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return torch.zeros(local.shape, dtype=dtype, device=local.device)
+
     def _grad_local(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient's block for the reduce-scatter: a TP DTensor's local one.
 

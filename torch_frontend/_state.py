@@ -42,6 +42,8 @@ class FSDPStateContext:
         # forward prefetch.
         self.pre_forward_order: list[FSDPState | None] = []
         self.next_in_forward: dict[FSDPState, FSDPState] = {}
+        # `set_post_optim_event`'s event: the next root forward waits for it, once.
+        self.post_optim_event: torch.Event | None = None
 
 
 class SeveralParamGroupsError(errors.ShardingValueError, AssertionError):
@@ -224,9 +226,21 @@ class FSDPState:
             self._state_ctx.iter_forward_root = self
             with record_function("FSDP::root_pre_forward"):
                 self._state_ctx.pre_forward_order.append(None)
-                for state in self._state_ctx.all_states:
-                    for group in state._fsdp_param_groups:
-                        group.drop_stale_parts()
+                event, self._state_ctx.post_optim_event = self._state_ctx.post_optim_event, None
+                if event is not None and event.device.type != "cpu":
+                    # FSDP2 makes its gather streams wait for it; the frontend's gathers
+                    # are launched from the host, so the host waits. A CPU event has
+                    # nothing to wait for: the optimizer ran in program order.
+                    event.synchronize()
+                groups = [g for st in self._state_ctx.all_states for g in st._fsdp_param_groups]
+                for group in groups:
+                    group.drop_stale_parts()
+                if groups:
+                    # One cap for the in-flight reduce-scatters: the largest any group
+                    # asks for (FSDP2 resolves its per-group caps the same way).
+                    groups[0].comm_ctx.reduce_scatter_max_input_buffers = max(
+                        g.reduce_scatter_max_input_buffers for g in groups
+                    )
 
     def _force_complete_incomplete_states(self, output: Any) -> Any:
         # A grouped state whose modules did not all run forward never reached its
