@@ -181,6 +181,68 @@ def case_frontend_hook_not_callable(fs, rank, arrays):
     _sharded_mlp(fs).set_all_reduce_hook("not a hook")
 
 
+class CountingAllGather:
+    """FSDP2's `AllGather` interface over torch's own collective, logging every call."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def allocate(self, size, *, dtype, device):
+        self.log.append(["allocate", list(size), str(dtype)])
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        offset = (input_tensor.data_ptr() - output_tensor.data_ptr()) // input_tensor.itemsize
+        self.log.append(["all_gather", list(output_tensor.shape), input_tensor.numel(), offset])
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+
+
+class CountingReduceScatter:
+    """FSDP2's `ReduceScatter` interface over torch's own collective, logging every call."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def allocate(self, size, *, dtype, device):
+        self.log.append(["allocate", list(size), str(dtype)])
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.log.append(["reduce_scatter", output_tensor.numel(), input_tensor.numel(), str(op)])
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+
+
+class WrongSize(CountingAllGather):
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size[0] + 1, dtype=dtype, device=device)
+
+
+def case_custom_collectives(fs, rank, arrays):
+    """The root's gathers and reductions through the user's collectives; the other
+    units' through the default ones."""
+    model = _sharded_mlp(fs)
+    log: list = []
+    model.set_custom_all_gather(CountingAllGather(log))
+    model.set_custom_reduce_scatter(CountingReduceScatter(log))
+    return {"losses": _train(model, rank, arrays, "custom"), "log": log}
+
+
+def case_allocate_after_custom_all_gather(fs, rank, arrays):
+    model = _sharded_mlp(fs)
+    model.set_custom_all_gather(CountingAllGather([]))
+    model.set_allocate_memory_from_process_group_for_comm(True)
+
+
+def case_frontend_custom_all_gather_of_the_wrong_size(fs, rank, arrays):
+    model = _sharded_mlp(fs)
+    model.set_custom_all_gather(WrongSize([]))
+    model(_x(rank))
+
+
+def case_frontend_custom_all_gather_not_a_comm(fs, rank, arrays):
+    _sharded_mlp(fs).set_custom_all_gather(lambda out, inp, group: None)
+
+
 CASES = {name[5:]: fn for name, fn in list(globals().items()) if name.startswith("case_")}
 
 

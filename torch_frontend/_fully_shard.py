@@ -265,6 +265,74 @@ class FSDPModule(_ModuleBase):
                     )
                 group.all_reduce_hook_stream = stream
 
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Runs this module's all-gathers with the user's collective (FSDP2's `AllGather`).
+
+        `comm.allocate(size, dtype=, device=)` makes the output buffer (`world` times
+        the flat input, rank-major), and `comm(output_tensor=, input_tensor=, group=,
+        async_op=False)` fills it, in torch, over the shard dim's process group: the
+        same calls, sizes and layout as FSDP2's, the input being this rank's slice of
+        the output. The gather then runs on the calling thread (no prefetch overlap),
+        as FSDP2's on CPU. Not for the hpZ re-gather of `reshard_after_forward=k`.
+
+        Args:
+          comm: an object with `allocate` and `__call__` as above.
+
+        Raises:
+          ValueError: the module's parameters are in several groups (per-parameter
+            meshes); at the first gather, `allocate` returned a tensor of another
+            size or dtype.
+          TypeError: `comm` lacks `allocate` or is not callable.
+        """
+        for group in self._custom_comm_groups(comm, "set_custom_all_gather"):
+            group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Runs this module's gradient reduce-scatters with the user's collective.
+
+        FSDP2's `ReduceScatter`: `comm.allocate` makes the flat input (`world` times
+        the output, rank-major) and the output, and `comm(output_tensor=,
+        input_tensor=, group=, op=, async_op=False)` reduces, in torch, over the shard
+        dim's process group, with FSDP2's op (`AVG` for fp32 and bf16, `SUM` after a
+        pre-division for fp16 or with `set_force_sum_reduction_for_comms(True)`). It
+        runs on the calling thread, at the module's post-backward.
+
+        Args:
+          comm: an object with `allocate` and `__call__` as above.
+
+        Raises:
+          ValueError: the module's parameters are in several groups (per-parameter
+            meshes); at the first reduction, `allocate` returned a tensor of another
+            size or dtype.
+          TypeError: `comm` lacks `allocate` or is not callable.
+          NotImplementedError: the module's mesh has a replicate dim (HSDP): not yet.
+        """
+        groups = self._custom_comm_groups(comm, "set_custom_reduce_scatter")
+        if any(g.layout.replicate_axes for g in groups):
+            raise errors.UnsupportedError(
+                f"set_custom_reduce_scatter on {type(self).__name__}: not yet with HSDP "
+                "(a mesh with a replicate dim); the custom reduce-scatter runs on 1-D "
+                "FSDP meshes."
+            )
+        for group in groups:
+            group.custom_reduce_scatter = comm
+
+    def _custom_comm_groups(self, comm: Any, method: str) -> list[FSDPParamGroup]:
+        groups = self._fsdp_groups(recurse=False)
+        if len(groups) > 1:
+            raise errors.ShardingValueError(
+                f"{method} is not supported with multiple param groups (from per-param "
+                f"mesh via shard_placement_fn). {type(self).__name__}'s parameters are in "
+                "several groups; the custom comm would be ambiguous across them."
+            )
+        if not callable(getattr(comm, "allocate", None)) or not callable(comm):
+            raise errors.ShardingTypeError(
+                f"{method} on {type(self).__name__}: expected an object with "
+                "allocate(size, *, dtype, device) and __call__ (FSDP2's Comm interface: "
+                f"torch.distributed.fsdp's AllGather / ReduceScatter), got {comm!r}."
+            )
+        return groups
+
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The root's next forward waits for `event` before it gathers, then drops it.
 
@@ -356,7 +424,9 @@ class FSDPModule(_ModuleBase):
         Args:
           enable: FSDP2's switch.
         """
-        for group in self._fsdp_groups(recurse=False):
+        groups = self._fsdp_groups(recurse=False)
+        _refuse_custom_comm(groups, "set_allocate_memory_from_process_group()")
+        for group in groups:
             group.allocate_memory_from_process_group = bool(enable)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
@@ -374,6 +444,7 @@ class FSDPModule(_ModuleBase):
             "NCCL"), as FSDP2.
         """
         groups = self._fsdp_groups(recurse=False)
+        _refuse_custom_comm(groups, "set_symm_mem()")
         platforms = {g.layout.device.platform for g in groups}
         if backend != "NCCL" or platforms - {"gpu", "cuda"}:
             raise RuntimeError(
@@ -408,6 +479,24 @@ class FSDPModule(_ModuleBase):
         self._get_fsdp_state()._states_to_backward_prefetch = _states_of(
             modules, "set_modules_to_backward_prefetch"
         )
+
+
+class CustomCommError(errors.ShardingValueError, AssertionError):
+    """A buffer setting after a custom collective: FSDP2 raises AssertionError."""
+
+
+def _refuse_custom_comm(groups: list[FSDPParamGroup], method: str) -> None:
+    for group in groups:
+        for kind, custom in (
+            ("all gather", group.custom_all_gather),
+            ("reduce scatter", group.custom_reduce_scatter),
+        ):
+            if custom is not None:
+                raise CustomCommError(
+                    f"cannot call {method} when {kind} comm is custom: "
+                    f"{type(custom).__name__} (the custom collective allocates its own "
+                    "buffers)."
+                )
 
 
 def _check_one_argument(fn: Any, method: str, expected: str) -> None:

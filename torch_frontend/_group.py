@@ -14,6 +14,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
+from funshard import errors
 from torch_frontend import _bridge, _flat
 from torch_frontend._param import FSDPParam
 from torch_frontend._policy import MixedPrecisionPolicy
@@ -92,6 +93,11 @@ class FSDPParamGroup:
         self.allocate_memory_from_process_group = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.all_reduce_hook_stream: Any = None  # a CUDA stream, where torch has CUDA
+        # FSDP2's `AllGather` / `ReduceScatter` objects (`set_custom_all_gather`, ...):
+        # where set, that collective runs in torch, over the shard dim's process group.
+        self.custom_all_gather: Any = None
+        self.custom_reduce_scatter: Any = None
+        self._gathered_in_torch = False  # the dispatched gather ran a custom all-gather
         self._training_state = TrainingState.IDLE
         self._sharded_state = ShardedState.SHARDED
         self._all_gather_result: Future[Any] | None = None  # dispatched, not yet bound
@@ -177,6 +183,7 @@ class FSDPParamGroup:
                 self._all_gather_result = _bridge.start_all_gather(
                     parts, blocks, *self._rows_and_dims()
                 )
+                self._gathered_in_torch = False
             elif self.fsdp_params:
                 self._start_flat_gather(label, async_op)
             else:
@@ -207,9 +214,15 @@ class FSDPParamGroup:
         dtypes = [self.param_dtype(p) for p in self.fsdp_params]
         buckets = _flat.buckets(dtypes, [s.shape for s in sources])
         world = self.layout.world
-        blocks = [
-            _bridge.global_block(self.layout, _flat.copy_in(b, sources, dtypes)) for b in buckets
-        ]
+        flats = [_flat.copy_in(b, sources, dtypes) for b in buckets]
+        if self.custom_all_gather is not None:
+            # The user's collective, now (FSDP2 on CPU runs it synchronously too).
+            done: Future[Any] = Future()
+            done.set_result(self._custom_gather(flats))
+            self._all_gather_result, self._buckets = done, buckets
+            self._gathered_in_torch = True
+            return
+        blocks = [_bridge.global_block(self.layout, flat) for flat in flats]
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s: all-gather of %d parameters over %d ranks, %s%s",
@@ -223,13 +236,65 @@ class FSDPParamGroup:
         future = _bridge.start_all_gather(self.layout, blocks, [world * b.total for b in buckets])
         self._all_gather_result = future
         self._buckets = buckets
+        self._gathered_in_torch = False
+
+    def _shard_group(self, method: str) -> dist.ProcessGroup:
+        """The torch process group of the shard dim (FSDP2's all-gather group)."""
+        mesh = self.device_mesh
+        if mesh is None:
+            raise errors.ShardingValueError(
+                f"{method} on {self.name}: the module has no torch DeviceMesh to run the "
+                "custom collective over; pass mesh= to fully_shard."
+            )
+        return mesh.get_group(mesh.ndim - 1)
+
+    def _custom_gather(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Runs the custom all-gather on each flat buffer (FSDP2's call and layout).
+
+        The output is allocated by the collective's `allocate`, `world` times the
+        input, rank-major; the input is this rank's slice of it.
+        """
+        comm, world, rank = self.custom_all_gather, self.layout.world, self.layout.rank
+        group = self._shard_group("set_custom_all_gather")
+        outs = []
+        for flat in flats:
+            n = flat.numel()
+            out = comm.allocate((world * n,), dtype=flat.dtype, device=flat.device)
+            self._check_allocated(out, world * n, flat.dtype, "set_custom_all_gather")
+            inp = out.narrow(0, rank * n, n)
+            inp.copy_(flat)
+            work = comm(output_tensor=out, input_tensor=inp, group=group, async_op=False)
+            if work is not None:
+                work.wait()
+            outs.append(out)
+        return outs
+
+    def _check_allocated(self, out: Any, numel: int, dtype: torch.dtype, method: str) -> None:
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.numel() != numel
+            or out.dtype != dtype
+            or not out.is_contiguous()
+        ):
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else repr(out)
+            raise errors.ShardingValueError(
+                f"{method} on {self.name}: the collective's allocate() returned {got}, "
+                f"where the default allocates a contiguous ({numel},) {dtype} tensor; "
+                "allocate(size, dtype=, device=) must return a tensor of that size and dtype."
+            )
+
+    def _finish_gather(self, pending: Future[Any]) -> list[torch.Tensor]:
+        """The gathered flat buffers of a dispatched gather (JAX's or a custom one)."""
+        if self._gathered_in_torch:
+            return pending.result()
+        return _bridge.finish_all_gather(pending)
 
     def wait_for_unshard(self) -> None:
         """Completes a dispatched gather and binds the gathered parameters."""
         if self._all_gather_result is None:
             return
         with record_function(self._with_fqn("FSDP::all_gather_copy_out")):
-            fulls = _bridge.finish_all_gather(self._all_gather_result)
+            fulls = self._finish_gather(self._all_gather_result)
             buckets, self._all_gather_result, self._buckets = self._buckets, None, None
             if buckets is None:  # hpZ: one gathered tensor per parameter
                 for param, full in zip(self.fsdp_params, fulls, strict=True):
@@ -264,7 +329,7 @@ class FSDPParamGroup:
         """Binds the local shards again and drops the gathered tensors (and hpZ parts)."""
         if self._all_gather_result is not None:
             # Its input is the shards' storage, which torch may write next (optimizer).
-            _bridge.finish_all_gather(self._all_gather_result)
+            self._finish_gather(self._all_gather_result)
             self._all_gather_result = self._buckets = None
         for param in self.fsdp_params:
             param.to_sharded()
@@ -372,7 +437,10 @@ class FSDPParamGroup:
     ) -> None:
         """Starts the reduce-scatter of `grads`; it writes the shards' `.grad` when done."""
         dims, shapes = [p.dim for p in with_grad], [g.shape for g in grads]
-        pending, blocks = self._start_reduce_scatter(grads, dims, all_reduce)
+        if self.custom_reduce_scatter is not None:
+            pending, blocks = None, self._custom_reduce_scatter(grads, dims, posts)
+        else:
+            pending, blocks = self._start_reduce_scatter(grads, dims, all_reduce)
 
         def finish() -> None:  # once the reduce-scatter is done: write the gradients
             if pending is not None:
@@ -388,6 +456,56 @@ class FSDPParamGroup:
 
         # The flat inputs stay referenced by `pending` (JAX reads them) until it completes.
         self.comm_ctx.hold_reduce(None if pending is None else pending[0], finish)
+
+    def _custom_reduce_scatter(
+        self, grads: list[torch.Tensor], dims: list[int], posts: list
+    ) -> list[torch.Tensor | None]:
+        """Runs the custom reduce-scatter, one flat buffer per dtype (FSDP2's call).
+
+        The reduce op is FSDP2's: fp32 and bf16 average in the collective (or
+        pre-multiply by 1 / the gradient divide factor), and those gradients' post
+        divisions are cleared from `posts`; other dtypes, and every dtype with
+        `set_force_sum_reduction_for_comms(True)`, sum (their pre-division is done).
+
+        Returns:
+          Each gradient's block of this rank, in order.
+        """
+        comm, world = self.custom_reduce_scatter, self.layout.world
+        group = self._shard_group("set_custom_reduce_scatter")
+        blocks: list[torch.Tensor | None] = [None] * len(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, grad in enumerate(grads):
+            by_dtype.setdefault(grad.dtype, []).append(i)
+        for dtype, members in by_dtype.items():
+            op, divided = self._reduce_op(dtype)
+            member_dims = [dims[i] for i in members]
+            flat = _flat.reduce_input([grads[i] for i in members], member_dims, world)
+            inp = comm.allocate((flat.numel(),), dtype=dtype, device=flat.device)
+            self._check_allocated(inp, flat.numel(), dtype, "set_custom_reduce_scatter")
+            inp.copy_(flat)
+            del flat
+            out = comm.allocate((inp.numel() // world,), dtype=dtype, device=inp.device)
+            self._check_allocated(out, inp.numel() // world, dtype, "set_custom_reduce_scatter")
+            work = comm(output_tensor=out, input_tensor=inp, group=group, op=op, async_op=False)
+            if work is not None:
+                work.wait()
+            parts = _flat.split_reduced(out, [grads[i].shape for i in members], member_dims, world)
+            for i, part in zip(members, parts, strict=True):
+                blocks[i] = part
+                if divided:
+                    posts[i] = None
+        return blocks
+
+    def _reduce_op(self, dtype: torch.dtype) -> tuple[Any, bool]:
+        """(FSDP2's reduce-scatter op for `dtype`, whether the op divides)."""
+        factor, world = self.gradient_divide_factor, self.layout.world
+        if self.force_sum_reduction_for_comms or dtype not in (torch.float32, torch.bfloat16):
+            return dist.ReduceOp.SUM, False
+        if factor is None and self.layout.data_parallel == 1:
+            return dist.ReduceOp.SUM, False
+        if factor is None or factor == world:
+            return dist.ReduceOp.AVG, True
+        return dist.ReduceOp.PREMUL_SUM(1 / factor), True
 
     def _run_all_reduce_hook(self, blocks: list, posts: list) -> None:
         """Calls the all-reduce hook on the reduced gradients, one flat tensor per dtype.
@@ -522,7 +640,7 @@ class FSDPParamGroup:
     def cancel_prefetch(self) -> None:
         """Completes and drops a dispatched gather that nothing waited for."""
         if self._all_gather_result is not None:
-            _bridge.finish_all_gather(self._all_gather_result)
+            self._finish_gather(self._all_gather_result)
             self._all_gather_result = self._buckets = None
 
     def drop_stale_parts(self) -> None:
