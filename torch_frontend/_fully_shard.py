@@ -8,10 +8,11 @@ import inspect
 import logging
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 from torch import nn
+from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate
@@ -429,29 +430,30 @@ class FSDPModule(_ModuleBase):
         for group in groups:
             group.allocate_memory_from_process_group = bool(enable)
 
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """FSDP2's NCCL symmetric-memory all-gather: accepted on CUDA, an error elsewhere.
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """FSDP2's NCCL symmetric-memory buffers: set as FSDP2 sets them, used by nothing.
 
-        On CUDA the frontend's gathers run on XLA's own NCCL communicators, which do
-        not use torch's symmetric memory: the call is accepted and changes nothing.
-        Without CUDA it raises, as FSDP2 does on CPU.
+        As FSDP2, it selects torch's symmetric-memory `backend`, which raises where
+        this torch build has none (torch's CPU builds). Where it succeeds it changes
+        no collective: the frontend's gathers and reductions run on JAX's buffers
+        (on CUDA, XLA's own NCCL communicators).
 
         Args:
           backend: "NCCL", the only backend FSDP2 supports.
 
         Raises:
-          RuntimeError: the module's devices are not CUDA GPUs (or `backend` is not
-            "NCCL"), as FSDP2.
+          RuntimeError: this torch build has no such symmetric-memory backend (the
+            message is torch's, with the module named).
+          AssertionError: a custom all-gather or reduce-scatter is set, as FSDP2.
         """
-        groups = self._fsdp_groups(recurse=False)
-        _refuse_custom_comm(groups, "set_symm_mem()")
-        platforms = {g.layout.device.platform for g in groups}
-        if backend != "NCCL" or platforms - {"gpu", "cuda"}:
+        _refuse_custom_comm(self._fsdp_groups(recurse=False), "set_symm_mem()")
+        try:
+            symm_mem.set_backend(backend)
+        except RuntimeError as exc:
             raise RuntimeError(
-                f"SymmetricMemory does not find allocation backend {backend} "
-                f"(set_symm_mem_for_comm on {type(self).__name__}: symmetric memory "
-                "needs NCCL on CUDA devices; FSDP2 raises this on CPU too)."
-            )
+                f"{exc} (set_symm_mem_for_comm on {type(self).__name__}: this torch build "
+                "has no symmetric memory for that backend; FSDP2 raises the same)."
+            ) from None
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Dispatches these modules' gathers right after this module's own (forward).
