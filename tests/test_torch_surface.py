@@ -128,6 +128,41 @@ def test_symmetric_memory_is_accepted_or_refused_as_fsdp2_on_this_torch_build(su
             assert "FSDPSequential" in ours["message"]
 
 
+def test_custom_collectives_are_called_and_train_as_fsdp2s(surface):
+    _same_training(surface, "custom_collectives", "custom")
+    for rank in range(2):
+        ours = _results(surface, "frontend", rank)["custom_collectives"]["ok"]["log"]
+        theirs = _results(surface, "fsdp2", rank)["custom_collectives"]["ok"]["log"]
+        # The same allocations (sizes, dtypes), the same calls, layouts and ops: the
+        # root's (model[4]'s) 26 values per rank, this rank's slice of the output.
+        assert ours == theirs, (ours, theirs)
+        gather = [["allocate", [52], "torch.float32"], ["all_gather", [52], 26, 26 * rank]]
+        reduce = [["allocate", [52], "torch.float32"], ["allocate", [26], "torch.float32"]]
+        reduce.append(["reduce_scatter", 26, 52, "RedOpType.AVG"])
+        # Per step one gather (the root stays gathered for its backward) and one reduction.
+        assert ours == (gather + reduce) * 3
+
+
+def test_buffer_settings_after_a_custom_collective_are_fsdp2s_assertion_error(surface):
+    for rank in range(2):
+        for impl in ("frontend", "fsdp2"):
+            result = _results(surface, impl, rank)["allocate_after_custom_all_gather"]
+            assert "AssertionError" in result["bases"], (impl, result)
+            assert result["message"].startswith(
+                "cannot call set_allocate_memory_from_process_group() when all gather comm "
+                "is custom: CountingAllGather"
+            )
+
+
+def test_a_custom_collective_of_the_wrong_kind_or_size_is_a_named_error(surface):
+    result = _results(surface, "frontend", 0)["frontend_custom_all_gather_of_the_wrong_size"]
+    assert "ValueError" in result["bases"], result
+    assert "set_custom_all_gather on the root" in result["message"]
+    assert "(53,) torch.float32" in result["message"] and "(52,)" in result["message"]
+    result = _results(surface, "frontend", 0)["frontend_custom_all_gather_not_a_comm"]
+    assert "TypeError" in result["bases"] and "allocate(size" in result["message"], result
+
+
 @pytest.mark.parametrize("case", ["hook_without_argument", "hook_not_callable"])
 def test_a_hook_of_the_wrong_kind_is_a_type_error_when_set(surface, case):
     # FSDP2 accepts it and fails inside the backward; the frontend refuses it at once.
