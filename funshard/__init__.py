@@ -15,6 +15,8 @@ _jax_compat.widen_cpu_pool()
 
 from funshard import distributed as distributed
 from funshard import errors as errors
+from funshard.comm import AllGather as AllGather
+from funshard.comm import ReduceScatter as ReduceScatter
 from funshard.comm import make_mesh as make_mesh
 from funshard.core import MixedPrecisionPolicy as MixedPrecisionPolicy
 from funshard.core import Replicate as Replicate
@@ -57,9 +59,11 @@ def __getattr__(name):
 
 
 __all__ = [
+    "AllGather",
     "MixedPrecisionPolicy",
     "PendingSave",
     "Plan",
+    "ReduceScatter",
     "Replicate",
     "Shard",
     "Sharded",

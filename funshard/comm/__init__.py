@@ -6,7 +6,9 @@ goes through these names:
 
 - in a step (inside `jax.shard_map`): `gather` / `gather_deferred` (an all-gather whose
   transpose is a reduce-scatter, described by a `GroupLayout`), `gather_values`,
-  `regather_values`, `reduce_values`, `all_gather_blocks`, `reduce_scatter_blocks`;
+  `regather_values`, `reduce_values`, `all_gather_blocks`, `reduce_scatter_blocks`,
+  and a unit's own collectives in their place (`AllGather`, `ReduceScatter`, public as
+  `fs.AllGather` / `fs.ReduceScatter`, attached by `with_collectives`);
 - eagerly, outside a step (semi-public: documented in docs/architecture.md, used by
   `fs.unshard` and `torch_frontend`): `eager_all_gather`, `eager_reduce_scatter` and
   `eager_reduce_scatter_rows` over global arrays, and `global_array`, which makes one
@@ -18,6 +20,10 @@ goes through these names:
 """
 
 from funshard.comm._agreement import same_collective as same_collective
+from funshard.comm._custom import AllGather as AllGather
+from funshard.comm._custom import ReduceScatter as ReduceScatter
+from funshard.comm._custom import check_unit_collectives as check_unit_collectives
+from funshard.comm._custom import wire_label as wire_label
 from funshard.comm._departures import DEPARTURE_TIMEOUT as DEPARTURE_TIMEOUT
 from funshard.comm._departures import POLL_S as POLL_S
 from funshard.comm._departures import SERVICE_GRACE_S as SERVICE_GRACE_S
@@ -52,6 +58,7 @@ from funshard.comm._gather import gather_values as gather_values
 from funshard.comm._gather import reduce_values as reduce_values
 from funshard.comm._gather import regather_values as regather_values
 from funshard.comm._gather import scope as scope
+from funshard.comm._gather import with_collectives as with_collectives
 from funshard.comm._key_value import agree_on_digest as agree_on_digest
 from funshard.comm._key_value import exchange_texts as exchange_texts
 from funshard.comm._layout import Layout as Layout

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from funshard import _jax_compat, errors
 from funshard.comm import _lowering, _mesh
+from funshard.comm._custom import AllGather
 
 dlpack_import = _jax_compat.dlpack_import
 backends_started = _jax_compat.backends_started
@@ -132,12 +133,16 @@ def _gather_fn(
     dims: tuple[int, ...],
     in_specs: tuple[PartitionSpec, ...] | None = None,
     out_specs: tuple[PartitionSpec, ...] | None = None,
+    custom: AllGather | None = None,
+    unit: str = "unshard",
 ):
     """The compiled gather of `eager_all_gather` for one mesh and layout."""
 
     def body(*blocks):
         # "invarying": the result is replicated, and nothing differentiates it here.
-        fulls = _lowering.all_gather_blocks(blocks, shard_axes, dims=dims, to="invarying")
+        fulls = _lowering.all_gather_blocks(
+            blocks, shard_axes, dims=dims, to="invarying", custom=custom, unit=unit
+        )
         return tuple(
             jax.lax.slice_in_dim(f, 0, r, axis=d) for f, r, d in zip(fulls, rows, dims, strict=True)
         )
@@ -147,6 +152,9 @@ def _gather_fn(
         mesh=mesh,
         in_specs=in_specs or tuple(_mesh.spec(shard_axes, d) for d in dims),
         out_specs=out_specs or (PartitionSpec(),) * len(rows),
+        # A user's gather returns what `jax.lax.all_gather` types as varying; the values
+        # are the same on every device, which JAX's type check cannot see.
+        check_vma=custom is None,
     )
     return jax.jit(mapped)
 
@@ -158,6 +166,8 @@ def eager_all_gather(
     rows: Sequence[int] | None = None,
     dims: Sequence[int] | None = None,
     specs: Sequence[tuple[PartitionSpec, PartitionSpec]] | None = None,
+    custom: AllGather | None = None,
+    unit: str = "unshard",
 ) -> list[jax.Array]:
     """All-gathers padded global arrays, each split over `shard_axes`, into replicated ones.
 
@@ -175,6 +185,8 @@ def eager_all_gather(
       specs: for arrays also split over model axes, each one's `(spec of the padded
         array, spec of the result)`: the gather then runs within each model block, and
         `rows` is a model block's logical size.
+      custom: a unit's own all-gather, run in place of the default.
+      unit: the unit's name, for a custom all-gather's errors.
 
     Returns:
       Replicated arrays (split over their model axes only, with `specs`), one per leaf.
@@ -189,7 +201,7 @@ def eager_all_gather(
         in_specs = tuple(s for s, _ in specs)
         out_specs = tuple(s for _, s in specs)
     mesh = _mesh.in_context(mesh)
-    fn = _gather_fn(mesh, tuple(shard_axes), tuple(rows), dims, in_specs, out_specs)
+    fn = _gather_fn(mesh, tuple(shard_axes), tuple(rows), dims, in_specs, out_specs, custom, unit)
     return list(_run(fn, *datas))
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funshard import _text, errors
-from funshard.comm import _lowering
+from funshard.comm import _custom, _lowering
 from funshard.comm._lowering import is_inexact_array
 
 # One debug record per collective a step's trace issues (never at run time: these functions
@@ -73,6 +73,10 @@ class GroupLayout:
     # tensor-split kernels beside replicated norms): (leaf positions, layout) per set of
     # axes, each gathered and reduced on its own. Empty when all leaves share their axes.
     subgroups: tuple[tuple[tuple[int, ...], GroupLayout], ...] = ()
+    # The unit's own collectives (`fs.AllGather` / `fs.ReduceScatter`), or None for the
+    # default ones; a unit's subgroups carry them too.
+    all_gather: _custom.AllGather | None = None
+    reduce_scatter: _custom.ReduceScatter | None = None
 
     @property
     def dp_axes(self) -> tuple[str, ...]:
@@ -87,6 +91,45 @@ class GroupLayout:
         )
         subgroups = tuple((idx, sub.layer()) for idx, sub in self.subgroups)
         return dataclasses.replace(self, leaves=leaves, subgroups=subgroups)
+
+
+def with_collectives(
+    layout: GroupLayout,
+    all_gather: _custom.AllGather | None,
+    reduce_scatter: _custom.ReduceScatter | None,
+) -> GroupLayout:
+    """`layout` (and each of its subgroups) running the unit's own collectives."""
+    if all_gather is None and reduce_scatter is None:
+        return layout
+    subgroups = tuple(
+        (idx, with_collectives(sub, all_gather, reduce_scatter)) for idx, sub in layout.subgroups
+    )
+    return dataclasses.replace(
+        layout, all_gather=all_gather, reduce_scatter=reduce_scatter, subgroups=subgroups
+    )
+
+
+def _custom_hpz(layout: GroupLayout) -> str:
+    return (
+        f"fully_shard: unit {layout.name!r} has a custom all-gather, which "
+        "reshard_after_forward=<int> (hpZ) does not support yet: its backward re-gather "
+        "would run the default all-gather within the groups. Use reshard_after_forward="
+        "True or False with a custom all-gather."
+    )
+
+
+def _custom_deferred(layout: GroupLayout) -> str:
+    return (
+        f"unit {layout.name!r} has a custom reduce-scatter, which gradient accumulation "
+        "without per-microbatch sync (sync_every_microbatch=False) does not support yet: "
+        "the step reduces the accumulated gradients of every unit together, after the "
+        "loop. Use sync_every_microbatch=True (the default) with a custom reduce-scatter."
+    )
+
+
+def _check_not_deferred(layout: GroupLayout, deferred) -> None:
+    if layout.reduce_scatter is not None and deferred is not None and any(deferred):
+        raise errors.UnsupportedError(_custom_deferred(layout))
 
 
 def scope(layout: GroupLayout, what: str):
@@ -218,6 +261,8 @@ def gather_values(
         if keep_group is not None:
             raise errors.UnsupportedError(_mixed_hpz(layout))
         return _per_subgroup(layout, datas, lambda d, sub: gather_values(d, sub, dependency))
+    if keep_group is not None and layout.all_gather is not None:
+        raise errors.UnsupportedError(_custom_hpz(layout))
     dims = [leaf.dim for leaf in layout.leaves]
     _log_gather(layout, keep_group)
     with scope(layout, "all_gather"):
@@ -227,6 +272,8 @@ def gather_values(
             dims=dims,
             dependency=dependency,
             keep_group=keep_group,
+            custom=layout.all_gather,
+            unit=layout.name,
         )
     if keep_group is None:
         return _logical(out, layout)
@@ -274,7 +321,14 @@ def reduce_values(cts: Sequence[jax.Array], layout: GroupLayout) -> list[jax.Arr
     dims = [layout.leaves[i].dim for i in idx]
     _log_reductions(layout, [layout.leaves[i] for i in idx], replicate_axes)
     with scope(layout, "reduce_scatter"):
-        reduced = _lowering.reduce_scatter_blocks(padded, layout.shard_axes, replicate_axes, dims)
+        reduced = _lowering.reduce_scatter_blocks(
+            padded,
+            layout.shard_axes,
+            replicate_axes,
+            dims,
+            custom=layout.reduce_scatter,
+            unit=layout.name,
+        )
     out = [_zero_cotangent(leaf, layout) for leaf in layout.leaves]
     for i, r in zip(idx, reduced, strict=True):
         out[i] = r.astype(layout.leaves[i].dtype)
@@ -309,10 +363,12 @@ def gather_deferred(
     accumulators (full-size, in `reduce_dtype`, one per leaf marked in `deferred`) and
     reduce-scatters their sum once, after the last microbatch.
     """
+    _check_not_deferred(layout, deferred)
     return gather_values(datas, layout)
 
 
 def _deferred_fwd(layout, deferred, datas, accumulators):
+    _check_not_deferred(layout, deferred)
     return gather_values(datas, layout), None
 
 
@@ -324,6 +380,7 @@ def backward_values(cts, layout: GroupLayout, deferred: tuple[bool, ...] | None)
     """
     if deferred is None:
         return tuple(reduce_values(cts, layout)), None
+    _check_not_deferred(layout, deferred)
     if layout.subgroups:
         both = _per_subgroup(
             layout,

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funshard import _jax_compat
+from funshard.comm import _custom
 
 
 def is_inexact_array(x: Any) -> bool:
@@ -178,6 +179,8 @@ def all_gather_blocks(
     to: str = "varying",
     dependency: jax.Array | None = None,
     keep_group: tuple[str, ...] | None = None,
+    custom: _custom.AllGather | None = None,
+    unit: str = "unshard",
 ):
     """All-gathers every device's block of each leaf in ONE collective.
 
@@ -192,6 +195,8 @@ def all_gather_blocks(
       keep_group: trailing axes of `axes` (k devices). When given, also return this
         device's 1/k of the gathered buffer, from which `regather_group` rebuilds the
         whole by gathering within the group only (FSDP2's hpZ).
+      custom: the unit's own all-gather, run in place of `jax.lax.all_gather`.
+      unit: the unit's name, for a custom all-gather's errors.
 
     Returns:
       Each leaf's global array: its sharded dimension `N` times longer, blocks in
@@ -208,7 +213,11 @@ def all_gather_blocks(
     # Tied before packing, not after: the backward pass's re-gather would otherwise share
     # (by CSE) the forward's packed buffer, keeping it alive from forward to backward.
     flat = pack(tie_all(blocks, dependency), packing)
-    gathered = jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to)
+    if custom is None:
+        gathered = jax.lax.all_gather(flat, axes, axis=0, tiled=False, to=to)
+    else:
+        gathered = _custom_gather(custom, flat, packing, axes, n, unit)
+        gathered = vary(gathered, axes) if to == "varying" else gathered
     if keep_group is None:
         return copy_out(gathered, packing, axes) if to == "varying" else unpack(gathered, packing)
     k = _mesh_axes_size(keep_group)
@@ -217,6 +226,33 @@ def all_gather_blocks(
         grouped, jax.lax.axis_index(keep_group), axis=1, keepdims=False
     )
     return copy_out(gathered, packing, axes), part
+
+
+def _custom_gather(
+    custom: _custom.AllGather,
+    flat: jax.Array,
+    packing: Packing,
+    axes: tuple[str, ...],
+    n: int,
+    unit: str,
+) -> jax.Array:
+    """`custom` over the packed buffer, as an `(N, L)` slab like `jax.lax.all_gather`'s.
+
+    A unit of one 16-bit float dtype packs its blocks as `uint16` bits (see the module
+    docstring); the user's function sees them as that float dtype, which is free (a
+    bitcast) and lets it compute on the values (e.g. cast them to float8).
+    """
+    dtypes = set(packing.dtypes)
+    view = None
+    if packing.carrier is None and len(dtypes) == 1:
+        (only,) = dtypes
+        if jnp.issubdtype(only, jnp.floating) and np.dtype(only).itemsize == packing.width:
+            view = only
+    buffer = jax.lax.bitcast_convert_type(flat, view) if view is not None else flat
+    out = _custom.run("all-gather", custom, buffer, axes, (n * flat.shape[0],), unit)
+    if view is not None:
+        out = jax.lax.bitcast_convert_type(out, flat.dtype)
+    return out.reshape(n, flat.shape[0])
 
 
 # The name scope of the conditionals whose predicate is `_present`: equal (true) on every
@@ -441,6 +477,8 @@ def reduce_scatter_blocks(
     shard_axes: tuple[str, ...],
     replicate_axes: tuple[str, ...] = (),
     dims: Sequence[int] | None = None,
+    custom: _custom.ReduceScatter | None = None,
+    unit: str = "unshard",
 ) -> list[jax.Array]:
     """Sums each padded `(N * r_i, ...)` array over devices and keeps this device's rows.
 
@@ -456,6 +494,9 @@ def reduce_scatter_blocks(
       shard_axes: mesh axes the result is scattered over (N devices).
       replicate_axes: mesh axes the scattered result is summed over.
       dims: the dimension each leaf is scattered on (default: all 0).
+      custom: the unit's own reduce-scatter, run once per dtype in place of the
+        default's (the HSDP all-reduce stays).
+      unit: the unit's name, for a custom reduce-scatter's errors.
 
     Returns:
       This device's block of each summed leaf.
@@ -476,7 +517,14 @@ def reduce_scatter_blocks(
             varying = _jax_compat.varying_axes(slab) - set(replicate_axes)
             flat = vary(jnp.zeros((slab.shape[1],), slab.dtype), sorted(varying | set(shard_axes)))
         else:
-            flat = _scatter_sum(slab, shard_axes)
+            if custom is None:
+                flat = _scatter_sum(slab, shard_axes)
+            else:
+                buffer = slab.reshape(-1)
+                flat = _custom.run(
+                    "reduce-scatter", custom, buffer, shard_axes, (slab.shape[1],), unit
+                )
+                flat = vary(flat, shard_axes)
             if replicate_axes:
                 flat = jax.lax.psum(flat, replicate_axes)
         start = 0

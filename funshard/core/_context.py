@@ -233,9 +233,13 @@ def accumulators_for(leaves: Sequence[Sharded]) -> tuple | None:
     return found if any(a is not None for a in found) else None
 
 
-def unshard_in_step(leaves: Sequence[Sharded], name: str = "unshard") -> list[jax.Array]:
-    """The step's differentiable gather of `leaves`, honouring frozen and deferred leaves."""
-    layout = layout_of(leaves, name=name)
+def unshard_in_step(
+    leaves: Sequence[Sharded], name: str = "unshard", collectives: tuple = (None, None)
+) -> list[jax.Array]:
+    """The step's differentiable gather of `leaves`, honouring frozen and deferred leaves
+    (with the unit's own `collectives`: `(all_gather, reduce_scatter)`, None for the
+    default)."""
+    layout = comm.with_collectives(layout_of(leaves, name=name), *collectives)
     datas = tuple(leaf.data for leaf in leaves)
     accumulators = accumulators_for(leaves)
     if accumulators is None:

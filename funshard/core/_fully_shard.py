@@ -26,7 +26,12 @@ def _bad_unit_name(name) -> str:
 
 
 def fully_shard(
-    fn: Callable, *, reshard_after_forward: bool | int = True, name: str | None = None
+    fn: Callable,
+    *,
+    reshard_after_forward: bool | int = True,
+    name: str | None = None,
+    all_gather: comm.AllGather | None = None,
+    reduce_scatter: comm.ReduceScatter | None = None,
 ) -> Callable:
     """Makes `fn(params, *args)` a sharded unit: `fn(sharded_params, *args)`.
 
@@ -52,6 +57,10 @@ def fully_shard(
       name: the unit's label (default: `fn.__name__`). Its collectives appear as
         `funshard/<name>/all_gather` and `funshard/<name>/reduce_scatter` in
         `jax.profiler` traces and in the compiled program's metadata.
+      all_gather: the unit's own all-gather of its parameters (`fs.AllGather`, FSDP2's
+        `set_custom_all_gather`), inside and outside a step; None: the default.
+      reduce_scatter: the unit's own reduce-scatter of its gradients
+        (`fs.ReduceScatter`, FSDP2's `set_custom_reduce_scatter`); None: the default.
 
     Returns:
       The unit taking sharded parameters, by position or by `fn`'s own name for them
@@ -61,16 +70,22 @@ def fully_shard(
       to replicated parameters and runs `fn` (e.g. for evaluation).
 
     Raises:
-      TypeError: `reshard_after_forward` is not a bool or int, or `name` is not a
-        non-empty string; the unit is called without its parameters.
+      TypeError: `reshard_after_forward` is not a bool or int, `name` is not a
+        non-empty string, or `all_gather` / `reduce_scatter` is not an `fs.AllGather` /
+        `fs.ReduceScatter`; the unit is called without its parameters.
       ValueError: `reshard_after_forward` is an int below 1 or one that does not
         divide the shard count (raised when the unit is called); the parameters have no
         `Sharded` leaves, or mix meshes or policies; or units are nested (`fn` is
         already a unit, or a unit is called with parameters another unit gathered).
         Pass an inner unit's sharded parameters as an argument instead: the outer
-        unit then gathers only its own, as in FSDP2.
+        unit then gathers only its own, as in FSDP2. A custom collective returns
+        another shape or dtype than the default's (raised when the unit is traced).
+      NotImplementedError: a custom all-gather with an int `reshard_after_forward`
+        (hpZ), or a custom reduce-scatter under `sync_every_microbatch=False`.
     """
     _unit.check_reshard_after_forward("fully_shard", reshard_after_forward)
+    comm.check_unit_collectives("fully_shard", all_gather, reduce_scatter)
+    collectives = (all_gather, reduce_scatter)
     label = name if name is not None else getattr(fn, "__name__", "unit")
     if not isinstance(label, str) or not label:
         raise errors.ShardingTypeError(_bad_unit_name(label))
@@ -88,9 +103,11 @@ def fully_shard(
         group = _unit.group_size(reshard_after_forward, unit.sharded)
         ctx = _context.current()
         if ctx is not None and group != 1:
-            out = _unit.call_resharded(_with_keywords(fn), unit, (args, kwargs), group, label)
+            out = _unit.call_resharded(
+                _with_keywords(fn), unit, (args, kwargs), group, label, collectives
+            )
         else:
-            full = _unit.cast_floating(unshard_as(params, label), unit.param_dtype)
+            full = _unit.cast_floating(unshard_as(params, label, collectives), unit.param_dtype)
             with _context.unit_body():
                 out = fn(full, *args, **kwargs)
         if ctx is not None:

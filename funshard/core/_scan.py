@@ -27,9 +27,9 @@ from typing import Any
 
 import jax
 
-from funshard import _text, errors
+from funshard import _text, comm, errors
 from funshard.core import _context, _tree, _unit
-from funshard.core._shard import unshard
+from funshard.core._shard import unshard_as
 from funshard.core._sharded import Sharded
 
 
@@ -92,7 +92,15 @@ def _scan_hpz_unsupported(api: str, k: int) -> str:
     )
 
 
-def scan(fn: Callable, stacked: Any, carry: Any, *, reshard_after_forward: bool = True) -> Any:
+def scan(
+    fn: Callable,
+    stacked: Any,
+    carry: Any,
+    *,
+    reshard_after_forward: bool = True,
+    all_gather: comm.AllGather | None = None,
+    reduce_scatter: comm.ReduceScatter | None = None,
+) -> Any:
     """Runs `carry = fn(layer_params, carry)` over a stack of sharded layers.
 
     Args:
@@ -104,6 +112,8 @@ def scan(fn: Callable, stacked: Any, carry: Any, *, reshard_after_forward: bool 
       reshard_after_forward: as for `funshard.fully_shard`: True frees each layer's
         gathered parameters after its forward and gathers them again (prefetched) in
         the backward pass; False keeps them.
+      all_gather: as for `funshard.fully_shard`: each layer's own all-gather.
+      reduce_scatter: as for `funshard.fully_shard`: each layer's own reduce-scatter.
 
     Returns:
       The final carry. Inside `funshard.value_and_grad` each layer's all-gather is
@@ -114,12 +124,15 @@ def scan(fn: Callable, stacked: Any, carry: Any, *, reshard_after_forward: bool 
     Raises:
       ValueError: `stacked` has no `Sharded` leaves, was not sharded as a stack, holds
         no layers (a layer axis of size 0), or its leaves disagree on the layer count.
-      TypeError: `reshard_after_forward` is not a bool or int.
+      TypeError: `reshard_after_forward` is not a bool or int, or `all_gather` /
+        `reduce_scatter` is not an `fs.AllGather` / `fs.ReduceScatter`.
       NotImplementedError: deferred gradient accumulation
         (`sync_every_microbatch=False`) over a scanned stack, or an int
         `reshard_after_forward` (hpZ).
     """
     _check_reshard("scan", reshard_after_forward)
+    comm.check_unit_collectives("scan", all_gather, reduce_scatter)
+    collectives = (all_gather, reduce_scatter)
     if not _has_sharded(stacked) and _has_sharded(carry):
         raise errors.ShardingValueError(_scan_arguments_swapped())
     unit = _unit.prepare("scan", stacked)
@@ -132,10 +145,12 @@ def scan(fn: Callable, stacked: Any, carry: Any, *, reshard_after_forward: bool 
         return fn(layer, c), None
 
     if _context.current() is None:
-        full = _unit.cast_floating(unshard(stacked), unit.param_dtype)
+        full = _unit.cast_floating(unshard_as(stacked, _name(fn), collectives), unit.param_dtype)
         out = jax.lax.scan(step, carry, full)[0]
     else:
-        out = _unit.call_scanned(step, unit, carry, reshard_after_forward, _name(fn))[0]
+        out = _unit.call_scanned(step, unit, carry, reshard_after_forward, _name(fn), collectives)[
+            0
+        ]
     return _unit.cast_floating(out, unit.output_dtype)
 
 
@@ -170,6 +185,8 @@ def lax_scan(
     unroll: int | bool = 1,
     *,
     reshard_after_forward: bool = True,
+    all_gather: comm.AllGather | None = None,
+    reduce_scatter: comm.ReduceScatter | None = None,
 ) -> tuple[Any, Any]:
     """Runs `jax.lax.scan(f, init, xs)` over a stack of sharded layers, as FSDP units.
 
@@ -194,6 +211,8 @@ def lax_scan(
       reshard_after_forward: as for `funshard.fully_shard`: True frees each layer's
         gathered parameters after its forward and gathers them again (prefetched) in
         the backward pass; False keeps them.
+      all_gather: as for `funshard.fully_shard`: each layer's own all-gather.
+      reduce_scatter: as for `funshard.fully_shard`: each layer's own reduce-scatter.
 
     Returns:
       `(carry, ys)` as `jax.lax.scan` returns them: the final carry and every layer's
@@ -207,13 +226,16 @@ def lax_scan(
         in `funshard.scan`'s order), a `Sharded` leaf was not sharded as a stack, a leaf
         of `xs` has no layer axis, the leaves disagree on the layer count, the stack
         holds no layers, or `length` is not that count.
-      TypeError: `f` does not return a pair, or `reshard_after_forward` is not a bool
-        or int.
+      TypeError: `f` does not return a pair, `reshard_after_forward` is not a bool
+        or int, or `all_gather` / `reduce_scatter` is not an `fs.AllGather` /
+        `fs.ReduceScatter`.
       NotImplementedError: `reverse=True`, `unroll` other than 1, an int
         `reshard_after_forward` (hpZ), or deferred gradient accumulation
         (`sync_every_microbatch=False`).
     """
     _check_reshard("lax_scan", reshard_after_forward)
+    comm.check_unit_collectives("lax_scan", all_gather, reduce_scatter)
+    collectives = (all_gather, reduce_scatter)
     _check_loop_options(reverse, unroll)
     if not _has_sharded(xs) and _has_sharded(init):
         raise errors.ShardingValueError(_lax_scan_arguments_swapped())
@@ -227,9 +249,10 @@ def lax_scan(
     init = _unit.cast_inputs(unit, init)
     _unit.log_plan("lax_scan", _name(f), unit, reshard_after_forward)
     if _context.current() is None:
-        out = jax.lax.scan(step, init, _unit.cast_floating(unshard(xs), unit.param_dtype))
+        full = _unit.cast_floating(unshard_as(xs, _name(f), collectives), unit.param_dtype)
+        out = jax.lax.scan(step, init, full)
     else:
-        out = _unit.call_scanned(step, unit, init, reshard_after_forward, _name(f))
+        out = _unit.call_scanned(step, unit, init, reshard_after_forward, _name(f), collectives)
     return _unit.cast_floating(out, unit.output_dtype)
 
 

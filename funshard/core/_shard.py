@@ -353,8 +353,12 @@ def _other_mesh_in_step(fn: str, path, mesh, step_mesh) -> str:
     )
 
 
-def unshard_as(tree: Any, name: str) -> Any:
-    """`unshard`, with its collectives labelled `funshard/<name>/...` inside a step."""
+def unshard_as(tree: Any, name: str, collectives: tuple = (None, None)) -> Any:
+    """`unshard`, with its collectives labelled `funshard/<name>/...` inside a step.
+
+    `collectives` is a unit's own `(all_gather, reduce_scatter)` (None: the default);
+    outside a step its all-gather gathers too, so a unit evaluates as it trains.
+    """
     paths, items, treedef = sharded_leaves(tree)
     mesh = common_mesh("unshard", paths, items)
     if mesh is None:
@@ -371,7 +375,7 @@ def unshard_as(tree: Any, name: str) -> Any:
     for (shard_axes, _, model_axes), idx in _groups(items).items():
         leaves = [items[i] for i in idx]
         if ctx is not None:
-            fulls = _context.unshard_in_step(leaves, name)
+            fulls = _context.unshard_in_step(leaves, name, collectives)
         else:
             _same_on_every_process(name, mesh, leaves)
             stacked = [_stacked_dims(paths[i], x) for i, x in zip(idx, leaves, strict=True)]
@@ -388,6 +392,8 @@ def unshard_as(tree: Any, name: str) -> Any:
                 [x.block_shape[x.dim] for x in leaves],
                 [k + x.dim for k, x in zip(stacked, leaves, strict=True)],
                 specs,
+                custom=collectives[0],
+                unit=name,
             )
         gathered.update(zip(idx, fulls, strict=True))
     parts = _tree.Partition(tuple(items), treedef, tuple(sorted(gathered)))

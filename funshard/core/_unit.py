@@ -234,16 +234,24 @@ class Residuals:
         return _jax_compat.vjp_from_residuals(self.treedef, residuals)
 
 
-def call_resharded(fn: Callable, unit: UnitParams, args: tuple, group: int | None, name: str):
+def call_resharded(
+    fn: Callable,
+    unit: UnitParams,
+    args: tuple,
+    group: int | None,
+    name: str,
+    collectives: tuple = (None, None),
+):
     """`fn(gathered params, *args)` without keeping the gathered params for backward.
 
     One custom_vjp call: the forward gathers (one collective), runs `jax.vjp` of `fn`
     and saves its residuals except the gathered parameters; the backward gathers them
     again (from the local shards, or with `group` k (hpZ) from the 1/k parts each device
     kept, within its group of k devices), resumes the vjp and reduce-scatters.
+    `collectives` is the unit's own `(all_gather, reduce_scatter)`, None for the default.
     """
     sharded = unit.sharded
-    layout = _context.layout_of(sharded, name=name)
+    layout = comm.with_collectives(_context.layout_of(sharded, name=name), *collectives)
     datas = tuple(x.data for x in sharded)
     accumulators = _context.accumulators_for(sharded)
     deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
@@ -342,7 +350,14 @@ def _layer_closure(run_layer: Callable, layer_types, carry):
     return layer_fn, tuple(consts), carry
 
 
-def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: bool, name: str):
+def call_scanned(
+    fn: Callable,
+    unit: UnitParams,
+    carry,
+    reshard_after_forward: bool,
+    name: str,
+    collectives: tuple = (None, None),
+):
     """`carry, y = fn(carry, layer)` over a stack of sharded layers, one custom_vjp.
 
     `fn` follows `jax.lax.scan`'s convention, and so does the result: the final carry
@@ -353,13 +368,16 @@ def call_scanned(fn: Callable, unit: UnitParams, carry, reshard_after_forward: b
     gradient as soon as the layer is done. The stack's other leaves (replicated
     per-layer values, extra per-layer inputs) are sliced per layer like `lax.scan`'s xs
     and, if floating, cast to `param_dtype`. Values `fn` closes over are inputs of the
-    custom_vjp (see `_layer_closure`), carried through both loops.
+    custom_vjp (see `_layer_closure`), carried through both loops. `collectives` is
+    the unit's own `(all_gather, reduce_scatter)`, run per layer.
     """
     sharded = unit.sharded
     datas = tuple(x.data for x in sharded)
     if _context.accumulators_for(sharded) is not None:
         raise errors.UnsupportedError(_scan_deferred_sync_unsupported())
-    layout = _context.layout_of(sharded, name=f"scan/{name}").layer()
+    layout = comm.with_collectives(
+        _context.layout_of(sharded, name=f"scan/{name}"), *collectives
+    ).layer()
     others = unit.parts.others
     layers = datas[0].shape[0]
     record = Residuals()

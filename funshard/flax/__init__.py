@@ -59,6 +59,8 @@ def fully_shard(
     *,
     reshard_after_forward: bool | int | None = None,
     mp_policy: fs.MixedPrecisionPolicy | None = None,
+    all_gather: fs.AllGather | None = None,
+    reduce_scatter: fs.ReduceScatter | None = None,
 ) -> Any:
     """Makes a Flax module an FSDP unit, as FSDP2's `fully_shard(module)`.
 
@@ -90,6 +92,8 @@ def fully_shard(
         it by `fs.flax.shard` (None: the policy given there). linen: its parameters'
         floating inputs and outputs are cast as `fs.fully_shard` casts them; the gather
         dtype is that of the policy the variables were sharded with.
+      all_gather: the unit's own all-gather, as for `fs.fully_shard`.
+      reduce_scatter: the unit's own reduce-scatter, as for `fs.fully_shard`.
 
     Returns:
       The same nnx module object, now a unit; or the linen unit class.
@@ -98,10 +102,11 @@ def fully_shard(
       ValueError: the module (or linen class) is already a unit, or
         `reshard_after_forward` is an int below 1.
       TypeError: `module` is neither an nnx module nor a linen module class (a linen
-        instance included), `reshard_after_forward` is not a bool or int, or `mp_policy`
-        is not an `fs.MixedPrecisionPolicy`.
+        instance included), `reshard_after_forward` is not a bool or int, `mp_policy`
+        is not an `fs.MixedPrecisionPolicy`, or `all_gather` / `reduce_scatter` is not
+        an `fs.AllGather` / `fs.ReduceScatter`.
     """
-    options = _nnx.check_options(reshard_after_forward, mp_policy)
+    options = _nnx.check_options(reshard_after_forward, mp_policy, all_gather, reduce_scatter)
     if isinstance(module, nnx.Module):
         return _nnx.fully_shard_module(module, options)
     from funshard.flax import _linen

@@ -368,7 +368,11 @@ def _unit_call(self, *args, **kwargs):
                 return apply({**others, "params": params}, args, kwargs, rngs)
 
     unit = fs.fully_shard(
-        body, reshard_after_forward=options.resolved_reshard_after_forward(), name=base.__name__
+        body,
+        reshard_after_forward=options.resolved_reshard_after_forward(),
+        name=base.__name__,
+        all_gather=options.all_gather,
+        reduce_scatter=options.reduce_scatter,
     )
     own = _with_policy(own, options.mp_policy)
     # The call's inputs first: the unit's gather waits for its first varying array.

@@ -25,7 +25,7 @@ from flax import errors as flax_errors
 from flax import nnx
 
 import funshard as fs
-from funshard import core, errors
+from funshard import comm, core, errors
 from funshard.flax import _data_parallel
 
 
@@ -35,6 +35,8 @@ class UnitOptions:
 
     reshard_after_forward: bool | int | None = None
     mp_policy: fs.MixedPrecisionPolicy | None = None
+    all_gather: fs.AllGather | None = None
+    reduce_scatter: fs.ReduceScatter | None = None
 
     def resolved_reshard_after_forward(self) -> bool | int:
         """None (FSDP2's default): True inside another unit, False for the outermost.
@@ -47,7 +49,9 @@ class UnitOptions:
         return self.reshard_after_forward
 
 
-def check_options(reshard_after_forward, mp_policy) -> UnitOptions:
+def check_options(
+    reshard_after_forward, mp_policy, all_gather=None, reduce_scatter=None
+) -> UnitOptions:
     """The options as a `UnitOptions`.
 
     Raises:
@@ -59,7 +63,8 @@ def check_options(reshard_after_forward, mp_policy) -> UnitOptions:
     if not isinstance(reshard_after_forward, (bool, type(None))) and reshard_after_forward < 1:
         raise errors.ShardingValueError(_bad_reshard_after_forward(reshard_after_forward))
     _check_mp_policy(mp_policy)
-    return UnitOptions(reshard_after_forward, mp_policy)
+    comm.check_unit_collectives("fs.flax.fully_shard", all_gather, reduce_scatter)
+    return UnitOptions(reshard_after_forward, mp_policy, all_gather, reduce_scatter)
 
 
 def _bad_reshard_after_forward(value: Any) -> str:
@@ -227,7 +232,11 @@ def _unit_call(self, *args, **kwargs):
         return out, changed
 
     unit = fs.fully_shard(
-        body, reshard_after_forward=options.resolved_reshard_after_forward(), name=base.__name__
+        body,
+        reshard_after_forward=options.resolved_reshard_after_forward(),
+        name=base.__name__,
+        all_gather=options.all_gather,
+        reduce_scatter=options.reduce_scatter,
     )
     # The call's inputs come before the module's other state: the unit's gather waits
     # for its first array that varies over the devices, which should be the input.

@@ -1,6 +1,7 @@
 """`fs.flax.plan`: `fs.plan` of a marked Flax model, its units read from the model.
 
-`fs.plan` needs the units as key-path prefixes and each unit's `reshard_after_forward`.
+`fs.plan` needs the units as key-path prefixes and each unit's `reshard_after_forward`
+(and its own collectives, if any).
 A marked model knows both: nnx marks module instances (their graph paths are the state's
 paths), linen marks classes (their scope paths, found by one abstract trace with every
 unit recording its path, are the 'params' paths). `reshard_after_forward=None` resolves
@@ -83,6 +84,8 @@ def _plan(state, units: dict, root_name: str, options: dict) -> fs.Plan:
         state,
         units={names[p]: tuple(str(k) for k in p) for p in units},
         reshard_after_forward={names[p]: reshard[p] for p in units},
+        all_gather={names[p]: o.all_gather for p, o in units.items() if o.all_gather},
+        reduce_scatter={names[p]: o.reduce_scatter for p, o in units.items() if o.reduce_scatter},
         **options,
     )
 

@@ -60,7 +60,9 @@ class Collective:
       dtype: the element type(s) of the values it carries ("+"-joined when mixed).
       group: devices in each collective group.
       bytes: one execution's buffer: the gathered output of an all-gather, the full
-        input of a reduce-scatter, the buffer of an all-reduce (as XLA's HLO types them).
+        input of a reduce-scatter, the buffer of an all-reduce (as XLA's HLO types them);
+        for a unit's own collective (`fs.AllGather`, `fs.ReduceScatter`) with a
+        `bytes_per_element`, the buffer's elements times that, as the user declares.
       times: executions per step.
       axes: the mesh axes it runs over, where known (the shard axes of a gather or
         reduce-scatter, the replicate axes of an HSDP all-reduce); a model-split leaf's
@@ -335,8 +337,21 @@ def _gathered_bytes(leaves: tuple[comm.LeafLayout, ...], n: int) -> int:
         return 0
     structs = [jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in leaves]
     packing = comm.packing_of(structs, [leaf.dim for leaf in leaves])
-    word = np.dtype(packing.carrier).itemsize if packing.carrier is not None else packing.width
-    return n * packing.total * word
+    return n * packing.total * _gathered_itemsize(leaves)
+
+
+def _gathered_itemsize(leaves: tuple[comm.LeafLayout, ...]) -> int:
+    """Bytes of one element of a unit's packed gather buffer (as a custom gather sees it)."""
+    structs = [jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in leaves]
+    packing = comm.packing_of(structs, [leaf.dim for leaf in leaves])
+    return np.dtype(packing.carrier).itemsize if packing.carrier is not None else packing.width
+
+
+def _declared(custom, buffer_bytes: int, itemsize: int) -> int:
+    """A buffer's bytes as a unit's own collective declares them (else the buffer's)."""
+    if custom is None or custom.bytes_per_element is None:
+        return buffer_bytes
+    return math.ceil(buffer_bytes // itemsize * custom.bytes_per_element)
 
 
 def _reduced_by_dtype(leaves, n: int) -> dict[np.dtype, int]:
@@ -376,6 +391,8 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
     gathered = _gathered_bytes(layout.leaves, n) if layout else 0
     if gathered:
         gather_dtype = _dtype_name(leaf.gather_dtype for leaf in layout.leaves)
+        sent = _declared(layout.all_gather, gathered, _gathered_itemsize(layout.leaves))
+        sent_dtype = comm.wire_label(layout.all_gather, gather_dtype)
         keep = unit.reshard_after_forward
         # A gather tied to the unit's input runs in every microbatch; an untied one (the
         # root's unshard, a unit that keeps its parameters) is loop-invariant, and XLA
@@ -384,21 +401,22 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
         tied = keep is not False or unit.layers is not None
         times = k if tied else 1
         out.append(
-            Collective("all-gather", unit.name, "forward", gather_dtype, n, gathered, times, shards)
+            Collective("all-gather", unit.name, "forward", sent_dtype, n, sent, times, shards)
         )
         if keep is not False:
             group = n if keep is True else keep
             # hpZ's re-gather runs within the trailing shard axes that span its groups.
             axes = shards if keep is True else ()
             out.append(
-                Collective(
-                    "all-gather", unit.name, "backward", gather_dtype, group, gathered, k, axes
-                )
+                Collective("all-gather", unit.name, "backward", sent_dtype, group, sent, k, axes)
             )
     if layout and opts.sync_every_microbatch:
+        custom = layout.reduce_scatter
         for dtype, size in _reduced_by_dtype(layout.leaves, n).items():
+            sent = _declared(custom, size, dtype.itemsize)
+            label = comm.wire_label(custom, dtype.name)
             out.append(
-                Collective("reduce-scatter", unit.name, "gradients", dtype.name, n, size, k, shards)
+                Collective("reduce-scatter", unit.name, "gradients", label, n, sent, k, shards)
             )
             if replicas > 1 and opts.all_reduce_every_microbatch:
                 out.append(
@@ -550,6 +568,8 @@ def plan(
     placement: Any = None,
     min_shard_size: int | None = None,
     model_spec: Any = None,
+    all_gather: comm.AllGather | Mapping[str, comm.AllGather] | None = None,
+    reduce_scatter: comm.ReduceScatter | Mapping[str, comm.ReduceScatter] | None = None,
 ) -> Plan:
     """Works out what one training step will hold and move per device, without running it.
 
@@ -587,6 +607,11 @@ def plan(
       min_shard_size: as in `fs.shard` (not for a sharded state).
       model_spec: as in `fs.shard`: the model axes (tensor, expert) splitting each leaf
         (not for a sharded state, which carries them).
+      all_gather: the units' own all-gather (`fs.AllGather`, as given to
+        `fs.fully_shard`), for every unit or as a mapping from unit name to one (units
+        not named: the default). Its collectives show its `label` and the bytes its
+        `bytes_per_element` declares.
+      reduce_scatter: the units' own reduce-scatter (`fs.ReduceScatter`), likewise.
 
     Returns:
       A `Plan`: per-device bytes of parameters, gradients and optimizer state next to
@@ -602,7 +627,9 @@ def plan(
         a state that is already sharded), `trainable` does not fit `params`, stacked
         leaves are in no unit, or a unit mixes them with other sharded leaves.
       NotImplementedError: a stack of layers with an int `reshard_after_forward` or
-        `sync_every_microbatch=False`, which `fs.scan` does not support yet.
+        `sync_every_microbatch=False`, which `fs.scan` does not support yet; a custom
+        all-gather with an int `reshard_after_forward`, or a custom reduce-scatter with
+        `sync_every_microbatch=False`, which units do not support yet.
     """
     opts = core.root_options(
         "plan",
@@ -621,6 +648,7 @@ def plan(
     specs = _units.unit_specs(units)
     rf = _units.reshard_by_unit(reshard_after_forward, [name for name, _ in specs])
     groups = _units.group_leaves(state, specs, rf, _routes(state, trainable, opts))
+    groups = _with_custom(groups, all_gather, reduce_scatter, opts)
     # The state's own shard count: that of its widest leaves (model-split ones have fewer).
     first = max((x for g in groups for x in g.sharded), key=lambda x: x.num_shards)
     n, replicas = first.num_shards, comm.axes_size(mesh, first.replicate_axis)
@@ -644,6 +672,44 @@ def plan(
         accumulators=_accumulators(groups, opts),
         units=tuple(unit_plans),
         collectives=tuple(c for c in collectives if c.bytes),
+    )
+
+
+def _with_custom(groups, all_gather, reduce_scatter, opts: RootOptions) -> list:
+    """`groups` with each unit's own collectives attached to its layout."""
+    names = [g.name for g in groups if g.name != "root"]
+    gathers = _units.collectives_by_unit(all_gather, names, "all_gather", comm.AllGather)
+    reductions = _units.collectives_by_unit(
+        reduce_scatter, names, "reduce_scatter", comm.ReduceScatter
+    )
+    out = []
+    for group in groups:
+        ag, rs = gathers.get(group.name), reductions.get(group.name)
+        if group.layout is None or (ag is None and rs is None):
+            out.append(group)
+            continue
+        keep = group.reshard_after_forward
+        if (
+            ag is not None
+            and not isinstance(keep, bool)
+            and keep not in (1, group.layout.num_shards)
+        ):
+            raise errors.UnsupportedError(
+                _custom_option(group.name, "all-gather", f"reshard_after_forward={keep}")
+            )
+        if rs is not None and not opts.sync_every_microbatch:
+            raise errors.UnsupportedError(
+                _custom_option(group.name, "reduce-scatter", "sync_every_microbatch=False")
+            )
+        layout = comm.with_collectives(group.layout, ag, rs)
+        out.append(dataclasses.replace(group, layout=layout))
+    return out
+
+
+def _custom_option(name: str, kind: str, option: str) -> str:
+    return (
+        f"plan: unit {name!r} has a custom {kind}, which units do not support with "
+        f"{option} yet; plan (and run) it without that option, or with the default {kind}."
     )
 
 

@@ -150,9 +150,28 @@ def reshard_by_unit(value: Any, names: list[str]) -> dict[str, bool | int]:
     return dict.fromkeys(names, value)
 
 
-def _unknown_units(unknown, names) -> str:
+def collectives_by_unit(value: Any, names: list[str], arg: str, cls: type) -> dict[str, Any]:
+    """A unit's own `all_gather` / `reduce_scatter` (one for every unit, or a mapping
+    by unit name; None: the default) for each unit."""
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise errors.ShardingValueError(_unknown_units(unknown, names, arg))
+        found = {name: value.get(name) for name in names}
+    else:
+        found = dict.fromkeys(names, value)
+    for custom in found.values():
+        if custom is not None and not isinstance(custom, cls):
+            raise errors.ShardingTypeError(
+                f"plan: {arg} must be a funshard.{cls.__name__}, a mapping from unit name "
+                f"to one, or None; got {type(custom).__name__}."
+            )
+    return found
+
+
+def _unknown_units(unknown, names, arg: str = "reshard_after_forward") -> str:
     return (
-        f"plan: reshard_after_forward names {sorted(unknown)}, which are not units "
+        f"plan: {arg} names {sorted(unknown)}, which are not units "
         f"(the units are {list(names)}); use the names given in units=."
     )
 
