@@ -9,11 +9,14 @@ import re
 from pathlib import Path
 
 import flax.linen as nn
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import MESHES, mesh_for
 from flax import nnx
+from hypothesis import given, settings
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -410,3 +413,90 @@ def test_what_units_do_not_support_yet_is_refused():
         )
     with pytest.raises(ValueError, match=r"plan: all_gather names \['b'\], which are not units"):
         fs.plan(state, units={"a": (0,)}, all_gather={"b": custom["all_gather"]})
+
+
+# ---- properties and compositions ----------------------------------------------------------
+
+LEAF_DTYPES = [np.dtype("float32"), np.dtype(jnp.bfloat16), np.dtype("int32")]
+
+
+@st.composite
+def _units(draw):
+    """A unit's leaves (2-D, uneven, size 0 and 1 dims; f32, bf16, int32 mixed) and a mesh."""
+    count = draw(st.integers(1, 3))
+    shapes = [
+        (draw(st.sampled_from([0, 1, 3, 9])), draw(st.sampled_from([1, 4]))) for _ in range(count)
+    ]
+    dtypes = [draw(st.sampled_from(LEAF_DTYPES)) for _ in range(count)]
+    return shapes, dtypes, draw(st.sampled_from(list(MESHES)))
+
+
+@settings(max_examples=10)
+@given(_units())
+def test_identity_collectives_are_bit_identical_to_the_defaults(unit_leaves):
+    """Over random leaves and every test mesh (1, 2, 4, 8 devices and 2x4 HSDP), a unit
+    whose own collectives run the default's JAX calls returns the default's output and
+    gradients bit for bit, in a step and outside one; a unit of mixed dtypes hands its
+    gather unsigned words, one of a single float dtype that dtype."""
+    shapes, dtypes, mesh_name = unit_leaves
+    rng = np.random.default_rng(0)
+    params = {
+        f"p{i}": (rng.standard_normal(s) * 3).astype(d)
+        for i, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
+    }
+    state = fs.shard(params, mesh_for(mesh_name))
+    x = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+
+    def layer(p, x):
+        out = x
+        for leaf in p.values():
+            out = out * jnp.tanh(jnp.sum(leaf.astype(jnp.float32)) / 10 + 1)
+        return out
+
+    gather, _, custom = _collectives()
+    results = []
+    for kwargs in (custom, {}):
+        unit = fs.fully_shard(layer, **kwargs)
+        step = jax.jit(
+            fs.value_and_grad(
+                lambda s, x, unit=unit: jnp.mean(unit(s, x) ** 2),
+                trainable={k: v.dtype != np.int32 for k, v in params.items()},
+            )
+        )
+        results.append((step(state, x), unit(state, x)))
+    (got, got_eval), (want, want_eval) = results
+    for a, b in zip(
+        jax.tree.leaves((got, got_eval)), jax.tree.leaves((want, want_eval)), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    seen = {c[1] for c in gather.calls}
+    if len(set(dtypes)) == 1:
+        assert seen <= set(dtypes), gather.calls  # f32 as itself, bf16 as bf16 (not bits)
+    else:
+        assert all(jnp.issubdtype(d, jnp.unsignedinteger) for d in seen), gather.calls
+
+
+COMPOSITIONS = {
+    "checkpoint": lambda unit: jax.checkpoint(unit),
+    "vmap": lambda unit: lambda p, h: jax.vmap(lambda row: unit(p, row[None])[0])(h),
+    # A predicate equal on every device (one from this device's rows is refused).
+    "cond": lambda unit: lambda p, h: jax.lax.cond(jnp.array(True), unit, lambda p, h: h, p, h),
+}
+
+
+@pytest.mark.parametrize("form", [*COMPOSITIONS, "microbatches"])
+def test_compositions_with_the_units_collectives_are_plain_jax(form):
+    """The unit's own collectives under jax.checkpoint, vmap, cond and microbatches give
+    plain JAX's numbers (the int8 reduction of docs/training.md, to its precision)."""
+    int8 = _ran(INT8)["INT8_REDUCTION"]
+    gather, _, custom = _collectives()
+    unit = fs.fully_shard(_block, all_gather=custom["all_gather"], reduce_scatter=int8)
+    run = COMPOSITIONS[form](unit) if form in COMPOSITIONS else unit
+    layers, x = _layers(2), _x()
+    ref_loss, ref = jax.value_and_grad(_loop_loss(_block))(layers, x)
+    step = fs.value_and_grad(_loop_loss(run), microbatches=2 if form == "microbatches" else 1)
+    loss, grads = jax.jit(step)(fs.shard(layers, fs.make_mesh()), x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, r in zip(jax.tree.leaves(fs.unshard(grads)), jax.tree.leaves(ref), strict=True):
+        assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 2e-2
+    assert gather.calls
