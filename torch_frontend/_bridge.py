@@ -27,9 +27,11 @@ from torch.autograd import Variable
 from funshard import comm, errors
 from funshard.comm import REPLICATE_AXIS, SHARD_AXIS
 from torch_frontend import _cuda
+from torch_frontend._recorder import Recorder
 from torch_frontend._worker import OrderedWorker
 
 DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
+DIGESTS_ENV = "FUNSHARD_COLLECTIVE_DIGESTS"
 
 
 def check_collective(layout: RankLayout, kind: str, label: str, leaves: list[tuple]) -> None:
@@ -77,7 +79,15 @@ class CommContext:
         # funshard's worker, not a ThreadPoolExecutor: its futures give up (RuntimeError)
         # on a process that left the job, and its daemon thread, stuck in a collective
         # with such a process, never holds up the interpreter's exit.
-        self._thread = OrderedWorker("torch_frontend")
+        # Every collective is recorded as submitted; a stalled wait compares the ranks'
+        # records (`_recorder`), and so does an all-gather whose digests differ.
+        self.recorder = Recorder()
+        self._thread = OrderedWorker("torch_frontend", self.recorder.stalled)
+        # The digest riding in the first all-gather of each root forward (one float32
+        # per rank: in every gather it cost 8 to 18% of a step, once per step under 1%;
+        # benchmarks/torch_bench/mismatch_cost.py). DIGESTS_ENV=0 leaves it out.
+        self.digests = os.environ.get(DIGESTS_ENV, "1") != "0"
+        self._digest_next = False
         self._count_step = comm.count_step
         # Started reduce-scatters, oldest first: (future, what writes their gradients).
         self._held: list[tuple[Future | None, Callable[[], None]]] = []
@@ -90,10 +100,18 @@ class CommContext:
         # first, through JAX's coordination service (`check_collective`).
         self.check_collectives = os.environ.get(DEBUG_ENV, "").upper() == "DETAIL"
         self._label: str | None = None
+        self._missing: tuple[str, ...] = ()
 
-    def label_next(self, label: str) -> None:
-        """Names the next collective for `check_collectives`' messages and signature."""
-        self._label = label
+    def label_next(self, label: str, missing: Sequence[str] = ()) -> None:
+        """Names the next collective for the records and `check_collectives`' messages.
+
+        `missing`: the parameters a reduce-scatter leaves out (no gradient on this rank).
+        """
+        self._label, self._missing = label, tuple(missing)
+
+    def digest_next(self) -> None:
+        """Makes the next all-gather carry the records' digest (a root's forward starts)."""
+        self._digest_next = self.digests
 
     def take_label(self, default: str) -> str:
         label, self._label = self._label, None
@@ -105,14 +123,22 @@ class CommContext:
         """`submit(fn, *args)`; first, with `check_collectives`, the signature check.
 
         The check runs on the collective thread, right before the collective, so it
-        sees the collectives in the order every process issues them.
+        sees the collectives in the order every process issues them. Every collective
+        is recorded first (`_recorder`); an all-gather of a multi-process job is passed
+        the records' digest (`digest=`), to gather with the values.
         """
         label = self.take_label("torch_frontend")
+        missing, self._missing = self._missing, ()
+        operands = leaves()
+        digest = self.recorder.record(kind, label, operands, missing)
+        if kind == "all-gather" and self._digest_next and comm.board() is not None:
+            self._digest_next = False
+            fn = functools.partial(fn, digest=digest)
         if not self.check_collectives:
             return self.submit(fn, *args)
 
         def checked():
-            check_collective(layout, kind, label, leaves())
+            check_collective(layout, kind, label, operands)
             return fn(*args)
 
         return self.submit(checked)
@@ -359,11 +385,29 @@ def _export(block: jax.Array) -> torch.Tensor:
 
 
 def _gather_now(
-    layout: RankLayout, blocks: Sequence[jax.Array], rows: Sequence[int], dims: Sequence[int] | None
+    layout: RankLayout,
+    blocks: Sequence[jax.Array],
+    rows: Sequence[int],
+    dims: Sequence[int] | None,
+    digest: int | None = None,
 ) -> list[jax.Array]:
+    """The all-gather, on the collective thread; with `digest` (this process's records'),
+    gathered beside the values and compared: ranks whose digests differ raise, each
+    naming every rank's collective (`_recorder.Recorder.mismatch`)."""
+    if digest is not None:
+        # 23 bits of it as a float32 in [1, 2), exact: a float block like the flat
+        # buffers beside it (an int32 one made the whole gather travel as raw words).
+        value = 1.0 + (digest & 0x7FFFFF) * 2.0**-23
+        tag = global_block(layout, torch.tensor([value], dtype=torch.float32))
+        blocks, rows = [*blocks, tag], [*rows, layout.world]
+        dims = None if dims is None else [*dims, 0]
     fulls = comm.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows, dims=dims)
-    outs = [f.addressable_shards[0].data for f in fulls]
-    return jax.block_until_ready(outs)
+    outs = jax.block_until_ready([f.addressable_shards[0].data for f in fulls])
+    if digest is not None:
+        digests = [round((v - 1.0) * 2**23) for v in np.asarray(outs.pop()).tolist()]
+        if len(set(digests)) > 1:
+            raise errors.DistributedError(layout.comm.recorder.mismatch(digests))
+    return outs
 
 
 def start_all_gather(
@@ -386,7 +430,7 @@ def start_all_gather(
       A future of the gathered arrays, for `finish_all_gather`.
     """
 
-    def leaves():  # built only when the signature check runs (off the hot path)
+    def leaves():  # the operands' (shape, dim, dtype), for the records
         return [
             (tuple(b.shape), 0 if dims is None else dims[i], str(b.dtype))
             for i, b in enumerate(blocks)
@@ -470,7 +514,7 @@ def start_reduce_scatter(
     """
     dims = tuple(dims) if dims is not None else (0,) * len(fulls)
 
-    def leaves():  # built only when the signature check runs (off the hot path)
+    def leaves():  # the operands' (shape, dim, dtype), for the records
         return [(tuple(f.shape), d, str(f.dtype)) for f, d in zip(fulls, dims, strict=True)]
 
     if comm.reduce_scatter_by_permutes(layout.device.platform) and all(

@@ -10,8 +10,12 @@ variables, and the same rank is the same process in both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 import sys
+import threading
+from typing import Any
 
 import jax
 import numpy as np
@@ -85,12 +89,36 @@ def init_distributed(replicate: int | None = None) -> Mesh:
     # tears the others down; a worker left in JAX's shutdown barrier would hang the job
     # instead (docs/distributed.md, "fail_fast"). To keep a process alive, call
     # fs.distributed.initialize() before this: a started runtime is not started again.
+    sigterm = _sigterm_handler()
     fs.distributed.initialize(fail_fast=True)
+    _restore_sigterm(sigterm)
     _cuda.set_torch_device(jax.local_devices()[0])  # torch's current GPU is JAX's
     _init_process_group()
     devices = [jax.local_devices(process_index=p)[0] for p in range(jax.process_count())]
     _runtime = Runtime(fs.make_mesh(replicate, devices=devices), replicate, _bridge.CommContext())
     return _runtime.mesh
+
+
+def _sigterm_handler() -> Any:
+    """SIGTERM's handler now (in the main thread; None elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.getsignal(signal.SIGTERM)
+
+
+def _restore_sigterm(handler: Any) -> None:
+    """Gives SIGTERM back the handler it had before JAX's runtime started.
+
+    JAX's runtime catches SIGTERM for its preemption notice (logging "SIGTERM caught"),
+    so a torch worker stuck waiting for a peer outlived torchrun's SIGTERM and needed
+    SIGKILL. A torch worker ends on SIGTERM (torch's default) or runs the script's own
+    handler: its waits for collectives run in Python, in slices of half a second
+    (`_worker.Pending`), so either happens within that.
+    """
+    if handler is None:
+        return
+    with contextlib.suppress(ValueError, OSError):  # not the main thread after all
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _replicate_changed(before, now) -> str:

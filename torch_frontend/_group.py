@@ -98,6 +98,7 @@ class FSDPParamGroup:
         self.custom_all_gather: Any = None
         self.custom_reduce_scatter: Any = None
         self._gathered_in_torch = False  # the dispatched gather ran a custom all-gather
+        self._missing: list[str] = []  # trained parameters without a gradient (this step)
         self._training_state = TrainingState.IDLE
         self._sharded_state = ShardedState.SHARDED
         self._all_gather_result: Future[Any] | None = None  # dispatched, not yet bound
@@ -400,6 +401,14 @@ class FSDPParamGroup:
         all_reduce = self.all_reduce_grads or not self.layout.replicate_axes
         with record_function(self._with_fqn("FSDP::post_backward_accumulate")):
             with_grad, grads, posts = self._take_grads(all_reduce)
+        # Recorded with the reduce-scatter: a parameter without a gradient on some ranks
+        # only makes their reduce-scatters differ, and the error names it.
+        reduced = {id(p) for p in with_grad}
+        self._missing = [
+            p._param_fqn
+            for p in self.fsdp_params
+            if id(p) not in reduced and p.sharded_param.requires_grad
+        ]
         self._reshard_after_backward()
         if not with_grad:
             return
@@ -579,7 +588,7 @@ class FSDPParamGroup:
         ]
         if logger.isEnabledFor(logging.DEBUG):
             self._log_reduce_scatter(flats, all_reduce)
-        self.comm_ctx.label_next(f"{self.name!r}")
+        self.comm_ctx.label_next(f"{self.name!r}", self._missing)
         pending = _bridge.start_reduce_scatter(self.layout, flats, all_reduce=all_reduce)
         return (pending, members, flats), blocks
 

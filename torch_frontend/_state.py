@@ -241,6 +241,8 @@ class FSDPState:
                     groups[0].comm_ctx.reduce_scatter_max_input_buffers = max(
                         g.reduce_scatter_max_input_buffers for g in groups
                     )
+                    # The iteration's first all-gather compares the ranks' collectives.
+                    groups[0].comm_ctx.digest_next()
 
     def _force_complete_incomplete_states(self, output: Any) -> Any:
         # A grouped state whose modules did not all run forward never reached its

@@ -32,6 +32,9 @@ class Pending(Future):
     """
 
     what = "a collective"
+    # Called every slice of a long wait with (start, `what`): a message ends the wait
+    # (`_recorder.Recorder.stalled`: the ranks issued different collectives).
+    stalled: Callable[[float, str], str | None] | None = None
 
     def result(self, timeout: float | None = None) -> Any:
         """The job's result; raises `DistributedError` once a process that left is awaited."""
@@ -46,6 +49,8 @@ class Pending(Future):
                     if self.done():  # the function itself raised a TimeoutError
                         raise
                     error = comm.stuck_error(since, self.what)
+                    if error is None and self.stalled is not None:
+                        error = self.stalled(since, self.what)
                     if error is not None:
                         raise errors.DistributedError(error) from None
 
@@ -58,7 +63,8 @@ class OrderedWorker:
     interpreter's exit (the executor's thread would be joined before atexit runs).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, stalled: Callable[[float, str], str | None] | None = None):
+        self._stalled = stalled
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -66,6 +72,7 @@ class OrderedWorker:
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Pending:
         """Queues `fn(*args, **kwargs)` behind everything submitted before; its future."""
         future = Pending()
+        future.stalled = self._stalled
         self._jobs.put((future, fn, args, kwargs))
         return future
 

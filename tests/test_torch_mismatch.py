@@ -1,0 +1,120 @@
+"""Ranks that issue different collectives end in a named error on every rank, not a hang.
+
+Three 2-rank gloo jobs (tests/_torch_mismatch_worker.py), default settings: a unit
+swapped on one rank (same shapes: FSDP2 computes on, with wrong numbers), an extra
+`no_grad` forward on one rank (FSDP2 hangs), and a mixture of experts whose ranks use
+different experts without `set_reduce_scatter_unused_params` (with the setting,
+tests/test_torch_surface.py trains the same model equal to FSDP2).
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed")
+from _launch import Job, free_port
+
+pytestmark = [pytest.mark.torch, pytest.mark.multiprocess]
+
+WORKER = Path(__file__).with_name("_torch_mismatch_worker.py")
+CASES = ("swapped", "extra_forward", "unused")
+TIMEOUT_S = 120
+DEPARTURE_TIMEOUT_S = 6
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each case's job (all three at once), each rank's outcome."""
+    outs = {case: tmp_path_factory.mktemp(case) for case in CASES}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FUNSHARD_DEPARTURE_TIMEOUT", str(DEPARTURE_TIMEOUT_S))  # read by clean_env
+        jobs = {
+            case: Job(WORKER, out, 2, free_port(pair=True), TIMEOUT_S, "--case", case)
+            for case, out in outs.items()
+        }
+    try:
+        for case, job in jobs.items():
+            assert job.wait() == 0, f"{case}: {job.failure()}"
+    finally:
+        for job in jobs.values():
+            job.kill()
+    return {
+        case: [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        for case, out in outs.items()
+    }
+
+
+def _messages(results, case) -> list[str]:
+    """Each rank's message, once both raised the named error in bounded time."""
+    for rank, result in enumerate(results[case]):
+        assert result.get("error") == "DistributedError", (rank, result)
+        assert result["seconds"] < DEPARTURE_TIMEOUT_S + 10, (rank, result)
+    messages = [r["message"] for r in results[case]]
+    for rank, message in enumerate(messages):
+        assert message.startswith("torch_frontend: the ranks issued different collectives")
+        assert f"\n  rank {rank}: " in message and f"\n  rank {1 - rank}: " in message
+    return messages
+
+
+def test_a_unit_swapped_on_one_rank_is_named_on_both(results):
+    messages = _messages(results, "swapped")
+    assert [r["steps"] for r in results["swapped"]] == [2, 2]  # in the third step
+    for rank, message in enumerate(messages):
+        mine = message.split(f"\n  rank {rank}: ")[1].split("\n")[0]
+        theirs = message.split(f"\n  rank {1 - rank}: ")[1].split("\n")[0]
+        assert mine.startswith("an all-gather of 'layers.") and "of step 3" in mine, message
+        assert theirs.startswith("an all-gather of 'layers.") and mine != theirs, message
+
+
+def test_an_extra_no_grad_forward_on_one_rank_is_named_on_both(results):
+    for message in _messages(results, "extra_forward"):
+        assert (
+            "rank 0: an all-gather of 'layers.0' ((72,)/0/float32) in a forward under "
+            "torch.no_grad() of step 3" in message
+        ), message
+        assert (
+            "rank 1: an all-gather of 'layers.0' ((72,)/0/float32) in the forward of step 3"
+            in message
+        ), message
+        assert "One rank ran a forward under torch.no_grad()" in message
+
+
+def test_unused_experts_without_the_setting_name_the_parameters_and_the_setting(results):
+    for message in _messages(results, "unused"):
+        for rank in range(2):
+            assert (
+                f"rank {rank}: a reduce-scatter of 'moe' ((96,)/0/float32) in the backward of "
+                f"step 1, without 'moe.experts.{1 - rank}.weight', "
+                f"'moe.experts.{1 - rank}.bias' (no gradient here)"
+            ) in message, message
+        assert "call set_reduce_scatter_unused_params(True) on the module" in message
+
+
+def test_sigterm_ends_a_rank_stuck_waiting_for_a_peer(tmp_path):
+    """Rank 1 sleeps (alive, in no collective); rank 0's next all-gather waits for it.
+    JAX's runtime catches SIGTERM for its preemption notice: the frontend gives SIGTERM
+    back its handler from before (here the default), so torchrun's SIGTERM ends rank 0."""
+    with Job(WORKER, tmp_path, 2, free_port(pair=True), TIMEOUT_S, "--case", "sleeper") as job:
+        deadline = time.monotonic() + 60
+        while "rank 0: step 0 done" not in job.log() or "rank 1: sleeping" not in job.log():
+            assert time.monotonic() < deadline, job.log()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)  # rank 0 is in its next all-gather's wait
+        pid = int((tmp_path / "pid-rank0").read_text())
+        os.kill(pid, signal.SIGTERM)
+        ended = time.monotonic() + 5
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < ended:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{pid}").exists() or _zombie(pid), job.log()[-3000:]
+
+
+def _zombie(pid: int) -> bool:
+    """Whether `pid` has ended but its parent (torchrun) has not reaped it yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
