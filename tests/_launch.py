@@ -10,6 +10,7 @@ test run.
 * `Job` / `run_bounded`: a torchrun job (torchrun, and its workers in sessions of their
   own), or any one command, killed as a whole tree.
 * `run`: one short-lived child (`subprocess.run`'s interface), its group killed on timeout.
+* `start_worker`: a torchrun test worker's own start (its pid file, its watchdog).
 """
 
 from __future__ import annotations
@@ -274,6 +275,20 @@ def launch(
 
 
 # ------------------------------------------------------------------- torchrun, one command
+
+
+def start_worker(out: Path, deadline: float) -> int:
+    """A torchrun test worker's start: its `pid-rank{r}` file in `out` (so that the test
+    can kill it), and a watchdog that ends it after `deadline` seconds, never outliving
+    the test. Returns its rank."""
+    import threading
+
+    rank = int(os.environ["RANK"])
+    (out / f"pid-rank{rank}").write_text(str(os.getpid()))
+    watchdog = threading.Timer(deadline, os._exit, args=(3,))
+    watchdog.daemon = True
+    watchdog.start()
+    return rank
 
 
 def torchrun_command(script: Path, processes: int, port: int, *args: str) -> list[str]:

@@ -20,12 +20,12 @@ import faulthandler
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _launch import start_worker
 from torch import nn
 
 
@@ -152,11 +152,8 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=120.0)
     ap.add_argument("--case", required=True, choices=sorted(CASES))
     args = ap.parse_args()
-    out, rank = Path(args.out), int(os.environ["RANK"])
-    (out / f"pid-rank{rank}").write_text(str(os.getpid()))
-    watchdog = threading.Timer(args.deadline, os._exit, args=(3,))  # never outlive the test
-    watchdog.daemon = True
-    watchdog.start()
+    out = Path(args.out)
+    rank = start_worker(out, args.deadline)
     faulthandler.dump_traceback_later(max(1.0, args.deadline - 5))  # where it hangs, if so
     import torch_frontend
 

@@ -15,12 +15,12 @@ import argparse
 import json
 import os
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from _launch import start_worker
 from torch import nn
 
 STEPS = 3
@@ -282,11 +282,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--deadline", type=float, default=120.0)
     args = ap.parse_args()
-    out, rank = Path(args.out), int(os.environ["RANK"])
-    (out / f"pid-rank{rank}").write_text(str(os.getpid()))
-    watchdog = threading.Timer(args.deadline, os._exit, args=(3,))  # never outlive the test
-    watchdog.daemon = True
-    watchdog.start()
+    out = Path(args.out)
+    rank = start_worker(out, args.deadline)
     _cases(out, rank, int(os.environ["WORLD_SIZE"]))
     dist.barrier()
     print(f"rank {rank}: done", flush=True)

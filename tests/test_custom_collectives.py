@@ -5,15 +5,13 @@ global-batch mean loss); bytes and kinds of collectives are read from the compil
 docs/training.md's two worked examples run as printed.
 """
 
-import re
-from pathlib import Path
-
 import flax.linen as nn
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _docs import python_block
 from conftest import MESHES, mesh_for
 from flax import nnx
 from hypothesis import given, settings
@@ -24,15 +22,13 @@ import funshard as fs
 from funshard import errors
 from tests import _hlo
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "training.md"
+PAGE = "training.md"
 BF16, INT8 = "A bf16 reduce-scatter", "An int8 block-quantized reduce-scatter"
 
 
 def _example(heading: str) -> str:
     """The first Python block under the `### ` heading that starts with `heading`."""
-    sections = re.split(r"^### ", PAGE.read_text(), flags=re.M)
-    (section,) = [s for s in sections if s.startswith(heading)]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return python_block(PAGE, heading, level=3)
 
 
 _RAN: dict[str, dict] = {}
@@ -43,7 +39,7 @@ def _ran(heading: str) -> dict:
     itself against the f32 model on one device as it runs)."""
     if heading not in _RAN:
         namespace: dict = {}
-        exec(compile(_example(heading), f"{PAGE.name}: {heading}", "exec"), namespace)
+        exec(compile(_example(heading), f"{PAGE}: {heading}", "exec"), namespace)
         _RAN[heading] = namespace
     return _RAN[heading]
 

@@ -5,26 +5,22 @@ gradient and, for the Megatron GPT, the AdamW update), so running it is the test
 Megatron example also runs with its mesh line changed to HSDP, which the page says works.
 """
 
-import re
-from pathlib import Path
-
 import pytest
+from _docs import python_block
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
+PAGE = "parallelism.md"
 MEGATRON, MOE = "Worked example: a Megatron GPT", "Worked example: a mixture of experts"
 
 
 def example(heading: str) -> str:
     """The first Python block under the `## ` heading that starts with `heading`."""
-    sections = re.split(r"^## ", PAGE.read_text(), flags=re.M)
-    (section,) = [s for s in sections if s.startswith(heading)]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return python_block(PAGE, heading)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("heading", [MEGATRON, MOE])
 def test_worked_example_matches_one_device(heading):
-    exec(compile(example(heading), f"{PAGE.name}: {heading}", "exec"), {})
+    exec(compile(example(heading), f"{PAGE}: {heading}", "exec"), {})
 
 
 @pytest.mark.slow
@@ -37,4 +33,4 @@ def test_megatron_example_on_hsdp():
     code = code.replace(fsdp_tensor, hsdp).replace(
         sharded, 'state = fs.shard(params, mesh, replicate_axis="replicate", model_spec=MODEL_SPEC)'
     )
-    exec(compile(code, f"{PAGE.name}: {MEGATRON} (HSDP)", "exec"), {})
+    exec(compile(code, f"{PAGE}: {MEGATRON} (HSDP)", "exec"), {})
