@@ -52,7 +52,9 @@ def _messages(results, case) -> list[str]:
     """Each rank's message, once both raised the named error in bounded time."""
     for rank, result in enumerate(results[case]):
         assert result.get("error") == "DistributedError", (rank, result)
-        assert result["seconds"] < DEPARTURE_TIMEOUT_S + 10, (rank, result)
+        # Bounded (the case's steps included; alone about 2 to 5 s), where FSDP2 hangs:
+        # generous, for three jobs sharing the test run's cores.
+        assert result["seconds"] < 45, (rank, result)
     messages = [r["message"] for r in results[case]]
     for rank, message in enumerate(messages):
         assert message.startswith("torch_frontend: the ranks issued different collectives")
