@@ -335,16 +335,17 @@ def _gathered_bytes(leaves: tuple[comm.LeafLayout, ...], n: int) -> int:
     """The all-gather output of a unit, exactly as `_lowering` packs it."""
     if not leaves:
         return 0
-    structs = [jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in leaves]
-    packing = comm.packing_of(structs, [leaf.dim for leaf in leaves])
-    return n * packing.total * _gathered_itemsize(leaves)
+    elements, itemsize = _gather_buffer(leaves)
+    return n * elements * itemsize
 
 
-def _gathered_itemsize(leaves: tuple[comm.LeafLayout, ...]) -> int:
-    """Bytes of one element of a unit's packed gather buffer (as a custom gather sees it)."""
+def _gather_buffer(leaves: tuple[comm.LeafLayout, ...]) -> tuple[int, int]:
+    """(elements, bytes per element) of one device's packed gather buffer, as `_lowering`
+    packs it (and as a custom all-gather sees it)."""
     structs = [jax.ShapeDtypeStruct(leaf.local_shape, leaf.gather_dtype) for leaf in leaves]
     packing = comm.packing_of(structs, [leaf.dim for leaf in leaves])
-    return np.dtype(packing.carrier).itemsize if packing.carrier is not None else packing.width
+    word = np.dtype(packing.carrier).itemsize if packing.carrier is not None else packing.width
+    return packing.total, word
 
 
 def _declared(custom, buffer_bytes: int, itemsize: int) -> int:
@@ -391,7 +392,7 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
     gathered = _gathered_bytes(layout.leaves, n) if layout else 0
     if gathered:
         gather_dtype = _dtype_name(leaf.gather_dtype for leaf in layout.leaves)
-        sent = _declared(layout.all_gather, gathered, _gathered_itemsize(layout.leaves))
+        sent = _declared(layout.all_gather, gathered, _gather_buffer(layout.leaves)[1])
         sent_dtype = comm.wire_label(layout.all_gather, gather_dtype)
         keep = unit.reshard_after_forward
         # A gather tied to the unit's input runs in every microbatch; an untied one (the
