@@ -2,15 +2,19 @@
 
     torchrun --nproc-per-node 2 tests/_torch_mismatch_worker.py --out DIR --case CASE
 
-With the default settings, one of three ordinary mistakes (a job each: once the ranks'
+With the default settings, one of four ordinary mistakes (a job each: once the ranks'
 collectives differ, some may stay stuck in gloo, and the job cannot go on):
 
-- `swapped`: at step 3 rank 1 runs layer 1 before layer 0 (same shapes);
+- `swapped`: at the last step (4) rank 1 runs layer 1 before layer 0 (same shapes), and
+  each step ends with an optimizer step;
+- `swapped_kept`: the same with `reshard_after_forward=False` (no gather in the
+  backward; the histories have the same length, and only the digests differ);
 - `extra_forward`: at step 3 rank 0 runs an extra forward under `torch.no_grad()`;
 - `unused`: a top-1 mixture of two experts, one FSDP unit, whose router sends rank 0's
   tokens to expert 0 and rank 1's to expert 1, without `set_reduce_scatter_unused_params`.
 
-Each rank writes `rank{r}.json`: the steps it finished, what it raised, and when.
+Each rank writes `rank{r}.json`: the steps it finished, what it raised, in which pass,
+and when.
 """
 
 from __future__ import annotations
@@ -77,13 +81,18 @@ def _x(rank: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
 
 
+STEPS = 4
+PASS = ["forward"]  # the pass running: "forward", "backward" or "optimizer"
+
+
 def _run(case, rank: int) -> dict:
     import torch_frontend
 
     steps = 0
     start = time.monotonic()
     try:
-        for step in range(4):
+        for step in range(STEPS):
+            PASS[0] = "forward"
             case(torch_frontend, rank, step)
             steps += 1
     except Exception as exc:
@@ -91,26 +100,46 @@ def _run(case, rank: int) -> dict:
             "steps": steps,
             "error": type(exc).__name__,
             "message": str(exc),
+            "pass": PASS[0],
             "seconds": time.monotonic() - start,
         }
     return {"steps": steps}
 
 
-def _layers():
+def _train(model, loss, opt=None) -> None:
+    PASS[0] = "backward"
+    loss.backward()
+    if opt is not None:
+        PASS[0] = "optimizer"
+        opt.step()
+        opt.zero_grad()
+
+
+def _layers(**kwargs):
     import torch_frontend
 
     model = Layers()
     for layer in model.layers:
-        torch_frontend.fully_shard(layer)
-    return torch_frontend.fully_shard(model)
+        torch_frontend.fully_shard(layer, **kwargs)
+    return torch_frontend.fully_shard(model, **kwargs)
 
 
 def swapped(fs, rank: int, step: int, models={}) -> None:  # noqa: B006 (one model per job)
     if "swapped" not in models:
-        models["swapped"] = _layers()
-    model = models["swapped"]
-    model.swap = rank == 1 and step == 2  # the third step
-    model(_x(rank)).sum().backward()
+        model = _layers()
+        models["swapped"] = model, torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = models["swapped"]
+    model.swap = rank == 1 and step == STEPS - 1  # the script's last step
+    _train(model, model(_x(rank)).sum(), opt)
+
+
+def swapped_kept(fs, rank: int, step: int, models={}) -> None:  # noqa: B006
+    if "swapped_kept" not in models:
+        model = _layers(reshard_after_forward=False)
+        models["swapped_kept"] = model, torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = models["swapped_kept"]
+    model.swap = rank == 1 and step == STEPS - 1  # the script's last step
+    _train(model, model(_x(rank)).sum(), opt)
 
 
 def extra_forward(fs, rank: int, step: int, models={}) -> None:  # noqa: B006
@@ -120,7 +149,7 @@ def extra_forward(fs, rank: int, step: int, models={}) -> None:  # noqa: B006
     if rank == 0 and step == 2:
         with torch.no_grad():  # a metric, on rank 0 only
             model(_x(rank))
-    model(_x(rank)).sum().backward()
+    _train(model, model(_x(rank)).sum())
 
 
 def unused(fs, rank: int, step: int, models={}) -> None:  # noqa: B006
@@ -130,7 +159,7 @@ def unused(fs, rank: int, step: int, models={}) -> None:  # noqa: B006
         models["unused"] = fs.fully_shard(model)
     model = models["unused"]
     route = torch.full((4,), rank)  # every token of rank r to expert r
-    model(_x(rank), route).sum().backward()
+    _train(model, model(_x(rank), route).sum())
 
 
 def sleeper(fs, rank: int, step: int, models={}) -> None:  # noqa: B006
@@ -143,7 +172,7 @@ def sleeper(fs, rank: int, step: int, models={}) -> None:  # noqa: B006
     print(f"rank {rank}: step {step} done", flush=True)
 
 
-CASES = {f.__name__: f for f in (swapped, extra_forward, unused, sleeper)}
+CASES = {f.__name__: f for f in (swapped, swapped_kept, extra_forward, unused, sleeper)}
 
 
 def main() -> int:

@@ -1,7 +1,9 @@
 """Ranks that issue different collectives end in a named error on every rank, not a hang.
 
-Three 2-rank gloo jobs (tests/_torch_mismatch_worker.py), default settings: a unit
-swapped on one rank (same shapes: FSDP2 computes on, with wrong numbers), an extra
+Four 2-rank gloo jobs (tests/_torch_mismatch_worker.py), default settings: a unit
+swapped on one rank in the script's last step (same shapes: FSDP2 computes on, with
+wrong numbers; here the step's own backward fails, before its optimizer step), with
+and without re-gathering in the backward, an extra
 `no_grad` forward on one rank (FSDP2 hangs), and a mixture of experts whose ranks use
 different experts without `set_reduce_scatter_unused_params` (with the setting,
 tests/test_torch_surface.py trains the same model equal to FSDP2).
@@ -21,7 +23,7 @@ from _launch import Job, free_port
 pytestmark = [pytest.mark.torch, pytest.mark.multiprocess]
 
 WORKER = Path(__file__).with_name("_torch_mismatch_worker.py")
-CASES = ("swapped", "extra_forward", "unused")
+CASES = ("swapped", "swapped_kept", "extra_forward", "unused")
 TIMEOUT_S = 120
 DEPARTURE_TIMEOUT_S = 6
 
@@ -64,15 +66,33 @@ def _messages(results, case) -> list[str]:
 
 def test_a_unit_swapped_on_one_rank_is_named_on_both(results):
     messages = _messages(results, "swapped")
-    assert [r["steps"] for r in results["swapped"]] == [2, 2]  # in the third step
+    # In the last step's backward: its forward's gathers completed (same shapes), its
+    # optimizer step never ran.
+    assert [(r["steps"], r["pass"]) for r in results["swapped"]] == [(3, "backward")] * 2
     for rank, message in enumerate(messages):
         mine = message.split(f"\n  rank {rank}: ")[1].split("\n")[0]
         theirs = message.split(f"\n  rank {1 - rank}: ")[1].split("\n")[0]
-        assert mine.startswith("an all-gather of 'layers.") and "of step 3" in mine, message
+        assert mine.startswith("an all-gather of 'layers.") and "of step 4" in mine, message
         assert theirs.startswith("an all-gather of 'layers.") and mine != theirs, message
 
 
+def test_a_unit_swapped_in_a_history_of_the_same_length_is_named_by_the_digests(results):
+    """No gather in the backward, so the ranks issue as many collectives of the same
+    sizes: the digests compared at the end of the backward find them."""
+    messages = _messages(results, "swapped_kept")
+    assert [(r["steps"], r["pass"]) for r in results["swapped_kept"]] == [(3, "backward")] * 2
+    for rank, message in enumerate(messages):
+        assert (
+            "the check at the end of a backward (ranks 0 and 1) found the ranks' histories "
+            "differ" in message
+        ), message
+        mine = message.split(f"\n  rank {rank}: ")[1].split("\n")[0]
+        theirs = message.split(f"\n  rank {1 - rank}: ")[1].split("\n")[0]
+        assert "'layers." in mine and "of step 4" in mine and mine != theirs, message
+
+
 def test_an_extra_no_grad_forward_on_one_rank_is_named_on_both(results):
+    assert [r["pass"] for r in results["extra_forward"]] == ["forward"] * 2
     for message in _messages(results, "extra_forward"):
         assert (
             "rank 0: an all-gather of 'layers.0' ((72,)/0/float32) in a forward under "
@@ -86,6 +106,8 @@ def test_an_extra_no_grad_forward_on_one_rank_is_named_on_both(results):
 
 
 def test_unused_experts_without_the_setting_name_the_parameters_and_the_setting(results):
+    # The digests differ once the reduce-scatters are recorded: no wait stalls first.
+    assert [(r["steps"], r["pass"]) for r in results["unused"]] == [(0, "backward")] * 2
     for message in _messages(results, "unused"):
         for rank in range(2):
             assert (

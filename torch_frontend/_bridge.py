@@ -85,9 +85,20 @@ class CommContext:
         self._thread = OrderedWorker("torch_frontend", self.recorder.stalled)
         # The digest riding in the first all-gather of each root forward (one float32
         # per rank: in every gather it cost 8 to 18% of a step, once per step under 1%;
-        # benchmarks/torch_bench/mismatch_cost.py). DIGESTS_ENV=0 leaves it out.
+        # benchmarks/torch_bench/mismatch_cost.py). The end of each backward compares
+        # the digests through the coordination service (`agree`): not in a collective,
+        # since where the ranks' histories differ in length a digest-carrying one pairs
+        # with another of another size, and gloo aborts the process.
+        # DIGESTS_ENV=0 leaves both out.
         self.digests = os.environ.get(DIGESTS_ENV, "1") != "0"
         self._digest_next = False
+        # Set once the ranks' digests differed: their histories no longer pair, so
+        # every later collective fails with the same message instead of running (gloo
+        # aborts the process on a pair of different sizes): those already queued (a
+        # prefetch) and those of a script that catches the error and goes on.
+        self.mismatched: str | None = None
+        self._agree_thread: OrderedWorker | None = None
+        self._agreeing: Future | None = None
         self._count_step = comm.count_step
         # Started reduce-scatters, oldest first: (future, what writes their gradients).
         self._held: list[tuple[Future | None, Callable[[], None]]] = []
@@ -113,6 +124,28 @@ class CommContext:
         """Makes the next all-gather carry the records' digest (a root's forward starts)."""
         self._digest_next = self.digests
 
+    def start_agree(self) -> None:
+        """Starts comparing the ranks' digests (`Recorder.agree`), once a backward has
+        issued its last collective: on a thread of its own, so that its two requests
+        to the coordination service overlap the last reduce-scatter's wait."""
+        if not self.digests or self.mismatched is not None or comm.board() is None:
+            return
+        if self._agree_thread is None:
+            self._agree_thread = OrderedWorker("torch_frontend-digests")
+        self._agreeing = self._agree_thread.submit(self.recorder.agree)
+
+    def agree(self) -> None:
+        """Waits for `start_agree`'s comparison, if one is running.
+
+        Raises:
+          DistributedError: the ranks issued different collectives.
+        """
+        pending, self._agreeing = self._agreeing, None
+        error = None if pending is None else pending.result()
+        if error is not None:
+            self.mismatched = error
+            raise errors.DistributedError(error)
+
     def take_label(self, default: str) -> str:
         label, self._label = self._label, None
         return label or default
@@ -124,13 +157,14 @@ class CommContext:
 
         The check runs on the collective thread, right before the collective, so it
         sees the collectives in the order every process issues them. Every collective
-        is recorded first (`_recorder`); an all-gather of a multi-process job is passed
-        the records' digest (`digest=`), to gather with the values.
+        is recorded first (`_recorder`); after `digest_next`, in a multi-process job,
+        the next all-gather is passed the records' digest (`digest=`), to gather with
+        the values.
         """
         label = self.take_label("torch_frontend")
         missing, self._missing = self._missing, ()
         operands = leaves()
-        digest = self.recorder.record(kind, label, operands, missing)
+        digest = self.recorder.record(kind, label, operands, _group_of(layout), missing)
         if kind == "all-gather" and self._digest_next and comm.board() is not None:
             self._digest_next = False
             fn = functools.partial(fn, digest=digest)
@@ -145,7 +179,12 @@ class CommContext:
 
     def submit(self, fn, *args, **kwargs) -> Future:
         """Queues `fn` behind every collective launched before it; returns its future."""
-        return self._thread.submit(fn, *args, **kwargs)
+        return self._thread.submit(self._unless_mismatched, fn, *args, **kwargs)
+
+    def _unless_mismatched(self, fn, *args, **kwargs):
+        if self.mismatched is not None:
+            raise errors.DistributedError(self.mismatched)
+        return fn(*args, **kwargs)
 
     def in_order(self, fn, *args, **kwargs):
         """Runs `fn` on the collective thread, after every collective launched before it.
@@ -246,6 +285,20 @@ class RankLayout:
     def padded_size(self, rows: int) -> int:
         """A dim of `rows` zero-padded to `world * padded_rows(rows)`."""
         return comm.padded_size(rows, self.world)
+
+
+@functools.cache
+def _group_of(layout: RankLayout) -> tuple[int, ...]:
+    """The processes of this process's data-parallel group on `layout.mesh`: those whose
+    devices differ from its own on the shard and replicate axes only."""
+    devices = layout.mesh.devices
+    (where,) = np.argwhere(devices == layout.device)
+    data = {*layout.shard_axes, *layout.replicate_axes}
+    sel = tuple(
+        slice(None) if name in data else int(i)
+        for name, i in zip(layout.mesh.axis_names, where, strict=True)
+    )
+    return tuple(sorted(d.process_index for d in np.asarray(devices[sel]).flat))
 
 
 def layout_of(mesh: Mesh, comm: CommContext) -> RankLayout:
@@ -395,19 +448,28 @@ def _gather_now(
     gathered beside the values and compared: ranks whose digests differ raise, each
     naming every rank's collective (`_recorder.Recorder.mismatch`)."""
     if digest is not None:
-        # 23 bits of it as a float32 in [1, 2), exact: a float block like the flat
-        # buffers beside it (an int32 one made the whole gather travel as raw words).
-        value = 1.0 + (digest & 0x7FFFFF) * 2.0**-23
-        tag = global_block(layout, torch.tensor([value], dtype=torch.float32))
-        blocks, rows = [*blocks, tag], [*rows, layout.world]
+        blocks, rows = [*blocks, _digest_block(layout, digest)], [*rows, layout.world]
         dims = None if dims is None else [*dims, 0]
     fulls = comm.eager_all_gather(blocks, layout.mesh, layout.shard_axes, rows=rows, dims=dims)
     outs = jax.block_until_ready([f.addressable_shards[0].data for f in fulls])
     if digest is not None:
-        digests = [round((v - 1.0) * 2**23) for v in np.asarray(outs.pop()).tolist()]
-        if len(set(digests)) > 1:
-            raise errors.DistributedError(layout.comm.recorder.mismatch(digests))
+        _same_digests(layout, outs.pop())
     return outs
+
+
+def _digest_block(layout: RankLayout, digest: int) -> jax.Array:
+    """23 bits of `digest` as this rank's float32 in [1, 2), exact: a float block like
+    the flat buffers beside it (an int32 one made the whole gather travel as raw words)."""
+    value = 1.0 + (digest & 0x7FFFFF) * 2.0**-23
+    return global_block(layout, torch.tensor([value], dtype=torch.float32))
+
+
+def _same_digests(layout: RankLayout, gathered: jax.Array) -> None:
+    """Raises, naming every rank's collective, where the `gathered` digests differ."""
+    digests = [round((v - 1.0) * 2**23) for v in np.asarray(gathered).tolist()]
+    if len(set(digests)) > 1:
+        layout.comm.mismatched = layout.comm.recorder.mismatch(digests)
+        raise errors.DistributedError(layout.comm.mismatched)
 
 
 def start_all_gather(

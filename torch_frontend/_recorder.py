@@ -8,18 +8,27 @@ waits forever. FSDP2 hangs or computes on (torch's check exists only under
 `TORCH_DISTRIBUTED_DEBUG=DETAIL`, at a round trip per collective).
 
 Here every collective is recorded as it is submitted (a few microseconds, no
-communication), and the records fold into a rolling digest of the whole history:
+communication), and the records fold into a rolling digest of the history of the
+processes the collective runs over (its group: a data-parallel group of a 2-D mesh,
+not the tensor-parallel peers', whose collectives differ by design):
 
 - the first all-gather of each root forward carries that digest as one more float32
   per rank, so every rank sees every rank's digest with the gathered values: a history
   that differs anywhere (kind, unit, shapes, dtypes, phase, parameters reduced) is
   caught there, same shapes or not (in every all-gather it cost 8 to 18% of a step);
+- at the end of each backward (the root's final callback) every rank posts its digest
+  in JAX's coordination service and reads the next rank's of the group (one key
+  written, one read:
+  equal around the ring, all are equal; no collective, so it cannot pair with one of
+  another size): a forward whose ranks gathered different units of the same shapes
+  fails in its own backward, before the optimizer applies its gradients, the script's
+  last step too;
 - a wait that stalls (a collective of another size or kind never completes) publishes
   this process's records through JAX's coordination service and reads the others'.
 
 Either way the ranks then compare their records, find the first collective that
 differs, and every rank raises the same `DistributedError` naming each rank's unit,
-kind and step. Nothing is exchanged unless a digest differs or a wait stalls.
+kind and step. Records are exchanged only once a digest differs or a wait stalls.
 """
 
 from __future__ import annotations
@@ -37,6 +46,14 @@ import torch
 from funshard import comm
 
 _LOGS = "funshard/torch_frontend/collectives/"
+# The digests posted at the end of each backward, at `<rank>/<block>/<check>`: only
+# the previous rank reads a rank's, and it deletes each block of them once it has read
+# them all (one request per `_BLOCK` checks), so the store stays small.
+_DIGESTS = "funshard/torch_frontend/digests/"
+_BLOCK = 64
+# How long one read of the next rank's digest waits before the wait is checked (a
+# stall, a departure) and the read resumed.
+_READ_MS = 500
 _KEPT = 256  # records kept and published: enough to reach back to the first difference
 # A wait this long publishes the records and reads the others' (at most, and at most
 # half the departure timeout, so that a mismatch ends within that timeout).
@@ -54,6 +71,7 @@ class Record:
     operands: str  # shapes and dtypes
     phase: str  # "forward", "no_grad forward" or "backward"
     missing: tuple[str, ...] = ()  # parameters with no gradient (a reduce-scatter's)
+    group: tuple[int, ...] = ()  # the processes it runs over; `seq` counts within them
 
     def same(self, other: Record) -> bool:
         """Whether both ranks issued the same collective here."""
@@ -86,26 +104,37 @@ def phase() -> str:
 
 def _parsed(row: list) -> Record:
     """A record as `Recorder._publish` wrote it (`dataclasses.astuple`, in JSON)."""
-    seq, step, kind, unit, operands, phase, missing = row
-    return Record(seq, step, kind, unit, operands, phase, tuple(missing))
+    seq, step, kind, unit, operands, phase, missing, group = row
+    return Record(seq, step, kind, unit, operands, phase, tuple(missing), tuple(group))
 
 
 class Recorder:
-    """This process's collectives, oldest dropped after `_KEPT`."""
+    """This process's collectives, oldest dropped after `_KEPT`.
+
+    Histories are kept per group of processes a collective runs over: on a 2-D mesh a
+    process's data-parallel group and its tensor-parallel peer's issue collectives of
+    other shapes by design, and a process may gather over several groups (a 1-D model
+    beside a 2-D one, hpZ's inner groups). Only the members of a group compare its
+    history.
+    """
 
     def __init__(self) -> None:
         self._records: collections.deque[Record] = collections.deque(maxlen=_KEPT)
-        self._seq = 0
-        self.digest = 0
+        self._count = 0
+        self._seqs: dict[tuple[int, ...], int] = {}
+        self._digests: dict[tuple[int, ...], int] = {}
+        self._checks: dict[tuple[int, ...], int] = {}  # backward-end checks (`agree`)
         self._published = -1
         # Records are added on the submitting thread and read on the collective thread.
         self._lock = threading.Lock()
 
-    def record(self, kind: str, unit: str, operands: list[tuple], missing=()) -> int:
-        """Records one collective; returns the rolling digest of the history through it.
+    def record(
+        self, kind: str, unit: str, operands: list[tuple], group: tuple[int, ...], missing=()
+    ) -> int:
+        """Records one collective over `group`; returns the group's rolling digest.
 
-        The digest is a CRC-32 of every record so far (`_bridge._gather_now` sends its
-        low 23 bits as a float32).
+        The digest is a CRC-32 of every record of the group so far (`_bridge._gather_now`
+        sends its low 23 bits as a float32).
         """
         board = comm.board()
         shapes = ", ".join(
@@ -115,14 +144,16 @@ class Recorder:
         key = f"{kind}|{unit}|{shapes}|{now}|{','.join(missing)}".encode()
         with self._lock:
             step = board.step if board else 0
-            self._records.append(Record(self._seq, step, kind, unit, shapes, now, missing))
-            self._seq += 1
-            self.digest = zlib.crc32(key, self.digest)
-            return self.digest
+            seq = self._seqs.get(group, 0)
+            self._records.append(Record(seq, step, kind, unit, shapes, now, missing, group))
+            self._seqs[group] = seq + 1
+            self._count += 1
+            digest = self._digests[group] = zlib.crc32(key, self._digests.get(group, 0))
+            return digest
 
     def _snapshot(self) -> tuple[int, list[Record]]:
         with self._lock:
-            return self._seq, list(self._records)
+            return self._count, list(self._records)
 
     def _publish(self, client: Any, rank: int) -> None:
         seq, records = self._snapshot()
@@ -145,12 +176,15 @@ class Recorder:
         return out
 
     def first_difference(self, theirs: dict[int, list[Record]]) -> tuple[Record, dict] | None:
-        """(this process's record, {rank: theirs}) at the first collective that differs."""
-        mine = {r.seq: r for r in self._snapshot()[1]}
+        """(this process's record, {rank: theirs}) at the first collective that differs.
+
+        Records are compared within the groups both processes ran collectives over.
+        """
+        mine = {(r.group, r.seq): r for r in self._snapshot()[1]}
         found: tuple[Record, dict] | None = None
         for other, records in sorted(theirs.items()):
             for r in records:
-                own = mine.get(r.seq)
+                own = mine.get((r.group, r.seq))
                 if own is not None and not own.same(r):
                     if found is None or r.seq < found[0].seq:
                         found = (own, {other: r})
@@ -174,11 +208,62 @@ class Recorder:
             return None
         return self._fail(board, found, f"{what} has waited {time.monotonic() - since:.0f} s")
 
-    def mismatch(self, digests: list[int]) -> str:
-        """The error once an all-gather's `digests` (one per rank) differ.
+    def agree(self) -> str | None:
+        """At the end of a backward, the error once the ranks' digests differ.
 
-        Every rank of the gather sees the same digests and comes here: each publishes its
-        records and waits (up to the departure timeout) for the others'.
+        For each group this process ran collectives over (every member of a group checks
+        it at each backward), posts the group's digest and reads the next member's
+        (around the ring: equal neighbours all around make equal digests). A next
+        member still in its backward, or stuck in a collective that does not pair, is
+        waited for as a stalled collective is (`stalled`, then the departure notes). A
+        process whose neighbour differs raises here; the others, on their next
+        collective (which it no longer joins) once it stalls. None where all agree.
+        """
+        board = comm.board()
+        assert board is not None, "digests are compared only in a funshard job"
+        with self._lock:
+            due = []
+            for group, digest in sorted(self._digests.items()):
+                if len(group) > 1:
+                    check = self._checks.get(group, 0)
+                    self._checks[group] = check + 1
+                    due.append((group, digest, check))
+        for group, digest, check in due:
+            error = self._agree(board, group, digest, check)
+            if error is not None:
+                return error
+        return None
+
+    def _agree(self, board, group: tuple[int, ...], digest: int, check: int) -> str | None:
+        """`agree` for one group: posts `digest`, compares it with the next member's."""
+        name = f"{_DIGESTS}{zlib.crc32(repr(group).encode()):08x}/"
+        block, nxt = check // _BLOCK, group[(group.index(board.rank) + 1) % len(group)]
+        board.client.key_value_set(f"{name}{board.rank}/{block}/{check}", str(digest))
+        if check % _BLOCK == 0 and block > 0:
+            board.client.key_value_delete(f"{name}{nxt}/{block - 1}/")
+        what = "the check at the end of a backward"
+        since = time.monotonic()
+        while True:
+            try:
+                theirs = int(
+                    board.client.blocking_key_value_get(f"{name}{nxt}/{block}/{check}", _READ_MS)
+                )
+                break
+            except Exception:  # DEADLINE_EXCEEDED: not posted yet
+                error = self.stalled(since, what) or comm.stuck_error(since, what)
+                if error is not None:
+                    return error
+        if theirs == digest:
+            return None
+        digests = [digest, theirs] if nxt > board.rank else [theirs, digest]
+        pair = sorted((board.rank, nxt))
+        return self.mismatch(digests, f"{what} (ranks {pair[0]} and {pair[1]})")
+
+    def mismatch(self, digests: list[int], where: str = "an all-gather") -> str:
+        """The error once the `digests` (one per rank) gathered by `where` differ.
+
+        Every rank sees the same digests and comes here: each publishes its records and
+        waits (up to the departure timeout) for the others'.
         """
         board = comm.board()
         assert board is not None, "digests ride only in a funshard job"
@@ -190,7 +275,7 @@ class Recorder:
             found = self.first_difference(others)
             if found is None:
                 time.sleep(comm.POLL_S)
-        why = f"an all-gather found the ranks' histories differ (digests {digests})"
+        why = f"{where} found the ranks' histories differ (digests {digests})"
         if found is None:
             return (
                 f"torch_frontend: rank {board.rank}: {why}, but the other ranks' records "
@@ -207,7 +292,8 @@ class Recorder:
         return (
             f"torch_frontend: the ranks issued different collectives ({why}). gloo pairs "
             f"collectives by their order alone, so these would have been paired: the "
-            f"first that differs is collective {own.seq + 1} of this process:\n  "
+            f"first that differs is collective {own.seq + 1} of this process over processes "
+            f"{', '.join(map(str, own.group))}:\n  "
             + "\n  ".join(lines)
             + f"\n{_hint(own, list(theirs.values()))}"
         )

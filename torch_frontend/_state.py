@@ -443,10 +443,16 @@ class FSDPState:
             if last:
                 state._post_forward_indices.clear()
             state._training_state = TrainingState.IDLE
+        # Every collective of the backward is issued: the ranks compare their histories
+        # (a digest each), so that one that differs fails here, before the optimizer.
+        self._comm_ctx.start_agree()
         # The last reduce-scatter overlapped the end of the backward; the optimizer
         # (or the next backward's accumulation) reads its gradients.
-        self._comm_ctx.finish_reduce()
-        self._state_ctx.post_backward_final_callback_queued = False
+        try:
+            self._comm_ctx.finish_reduce()
+        finally:
+            self._state_ctx.post_backward_final_callback_queued = False
+        self._comm_ctx.agree()
 
     def _learn_forward_order(self) -> None:
         order, self._state_ctx.pre_forward_order = self._state_ctx.pre_forward_order, []

@@ -3,11 +3,13 @@
     torchrun --nproc-per-node 2 benchmarks/torch_bench/mismatch_cost.py [--rounds 15]
         [--steps 10] [--width 256] [--layers 8]
 
-Every collective of torch_frontend is recorded as it is submitted, and each all-gather
-carries the records' digest (one int32 per rank) so that ranks whose collectives differ
-end in a named error (torch_frontend/_recorder.py). This times training steps of a
-stack of Linear units with the digest on and off (`CommContext.digests`), interleaved
-in rounds, and prints the medians and their ratio (rank 0). Both variants record.
+Every collective of torch_frontend is recorded as it is submitted; the first all-gather
+of each root forward carries the records' digest (one float32 per rank), and the end of
+each backward compares the digests through JAX's coordination service, so that ranks
+whose collectives differ end in a named error (torch_frontend/_recorder.py). This times
+training steps of a stack of Linear units with the digests on and off
+(`CommContext.digests`), interleaved in rounds, and prints the medians, their ratio,
+and how long the backward's end waited for the check (rank 0). Both variants record.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ def main(argv=None) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(32, args.width, generator=torch.Generator().manual_seed(rank))
     comm = _distributed._runtime.comm
+    # The time the backward's end waits for the digest check (`CommContext.agree`),
+    # once the last reduce-scatter is done: what the check adds to a step directly.
+    held: list[float] = []
+    join = comm.agree
+
+    def timed_join() -> None:
+        start = time.perf_counter()
+        join()
+        held.append(time.perf_counter() - start)
+
+    comm.agree = timed_join
 
     def steps(digests: bool) -> float:
         comm.digests = digests
@@ -58,6 +71,7 @@ def main(argv=None) -> int:
     times: dict[bool, list[float]] = {True: [], False: []}
     for digests in (True, False):  # warm-up: compiles both variants
         steps(digests)
+    held.clear()
     for r in range(args.rounds):
         for digests in (True, False) if r % 2 else (False, True):
             times[digests].append(steps(digests))
@@ -66,7 +80,8 @@ def main(argv=None) -> int:
         print(
             f"{args.layers} units of {args.width}x{args.width}, {args.rounds} rounds of "
             f"{args.steps} steps: digest on {on * 1e3:.2f} ms/step, off {off * 1e3:.2f} "
-            f"ms/step, ratio {on / off:.3f}"
+            f"ms/step, ratio {on / off:.3f}; the backward's end waited "
+            f"{statistics.median(held) * 1e3:.2f} ms (median) for the digest check"
         )
     return 0
 
