@@ -8,7 +8,8 @@ collectives differ, some may stay stuck in gloo, and the job cannot go on):
 - `swapped`: at the last step (4) rank 1 runs layer 1 before layer 0 (same shapes), and
   each step ends with an optimizer step;
 - `swapped_kept`: the same with `reshard_after_forward=False` (no gather in the
-  backward; the histories have the same length, and only the digests differ);
+  backward; the histories have the same length, and only the digests differ), run on
+  4 ranks;
 - `extra_forward`: at step 3 rank 0 runs an extra forward under `torch.no_grad()`;
 - `unused`: a top-1 mixture of two experts, one FSDP unit, whose router sends rank 0's
   tokens to expert 0 and rank 1's to expert 1, without `set_reduce_scatter_unused_params`.

@@ -23,19 +23,19 @@ from _launch import Job, free_port
 pytestmark = [pytest.mark.torch, pytest.mark.multiprocess]
 
 WORKER = Path(__file__).with_name("_torch_mismatch_worker.py")
-CASES = ("swapped", "swapped_kept", "extra_forward", "unused")
+CASES = {"swapped": 2, "swapped_kept": 4, "extra_forward": 2, "unused": 2}  # case: ranks
 TIMEOUT_S = 120
 DEPARTURE_TIMEOUT_S = 6
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict]]:
-    """Each case's job (all three at once), each rank's outcome."""
+    """Each case's job (all at once), each rank's outcome."""
     outs = {case: tmp_path_factory.mktemp(case) for case in CASES}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FUNSHARD_DEPARTURE_TIMEOUT", str(DEPARTURE_TIMEOUT_S))  # read by clean_env
         jobs = {
-            case: Job(WORKER, out, 2, free_port(pair=True), TIMEOUT_S, "--case", case)
+            case: Job(WORKER, out, CASES[case], free_port(pair=True), TIMEOUT_S, "--case", case)
             for case, out in outs.items()
         }
     try:
@@ -45,7 +45,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
         for job in jobs.values():
             job.kill()
     return {
-        case: [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        case: [json.loads((out / f"rank{r}.json").read_text()) for r in range(CASES[case])]
         for case, out in outs.items()
     }
 
@@ -76,19 +76,24 @@ def test_a_unit_swapped_on_one_rank_is_named_on_both(results):
         assert theirs.startswith("an all-gather of 'layers.") and mine != theirs, message
 
 
-def test_a_unit_swapped_in_a_history_of_the_same_length_is_named_by_the_digests(results):
-    """No gather in the backward, so the ranks issue as many collectives of the same
-    sizes: the digests compared at the end of the backward find them."""
-    messages = _messages(results, "swapped_kept")
-    assert [(r["steps"], r["pass"]) for r in results["swapped_kept"]] == [(3, "backward")] * 2
-    for rank, message in enumerate(messages):
+def test_a_unit_swapped_in_a_history_of_the_same_length_is_named_on_all_ranks(results):
+    """4 ranks, rank 1 swaps, no gather in the backward: every rank issues as many
+    collectives of the same sizes, and the digests compared at the end of the backward
+    find them on every rank, those whose neighbours agree included."""
+    outcomes = results["swapped_kept"]
+    assert [(r["steps"], r["pass"], r.get("error")) for r in outcomes] == [
+        (3, "backward", "DistributedError")
+    ] * 4
+    for rank, result in enumerate(outcomes):
+        message = result["message"]
+        assert result["seconds"] < 45, (rank, result)
         assert (
-            "the check at the end of a backward (ranks 0 and 1) found the ranks' histories "
-            "differ" in message
+            "the check at the end of a backward (ranks 0, 1, 2, 3) found the ranks' "
+            "histories differ" in message
         ), message
-        mine = message.split(f"\n  rank {rank}: ")[1].split("\n")[0]
-        theirs = message.split(f"\n  rank {1 - rank}: ")[1].split("\n")[0]
-        assert "'layers." in mine and "of step 4" in mine and mine != theirs, message
+        assert f"\n  rank {rank}: a reduce-scatter of 'layers." in message, message
+        swapped = "rank 1: a reduce-scatter of 'layers.0' ((128,)/0/float32) in the backward"
+        assert f"{swapped} of step 4" in message, message
 
 
 def test_an_extra_no_grad_forward_on_one_rank_is_named_on_both(results):

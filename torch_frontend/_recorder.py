@@ -17,12 +17,11 @@ not the tensor-parallel peers', whose collectives differ by design):
   that differs anywhere (kind, unit, shapes, dtypes, phase, parameters reduced) is
   caught there, same shapes or not (in every all-gather it cost 8 to 18% of a step);
 - at the end of each backward (the root's final callback) every rank posts its digest
-  in JAX's coordination service and reads the next rank's of the group (one key
-  written, one read:
-  equal around the ring, all are equal; no collective, so it cannot pair with one of
-  another size): a forward whose ranks gathered different units of the same shapes
-  fails in its own backward, before the optimizer applies its gradients, the script's
-  last step too;
+  in JAX's coordination service; the group's first rank reads them all and posts them
+  back, and every rank reads that (no collective, so it cannot pair with one of another
+  size): a forward whose ranks gathered different units of the same shapes fails on
+  every rank in its own backward, before the optimizer applies its gradients, the
+  script's last step too;
 - a wait that stalls (a collective of another size or kind never completes) publishes
   this process's records through JAX's coordination service and reads the others'.
 
@@ -46,13 +45,14 @@ import torch
 from funshard import comm
 
 _LOGS = "funshard/torch_frontend/collectives/"
-# The digests posted at the end of each backward, at `<rank>/<block>/<check>`: only
-# the previous rank reads a rank's, and it deletes each block of them once it has read
-# them all (one request per `_BLOCK` checks), so the store stays small.
+# The digests posted at the end of each backward, at `<group>/<block>/<check>/<rank>`,
+# and the group's verdict beside them: the group's first member deletes each block of
+# them once every member has read its verdicts (one request per `_BLOCK` checks), so
+# the store stays small.
 _DIGESTS = "funshard/torch_frontend/digests/"
 _BLOCK = 64
-# How long one read of the next rank's digest waits before the wait is checked (a
-# stall, a departure) and the read resumed.
+# How long one read of a digest or verdict waits before the wait is checked (a stall,
+# a departure) and the read resumed.
 _READ_MS = 500
 _KEPT = 256  # records kept and published: enough to reach back to the first difference
 # A wait this long publishes the records and reads the others' (at most, and at most
@@ -212,12 +212,10 @@ class Recorder:
         """At the end of a backward, the error once the ranks' digests differ.
 
         For each group this process ran collectives over (every member of a group checks
-        it at each backward), posts the group's digest and reads the next member's
-        (around the ring: equal neighbours all around make equal digests). A next
+        it at each backward), compares the members' digests of the group (`_agree`). A
         member still in its backward, or stuck in a collective that does not pair, is
-        waited for as a stalled collective is (`stalled`, then the departure notes). A
-        process whose neighbour differs raises here; the others, on their next
-        collective (which it no longer joins) once it stalls. None where all agree.
+        waited for as a stalled collective is (`stalled`, then the departure notes).
+        None where all agree.
         """
         board = comm.board()
         assert board is not None, "digests are compared only in a funshard job"
@@ -235,29 +233,54 @@ class Recorder:
         return None
 
     def _agree(self, board, group: tuple[int, ...], digest: int, check: int) -> str | None:
-        """`agree` for one group: posts `digest`, compares it with the next member's."""
+        """`agree` for one group: every member posts its digest; the group's first member
+        reads them all and posts them as the verdict, which the others read. So every
+        member learns every digest (a member that agreed with a neighbour only would go
+        on unaware), at one key written and one read per member, and the first member's
+        reads, per check."""
         name = f"{_DIGESTS}{zlib.crc32(repr(group).encode()):08x}/"
-        block, nxt = check // _BLOCK, group[(group.index(board.rank) + 1) % len(group)]
-        board.client.key_value_set(f"{name}{board.rank}/{block}/{check}", str(digest))
-        if check % _BLOCK == 0 and block > 0:
-            board.client.key_value_delete(f"{name}{nxt}/{block - 1}/")
+        block = check // _BLOCK
+        here = f"{name}{block}/{check}/"
         what = "the check at the end of a backward"
+        if board.rank != group[0]:
+            board.client.key_value_set(f"{here}{board.rank}", str(digest))
+            verdict, error = self._read(board, f"{here}verdict", what)
+            if error is not None:
+                return error
+            digests = [int(d) for d in verdict.split(",")]
+        else:
+            # One member's post waited for, the others read at once (all posted, mostly).
+            posted: dict[int, int] = {}
+            while len(posted) < len(group) - 1:
+                member = next(m for m in group[1:] if m not in posted)
+                value, error = self._read(board, f"{here}{member}", what)
+                if error is not None:
+                    return error
+                posted[member] = int(value)
+                if len(posted) < len(group) - 1:
+                    for key, text in board.client.key_value_dir_get(here):
+                        posted[int(key.rsplit("/", 1)[1])] = int(text)
+            digests = [digest, *(posted[m] for m in group[1:])]
+            board.client.key_value_set(f"{here}verdict", ",".join(map(str, digests)))
+            if check % _BLOCK == 0 and block > 0:
+                # Every member posted this check, so all read the verdicts before it.
+                board.client.key_value_delete(f"{name}{block - 1}/")
+        if len(set(digests)) == 1:
+            return None
+        ranks = ", ".join(map(str, group))
+        return self.mismatch(digests, f"{what} (ranks {ranks})")
+
+    def _read(self, board, key: str, what: str) -> tuple[str, str | None]:
+        """(`key`'s value once posted, None), or ("", the error) where the wait stalls
+        on ranks that differ or on a process that left."""
         since = time.monotonic()
         while True:
             try:
-                theirs = int(
-                    board.client.blocking_key_value_get(f"{name}{nxt}/{block}/{check}", _READ_MS)
-                )
-                break
+                return board.client.blocking_key_value_get(key, _READ_MS), None
             except Exception:  # DEADLINE_EXCEEDED: not posted yet
                 error = self.stalled(since, what) or comm.stuck_error(since, what)
                 if error is not None:
-                    return error
-        if theirs == digest:
-            return None
-        digests = [digest, theirs] if nxt > board.rank else [theirs, digest]
-        pair = sorted((board.rank, nxt))
-        return self.mismatch(digests, f"{what} (ranks {pair[0]} and {pair[1]})")
+                    return "", error
 
     def mismatch(self, digests: list[int], where: str = "an all-gather") -> str:
         """The error once the `digests` (one per rank) gathered by `where` differ.
