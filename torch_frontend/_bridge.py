@@ -86,7 +86,7 @@ class CommContext:
         # The digest riding in the first all-gather of each root forward (one float32
         # per rank: in every gather it cost 8 to 18% of a step, once per step under 1%;
         # benchmarks/torch_bench/mismatch_cost.py). The end of each backward compares
-        # the digests through the coordination service (`agree`): not in a collective,
+        # the digests through torch's TCPStore (`agree`): not in a collective,
         # since where the ranks' histories differ in length a digest-carrying one pairs
         # with another of another size, and gloo aborts the process.
         # DIGESTS_ENV=0 leaves both out.
@@ -127,7 +127,7 @@ class CommContext:
     def start_agree(self) -> None:
         """Starts comparing the ranks' digests (`Recorder.agree`), once a backward has
         issued its last collective: on a thread of its own, so that its two requests
-        to the coordination service overlap the last reduce-scatter's wait."""
+        to torch's store overlap the last reduce-scatter's wait."""
         if not self.digests or self.mismatched is not None or comm.board() is None:
             return
         if self._agree_thread is None:

@@ -17,7 +17,7 @@ not the tensor-parallel peers', whose collectives differ by design):
   that differs anywhere (kind, unit, shapes, dtypes, phase, parameters reduced) is
   caught there, same shapes or not (in every all-gather it cost 8 to 18% of a step);
 - at the end of each backward (the root's final callback) every rank posts its digest
-  in JAX's coordination service; the group's first rank reads them all and posts them
+  in torch's TCPStore (torchrun's rendezvous); the group's first rank reads them all and posts them
   back, and every rank reads that (no collective, so it cannot pair with one of another
   size): a forward whose ranks gathered different units of the same shapes fails on
   every rank in its own backward, before the optimizer applies its gradients, the
@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import json
+import os
 import threading
 import time
 import zlib
@@ -45,12 +47,9 @@ import torch
 from funshard import comm
 
 _LOGS = "funshard/torch_frontend/collectives/"
-# The digests posted at the end of each backward, at `<group>/<block>/<check>/<rank>`,
-# and the group's verdict beside them: the group's first member deletes each block of
-# them once every member has read its verdicts (one request per `_BLOCK` checks), so
-# the store stays small.
+# The digests posted at the end of each backward, at `<group>/<check>/<rank>`, and the
+# group's verdict beside them; each is deleted two checks later, once read.
 _DIGESTS = "funshard/torch_frontend/digests/"
-_BLOCK = 64
 # How long one read of a digest or verdict waits before the wait is checked (a stall,
 # a departure) and the read resumed.
 _READ_MS = 500
@@ -124,6 +123,7 @@ class Recorder:
         self._seqs: dict[tuple[int, ...], int] = {}
         self._digests: dict[tuple[int, ...], int] = {}
         self._checks: dict[tuple[int, ...], int] = {}  # backward-end checks (`agree`)
+        self._store: Any = None  # where the checks post their digests (`_store`)
         self._published = -1
         # Records are added on the submitting thread and read on the collective thread.
         self._lock = threading.Lock()
@@ -238,46 +238,44 @@ class Recorder:
         member learns every digest (a member that agreed with a neighbour only would go
         on unaware), at one key written and one read per member, and the first member's
         reads, per check."""
+        if self._store is None:
+            self._store = _store()
+        store = self._store
         name = f"{_DIGESTS}{zlib.crc32(repr(group).encode()):08x}/"
-        block = check // _BLOCK
-        here = f"{name}{block}/{check}/"
         what = "the check at the end of a backward"
         if board.rank != group[0]:
-            board.client.key_value_set(f"{here}{board.rank}", str(digest))
-            verdict, error = self._read(board, f"{here}verdict", what)
+            store.set(f"{name}{check}/{board.rank}", str(digest))
+            verdict, error = self._read(store, f"{name}{check}/verdict", what)
             if error is not None:
                 return error
             digests = [int(d) for d in verdict.split(",")]
+            if check >= 2:  # the first member read it two checks ago
+                store.delete_key(f"{name}{check - 2}/{board.rank}")
         else:
-            # One member's post waited for, the others read at once (all posted, mostly).
-            posted: dict[int, int] = {}
-            while len(posted) < len(group) - 1:
-                member = next(m for m in group[1:] if m not in posted)
-                value, error = self._read(board, f"{here}{member}", what)
+            digests = [digest]
+            for member in group[1:]:
+                value, error = self._read(store, f"{name}{check}/{member}", what)
                 if error is not None:
                     return error
-                posted[member] = int(value)
-                if len(posted) < len(group) - 1:
-                    for key, text in board.client.key_value_dir_get(here):
-                        posted[int(key.rsplit("/", 1)[1])] = int(text)
-            digests = [digest, *(posted[m] for m in group[1:])]
-            board.client.key_value_set(f"{here}verdict", ",".join(map(str, digests)))
-            if check % _BLOCK == 0 and block > 0:
-                # Every member posted this check, so all read the verdicts before it.
-                board.client.key_value_delete(f"{name}{block - 1}/")
+                digests.append(int(value))
+            store.set(f"{name}{check}/verdict", ",".join(map(str, digests)))
+            if check >= 2:  # every member posted after reading it
+                store.delete_key(f"{name}{check - 2}/verdict")
         if len(set(digests)) == 1:
             return None
         ranks = ", ".join(map(str, group))
         return self.mismatch(digests, f"{what} (ranks {ranks})")
 
-    def _read(self, board, key: str, what: str) -> tuple[str, str | None]:
+    def _read(self, store: Any, key: str, what: str) -> tuple[str, str | None]:
         """(`key`'s value once posted, None), or ("", the error) where the wait stalls
         on ranks that differ or on a process that left."""
         since = time.monotonic()
         while True:
             try:
-                return board.client.blocking_key_value_get(key, _READ_MS), None
-            except Exception:  # DEADLINE_EXCEEDED: not posted yet
+                if not isinstance(store, _OwnStore):  # torch's: its timeout stays its own
+                    store.wait([key], datetime.timedelta(milliseconds=_READ_MS))
+                return store.get(key).decode(), None
+            except RuntimeError:  # torch's DistStoreError: not posted within _READ_MS
                 error = self.stalled(since, what) or comm.stuck_error(since, what)
                 if error is not None:
                     return "", error
@@ -345,3 +343,30 @@ def _hint(own: Record, theirs: list[Record]) -> str:
             "one rank only?) where another trained: run it on every rank. " + _HINT
         )
     return _HINT
+
+
+def _store() -> Any:
+    """A client of torch's TCPStore, the one `init_process_group`'s env:// rendezvous
+    serves (torchrun's agent, or rank 0): a request costs a few microseconds of CPU, where
+    one to JAX's coordination service (gRPC) cost about 0.2 ms, several per step. Where
+    the script started torch's group another way (no MASTER_ADDR), its default store."""
+    import torch.distributed as dist
+
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=60),
+            wait_for_workers=False,
+        )
+        store.set_timeout(datetime.timedelta(milliseconds=_READ_MS))  # a `get`'s wait
+        return _OwnStore(store)
+    return dist.distributed_c10d._get_default_store()
+
+
+class _OwnStore:
+    """This process's own client of the store, whose `get` waits `_READ_MS` at most."""
+
+    def __init__(self, store: Any) -> None:
+        self.get, self.set, self.delete_key = store.get, store.set, store.delete_key
