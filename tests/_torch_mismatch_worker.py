@@ -125,22 +125,18 @@ def _layers(**kwargs):
     return torch_frontend.fully_shard(model, **kwargs)
 
 
-def swapped(fs, rank: int, step: int, models={}) -> None:  # noqa: B006 (one model per job)
+def swapped(fs, rank: int, step: int, models={}, reshard=True) -> None:  # noqa: B006
+    # (`models`: one model per job)
     if "swapped" not in models:
-        model = _layers()
+        model = _layers(reshard_after_forward=reshard)
         models["swapped"] = model, torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = models["swapped"]
     model.swap = rank == 1 and step == STEPS - 1  # the script's last step
     _train(model, model(_x(rank)).sum(), opt)
 
 
-def swapped_kept(fs, rank: int, step: int, models={}) -> None:  # noqa: B006
-    if "swapped_kept" not in models:
-        model = _layers(reshard_after_forward=False)
-        models["swapped_kept"] = model, torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = models["swapped_kept"]
-    model.swap = rank == 1 and step == STEPS - 1  # the script's last step
-    _train(model, model(_x(rank)).sum(), opt)
+def swapped_kept(fs, rank: int, step: int) -> None:
+    swapped(fs, rank, step, reshard=False)
 
 
 def extra_forward(fs, rank: int, step: int, models={}) -> None:  # noqa: B006

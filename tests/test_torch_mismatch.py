@@ -1,9 +1,9 @@
 """Ranks that issue different collectives end in a named error on every rank, not a hang.
 
-Four 2-rank gloo jobs (tests/_torch_mismatch_worker.py), default settings: a unit
-swapped on one rank in the script's last step (same shapes: FSDP2 computes on, with
-wrong numbers; here the step's own backward fails, before its optimizer step), with
-and without re-gathering in the backward, an extra
+Four gloo jobs at once (tests/_torch_mismatch_worker.py; 2 ranks, 4 for the second),
+default settings: a unit swapped on one rank in the script's last step (same shapes:
+FSDP2 computes on, with wrong numbers; here the step's own backward fails, before its
+optimizer step), with and without re-gathering in the backward, an extra
 `no_grad` forward on one rank (FSDP2 hangs), and a mixture of experts whose ranks use
 different experts without `set_reduce_scatter_unused_params` (with the setting,
 tests/test_torch_surface.py trains the same model equal to FSDP2).
@@ -79,7 +79,7 @@ def test_a_unit_swapped_on_one_rank_is_named_on_both(results):
 def test_a_unit_swapped_in_a_history_of_the_same_length_is_named_on_all_ranks(results):
     """4 ranks, rank 1 swaps, no gather in the backward: every rank issues as many
     collectives of the same sizes, and the digests compared at the end of the backward
-    find them on every rank, those whose neighbours agree included."""
+    find them on every rank, those whose digests equal the first rank's included."""
     outcomes = results["swapped_kept"]
     assert [(r["steps"], r["pass"], r.get("error")) for r in outcomes] == [
         (3, "backward", "DistributedError")
@@ -111,7 +111,8 @@ def test_an_extra_no_grad_forward_on_one_rank_is_named_on_both(results):
 
 
 def test_unused_experts_without_the_setting_name_the_parameters_and_the_setting(results):
-    # The digests differ once the reduce-scatters are recorded: no wait stalls first.
+    # The reduce-scatters leave out different parameters (same shapes): the check at the
+    # end of the backward finds them.
     assert [(r["steps"], r["pass"]) for r in results["unused"]] == [(0, "backward")] * 2
     for message in _messages(results, "unused"):
         for rank in range(2):

@@ -17,11 +17,11 @@ not the tensor-parallel peers', whose collectives differ by design):
   that differs anywhere (kind, unit, shapes, dtypes, phase, parameters reduced) is
   caught there, same shapes or not (in every all-gather it cost 8 to 18% of a step);
 - at the end of each backward (the root's final callback) every rank posts its digest
-  in torch's TCPStore (torchrun's rendezvous); the group's first rank reads them all and posts them
-  back, and every rank reads that (no collective, so it cannot pair with one of another
-  size): a forward whose ranks gathered different units of the same shapes fails on
-  every rank in its own backward, before the optimizer applies its gradients, the
-  script's last step too;
+  in torch's TCPStore (torchrun's rendezvous); the group's first rank reads them all
+  and posts them back, and every rank reads that (no collective, so it cannot pair
+  with one of another size): a forward whose ranks gathered different units of the
+  same shapes fails on every rank in its own backward, before the optimizer applies
+  its gradients, the script's last step too;
 - a wait that stalls (a collective of another size or kind never completes) publishes
   this process's records through JAX's coordination service and reads the others'.
 
@@ -241,7 +241,9 @@ class Recorder:
         if self._store is None:
             self._store = _store()
         store = self._store
-        name = f"{_DIGESTS}{zlib.crc32(repr(group).encode()):08x}/"
+        # torchrun's store outlives a restarted attempt: its keys are the attempt's own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        name = f"{_DIGESTS}{attempt}/{zlib.crc32(repr(group).encode()):08x}/"
         what = "the check at the end of a backward"
         if board.rank != group[0]:
             store.set(f"{name}{check}/{board.rank}", str(digest))
