@@ -389,10 +389,11 @@ def _unit_collectives(unit, layout, opts: RootOptions, dims) -> list[Collective]
         layout = layout.layer()
     shards = layout.shard_axes if layout else ()
     out = []
-    gathered = _gathered_bytes(layout.leaves, n) if layout else 0
+    elements, word = _gather_buffer(layout.leaves) if layout and layout.leaves else (0, 0)
+    gathered = n * elements * word
     if gathered:
         gather_dtype = _dtype_name(leaf.gather_dtype for leaf in layout.leaves)
-        sent = _declared(layout.all_gather, gathered, _gather_buffer(layout.leaves)[1])
+        sent = _declared(layout.all_gather, gathered, word)
         sent_dtype = comm.wire_label(layout.all_gather, gather_dtype)
         keep = unit.reshard_after_forward
         # A gather tied to the unit's input runs in every microbatch; an untied one (the
