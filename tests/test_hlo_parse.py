@@ -6,7 +6,17 @@ import pytest
 from _hlo import _parser as hlo
 from _hlo import collectives
 
-from funshard._hlo import format_groups, replica_groups, replica_groups_attribute
+from funshard._hlo import (
+    Frame,
+    format_groups,
+    funshard_scope,
+    mesh_axes_of,
+    op_name_parts,
+    replica_groups,
+    replica_groups_attribute,
+    source_of,
+    stack_frames,
+)
 
 
 def _iota(shape, dims, perm=None):
@@ -124,3 +134,112 @@ def test_instructions_read_in_either_form():
         "{{0,1,2,3},{4,5,6,7}}",
         None,
     ]
+
+
+# ---- where a collective came from: its unit, role, mesh axes and source line ----------
+
+
+def test_combined_op_names_split_into_their_parts():
+    combined = "jit(f)/shard_map/(psum_invariant:transpose(jvp())/psum_invariant)"
+    assert op_name_parts(combined) == [
+        "jit(f)/shard_map/psum_invariant",
+        "jit(f)/shard_map/transpose(jvp())/psum_invariant",
+    ]
+    single = "jit(f)/shard_map/transpose(jvp(funshard/a/all_gather))/all_gather"
+    assert op_name_parts(single) == [single]
+    assert funshard_scope(single) == ("a", "all_gather")
+    assert funshard_scope("jit(f)/jvp(funshard/scan/b/reduce_scatter)/psum") == (
+        "scan/b",
+        "reduce_scatter",
+    )
+    assert funshard_scope("jit(f)/shard_map/jvp()/psum_invariant") is None
+
+
+@pytest.mark.parametrize(
+    "groups, axes",
+    [
+        (((0, 1, 2, 3), (4, 5, 6, 7)), ("f",)),
+        (((0, 4), (1, 5), (2, 6), (3, 7)), ("r",)),
+        ((tuple(range(8)),), ("r", "f")),
+        ((), ("r", "f")),
+        (tuple((i,) for i in range(8)), ()),
+        (((0, 1), (2, 3), (4, 5), (6, 7)), None),  # half of "f": no set of axes
+    ],
+)
+def test_groups_name_their_mesh_axes(groups, axes):
+    assert mesh_axes_of(groups, [("r", 2), ("f", 4)]) == axes
+
+
+_FRAMES = """HloModule m
+
+FileNames
+1 "/home/user/train.py"
+2 "/site/funshard/core/_step.py"
+
+FunctionNames
+1 "loss"
+2 "_per_device"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=12 end_line=12 column=3 end_column=9}
+2 {file_name_id=2 function_name_id=2 line=269 end_line=269 column=8 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+"""
+
+
+def test_stack_frames_resolve_to_the_first_frame_outside_the_libraries():
+    frames = stack_frames(_FRAMES)
+    assert frames[1] == Frame("/home/user/train.py", "loss", 12, None)
+    assert frames[2].parent == 1
+    assert source_of(2, frames, ["/site/funshard/"]) == frames[1]
+    assert source_of(2, frames) == frames[2]
+    assert source_of(None, frames) is None
+    assert stack_frames("HloModule m\n") == {}
+
+
+def test_a_compiled_step_names_each_collective():
+    """On HSDP 2x4: the unit's collectives by role and axes, the loss's own psum with
+    its line, the step's own loss average as library code."""
+    import jax
+    import jax.numpy as jnp
+    from _models import mlp_layer, mlp_params, mse
+    from _util import mlp_batch
+    from conftest import mesh_for
+
+    import funshard as fs
+    from funshard.planning._compiled import step_collectives
+
+    mesh = mesh_for("2x4")
+    unit = fs.fully_shard(mlp_layer, name="mlp_block")
+
+    def loss(state, batch):
+        h = batch[0]
+        for p in state["layers"]:
+            h = unit(p, h)
+        extra = jax.lax.psum(jnp.sum(h), "fsdp")  # the loss's own collective
+        return mse(h * state["scale"], batch[1]) + 0.0 * extra
+
+    state = fs.shard(mlp_params(jax.random.key(0)), mesh)
+    step = fs.value_and_grad(loss, microbatches=2)
+    text = jax.jit(step).lower(state, mlp_batch()).compile().as_text()
+    found = step_collectives(text, [(str(a), int(s)) for a, s in mesh.shape.items()])
+    unit_ops = [c for c in found if c.unit == "mlp_block"]
+    roles = {(c.kind, c.role, c.axes, c.group, c.times) for c in unit_ops}
+    assert roles >= {
+        ("all-gather", "forward", ("fsdp",), 4, 2),
+        ("all-gather", "backward", ("fsdp",), 4, 2),
+        ("reduce-scatter", "gradients", ("fsdp",), 4, 2),
+        ("all-reduce", "replicas", ("replicate",), 2, 2),
+    }, roles
+    forward = sorted(c.bytes for c in unit_ops if c.role == "forward")
+    assert forward == sorted(c.bytes for c in unit_ops if c.role == "gradients")
+    line = loss.__code__.co_firstlineno + 4
+    written = [c for c in found if c.role == "loss"]
+    assert [(c.kind, c.axes, c.bytes, c.times) for c in written] == [
+        ("all-reduce", ("fsdp",), 4, 2)
+    ]
+    assert written[0].source == f"{__file__}:{line} ({loss.__qualname__})"
+    assert any(c.role == "library" and c.axes == ("replicate", "fsdp") for c in found)
