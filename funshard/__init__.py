@@ -44,6 +44,8 @@ from funshard.io import restore as restore
 from funshard.io import save as save
 from funshard.io import state_dict as state_dict
 from funshard.planning import Plan as Plan
+from funshard.planning import StepReport as StepReport
+from funshard.planning import check as check
 from funshard.planning import plan as plan
 
 __version__ = "0.1.0"
@@ -67,6 +69,8 @@ __all__ = [
     "Replicate",
     "Shard",
     "Sharded",
+    "StepReport",
+    "check",
     "column_parallel",
     "distributed",
     "errors",

@@ -472,7 +472,9 @@ def source_of(
 def op_name_parts(op_name: str) -> list[str]:
     """The op_names a combined collective carries, one per operation XLA combined.
 
-    XLA's combiners name a combined op `prefix/(a:b:c)`; each part is `prefix/a`, ...
+    XLA's combiners name a combined op `prefix(a:b:c)` after the common prefix of its
+    parts' names, so each part is `prefix` + `a`, ...; the parts may close parentheses
+    the prefix opened (`f(g/(x)):y))`).
 
     Args:
         op_name: a collective's `op_name` (`Collective.op_name`).
@@ -480,24 +482,22 @@ def op_name_parts(op_name: str) -> list[str]:
     Returns:
         `[op_name]` for an op that was not combined.
     """
-    if not op_name.endswith(")"):
+    if ":" not in op_name or not op_name.endswith(")"):
         return [op_name]
+    for p in (i for i, char in enumerate(op_name[: op_name.index(":")]) if char == "("):
+        prefix, parts = op_name[:p], op_name[p + 1 : -1].split(":")
+        if all(_balanced(prefix + part) for part in parts):
+            return [prefix + part for part in parts]
+    return [op_name]
+
+
+def _balanced(name: str) -> bool:
     depth = 0
-    for i in range(len(op_name) - 1, -1, -1):
-        depth += {")": 1, "(": -1}.get(op_name[i], 0)
-        if depth == 0:
-            break
-    prefix, inner = op_name[:i], op_name[i + 1 : -1]
-    if i == 0 or not prefix.endswith("/"):
-        return [op_name]  # a name that merely ends in a call, e.g. `transpose(jvp(f))`
-    parts, depth, start = [], 0, 0
-    for j, char in enumerate(inner):
+    for char in name:
         depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == ":" and depth == 0:
-            parts.append(inner[start:j])
-            start = j + 1
-    parts.append(inner[start:])
-    return [prefix + part for part in parts] if len(parts) > 1 else [op_name]
+        if depth < 0:
+            return False
+    return depth == 0
 
 
 _SCOPE = re.compile(r"funshard/(.+?)/(all_gather|reduce_scatter)(?:[)/]|$)")

@@ -27,6 +27,10 @@ class UnsupportedError(FunshardError, NotImplementedError):
     """A layout or composition funshard does not support (yet); the message says why."""
 
 
+class PolicyMismatchError(FunshardError, RuntimeError):
+    """A compiled step does not match the policy it declares (`funshard.check(strict=True)`)."""
+
+
 class CheckpointError(FunshardError, ValueError):
     """A directory that is not a checkpoint, is corrupt, or does not match its target."""
 

@@ -29,6 +29,7 @@ from funshard.core._placement import Replicate as Replicate
 from funshard.core._placement import Shard as Shard
 from funshard.core._policy import MixedPrecisionPolicy as MixedPrecisionPolicy
 from funshard.core._policy import param_dtype_for as param_dtype_for
+from funshard.core._record import recording as recording
 from funshard.core._routes import LeafRoute as LeafRoute
 from funshard.core._routes import leaf_routes as leaf_routes
 from funshard.core._routes import state_axes as state_axes

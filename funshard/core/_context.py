@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from funshard import _jax_compat, _py_compat, comm, errors
-from funshard.core import _policy
+from funshard.core import _policy, _record
 from funshard.core._sharded import Sharded, is_concrete
 
 
@@ -240,6 +240,7 @@ def unshard_in_step(
     (with the unit's own `collectives`: `(all_gather, reduce_scatter)`, None for the
     default)."""
     layout = comm.with_collectives(layout_of(leaves, name=name), *collectives)
+    _record.unit(name, layout, False, None)
     datas = tuple(leaf.data for leaf in leaves)
     accumulators = accumulators_for(leaves)
     if accumulators is None:

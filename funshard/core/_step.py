@@ -23,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import tree_flatten_with_path
 
 from funshard import _jax_compat, _py_compat, _text, comm, errors
-from funshard.core import _callbacks, _context, _control_flow, _random, _tree
+from funshard.core import _callbacks, _context, _control_flow, _random, _record, _tree
 from funshard.core._batch import check_batch
 from funshard.core._options import RootOptions, root_options, trainable_flags
 from funshard.core._routes import LeafRoute, leaf_routes, state_axes
@@ -332,7 +332,7 @@ def _microbatch(loss_fn, root: _Root, values, batch, args):
             assert r.position is not None, "a leaf autodiff differentiates is traced"
             merged[r.position] = v
         by_position = {r.position: a for (r, _), a in zip(deferred, accumulators, strict=True)}
-        with _context.inside(root.ctx):
+        with _context.inside(root.ctx), _record.loss_trace():
             out = loss_fn(root.rebuild(merged, by_position), batch, *args)
         return _split_output(out, root.opts.has_aux)
 
@@ -474,6 +474,7 @@ def _reduce_deferred(root: _Root, sums: dict) -> dict:
     layout = _context.layout_of(
         [item_at[i] for i in order], root.ctx.skip_replicate_reduce, name="root"
     )
+    _record.deferred(layout)
     reduced = comm.reduce_values([sums[i] for i in order], layout)
     return dict(zip(order, reduced, strict=True))
 
@@ -505,7 +506,9 @@ def _finish_grads(root: _Root, values, grads: dict, scale: float) -> list:
             continue
         g = grads[r.position]
         if postponed and r.sharded:
-            g = jax.lax.psum(g, root.replicate_axes)
+            # Named as a unit's HSDP all-reduce is, for profiles and `funshard.check`.
+            with jax.named_scope("funshard/root/reduce_scatter"):
+                g = jax.lax.psum(g, root.replicate_axes)
         out.append((g * scale).astype(v.dtype))
     return out
 
@@ -649,10 +652,12 @@ def value_and_grad(
         ]
         batch = comm.place_for_map(root.mesh, batch, comm.spec(root.dp_axes))
         arg_values = comm.place_for_map(root.mesh, arg_values, PartitionSpec())
-        loss, aux, grads = mapped(values, batch, arg_values)
+        with _record.step(opts, root.mesh):
+            loss, aux, grads = mapped(values, batch, arg_values)
         grads = root.rebuild(grads)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
+    vars(step)["_funshard_value_and_grad"] = True  # `funshard.check` knows a bare step
     return step
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from funshard import _jax_compat, _text, comm, errors
 from funshard._custom_vjp import filter_custom_vjp
-from funshard.core import _context, _tree
+from funshard.core import _context, _record, _tree
 from funshard.core._options import check_reshard_after_forward as check_reshard_after_forward
 from funshard.core._policy import MixedPrecisionPolicy, param_dtype_for
 from funshard.core._residuals import recompute_elementwise
@@ -252,6 +252,7 @@ def call_resharded(
     """
     sharded = unit.sharded
     layout = comm.with_collectives(_context.layout_of(sharded, name=name), *collectives)
+    _record.unit(name, layout, True if group is None else group, None)
     datas = tuple(x.data for x in sharded)
     accumulators = _context.accumulators_for(sharded)
     deferred = None if accumulators is None else tuple(a is not None for a in accumulators)
@@ -375,11 +376,11 @@ def call_scanned(
     datas = tuple(x.data for x in sharded)
     if _context.accumulators_for(sharded) is not None:
         raise errors.UnsupportedError(_scan_deferred_sync_unsupported())
-    layout = comm.with_collectives(
-        _context.layout_of(sharded, name=f"scan/{name}"), *collectives
-    ).layer()
+    stack = comm.with_collectives(_context.layout_of(sharded, name=f"scan/{name}"), *collectives)
+    layout = stack.layer()
     others = unit.parts.others
     layers = datas[0].shape[0]
+    _record.unit(f"scan/{name}", stack, reshard_after_forward, layers)
     record = Residuals()
 
     def gather_layer(datas, i, dependency):

@@ -4,5 +4,9 @@ Layer 3 (see docs/architecture.md): it builds on `funshard.core` and `funshard.c
 Users call `funshard.plan` and read a `funshard.Plan`.
 """
 
+from funshard.planning._check import CheckedCollective as CheckedCollective
+from funshard.planning._check import Mismatch as Mismatch
+from funshard.planning._check import StepReport as StepReport
+from funshard.planning._check import check as check
 from funshard.planning._plan import Plan as Plan
 from funshard.planning._plan import plan as plan

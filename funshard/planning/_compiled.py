@@ -95,10 +95,15 @@ def step_collectives(text: str, mesh_shape: Sequence[tuple[str, int]]) -> list[S
             parts = _hlo.op_name_parts(c.op_name)
             # A combined op lists one op_name per operand: pair them with the results.
             arrays: list[tuple[tuple[str, str], ...]] = [(part,) for part in c.arrays]
-            if len(parts) != len(arrays):
+            if len(parts) == 1:  # combined ops of one name (a unit's HSDP all-reduces)
+                parts = parts * len(arrays)
+            elif len(parts) != len(arrays):
                 parts, arrays = [c.op_name], [c.arrays]
             for op_name, part in zip(parts, arrays, strict=True):
                 scope = _hlo.funshard_scope(op_name)
+                # A combined op keeps the stack frame of its first part only.
+                same = op_name == parts[0]
+                here, mine = (where, written) if same else (None, False)
                 nbytes = sum(_hlo.dtype_bytes(dt) * _elements(dims) for dt, dims in part)
                 if c.kind == "reduce-scatter":
                     nbytes *= group
@@ -106,14 +111,14 @@ def step_collectives(text: str, mesh_shape: Sequence[tuple[str, int]]) -> list[S
                     StepCollective(
                         kind=c.kind,
                         unit=scope[0] if scope else None,
-                        role=_role(c.kind, op_name, scope, written),
+                        role=_role(c.kind, op_name, scope, mine),
                         axes=axes,
                         group=group,
                         dtype="+".join(sorted({dt for dt, _ in part})),
                         bytes=nbytes,
                         times=mult.get(name, 1),
                         conditional=name in conditional,
-                        source=where,
+                        source=here,
                     )
                 )
     return out
