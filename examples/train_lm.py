@@ -28,6 +28,10 @@ Run: python examples/train_lm.py [--steps N] [--devices 8] [--replicate K]
          [--batch B] [--lr LR] [--warmup W] [--clip NORM] [--seed S]
          [--param-dtype bf16] [--scan] [--run-dir DIR] [--override]
          [--peak-tflops T] [--profile DIR] [--tensorboard] [--sample PROMPT]
+         [--check-only]
+
+Before training, `fs.check` holds the compiled step's collectives against the policy
+(`--check-only` prints its report and exits, status 1 if they differ).
 """
 
 from __future__ import annotations
@@ -319,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PROMPT",
         default=PROMPT,
         help=f"prompt to continue after training (default {PROMPT!r}; '' for none)",
+    )
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="compile the step, print fs.check's report of its collectives against the "
+        "policy, and exit without training (status 1 if they differ)",
     )
     p.add_argument("--sample-length", type=int, default=300)
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
@@ -837,8 +847,9 @@ def make_optimizer(settings: Settings):
     return optax.GradientTransformation(adamw.init, update)
 
 
-def compile_train_step(loss_fn, optimizer, state, opt_state, batch):
-    """Compiles the step once, ahead of time; the state and optimizer state are donated.
+def compile_train_step(loss_fn, optimizer, state, opt_state, batch) -> fs.StepReport:
+    """Compiles the step once, ahead of time, and checks it (`fs.check`): the report's
+    `compiled` is the step. The state and optimizer state are donated.
 
     The step returns the new state, optimizer state and `{"loss", "grad_norm"}`: the
     global-mean loss and the global norm of the gradients before any clipping.
@@ -852,7 +863,7 @@ def compile_train_step(loss_fn, optimizer, state, opt_state, batch):
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return optax.apply_updates(state, updates), opt_state, metrics
 
-    return jax.jit(train_step, donate_argnums=(0, 1)).lower(state, opt_state, batch).compile()
+    return fs.check(jax.jit(train_step, donate_argnums=(0, 1)), state, opt_state, batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1379,6 +1390,12 @@ def summary_table(facts: dict) -> Table:
     if facts["model axes"]:
         for (kind, axes), size in planned_bytes_by_axes(planned).items():
             table.add_row(f"{kind} over {','.join(axes)}", _size(size), "fs.plan's bytes per step")
+    checked = facts["check"]
+    table.add_row(
+        "collectives against policy",
+        "✓" if checked.ok else f"✗ {len(checked.mismatches)}",
+        "fs.check of the compiled step",
+    )
     table.add_section()
     baseline = facts["baseline"]
     loss, window = facts["train loss"]
@@ -1469,6 +1486,16 @@ def print_plan(console, planned) -> None:
     console.print(str(planned) + "\n", markup=False, highlight=False)
 
 
+def print_check(console, checked) -> None:
+    """`fs.check`'s verdict on the compiled step, and each mismatch it found."""
+    if checked.ok:
+        console.print("fs.check: ✓ the compiled step's collectives match the policy")
+        return
+    console.print(f"fs.check: ✗ {len(checked.mismatches)} mismatches", highlight=False)
+    for m in checked.mismatches:
+        console.print(f"  ✗ {m.kind}: {m.explanation}", markup=False, highlight=False)
+
+
 def start_devices(parser, count: int) -> None:
     """Asks for `count` simulated CPU devices and checks that JAX has that many."""
     jax.config.update("jax_num_cpu_devices", count)
@@ -1553,7 +1580,8 @@ def main(argv=None) -> None:
             )
             return
         start_devices(parser, settings.devices)
-        run.save_settings(settings, done_before, changes)
+        if not args.check_only:
+            run.save_settings(settings, done_before, changes)
         print_changes(console, changes, settings, done_before)
         train(console, run, settings, args, started, stop, resume_command(argv, run.path))
 
@@ -1580,6 +1608,7 @@ class Trained:
     step_fn: object  # the compiled step
     cost: StepCost
     planned: object  # fs.plan's Plan
+    checked: object  # fs.check's StepReport
     baseline: float
     compile_s: float
 
@@ -1622,8 +1651,13 @@ def train(
 
     loss_fn = make_loss(graphdef)
     compile_s = time.perf_counter()
-    step_fn = compile_train_step(loss_fn, optimizer, state, opt_state, text.train_batch(0))
+    checked = compile_train_step(loss_fn, optimizer, state, opt_state, text.train_batch(0))
     compile_s = time.perf_counter() - compile_s
+    if args.check_only:
+        console.print(checked.table(), markup=False, highlight=False)
+        raise SystemExit(0 if checked.ok else 1)
+    print_check(console, checked)
+    step_fn = checked.compiled
     cost = StepCost.of(step_fn, settings.scan)
     print_mfu_basis(console, cost, args.peak_tflops, jax.devices()[0].platform)
     meter = Meter(cost, settings.batch * cfg.context, make_schedule(settings), args.peak_tflops)
@@ -1664,7 +1698,17 @@ def train(
         args,
         started,
         Trained(
-            graphdef, state, opt_state, history, start, step_fn, cost, planned, baseline, compile_s
+            graphdef,
+            state,
+            opt_state,
+            history,
+            start,
+            step_fn,
+            cost,
+            planned,
+            checked,
+            baseline,
+            compile_s,
         ),
     )
 
@@ -1688,6 +1732,7 @@ def report(console, run: RunDir, settings: Settings, args, started: float, t: Tr
                 # Read from the compiled program (XLA may merge all-reduces into tuples).
                 "collectives": collectives(t.step_fn.as_text()),
                 "plan": t.planned,
+                "check": t.checked,
                 "scan": settings.scan,
                 "tensor": settings.tensor,
                 "model axes": settings.tensor > 1 or settings.expert_parallel > 1,

@@ -170,6 +170,9 @@ def test_train_lm_fsdp_learns_and_reports(fsdp_run):
     assert summary_value(out, "all-gathers per step") == str(1 + 2 * TINY_DEPTH)
     assert summary_value(out, "reduce-scatters per step") == str(1 + TINY_DEPTH)
     assert summary_value(out, "all-reduces per step") == "1"
+    # fs.check ran on the compiled step before training, and found it as declared.
+    assert "fs.check: ✓ the compiled step's collectives match the policy" in out
+    assert summary_value(out, "collectives against policy") == "✓"
     assert_png(run_dir / "loss.png")
     saved = {p.name for p in (run_dir / "checkpoints").iterdir()}
     assert {"step_000004", "step_000008"} <= saved
@@ -538,6 +541,27 @@ def test_train_lm_expert_parallel_gives_the_dense_losses(expert_runs):
     # averages steps 7..10: the gradient norm and the validation are compared).
     for key in ((10, "grad_norm"), (10, "val")):
         assert resumed[key] == pytest.approx(dense[key], rel=1e-5), key
+
+
+def test_train_lm_check_only_prints_the_report_and_trains_nothing(tmp_path):
+    out = run_example(
+        "train_lm.py", "--tiny", "--check-only", "--run-dir", str(tmp_path / "run"), cwd=tmp_path
+    )
+    assert "funshard check: mesh (fsdp=8) on cpu: ✓ the compiled step matches its policy" in out
+    # Each block a unit: gathered for forward and backward, reduce-scattered once; the
+    # root (embeddings, head) gathered once and reduce-scattered once.
+    rows = re.findall(r"^  (all-gather|reduce-scatter)\s+(\w+)\s+(\w+)\s.*\s(\d+)\s+ok$", out, re.M)
+    assert sorted(rows) == sorted(
+        [
+            ("all-gather", "Block", "backward", str(TINY_DEPTH)),
+            ("all-gather", "Block", "forward", str(TINY_DEPTH)),
+            ("reduce-scatter", "Block", "gradients", str(TINY_DEPTH)),
+            ("all-gather", "GPT", "forward", "1"),
+            ("reduce-scatter", "GPT", "gradients", "1"),
+        ]
+    )
+    assert not LOGGED.search(out)  # no step trained
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_quickstart_learns(tmp_path):

@@ -84,7 +84,9 @@ class CheckedCollective:
       unit: the funshard unit it belongs to, or None for one funshard did not issue.
       role: "forward", "backward", "gradients", "replicas" (a unit's), "loss" (written
         in the loss), "autodiff" (a gradient reduction autodiff made: values kept
-        whole, the transpose of a loss's collective) or "library".
+        whole, the transpose of a loss's collective), "step" (XLA's partitioning of
+        the train step's math around the loss, e.g. a gradient norm) or "library"
+        (written inside funshard, JAX or another installed package).
       axes: the mesh axes it runs over (None: not a set of mesh axes).
       dtype: the element type compiled (HLO's name, e.g. "bf16"), or planned where it
         does not run.
@@ -125,6 +127,8 @@ class StepReport:
       gathered_bytes: the gathered parameters the policy holds at once per device (the
         largest resharded unit's plus every kept unit's): the part of `temp_bytes`
         FSDP controls; activations and gradients make up the rest.
+      compiled: the compiled step the report was read from (a `jax.stages.Compiled`):
+        call it with the arguments' values to run the step without compiling it again.
     """
 
     mesh_shape: tuple[tuple[str, int], ...]
@@ -134,6 +138,7 @@ class StepReport:
     notes: tuple[Mismatch, ...]
     temp_bytes: int
     gathered_bytes: int
+    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -298,15 +303,19 @@ def _compare(
     compiled_regathers = _regathers(compiled)
     first: dict[tuple, StepCollective] = {}
     rows, mismatches, notes = [], [], []
+    others: Counter = Counter()  # collectives funshard did not issue, alike ones summed
     for c in compiled:
         if c.unit is None:
-            rows.append(_row(c, c.times, 0, None))
-            if c.role == "loss" and c.axes is not None and data_axes & set(c.axes):
-                mismatches.append(_unplanned(c))
+            others[dataclasses.replace(c, times=0)] += c.times
             continue
         times = _compiled_times(c, layers)
         ran.setdefault(_key(c), Counter())[c.bytes] += times
         first.setdefault(_key(c), c)
+    for c, times in others.items():
+        c = dataclasses.replace(c, times=times)
+        rows.append(_row(c, times, 0, None))
+        if c.role == "loss" and c.axes is not None and data_axes & set(c.axes):
+            mismatches.append(_unplanned(c))
     for key in sorted(set(planned) | set(ran), key=lambda k: tuple(map(str, k))):
         want, got = planned.get(key, Counter()), ran.get(key, Counter())
         dtype = planned_dtype.get(key)
@@ -665,12 +674,11 @@ def check(
             "no policy to check. Pass the function you would jax.jit: a fs.value_and_grad "
             "step or a train step that calls one."
         )
-    compiled = lowered.compile()
-    text = compiled.as_text()
     mesh = recording.steps[0].mesh
     mesh_shape = tuple((str(a), int(s)) for a, s in mesh.shape.items())
     platform = mesh.devices.flat[0].platform
-    moving = [c for c in step_collectives(text, mesh_shape) if c.axes != ()]
+    compiled, text, found = _compile(lowered, mesh_shape, _unit_names(recording))
+    moving = [c for c in found if c.axes != ()]
     data_axes = {
         a for traced in recording.steps for call in traced.units for a in call.layout.dp_axes
     } or {a for a, _ in mesh_shape}
@@ -697,6 +705,7 @@ def check(
         notes=tuple(notes + allowed),
         temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0) or 0),
         gathered_bytes=_gathered_at_once(recording),
+        compiled=compiled,
     )
     if strict and mismatches:
         raise errors.PolicyMismatchError(
@@ -720,6 +729,36 @@ def _lower(step: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any]:
                 "jax.ShapeDtypeStructs of the same structure."
             ) from e
     return lowered, recording
+
+
+def _unit_names(recording: Any) -> set[str]:
+    names = {call.name for traced in recording.steps for call in traced.units}
+    return names | {"root"}  # the step's own reductions after its microbatch loop
+
+
+def _compile(
+    lowered: Any, mesh_shape: tuple, units: set[str]
+) -> tuple[Any, str, list[StepCollective]]:
+    """(the compiled step, its text, its collectives).
+
+    A hit in JAX's persistent compilation cache hands back the executable of an earlier
+    program of the same fingerprint, whose metadata (unit names) may be another
+    program's: one that names units this step does not have is compiled again with the
+    cache off.
+    """
+    compiled = lowered.compile()
+    text = compiled.as_text()
+    found = step_collectives(text, mesh_shape)
+    if {c.unit for c in found if c.unit is not None} <= units:
+        return compiled, text, found
+    enabled = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined, unused-ignore]
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        compiled = lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+    text = compiled.as_text()
+    return compiled, text, step_collectives(text, mesh_shape)
 
 
 def _gathered_at_once(recording: Any) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sysconfig
 from collections.abc import Sequence
 
 import jax
@@ -24,6 +25,9 @@ _LIBRARIES = tuple(
     os.path.dirname(os.path.abspath(module.__file__)) + os.sep
     for module in (funshard, jax)
     if module.__file__
+) + tuple(
+    os.path.abspath(sysconfig.get_paths()[name]) + os.sep
+    for name in ("purelib", "platlib", "stdlib")
 )
 
 
@@ -38,9 +42,11 @@ class StepCollective:
         did not label.
       role: for a unit's collective, "forward" or "backward" (all-gathers), "gradients"
         (reduce-scatters) or "replicas" (HSDP all-reduces); else "loss" (written in
-        the loss or the step, forward), "autodiff" (made by differentiating: the
-        gradients of values kept whole, the transposes of the loss's collectives) or
-        "library" (written inside funshard or JAX, e.g. the step's loss average).
+        the loss, forward), "autodiff" (made by differentiating: the gradients of
+        values kept whole, the transposes of the loss's collectives), "step" (XLA's
+        partitioning of the train step's math around the loss, e.g. a gradient norm
+        of sharded gradients) or "library" (written inside funshard, JAX or another
+        installed package, e.g. the step's loss average).
       axes: the mesh axes it runs over (None: its groups match no set of axes).
       group: devices in each group.
       dtype: its element type.
@@ -139,4 +145,8 @@ def _role(kind: str, op_name: str, scope: tuple[str, str] | None, written: bool)
         return "gradients" if kind == "reduce-scatter" else "replicas"
     if _hlo.is_backward(op_name):
         return "autodiff"
+    if "shard_map" not in op_name:
+        # Partitioned by XLA around the step's shard_map: the train step's own math on
+        # sharded arrays (a gradient norm, an optimizer's statistics).
+        return "step"
     return "loss" if written else "library"
