@@ -233,3 +233,18 @@ def test_a_tensor_parallel_block_on_an_nd_mesh_is_clean():
     assert axes[("all-gather", "forward")] == ("fsdp",)
     assert axes[("all-reduce", "replicas")] == ("replicate",)
     assert any(c.axes == ("tensor",) and c.unit is None for c in report.collectives)
+
+
+def test_jaxs_unusable_donation_warning_becomes_a_mismatch():
+    """Where JAX finds a donated buffer no output can reuse, it warns 'Some donated
+    buffers were not usable'; the check reports that as a donation mismatch. (On the
+    CPU, XLA keeps such buffers as donors for its temporaries and JAX stays silent, so
+    the warning's text is handed in here.)"""
+    from funshard.planning import _check
+
+    step = jax.jit(fs.value_and_grad(_loss()), donate_argnums=1)
+    lowered = step.lower(_state("8"), mlp_batch())
+    warned = "Some donated buffers were not usable: float32[16,13].\nSee an explanation at ..."
+    [found] = _check._donation(lowered, [warned], step, ())
+    assert found.kind == "donation" and "float32[16,13]" in found.explanation
+    assert "See an explanation" not in found.explanation

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections import Counter
 from collections.abc import Callable, Collection
 from typing import Any
@@ -314,7 +315,10 @@ def _compare(
     for c, times in others.items():
         c = dataclasses.replace(c, times=times)
         rows.append(_row(c, times, 0, None))
-        if c.role == "loss" and c.axes is not None and data_axes & set(c.axes):
+        # Reductions and gathers over a data axis are FSDP's business; an all_to_all
+        # (expert dispatch) or a permute never is.
+        reducing = c.kind in ("all-reduce", "all-gather", "reduce-scatter")
+        if c.role == "loss" and reducing and c.axes is not None and data_axes & set(c.axes):
             mismatches.append(_unplanned(c))
     for key in sorted(set(planned) | set(ran), key=lambda k: tuple(map(str, k))):
         want, got = planned.get(key, Counter()), ran.get(key, Counter())
@@ -557,23 +561,25 @@ def _device_bytes(tree: Any) -> int:
     return total
 
 
-def _donation(lowered: Any, compiled_text: str, step: Callable, args: tuple) -> list[Mismatch]:
+def _donation(lowered: Any, unusable: list[str], step: Callable, args: tuple) -> list[Mismatch]:
+    """Donation asked for but not usable (`unusable`: JAX's warnings), and, for a
+    jitted step, arguments it returns updated without donating them."""
     args_info = lowered.args_info
     positional = args_info[0] if isinstance(args_info, tuple) and len(args_info) == 2 else ()
     donated = [a for a in jax.tree.leaves(args_info) if getattr(a, "donated", False)]
-    aliased = compiled_text.split("\n", 1)[0].count("-alias)")
     out = []
-    if len(donated) > aliased:
+    for message in unusable:
+        # JAX's own finding: it knows the outputs it forwards and the inputs it drops.
+        found = message.split("\n", 1)[0].removeprefix("Some donated buffers were not usable:")
         out.append(
             Mismatch(
                 "donation",
                 None,
                 None,
                 0,
-                f"{len(donated)} arguments are donated, but the compiled step reuses "
-                f"{aliased} of their buffers: an output of the same shape, dtype and "
-                "sharding is needed for each (JAX warns 'Some donated buffers were not "
-                "usable').",
+                f"donated arguments the compiled step cannot reuse:{found} No output has "
+                "the same shape, dtype and sharding; donate only what the step returns "
+                "updated (JAX warned: 'Some donated buffers were not usable').",
             )
         )
     if donated or not hasattr(step, "lower") or _is_value_and_grad(step):
@@ -667,17 +673,18 @@ def check(
         raise errors.ShardingValueError(
             f"check: allow={allow!r} names no mismatch kind; the kinds are {', '.join(KINDS)}."
         )
-    lowered, recording = _lower(step, args, kwargs)
-    if not recording.steps:
-        raise errors.ShardingTypeError(
-            "check: the step runs no fs.value_and_grad (or fs.grad) step, so it declares "
-            "no policy to check. Pass the function you would jax.jit: a fs.value_and_grad "
-            "step or a train step that calls one."
-        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lowered, recording, compiled, found = _lower_and_compile(step, args, kwargs)
+    unusable = []
+    for w in caught:
+        if "donated buffers were not usable" in str(w.message):
+            unusable.append(str(w.message))  # reported as a mismatch, not warned twice
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     mesh = recording.steps[0].mesh
     mesh_shape = tuple((str(a), int(s)) for a, s in mesh.shape.items())
     platform = mesh.devices.flat[0].platform
-    compiled, text, found = _compile(lowered, mesh_shape, _unit_names(recording))
     moving = [c for c in found if c.axes != ()]
     data_axes = {
         a for traced in recording.steps for call in traced.units for a in call.layout.dp_axes
@@ -693,7 +700,7 @@ def check(
         platform,
         _regathers(step_collectives(lowered_text, mesh_shape)),
     )
-    mismatches += _donation(lowered, text, step, args)
+    mismatches += _donation(lowered, unusable, step, args)
     allowed = [m for m in mismatches if m.kind in allow]
     mismatches = [m for m in mismatches if m.kind not in allow]
     memory = compiled.memory_analysis()
@@ -713,6 +720,21 @@ def check(
             + "\n".join(f"  {m.kind}: {m.explanation}" for m in mismatches)
         )
     return report
+
+
+def _lower_and_compile(step: Callable, args: tuple, kwargs: dict) -> tuple:
+    """(lowered, recording, compiled, its collectives) of `step` on the args."""
+    lowered, recording = _lower(step, args, kwargs)
+    if not recording.steps:
+        raise errors.ShardingTypeError(
+            "check: the step runs no fs.value_and_grad (or fs.grad) step, so it declares "
+            "no policy to check. Pass the function you would jax.jit: a fs.value_and_grad "
+            "step or a train step that calls one."
+        )
+    mesh = recording.steps[0].mesh
+    mesh_shape = tuple((str(a), int(s)) for a, s in mesh.shape.items())
+    compiled, _, found = _compile(lowered, mesh_shape, _unit_names(recording))
+    return lowered, recording, compiled, found
 
 
 def _lower(step: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any]:
