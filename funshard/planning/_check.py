@@ -22,7 +22,7 @@ import numpy as np
 from funshard import comm, core, errors
 from funshard.planning import _plan
 from funshard.planning._compiled import StepCollective, step_collectives
-from funshard.planning._render import _text_table, human
+from funshard.planning._render import human, text_table
 
 # What a mismatch can be (`Mismatch.kind`).
 KINDS = ("unplanned", "multiplied", "missing", "kept", "dtype", "bytes", "donation")
@@ -155,7 +155,7 @@ class StepReport:
             else f"✗ {len(self.mismatches)} mismatch{'es' if len(self.mismatches) > 1 else ''}"
         )
         lines = [f"funshard check: mesh ({axes}) on {self.platform}: {verdict}", ""]
-        lines += _text_table("collectives per step", *_rows(self.collectives))
+        lines += text_table("collectives per step", *_rows(self.collectives))
         for title, found, mark in (
             ("mismatches", self.mismatches, "✗"),
             ("notes", self.notes, "·"),

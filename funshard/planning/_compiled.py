@@ -17,17 +17,18 @@ from collections.abc import Sequence
 
 import jax
 
-import funshard
 from funshard import _hlo
 
-# Library code, looked through when naming where a collective was written.
+# Library code, looked through when naming where a collective was written: funshard
+# (this file is funshard/planning/_compiled.py), JAX, and the installed packages.
+_FUNSHARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIBRARIES = tuple(
-    os.path.dirname(os.path.abspath(module.__file__)) + os.sep
-    for module in (funshard, jax)
-    if module.__file__
-) + tuple(
-    os.path.abspath(sysconfig.get_paths()[name]) + os.sep
-    for name in ("purelib", "platlib", "stdlib")
+    os.path.abspath(path) + os.sep
+    for path in (
+        _FUNSHARD,
+        os.path.dirname(jax.__file__ or ""),
+        *(sysconfig.get_paths()[name] for name in ("purelib", "platlib", "stdlib")),
+    )
 )
 
 

@@ -117,7 +117,7 @@ def sections(plan: Any) -> list[tuple[str, list[str], list[list[str]]]]:
     return found
 
 
-def _text_table(name: str, headers: list[str], rows: list[list[str]]) -> list[str]:
+def text_table(name: str, headers: list[str], rows: list[list[str]]) -> list[str]:
     table = [headers, *rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
 
@@ -133,7 +133,7 @@ def render_text(plan: Any) -> str:
     """The plan as plain-text tables."""
     lines = [title(plan)]
     for name, headers, rows in sections(plan):
-        lines += ["", *_text_table(name, headers, rows)]
+        lines += ["", *text_table(name, headers, rows)]
     return "\n".join(lines)
 
 
