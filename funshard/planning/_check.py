@@ -124,7 +124,8 @@ class StepReport:
       mismatches: each difference between the compiled step and its policy.
       notes: differences that are not the policy's to fix (known platform behaviour,
         collectives XLA moved out of a loop), and the kinds passed as `allow`.
-      temp_bytes: the compiled program's temporary memory per device.
+      temp_bytes: the compiled program's temporary memory per device (None where no
+        program is compiled: `torch_frontend.check`).
       gathered_bytes: the gathered parameters the policy holds at once per device (the
         largest resharded unit's plus every kept unit's): the part of `temp_bytes`
         FSDP controls; activations and gradients make up the rest.
@@ -137,7 +138,7 @@ class StepReport:
     collectives: tuple[CheckedCollective, ...]
     mismatches: tuple[Mismatch, ...]
     notes: tuple[Mismatch, ...]
-    temp_bytes: int
+    temp_bytes: int | None
     gathered_bytes: int
     compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -163,11 +164,10 @@ class StepReport:
             if found:
                 lines += ["", title]
                 lines += [f"  {mark} {m.kind}: {m.explanation}" for m in found]
-        lines += [
-            "",
-            f"temp memory per device: {human(self.temp_bytes)} compiled; the policy's "
-            f"gathered parameters at once: {human(self.gathered_bytes)}",
-        ]
+        held = f"gathered parameters at once per the policy: {human(self.gathered_bytes)}"
+        if self.temp_bytes is not None:
+            held = f"temp memory per device: {human(self.temp_bytes)} compiled; {held}"
+        lines += ["", held]
         return "\n".join(lines)
 
     def __str__(self) -> str:
