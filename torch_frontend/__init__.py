@@ -27,6 +27,7 @@ except ModuleNotFoundError as error:
         name="torch",
     ) from error
 
+from torch_frontend._check import check as check
 from torch_frontend._checkpoint import restore as restore
 from torch_frontend._checkpoint import save as save
 from torch_frontend._clip import clip_grad_norm_ as clip_grad_norm_
@@ -48,6 +49,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "check",
     "clip_grad_norm_",
     "device_mesh",
     "full_state_dict",

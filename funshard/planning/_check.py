@@ -25,7 +25,7 @@ from funshard.planning._compiled import StepCollective, step_collectives
 from funshard.planning._render import human, text_table
 
 # What a mismatch can be (`Mismatch.kind`).
-KINDS = ("unplanned", "multiplied", "missing", "kept", "dtype", "bytes", "donation")
+MISMATCH_KINDS = ("unplanned", "multiplied", "missing", "kept", "dtype", "bytes", "donation")
 
 # numpy's dtype names as XLA's HLO writes them.
 _HLO_DTYPES = {
@@ -628,6 +628,16 @@ def _is_value_and_grad(step: Callable) -> bool:
 # ---- the public function ------------------------------------------------------------------
 
 
+def check_allow(allow: Collection[str]) -> None:
+    """Raises `ShardingValueError` unless `allow` is a collection of mismatch kinds."""
+    unknown = sorted(set(allow) - set(MISMATCH_KINDS))
+    if isinstance(allow, str) or unknown:
+        raise errors.ShardingValueError(
+            f"check: allow={allow!r} names no mismatch kind; the kinds are "
+            f"{', '.join(MISMATCH_KINDS)}."
+        )
+
+
 def check(
     step: Callable,
     *args: Any,
@@ -668,11 +678,7 @@ def check(
         raise errors.ShardingTypeError(
             f"check: step must be the function you would jax.jit, not {type(step).__name__}."
         )
-    unknown = sorted(set(allow) - set(KINDS))
-    if isinstance(allow, str) or unknown:
-        raise errors.ShardingValueError(
-            f"check: allow={allow!r} names no mismatch kind; the kinds are {', '.join(KINDS)}."
-        )
+    check_allow(allow)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lowered, recording, compiled, found = _lower_and_compile(step, args, kwargs)
