@@ -248,3 +248,29 @@ def test_jaxs_unusable_donation_warning_becomes_a_mismatch():
     [found] = _check._donation(lowered, [warned], step, ())
     assert found.kind == "donation" and "float32[16,13]" in found.explanation
     assert "See an explanation" not in found.explanation
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(sync_every_microbatch=False), dict(all_reduce_every_microbatch=False)],
+    ids=["deferred-reduce-scatter", "postponed-all-reduce"],
+)
+def test_identical_layers_of_one_unit_reduced_after_the_loop_are_clean(options):
+    """Three layers of one shape through one unit: the reductions after the microbatch
+    loop cover every layer's gradient, not one per distinct layout."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"layers": [{"w": jax.random.normal(k, (16, 16)), "b": jnp.zeros(16)} for k in keys]}
+    block = fs.fully_shard(lambda p, h: jnp.tanh(h @ p["w"] + p["b"]), name="block")
+
+    def loss(state, batch):
+        h, y = batch
+        for p in state["layers"]:
+            h = block(p, h)
+        return jnp.mean((h - y) ** 2)
+
+    state = fs.shard(params, mesh_for("2x4"))
+    batch = (jnp.ones((16, 16)), jnp.ones((16, 16)))
+    report = fs.check(fs.value_and_grad(loss, microbatches=2, **options), state, batch)
+    assert report.ok, report.table()
+    after = [c for c in report.collectives if c.unit == "root"]
+    assert after and all(c.times == c.planned_times for c in after)

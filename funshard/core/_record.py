@@ -44,15 +44,16 @@ class StepTrace:
     Attributes:
       opts: its `RootOptions`.
       mesh: its mesh.
+      reduced: the layout of every sharded leaf whose gradient the step reduces (what
+        it reduces after its microbatch loop when that is deferred), or None.
       traces: the unit calls of each trace of its loss (the step may trace the loss
         more than once, e.g. to inspect it; each trace calls the same units).
-      deferred: the layout of the reductions after the microbatch loop, if any.
     """
 
     opts: Any
     mesh: Any
+    reduced: comm.GroupLayout | None
     traces: list[list[UnitCall]] = dataclasses.field(default_factory=list)
-    deferred: comm.GroupLayout | None = None
 
     @property
     def units(self) -> list[UnitCall]:
@@ -89,14 +90,19 @@ def recording() -> Iterator[Recording]:
         _RECORDING.reset(token)
 
 
+def active() -> bool:
+    """Whether a recording is under way (what only it needs is then worked out)."""
+    return _RECORDING.get() is not None
+
+
 @contextlib.contextmanager
-def step(opts: Any, mesh: Any) -> Iterator[None]:
+def step(opts: Any, mesh: Any, reduced: comm.GroupLayout | None) -> Iterator[None]:
     """Marks the body as the trace of one step with these options."""
     found = _RECORDING.get()
     if found is None:
         yield
         return
-    traced = StepTrace(opts, mesh)
+    traced = StepTrace(opts, mesh, reduced)
     found.steps.append(traced)
     token = _STEP.set(traced)
     try:
@@ -128,10 +134,3 @@ def unit(
     calls = _CALLS.get()
     if calls is not None:
         calls.append(UnitCall(name, layout, reshard_after_forward, layers))
-
-
-def deferred(layout: comm.GroupLayout) -> None:
-    """Notes the step's reductions after its microbatch loop."""
-    traced = _STEP.get()
-    if traced is not None:
-        traced.deferred = layout

@@ -465,6 +465,15 @@ def _combine_microbatches(stacked: Any) -> Any:
     return jax.tree.map(combine, stacked)
 
 
+def _reduced_layout(root: _Root) -> comm.GroupLayout | None:
+    """The layout of every sharded leaf whose gradient the step reduces (for
+    `funshard.check`), or None when it reduces none."""
+    leaves = [x for r, x in root.traced if r.sharded and r.wanted]
+    if not leaves:
+        return None
+    return _context.layout_of(leaves, not root.opts.all_reduce_every_microbatch, name="root")
+
+
 def _reduce_deferred(root: _Root, sums: dict) -> dict:
     """Reduce-scatters the accumulated unreduced gradients: one collective per dtype."""
     if not sums:
@@ -474,7 +483,6 @@ def _reduce_deferred(root: _Root, sums: dict) -> dict:
     layout = _context.layout_of(
         [item_at[i] for i in order], root.ctx.skip_replicate_reduce, name="root"
     )
-    _record.deferred(layout)
     reduced = comm.reduce_values([sums[i] for i in order], layout)
     return dict(zip(order, reduced, strict=True))
 
@@ -652,7 +660,7 @@ def value_and_grad(
         ]
         batch = comm.place_for_map(root.mesh, batch, comm.spec(root.dp_axes))
         arg_values = comm.place_for_map(root.mesh, arg_values, PartitionSpec())
-        with _record.step(opts, root.mesh):
+        with _record.step(opts, root.mesh, _reduced_layout(root) if _record.active() else None):
             loss, aux, grads = mapped(values, batch, arg_values)
         grads = root.rebuild(grads)
         return ((loss, aux), grads) if has_aux else (loss, grads)

@@ -233,21 +233,18 @@ def _declared(recording: Any) -> list[_plan.Collective]:
     """The collectives the recorded steps declare."""
     out: list[_plan.Collective] = []
     for traced in recording.steps:
-        layouts: list[comm.GroupLayout] = []
         for call in traced.units:
             layout = call.layout
             replicas = comm.axes_size(traced.mesh, layout.replicate_axes)
             unit = _Unit(call.name, call.reshard_after_forward, call.layers)
             dims = (layout.num_shards, replicas)
             out += _plan._unit_collectives(unit, layout, traced.opts, dims)
-            if layout not in layouts:  # a stack's whole layout: its gradient is reduced whole
-                layouts.append(layout)
-        if layouts:
-            first = layouts[0]
-            dims = (first.num_shards, comm.axes_size(traced.mesh, first.replicate_axes))
-            for c in _plan._step_collectives(layouts, traced.opts, dims):
-                # The step's own reductions are labelled after the root.
-                out.append(dataclasses.replace(c, unit="root", axes=first.shard_axes))
+        reduced = traced.reduced
+        if reduced is not None:
+            dims = (reduced.num_shards, comm.axes_size(traced.mesh, reduced.replicate_axes))
+            for c in _plan._step_collectives([reduced], traced.opts, dims):
+                # The step's own reductions after its microbatch loop, labelled "root".
+                out.append(dataclasses.replace(c, unit="root", axes=reduced.shard_axes))
     return out
 
 
