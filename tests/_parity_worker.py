@@ -100,7 +100,9 @@ def main() -> int:
 
     torch_frontend.init_distributed()  # JAX's runtime; adopts the group above
     import _parity_cases as pc
+    from _launch import settle_gc
 
+    settle_gc()
     world = dist.get_world_size()
     impls = pc.make_impls()
     chosen = [impls[name] for name in args.impls.split(",")]

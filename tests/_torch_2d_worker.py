@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from _launch import settle_gc
 from torch import nn
 
 DIM, STEPS, LR = 8, 3, 0.1
@@ -728,6 +729,9 @@ def main() -> int:
     ap.add_argument("--impl", choices=("fsdp2", "frontend"), required=True)
     ap.add_argument("--deadline", type=float, default=120.0)
     args = ap.parse_args()
+    if args.impl == "frontend":
+        import torch_frontend  # noqa: F401  (imported before the collector settles)
+    settle_gc()
     out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
     (out / f"pid-rank{rank}").write_text(str(os.getpid()))
     # A worker whose peer died ends itself.

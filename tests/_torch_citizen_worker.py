@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _launch import settle_gc
 from torch import nn
 
 VOCAB, WIDTH, DEPTH = 47, 16, 2  # 47 rows: uneven shards
@@ -210,6 +211,7 @@ def main() -> int:
     import torch_frontend
 
     torch_frontend.init_distributed()  # JAX's runtime and torch's default group
+    settle_gc()
     world = dist.get_world_size()
     if args.replicate:
         mesh = init_device_mesh(

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _launch import settle_gc
 from torch import nn
 
 STEPS = 3  # then a checkpoint, then one more step
@@ -181,6 +182,7 @@ def main() -> int:
     import torch_frontend
 
     torch_frontend.init_distributed(replicate=args.replicate)
+    settle_gc()
     record = run_hsdp(out, rank) if args.replicate else run(out, args.jax_checkpoint, rank)
     np.savez(out / f"rank{rank}.npz", **record)
     print(f"rank {rank}: done", flush=True)

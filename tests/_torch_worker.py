@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.utils.checkpoint
+from _launch import settle_gc
 from torch import nn
 
 STEPS = 10
@@ -333,6 +334,7 @@ def main() -> int:
             return reduce_rows(rows, *args, **kwargs)
 
         _flat.reduce_input, comm.eager_reduce_scatter_rows = recording_input, recording_rows
+        settle_gc()
         for case in cases:
             gather_worlds.clear()
             all_reduces.clear()
